@@ -1,0 +1,87 @@
+"""Materialize a parallelized Hugging Face model that was built on the meta device.
+
+Random init of a DTensor on a CPU mesh repeats one shard on every rank, and FSDP shards would be initialised
+independently per rank. Instead each module is initialised by the model's own ``_init_weights`` on full-size
+tensors, with the same random state on every rank, and each rank keeps its own slice. Modules are visited in
+the order ``PreTrainedModel.initialize_weights`` uses, so the result equals a single-process
+``to_empty()`` + ``initialize_weights()`` from the same random state.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def materialize_hf_model(model: nn.Module, device: torch.device) -> None:
+    """Allocate ``model`` on ``device`` and initialise it as Hugging Face would, every rank holding its shard."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"materialize_hf_model expects a transformers PreTrainedModel, got {type(model).__name__}.")
+    model.to_empty(device=device)
+    _share_random_state_of_rank0()
+    with torch.no_grad():
+        _init_post_order(model, owner=model, device=device, done=set())
+
+
+def _share_random_state_of_rank0() -> None:
+    """Every rank draws the same full tensors: start from global rank 0's CPU random state."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
+
+
+def _init_post_order(module: nn.Module, *, owner: nn.Module, device: torch.device, done: set[int]) -> None:
+    """Children first, then the module, each sub-model with its own ``_init_weights`` (as HF's smart_apply)."""
+    from transformers import PreTrainedModel
+
+    for child in module.children():
+        sub_owner = child if isinstance(child, PreTrainedModel) else owner
+        _init_post_order(child, owner=sub_owner, device=device, done=done)
+    _materialize_tensor_attributes(module, device)
+    _init_module(module, owner=owner, done=done)
+
+
+def _materialize_tensor_attributes(module: nn.Module, device: torch.device) -> None:
+    """Plain tensor attributes (rotary ``original_inv_freq``) are not moved by ``to_empty``."""
+    for name, value in list(vars(module).items()):
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            setattr(module, name, torch.empty_like(value, device=device))
+
+
+def _init_module(module: nn.Module, *, owner: nn.Module, done: set[int]) -> None:
+    """Initialise ``module``'s own parameters; a tied parameter keeps the values of its first module.
+
+    Hugging Face initialises tied modules separately and ties afterwards, so the embedding's values win and
+    lm_head's draw is discarded; drawing it here too keeps the random stream identical.
+    """
+    params = dict(module.named_parameters(recurse=False))
+    if not params:
+        owner._init_weights(module)  # buffers only (rotary): they are not sharded, initialise in place
+        return
+    full = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in params.items()}
+    stand_in = copy.copy(module)  # same class and attributes, so _init_weights picks the same branch
+    stand_in._parameters = {  # keep entries registered as None (bias=False)
+        name: nn.Parameter(full[name], requires_grad=False) if name in full else value
+        for name, value in module._parameters.items()
+    }
+    owner._init_weights(stand_in)
+    for name, param in params.items():
+        if id(param) not in done:
+            _copy_shard(param, full[name])
+            done.add(id(param))
+
+
+def _copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(shard)
+    else:
+        param.copy_(full)

@@ -1,0 +1,192 @@
+"""The 5D device mesh: parallel sizes, their inference and validation, and the sub-meshes each consumer needs.
+
+Axes run outermost to innermost: ("pp", "dp_replicate", "dp_shard", "cp", "tp"), so tensor-parallel peers are
+adjacent ranks (one node) and replicas are the farthest apart (across nodes). Three flattened axes serve the
+consumers that span several axes:
+
+- "dp" = (dp_replicate, dp_shard): the data sampler; TP and CP peers read the same batch.
+- "dp_shard_cp" = (dp_shard, cp): the FSDP shard group.
+- "dp_cp" = (dp_replicate, dp_shard, cp): loss, token-count and metric reduction.
+
+Validation is a pure function of the sizes and the world size, so every rank raises the same error before any
+process group exists: a bad configuration can never leave one rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal, Union
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED_AXES = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+Size = Union[int, Literal["auto"]]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the five parallel dimensions; ``dp_shard="auto"`` takes whatever the world size leaves."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: Size = "auto"
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            if name == "dp_shard" and value == "auto":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                allowed = 'a positive integer or "auto"' if name == "dp_shard" else "a positive integer"
+                raise ValueError(f"{name}={value!r} is invalid: {name} must be {allowed}.")
+
+    @property
+    def _fixed_product(self) -> int:
+        """Product of every size but dp_shard."""
+        return self.pp * self.dp_replicate * self.cp * self.tp
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """Return these sizes with dp_shard inferred, after checking that they tile ``world_size`` exactly."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be positive, got {world_size}.")
+        fixed = self._fixed_product
+        if self.dp_shard == "auto":
+            if world_size % fixed:
+                raise ValueError(
+                    f"{self._describe(dp_shard='auto')} cannot tile a world of {world_size} processes:"
+                    f" pp*dp_replicate*cp*tp = {fixed} does not divide {world_size}."
+                    f" {self._suggestion(world_size)}"
+                )
+            return dataclasses.replace(self, dp_shard=world_size // fixed)
+        total = fixed * self.dp_shard
+        if total != world_size:
+            raise ValueError(
+                f"{self._describe()} needs pp*dp_replicate*dp_shard*cp*tp = {total} processes, but the world size"
+                f" is {world_size}. {self._suggestion(world_size)}"
+            )
+        return self
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.dp_shard != "auto"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in :data:`MESH_AXES` order."""
+        self._require_resolved()
+        return tuple(getattr(self, name) for name in MESH_AXES)
+
+    @property
+    def world_size(self) -> int:
+        self._require_resolved()
+        return self._fixed_product * self.dp_shard
+
+    @property
+    def dp(self) -> int:
+        """Number of distinct batches per step (data-parallel degree)."""
+        self._require_resolved()
+        return self.dp_replicate * self.dp_shard
+
+    def build_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> DeviceMesh:
+        """Create the 5D mesh and its flattened axes; every process group it creates gets ``timeout``.
+
+        Without an explicit timeout, sub-groups fall back to torch's 30-minute default instead of the one the
+        default group was created with, so a rank that fails would leave its peers hanging that long.
+        """
+        self._require_resolved()
+        backend = dist.get_backend()
+        override = None
+        if timeout is not None:
+            override = {axis: _backend_options(backend, timeout) for axis in MESH_AXES}
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES, backend_override=override)
+        for name, axes in FLATTENED_AXES.items():
+            flat_override = _backend_options(backend, timeout) if timeout is not None else None
+            mesh[axes]._flatten(name, backend_override=flat_override)
+        return mesh
+
+    def _require_resolved(self) -> None:
+        if not self.is_resolved:
+            raise RuntimeError('dp_shard is still "auto": call ParallelDims.resolve(world_size) first.')
+
+    def _describe(self, **overrides: Size) -> str:
+        values = {name: overrides.get(name, getattr(self, name)) for name in MESH_AXES}
+        return "(" + ", ".join(f"{name}={values[name]!r}" for name in MESH_AXES) + ")"
+
+    def _suggestion(self, world_size: int) -> str:
+        """Name a valid layout that keeps as much of the request as possible."""
+        fixed = self._fixed_product
+        if world_size % fixed == 0:
+            return f'Use dp_shard="auto" (= {world_size // fixed}) or dp_shard={world_size // fixed}.'
+        others = self.pp * self.dp_replicate * self.cp
+        if world_size % others == 0:
+            rest = world_size // others
+            valid_tp = [t for t in range(1, rest + 1) if rest % t == 0]
+            return f'With these pp, dp_replicate and cp, valid tp sizes are {valid_tp} (dp_shard="auto").'
+        return f'For example pp=1, dp_replicate=1, cp=1, tp=1, dp_shard="auto" (= {world_size}).'
+
+
+def _backend_options(backend: str, timeout: timedelta) -> tuple[str, object]:
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    elif backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    else:
+        raise ValueError(f"Cannot set a timeout for process-group backend {backend!r}; use 'nccl' or 'gloo'.")
+    options._timeout = timeout
+    return backend, options
+
+
+def axis_size(mesh: DeviceMesh, name: str) -> int:
+    """Size of a named (possibly flattened) axis of ``mesh``; 1 when the mesh does not have it."""
+    names = mesh.mesh_dim_names or ()
+    if name in names:
+        return mesh.size(names.index(name))
+    if name in FLATTENED_AXES and all(axis in names for axis in FLATTENED_AXES[name]):
+        return math.prod(mesh.size(names.index(axis)) for axis in FLATTENED_AXES[name])
+    return 1
+
+
+def flattened(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1D mesh of flattened axis ``name`` ("dp", "dp_shard_cp" or "dp_cp").
+
+    Flattening again returns the mesh :meth:`ParallelDims.build_mesh` created (with its timeout) rather than
+    slicing it off the root, which torch deprecates.
+    """
+    return mesh[FLATTENED_AXES[name]]._flatten(name)
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: "dp_shard_cp", or the 2D (dp_replicate, dp_shard_cp) mesh for HSDP.
+
+    Never a 2D (dp_shard, cp) slice: FSDP would read its first axis as a replicate axis.
+    """
+    if axis_size(mesh, "dp_replicate") > 1:
+        flattened(mesh, "dp_shard_cp")
+        return mesh["dp_replicate", "dp_shard_cp"]
+    return flattened(mesh, "dp_shard_cp")
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    return mesh["tp"]
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Ranks that read different batches: the sampler's replicas."""
+    return flattened(mesh, "dp")
+
+
+def reduction_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Ranks whose losses, token counts and metrics differ and must be reduced together."""
+    return flattened(mesh, "dp_cp")

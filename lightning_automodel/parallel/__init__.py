@@ -1,0 +1,6 @@
+"""Parallelization of Hugging Face models with torch's own DTensor, tensor parallel and FSDP2 (no Lightning)."""
+
+from lightning_automodel.parallel.parallelizer import decoder_layers, parallelize
+from lightning_automodel.parallel.plans import register_tp_plan, select_tp_plan
+
+__all__ = ["decoder_layers", "parallelize", "register_tp_plan", "select_tp_plan"]

@@ -1,0 +1,137 @@
+"""``parallelize``: tensor parallel, activation checkpointing and FSDP2 applied to a model, in that order.
+
+Nothing here knows about Lightning: the same call serves the strategy, Fabric and plain torch scripts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from lightning_automodel.mesh import axis_size, fsdp_mesh, tp_mesh
+from lightning_automodel.parallel.checkpointing import apply_activation_checkpointing
+from lightning_automodel.parallel.fsdp import apply_fsdp
+from lightning_automodel.parallel.plans import PlanSpec, select_tp_plan, unmatched_patterns
+from lightning_automodel.parallel.validation import validate_tp_sizes
+
+log = logging.getLogger(__name__)
+
+
+def parallelize(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    sp: bool = False,
+    tp_plan: PlanSpec | None = None,
+    activation_checkpointing: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+) -> nn.Module:
+    """Parallelize ``model`` in place over the 5D ``device_mesh`` (see :class:`~lightning_automodel.ParallelDims`).
+
+    A model with real weights is first made identical on every rank (broadcast from global rank 0): tensor
+    parallel scatters sharded weights from rank 0, but FSDP shards each rank's own copy, so differently
+    initialised replicas would otherwise mix silently. A model on the meta device is left for the caller to
+    materialize after this returns.
+    """
+    tp = axis_size(device_mesh, "tp")
+    if sp and tp == 1:
+        raise ValueError("sp=True (sequence parallel) shards activations over the tp axis; it needs tp > 1.")
+    if tp > 1:
+        validate_tp_sizes(model, tp)
+    layers = decoder_layers(model)
+    if not is_meta(model):
+        model.to(device_mesh.device_type)
+        broadcast_from_rank0(model)
+    if tp > 1:
+        apply_tensor_parallel(model, tp_mesh(device_mesh), sp=sp, tp_plan=tp_plan)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model, layers)
+    apply_fsdp(model, layers, fsdp_mesh(device_mesh), mp_policy=mp_policy, offload_policy=offload_policy)
+    return model
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sp: bool, tp_plan: PlanSpec | None = None) -> None:
+    """Shard ``model`` with its tensor-parallel plan; ties and frozen parameters survive."""
+    plan, source = select_tp_plan(model, sp=sp, tp_plan=tp_plan)
+    unmatched = unmatched_patterns(model, plan)
+    if len(unmatched) == len(plan):
+        raise ValueError(
+            f"The {source} matches no module of {type(model).__name__}: {sorted(plan)}. Pass tp_plan= with"
+            " patterns over the names in model.named_modules()."
+        )
+    if unmatched:
+        log.warning("Tensor-parallel plan patterns that match no module of %s: %s", type(model).__name__, unmatched)
+    log.info("Tensor parallel over %d ranks with the %s", mesh.size(), source)
+
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
+    ties = _tied_parameter_names(model)
+    parallelize_module(model, mesh, plan)
+    _retie(model, ties)
+    # Some styles (SequenceParallel) re-create parameters as trainable: restore what the user froze.
+    for name, param in model.named_parameters(remove_duplicate=False):
+        param.requires_grad_(requires_grad[name])
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the largest ModuleList in the model (``model.layers`` in Hugging Face models)."""
+    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in _tensors(model))
+
+
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """Overwrite every parameter and buffer with global rank 0's values."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in _tensors(model):
+            if isinstance(tensor, DTensor):
+                raise ValueError("broadcast_from_rank0 expects a model that is not parallelized yet.")
+            dist.broadcast(tensor, src=0)
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def _tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one Parameter (e.g. lm_head.weight and embed_tokens.weight)."""
+    by_identity: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_identity[id(param)].append(name)
+    return [names for names in by_identity.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, ties: Sequence[list[str]]) -> None:
+    """Point every name of a tied group back at one Parameter (sharding creates one Parameter per module)."""
+    for first, *others in ties:
+        shared = model.get_parameter(first)
+        for name in others:
+            param = model.get_parameter(name)
+            if isinstance(param, DTensor) != isinstance(shared, DTensor) or (
+                isinstance(shared, DTensor) and param.placements != shared.placements
+            ):
+                raise ValueError(
+                    f"{first} and {name} are tied, but the tensor-parallel plan shards them differently"
+                    f" ({_layout(shared)} vs {_layout(param)}). Give both modules styles with the same weight"
+                    " layout (e.g. RowwiseParallel embedding and ColwiseParallel lm_head both shard the vocab)."
+                )
+            owner_name, _, leaf = name.rpartition(".")
+            model.get_submodule(owner_name).register_parameter(leaf, shared)
+
+
+def _layout(tensor: torch.Tensor) -> str:
+    return str(tensor.placements) if isinstance(tensor, DTensor) else "not sharded"

@@ -1,0 +1,39 @@
+"""Checks that run before any sharding, so a size that tp cannot split fails with a message instead of a hang."""
+
+from __future__ import annotations
+
+from torch import nn
+
+# Config fields whose sizes tensor parallelism splits, and why each must divide evenly.
+_SPLIT_SIZES = (
+    ("num_attention_heads", "attention heads are split across tp ranks"),
+    ("num_key_value_heads", "key/value heads are split across tp ranks"),
+    ("intermediate_size", "the MLP hidden size is split across tp ranks"),
+    ("vocab_size", "the embedding and lm_head are split on the vocabulary"),
+)
+
+
+def model_config(model: nn.Module) -> object | None:
+    """The (text) config of a Hugging Face model, or None for a plain module."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return config
+
+
+def validate_tp_sizes(model: nn.Module, tp: int) -> None:
+    """Raise a ValueError naming every config size that ``tp`` does not divide, and the tp values that work."""
+    config = model_config(model)
+    if config is None or tp == 1:
+        return
+    sizes = {name: getattr(config, name, None) for name, _ in _SPLIT_SIZES}
+    sizes = {name: value for name, value in sizes.items() if isinstance(value, int)}
+    failing = [(name, why) for name, why in _SPLIT_SIZES if name in sizes and sizes[name] % tp]
+    if not failing:
+        return
+    candidates = range(1, max(sizes.values()) + 1)
+    valid = [t for t in candidates if all(value % t == 0 for value in sizes.values())]
+    details = "; ".join(f"{name}={sizes[name]} ({why})" for name, why in failing)
+    raise ValueError(
+        f"tp={tp} does not divide {details}. tp values that divide every split size of this model: {valid}."
+    )

@@ -1,0 +1,263 @@
+"""AutoModelParallelStrategy: the Lightning glue around :func:`lightning_automodel.parallel.parallelize`.
+
+Lightning keeps the loop, logging, callbacks and checkpoint I/O; this class builds the 5D mesh, finds the
+Hugging Face models inside the LightningModule and parallelizes them before any optimizer exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from contextlib import ExitStack
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from typing_extensions import override
+
+from lightning_automodel.hf.initialization import materialize_hf_model
+from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
+from lightning_automodel.parallel import parallelize
+from lightning_automodel.parallel.parallelizer import is_meta
+from lightning_automodel.parallel.plans import PlanSpec
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+# Models this package parallelized, so a later stage on the same module does not mistake them for the user's.
+_PARALLELIZED_BY_US: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+# Lightning's precision flags that FSDP2 carries out with a MixedPrecisionPolicy.
+_PRECISION_POLICIES = {
+    "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+}
+
+
+class AutoModelParallelStrategy(ModelParallelStrategy):
+    """Tensor, sequence and fully sharded data parallelism for unmodified Hugging Face models.
+
+    Args:
+        tp: tensor-parallel size (ranks that split every layer's weights).
+        sp: sequence parallel: also split norms and the residual stream on the sequence (needs ``tp > 1``).
+        dp_replicate: replicas of the whole sharded model (HSDP across nodes).
+        dp_shard: FSDP shard-group size; ``"auto"`` takes what the world size leaves.
+        cp: context-parallel size (not available yet: must be 1).
+        pp: pipeline-parallel size (not available yet: must be 1).
+        tp_plan: a dict of module pattern -> ParallelStyle, an import path to one, or a function
+            ``(model, sp) -> dict``; default: the model family's registered plan.
+        activation_checkpointing: recompute each decoder layer in backward.
+        mp_policy: FSDP2 MixedPrecisionPolicy; default: derived from ``Trainer(precision=...)``.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+        save_distributed_checkpoint, process_group_backend, timeout: as in Lightning's ModelParallelStrategy.
+            ``timeout`` also bounds every sub-group of the mesh.
+    """
+
+    strategy_name = "automodel"
+
+    def __init__(
+        self,
+        tp: int = 1,
+        sp: bool = False,
+        dp_replicate: int = 1,
+        dp_shard: Union[int, Literal["auto"]] = "auto",
+        cp: int = 1,
+        pp: int = 1,
+        tp_plan: Optional[PlanSpec] = None,
+        activation_checkpointing: bool = False,
+        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.parallel_dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+        for name, size, issue in (("cp", cp, "context"), ("pp", pp, "pipeline")):
+            if size > 1:
+                raise ValueError(f"{name}={size}: {issue} parallelism is not supported yet; set {name}=1.")
+        if sp and tp == 1:
+            raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
+        self.sp = sp
+        self.tp_plan = tp_plan
+        self.activation_checkpointing = activation_checkpointing
+        self.mp_policy = mp_policy
+        self.cpu_offload = cpu_offload
+        self._loss_parallel = ExitStack()
+
+    @override
+    def setup_environment(self) -> None:
+        # Resolve and validate the sizes before the first collective, identically on every rank.
+        self.parallel_dims = self.parallel_dims.resolve(self.num_nodes * self.num_processes)
+        self._setup_distributed()
+        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, timeout=self._timeout)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """TP and CP peers read the same batch: the sampler's replicas are the data-parallel ranks only."""
+        mesh = data_mesh(self.device_mesh)
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+
+        self._parallelize_models()
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize_models(self) -> None:
+        """Parallelize every Hugging Face model the LightningModule holds, unless the user already did.
+
+        A later stage (validate after fit) finds the models parallelized by us and only re-enters loss_parallel.
+        """
+        module = self.lightning_module
+        assert module is not None
+        models = find_hf_models(module)
+        ours = bool(models) and all(model in _PARALLELIZED_BY_US for model in models)
+        if not ours and _is_parallelized(module):
+            log.info("%s is already parallelized (DTensor or FSDP2 parameters); leaving it as it is.", type(module).__name__)
+            return
+        if not models:
+            raise TypeError(
+                f"{type(self).__name__} found no Hugging Face model (transformers.PreTrainedModel) in"
+                f" {type(module).__name__}. Assign the model to an attribute in __init__ or configure_model"
+                " (e.g. self.model = AutoModelForCausalLM.from_config(config)), or parallelize it yourself in"
+                " configure_model."
+            )
+        for model in models:
+            if model not in _PARALLELIZED_BY_US:
+                self._parallelize(model)
+                _PARALLELIZED_BY_US.add(model)
+        if axis_size(self.device_mesh, "tp") > 1:
+            # lm_head leaves the logits sharded on the vocabulary: cross-entropy and its backward need
+            # loss_parallel, entered once per stage for every step (training, validation, manual backward).
+            self._loss_parallel.enter_context(loss_parallel())
+
+    def _parallelize(self, model: nn.Module) -> None:
+        meta = is_meta(model)
+        parallelize(
+            model,
+            self.device_mesh,
+            sp=self.sp,
+            tp_plan=self.tp_plan,
+            activation_checkpointing=self.activation_checkpointing,
+            mp_policy=self._mixed_precision_policy(),
+            offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else None,
+        )
+        if meta:
+            materialize_hf_model(model, self.root_device)
+
+    def _mixed_precision_policy(self) -> Optional[MixedPrecisionPolicy]:
+        if self.mp_policy is not None:
+            return self.mp_policy
+        return _PRECISION_POLICIES.get(self.precision_plugin.precision)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return _to_local(super().training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return _to_local(super().validation_step(*args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return _to_local(super().test_step(*args, **kwargs))
+
+    @override
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Tensor:
+        """Reduce over the data-parallel ranks (dp_replicate x dp_shard x cp) unless a group is given.
+
+        TP peers hold the same value; reducing over them too would count it tp times in a sum.
+        """
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None:
+            group = reduction_mesh(self.device_mesh).get_group()
+        return _sync_ddp_if_available(_to_local(tensor), group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree over every rank (Lightning compares the sum with the world size)."""
+        count = torch.tensor(int(decision), device=self.root_device)
+        count = _sync_ddp_if_available(count, _group.WORLD, reduce_op=ReduceOp.SUM)
+        return bool(count == self.world_size) if all else bool(count)
+
+    @override
+    def teardown(self) -> None:
+        self._loss_parallel.close()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Automatic TP/SP/FSDP2 for Hugging Face models", override=True
+        )
+
+
+def find_hf_models(module: nn.Module) -> list[nn.Module]:
+    """The outermost ``transformers.PreTrainedModel`` instances inside ``module``, whatever their attribute names."""
+    from transformers import PreTrainedModel
+
+    found: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, PreTrainedModel):
+            found.append(child)
+        else:
+            found.extend(find_hf_models(child))
+    return found
+
+
+def _is_parallelized(module: nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def _to_local(output: Any) -> Any:
+    """Hand Lightning a plain tensor where a step returned a DTensor loss (gradients still flow through it)."""
+    if isinstance(output, DTensor):
+        return output.full_tensor()
+    if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
+        return {**output, "loss": output["loss"].full_tensor()}
+    return output
+
+
+AutoModelParallelStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,102 @@
+"""Run checks on N gloo processes in one launch, each launch bounded by a timeout.
+
+Starting a process group and importing transformers costs seconds per launch on 2 cores, so a test passes a
+list of checks: they run one after another in the same processes, and every rank's failure is reported with
+the check's name. A launch that outlives its timeout is killed and fails the test instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+Check = Callable[[], Any]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], results: Any, pg_timeout: float) -> None:
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "NODE_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+    })
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+    try:
+        for check in checks:
+            name = check_name(check)
+            try:
+                results.put((rank, name, "ok", check()))
+            except BaseException:  # report and stop: the other ranks will time out of their next collective
+                results.put((rank, name, "failed", traceback.format_exc()))
+                return
+    finally:
+        dist.destroy_process_group()
+
+
+def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240, pg_timeout: float = 60) -> dict:
+    """Run ``checks`` in order on ``world_size`` gloo ranks; return {check name: [result of rank 0, 1, ...]}.
+
+    Checks must be picklable (module-level functions or functools.partial of them).
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, world_size, port, checks, results, pg_timeout), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    collected: dict[str, list[Any]] = {}
+    failures: list[str] = []
+    expected = world_size * len(checks)
+    received = 0
+    try:
+        while received < expected and not failures:
+            try:
+                rank, name, status, value = results.get(timeout=timeout)
+            except queue.Empty:
+                pytest.fail(f"distributed checks timed out after {timeout}s; results so far: {sorted(collected)}")
+            received += 1
+            if status == "failed":
+                failures.append(f"rank {rank}, check {name}:\n{value}")
+            collected.setdefault(name, [None] * world_size)[rank] = value
+    finally:
+        for process in processes:
+            process.join(timeout=5 if not failures else 0.5)
+            if process.is_alive():
+                process.kill()
+    if failures:
+        pytest.fail("\n".join(failures))
+    for process in processes:
+        if process.exitcode not in (0, None):
+            pytest.fail(f"a rank exited with code {process.exitcode}")
+    return collected
+
+
+def check_name(check: Check) -> str:
+    """A name that is the same in every process (a partial's repr holds an address)."""
+    func = getattr(check, "func", check)
+    args = ", ".join([*map(repr, getattr(check, "args", ())), *(f"{k}={v!r}" for k, v in getattr(check, "keywords", {}).items())])
+    return f"{func.__name__}({args})"

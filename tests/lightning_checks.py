@@ -1,0 +1,190 @@
+"""Checks that drive a real Lightning Trainer inside gloo workers (see harness.py)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import AutoModelForCausalLM
+
+from lightning_automodel import AutoModelParallelStrategy, parallelize
+from lightning_automodel.hf.initialization import materialize_hf_model
+from models import batch, tiny_config, tiny_model
+from parity import FP32_TOLERANCE, relative_error
+
+STEPS = 3
+LR = 1e-2
+GLOBAL_BATCH = 8
+# After 3 AdamW steps of lr 1e-2 a wrong gradient moves a weight by ~1e-2; reduction-order noise measured
+# ~2e-5 (AdamW divides by sqrt(v), which magnifies noise on near-zero gradients).
+WEIGHT_TOLERANCE = 1e-4
+
+
+class CausalLM(L.LightningModule):
+    """What a user writes: a Hugging Face model and a plain cross-entropy; no parallel code."""
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.model = model if model is not None else tiny_model()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self.model(tokens).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        tokens, labels = batch
+        loss = F.cross_entropy(self.model(tokens).logits.flatten(0, 1), labels.flatten())
+        self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+class MetaInitCausalLM(CausalLM):
+    """Builds the model in configure_model on the meta device (the way to build models too big for one rank)."""
+
+    def __init__(self) -> None:
+        super().__init__(model=torch.nn.Identity())
+
+    def configure_model(self) -> None:
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(tiny_config())
+
+
+class SelfParallelizedCausalLM(CausalLM):
+    """Parallelizes itself in configure_model: the strategy must leave it alone."""
+
+    def configure_model(self) -> None:
+        parallelize(self.model, self.device_mesh)
+
+
+def trainer(strategy: AutoModelParallelStrategy, **kwargs) -> L.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    options.update(kwargs)
+    return L.Trainer(strategy=strategy, **options)
+
+
+def data(dp: int) -> DataLoader:
+    """Each step sees the whole global batch: Lightning's DistributedSampler deals it to the dp ranks."""
+    tokens, labels = batch(GLOBAL_BATCH)
+    return DataLoader(TensorDataset(tokens, labels), batch_size=GLOBAL_BATCH // dp)
+
+
+def reference_run(model: torch.nn.Module) -> list[float]:
+    tokens, labels = batch(GLOBAL_BATCH)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = F.cross_entropy(model(tokens).logits.flatten(0, 1), labels.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def compare_training(module: CausalLM, reference: torch.nn.Module, reference_losses: list[float]) -> dict:
+    loss_error = max(abs(a - b) / abs(b) for a, b in zip(module.losses, reference_losses, strict=True))
+    ref_params = dict(reference.named_parameters())
+    weight_error = max(
+        (p.full_tensor() - ref_params[name]).abs().max().item() for name, p in module.model.named_parameters()
+    )
+    assert loss_error < FP32_TOLERANCE and weight_error < WEIGHT_TOLERANCE, (loss_error, weight_error)
+    return {"loss": loss_error, "weights_after_3_adamw_steps": weight_error}
+
+
+def check_trainer_parity(tp: int, sp: bool, activation_checkpointing: bool) -> dict:
+    """3 AdamW steps through Trainer.fit match a single-process run, loss for loss and weight for weight."""
+    strategy = AutoModelParallelStrategy(tp=tp, sp=sp, activation_checkpointing=activation_checkpointing)
+    module = CausalLM()
+    trainer(strategy).fit(module, data(dist.get_world_size() // tp))
+    reference = tiny_model()
+    return compare_training(module, reference, reference_run(reference))
+
+
+def check_meta_model_from_configure_model(tp: int) -> dict:
+    """A model built on meta in configure_model is parallelized, initialised like HF, and trains in parity."""
+    torch.manual_seed(7)
+    module = MetaInitCausalLM()
+    trainer(AutoModelParallelStrategy(tp=tp)).fit(module, data(dist.get_world_size() // tp))
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(tiny_config())
+    reference.to_empty(device="cpu")
+    reference.init_weights()
+    return compare_training(module, reference, reference_run(reference))
+
+
+def check_self_parallelized_module_left_alone() -> dict:
+    module = SelfParallelizedCausalLM()
+    trainer(AutoModelParallelStrategy(tp=1)).fit(module, data(dist.get_world_size()))
+    layers = module.model.model.layers
+    # parallelize() wrapped each layer once; a second pass would have failed or double-wrapped.
+    assert all(isinstance(layer, FSDPModule) for layer in layers)
+    reference = tiny_model()
+    return compare_training(module, reference, reference_run(reference))
+
+
+def check_bf16_mixed_trainer(tp: int) -> dict:
+    """Trainer(precision="bf16-mixed") gives FSDP2 a bf16 MixedPrecisionPolicy with fp32 gradient reduction."""
+    module = CausalLM()
+    trainer(AutoModelParallelStrategy(tp=tp), precision="bf16-mixed").fit(module, data(dist.get_world_size() // tp))
+    policy = module.model._get_fsdp_state()._mp_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), policy
+    reference_losses = reference_run(tiny_model())
+    bf16_losses = reference_run(tiny_model().to(torch.bfloat16))
+    noise = max(abs(a - b) / b for a, b in zip(bf16_losses, reference_losses))
+    error = max(abs(a - b) / b for a, b in zip(module.losses, reference_losses))
+    assert error <= 2 * noise + 1e-3, (error, noise)
+    return {"loss_vs_fp32": error, "single_process_bf16_loss_vs_fp32": noise}
+
+
+class RankProbe(CausalLM):
+    """Logs its data-parallel rank with a summing sync_dist, and records the batches it was dealt."""
+
+    def training_step(self, batch, batch_idx):
+        dp_rank = dist.get_rank() // self.trainer.strategy.parallel_dims.tp  # tp is the innermost axis
+        self.log("dp_rank_sum", float(dp_rank), sync_dist=True, reduce_fx="sum")
+        self.seen_tokens = batch[0].tolist()
+        return super().training_step(batch, batch_idx)
+
+
+def check_data_parallel_wiring(tp: int) -> dict:
+    """Sampler replicas and sync_dist reductions span the data-parallel ranks only; TP peers see one batch."""
+    strategy = AutoModelParallelStrategy(tp=tp)
+    module = RankProbe()
+    dp = dist.get_world_size() // tp
+    fit = trainer(strategy, max_steps=1)
+    fit.fit(module, data(dp))
+    sampler = strategy.distributed_sampler_kwargs
+    assert sampler == {"num_replicas": dp, "rank": dist.get_rank() // tp}, sampler
+    # Each rank logs its dp rank; over the dp ranks the sum is 0 + 1 + ..., a world-wide sum counts it tp times.
+    assert fit.callback_metrics["dp_rank_sum"].item() == sum(range(dp)), fit.callback_metrics
+    metrics = fit.validate(module, data(dp), verbose=False)  # validation after fit, same loss_parallel context
+    return {"tokens": module.seen_tokens, "val_loss": metrics[0]["val_loss"]}
+
+
+def check_invalid_size_raises_everywhere() -> str:
+    """tp that does not divide the world raises the same ValueError on every rank, before any collective."""
+    try:
+        trainer(AutoModelParallelStrategy(tp=3)).fit(CausalLM(), data(1))
+    except ValueError as error:
+        return str(error)
+    raise AssertionError("tp=3 on 2 ranks did not raise")

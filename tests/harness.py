@@ -10,7 +10,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -57,6 +59,8 @@ def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], resu
 def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240, pg_timeout: float = 60) -> dict:
     """Run ``checks`` in order on ``world_size`` gloo ranks; return {check name: [result of rank 0, 1, ...]}.
 
+    The whole launch must report within ``timeout`` seconds; ``pg_timeout`` bounds each collective.
+
     Checks must be picklable (module-level functions or functools.partial of them).
     """
     context = multiprocessing.get_context("spawn")
@@ -72,26 +76,31 @@ def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240
     failures: list[str] = []
     expected = world_size * len(checks)
     received = 0
+    deadline = time.monotonic() + timeout
+    finished = False
     try:
         while received < expected and not failures:
             try:
-                rank, name, status, value = results.get(timeout=timeout)
+                rank, name, status, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
                 pytest.fail(f"distributed checks timed out after {timeout}s; results so far: {sorted(collected)}")
             received += 1
             if status == "failed":
                 failures.append(f"rank {rank}, check {name}:\n{value}")
             collected.setdefault(name, [None] * world_size)[rank] = value
+        finished = not failures
     finally:
+        # After a failure or a timeout the other ranks may sit in a collective: don't wait for them.
+        grace = 60 if finished else 0.5
         for process in processes:
-            process.join(timeout=5 if not failures else 0.5)
+            process.join(timeout=grace)
             if process.is_alive():
                 process.kill()
     if failures:
         pytest.fail("\n".join(failures))
-    for process in processes:
-        if process.exitcode not in (0, None):
-            pytest.fail(f"a rank exited with code {process.exitcode}")
+    crashed = [p.exitcode for p in processes if p.exitcode not in (0, -signal.SIGKILL)]
+    if crashed:
+        pytest.fail(f"ranks exited with codes {crashed} after reporting their results")
     return collected
 
 

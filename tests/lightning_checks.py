@@ -163,6 +163,7 @@ class RankProbe(CausalLM):
         dp_rank = dist.get_rank() // self.trainer.strategy.parallel_dims.tp  # tp is the innermost axis
         self.log("dp_rank_sum", float(dp_rank), sync_dist=True, reduce_fx="sum")
         self.seen_tokens = batch[0].tolist()
+        self.loss_parallel_active = _loss_parallel_active()
         return super().training_step(batch, batch_idx)
 
 
@@ -177,8 +178,15 @@ def check_data_parallel_wiring(tp: int) -> dict:
     assert sampler == {"num_replicas": dp, "rank": dist.get_rank() // tp}, sampler
     # Each rank logs its dp rank; over the dp ranks the sum is 0 + 1 + ..., a world-wide sum counts it tp times.
     assert fit.callback_metrics["dp_rank_sum"].item() == sum(range(dp)), fit.callback_metrics
-    metrics = fit.validate(module, data(dp), verbose=False)  # validation after fit, same loss_parallel context
+    assert module.loss_parallel_active and not _loss_parallel_active(), "loss_parallel must span the stage only"
+    metrics = fit.validate(module, data(dp), verbose=False)  # after fit: loss_parallel entered again
     return {"tokens": module.seen_tokens, "val_loss": metrics[0]["val_loss"]}
+
+
+def _loss_parallel_active() -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return torch.ops.aten.nll_loss_forward.default in DTensor._op_dispatcher._custom_op_handlers
 
 
 def check_invalid_size_raises_everywhere() -> str:
@@ -188,3 +196,16 @@ def check_invalid_size_raises_everywhere() -> str:
     except ValueError as error:
         return str(error)
     raise AssertionError("tp=3 on 2 ranks did not raise")
+
+
+def check_no_hf_model_is_an_error() -> str:
+    class NoModel(CausalLM):
+        def __init__(self) -> None:
+            super().__init__(model=torch.nn.Linear(4, 4))
+
+    try:
+        trainer(AutoModelParallelStrategy()).fit(NoModel(), data(dist.get_world_size()))
+    except TypeError as error:
+        assert "found no Hugging Face model" in str(error), error
+        return str(error)
+    raise AssertionError("a module without a Hugging Face model did not raise")

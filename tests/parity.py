@@ -98,3 +98,28 @@ def check_bf16_layout(tp: int, sp: bool) -> dict[str, float]:
     for key, value in errors.items():
         assert value <= 2 * noise[key] + 1e-4, f"{key}: parallel bf16 error {value:.2e} > 2 x single-process bf16 error {noise[key]:.2e}"
     return {**errors, **{f"single_process_bf16_{k}": v for k, v in noise.items()}}
+
+
+def check_tied_embeddings(sp: bool) -> dict[str, float]:
+    """tie_word_embeddings: one Parameter after sharding, and its gradient sums both uses."""
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    reference, model = tiny_model(tie_word_embeddings=True), tiny_model(tie_word_embeddings=True)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    parallelize(model, mesh, sp=sp)
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "tensor parallel untied lm_head"
+    errors = forward_backward_errors(model, reference, data_mesh(mesh))
+    assert max(errors.values()) < FP32_TOLERANCE, errors
+    return errors
+
+
+def check_frozen_stays_frozen(sp: bool) -> dict[str, int]:
+    """Styles must not flip requires_grad: frozen embeddings and norms stay frozen, trainable ones trainable."""
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    model = tiny_model()
+    for name, param in model.named_parameters():
+        param.requires_grad_(not ("norm" in name or "embed" in name))
+    expected = {name: p.requires_grad for name, p in model.named_parameters()}
+    parallelize(model, mesh, sp=sp)
+    actual = {name: p.requires_grad for name, p in model.named_parameters()}
+    assert actual == expected, {name for name in expected if actual[name] != expected[name]}
+    return {"frozen": sum(not v for v in actual.values()), "trainable": sum(actual.values())}

@@ -1,0 +1,25 @@
+"""parallelize() against a single process: loss, logits and every gradient, for each layout (one launch per world)."""
+
+from functools import partial
+
+from harness import run_checks
+from parity import check_bf16_layout, check_frozen_stays_frozen, check_layout, check_tied_embeddings
+
+AC = (False, True)
+
+
+def test_world_of_two():
+    """tp=2, tp=2 with sp, dp_shard=2; each with and without activation checkpointing; bf16 with tp+sp."""
+    checks = [partial(check_layout, tp, sp, ac) for tp, sp in ((2, False), (2, True), (1, False)) for ac in AC]
+    checks.append(partial(check_bf16_layout, 2, True))
+    checks += [partial(check, sp) for check in (check_tied_embeddings, check_frozen_stays_frozen) for sp in (False, True)]
+    results = run_checks(2, checks)
+    assert len(results) == len(checks)
+
+
+def test_world_of_four():
+    """tp=2 x dp_shard=2, with and without sp and activation checkpointing; bf16."""
+    checks = [partial(check_layout, 2, sp, ac) for sp in (False, True) for ac in AC]
+    checks.append(partial(check_bf16_layout, 2, False))
+    results = run_checks(4, checks)
+    assert len(results) == len(checks)

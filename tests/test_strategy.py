@@ -1,0 +1,93 @@
+"""AutoModelParallelStrategy driven by a real Trainer: 3 AdamW steps against a single process, and the wiring."""
+
+from functools import partial
+
+import lightning as L
+import pytest
+
+import lightning_automodel
+from harness import run_checks
+from lightning_checks import (
+    check_bf16_mixed_trainer,
+    check_data_parallel_wiring,
+    check_invalid_size_raises_everywhere,
+    check_meta_model_from_configure_model,
+    check_no_hf_model_is_an_error,
+    check_self_parallelized_module_left_alone,
+    check_trainer_parity,
+)
+from lightning_automodel import AutoModelParallelStrategy
+
+
+def test_trainer_on_two_ranks():
+    checks = [
+        partial(check_trainer_parity, 2, False, False),
+        partial(check_trainer_parity, 2, True, True),
+        partial(check_trainer_parity, 1, False, False),
+        partial(check_trainer_parity, 1, False, True),
+        partial(check_meta_model_from_configure_model, 2),
+        check_self_parallelized_module_left_alone,
+        partial(check_bf16_mixed_trainer, 2),
+        check_no_hf_model_is_an_error,
+        check_invalid_size_raises_everywhere,
+    ]
+    results = run_checks(2, checks)
+    for message in results["check_invalid_size_raises_everywhere()"]:
+        assert "tp=3" in message and "valid tp sizes are [1, 2]" in message
+
+
+def test_trainer_on_four_ranks():
+    checks = [
+        partial(check_trainer_parity, 2, False, True),
+        partial(check_trainer_parity, 2, True, False),
+        partial(check_data_parallel_wiring, 2),
+    ]
+    results = run_checks(4, checks)
+    tokens = [r["tokens"] for r in results["check_data_parallel_wiring(2)"]]
+    assert tokens[0] == tokens[1] and tokens[2] == tokens[3], "tensor-parallel peers must read the same batch"
+    assert tokens[0] != tokens[2], "data-parallel ranks must read different batches"
+
+
+def test_registered_as_automodel():
+    trainer = L.Trainer(strategy="automodel", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, AutoModelParallelStrategy)
+
+
+def test_constructible_from_lightning_cli():
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(
+        L.LightningModule,
+        run=False,
+        args=[
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=4",
+            "--trainer.logger=false",
+            "--trainer.strategy=lightning_automodel.AutoModelParallelStrategy",
+            "--trainer.strategy.tp=2",
+            "--trainer.strategy.sp=true",
+            "--trainer.strategy.activation_checkpointing=true",
+        ],
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, AutoModelParallelStrategy)
+    assert (strategy.parallel_dims.tp, strategy.sp, strategy.activation_checkpointing) == (2, True, True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(cp=2), "cp=2: context parallelism is not supported yet; set cp=1"),
+        (dict(pp=2), "pp=2: pipeline parallelism is not supported yet; set pp=1"),
+        (dict(sp=True), "it needs tp > 1"),
+        (dict(tp=0), "tp=0 is invalid"),
+    ],
+)
+def test_unsupported_options_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        AutoModelParallelStrategy(**kwargs)
+    assert message in str(error.value)
+
+
+def test_public_api():
+    assert set(lightning_automodel.__all__) >= {"AutoModelParallelStrategy", "ParallelDims", "parallelize"}

@@ -6,7 +6,8 @@ tensor parallel (tp), sequence parallel (sp) and FSDP2 over the remaining ranks 
 loss under ``loss_parallel`` so the vocabulary-sharded logits are never gathered.
 
 The data are arithmetic progressions modulo the vocabulary (random start, random stride), so the next token
-is predictable from the two before it and the loss falls from ~4.9 (chance) to well below 1 within a minute.
+is predictable from the two before it: in the default 60 steps the loss falls from ~4.9 (chance) to ~0.5, in
+about two minutes on two CPU cores.
 Nothing is downloaded: the model comes from a config and the tokens are generated here.
 
 Run it (Lightning launches the processes itself; on CPU they talk over gloo):
@@ -25,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -75,12 +75,7 @@ class CausalLM(L.LightningModule):
         tokens, labels = batch
         logits = self.model(tokens).logits
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        predictions = logits.detach().argmax(-1)
-        if isinstance(predictions, DTensor):  # with tp > 1 the logits are a DTensor sharded on the vocabulary
-            predictions = predictions.full_tensor()
-        accuracy = (predictions == labels).float().mean()
         self.log("train_loss", loss, sync_dist=True, prog_bar=True)
-        self.log("train_acc", accuracy, sync_dist=True, prog_bar=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -88,38 +83,37 @@ class CausalLM(L.LightningModule):
 
 
 class LossTable(Callback):
-    """On rank 0, print step -> loss and accuracy every ``every`` steps, then the first and last values."""
+    """On rank 0, print step -> loss every ``every`` steps, then the first and last values."""
 
     def __init__(self, every: int) -> None:
         self.every = every
-        self.history: list[tuple[int, float, float]] = []
+        self.history: list[tuple[int, float]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pl_module.print(f"{trainer.strategy.parallel_dims}\n{'step':>6} {'loss':>8} {'acc':>6}")
+        pl_module.print(f"{trainer.strategy.parallel_dims}\n{'step':>6} {'loss':>8}")
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if not trainer.is_global_zero or (step % self.every and step != 1 and step != trainer.max_steps):
-            return
-        metrics = trainer.callback_metrics
-        self.history.append((step, metrics["train_loss"].item(), metrics["train_acc"].item()))
-        pl_module.print(f"{step:>6} {self.history[-1][1]:>8.3f} {self.history[-1][2]:>6.1%}")
+        if trainer.is_global_zero and (step == 1 or step % self.every == 0 or step == trainer.max_steps):
+            loss = trainer.callback_metrics["train_loss"].item()
+            self.history.append((step, loss))
+            pl_module.print(f"{step:>6} {loss:>8.3f}")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and self.history:
-            (_, first_loss, first_acc), (_, last_loss, last_acc) = self.history[0], self.history[-1]
-            pl_module.print(
-                f"loss {first_loss:.3f} -> {last_loss:.3f}, next-token accuracy {first_acc:.1%} -> {last_acc:.1%}"
-            )
+            (_, first), (_, last) = self.history[0], self.history[-1]
+            pl_module.print(f"loss {first:.3f} -> {last:.3f} (chance: {torch.log(torch.tensor(VOCAB)).item():.3f})")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=4, help="CPU processes to launch (default: 4)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size; dp_shard takes the rest")
-    parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True, help="sequence parallel")
+    parser.add_argument(
+        "--sp", action=argparse.BooleanOptionalAction, default=True, help="sequence parallel (when tp > 1)"
+    )
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute layers in backward")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per data-parallel rank")
@@ -138,7 +132,6 @@ def main() -> None:
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,
-        log_every_n_steps=5,
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

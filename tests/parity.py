@@ -40,7 +40,8 @@ def dims_for(world_size: int, tp: int, dp_replicate: int = 1) -> ParallelDims:
 
 
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model(tokens).logits
+    """Cross-entropy with a padding mask, so the mask path of attention runs under every layout too."""
+    logits = model(tokens, attention_mask=(tokens != 0).long()).logits
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
 
 

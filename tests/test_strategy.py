@@ -18,13 +18,15 @@ from lightning_checks import (
 )
 from lightning_automodel import AutoModelParallelStrategy
 
+AC = (False, True)
+
 
 def test_trainer_on_two_ranks():
+    """tp=2, tp=2 with sp and dp_shard=2, each with and without activation checkpointing; then the wiring."""
     checks = [
-        partial(check_trainer_parity, 2, False, False),
-        partial(check_trainer_parity, 2, True, True),
-        partial(check_trainer_parity, 1, False, False),
-        partial(check_trainer_parity, 1, False, True),
+        partial(check_trainer_parity, tp, sp, ac) for tp, sp in ((2, False), (2, True), (1, False)) for ac in AC
+    ]
+    checks += [
         partial(check_meta_model_from_configure_model, 2),
         check_self_parallelized_module_left_alone,
         partial(check_bf16_mixed_trainer, 2),
@@ -37,11 +39,9 @@ def test_trainer_on_two_ranks():
 
 
 def test_trainer_on_four_ranks():
-    checks = [
-        partial(check_trainer_parity, 2, False, True),
-        partial(check_trainer_parity, 2, True, False),
-        partial(check_data_parallel_wiring, 2),
-    ]
+    """tp=2 x dp_shard=2 with and without activation checkpointing (and with sp); sampler and metric wiring."""
+    checks = [partial(check_trainer_parity, 2, False, ac) for ac in AC]
+    checks += [partial(check_trainer_parity, 2, True, True), partial(check_data_parallel_wiring, 2)]
     results = run_checks(4, checks)
     tokens = [r["tokens"] for r in results["check_data_parallel_wiring(2)"]]
     assert tokens[0] == tokens[1] and tokens[2] == tokens[3], "tensor-parallel peers must read the same batch"

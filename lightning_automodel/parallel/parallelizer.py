@@ -89,7 +89,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def is_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in _tensors(model))
+    """Whether ``model`` was built on the meta device; a model only partly on meta is refused.
+
+    Materializing re-allocates every tensor, so the real weights of a half-meta model would be lost.
+    """
+    on_meta = [t.is_meta for t in _tensors(model)]
+    if any(on_meta) and not all(on_meta):
+        raise ValueError(
+            f"{type(model).__name__} has tensors both on the meta device and real ones. Build the whole model"
+            " under `with torch.device('meta'):`, or build it with real weights."
+        )
+    return any(on_meta)
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:

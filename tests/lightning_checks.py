@@ -13,14 +13,17 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import AutoModelParallelStrategy, parallelize
 from lightning_automodel.hf.initialization import materialize_hf_model
 from models import batch, tiny_config, tiny_model
-from parity import FP32_TOLERANCE, relative_error
+from parity import FP32_TOLERANCE, loss_of
 
 STEPS = 3
 LR = 1e-2
 GLOBAL_BATCH = 8
-# After 3 AdamW steps of lr 1e-2 a wrong gradient moves a weight by ~1e-2; reduction-order noise measured
-# ~2e-5 (AdamW divides by sqrt(v), which magnifies noise on near-zero gradients).
-WEIGHT_TOLERANCE = 1e-4
+# AdamW scales every element's step to about lr whatever the gradient's size, so reduction-order noise on a
+# near-zero gradient element can move it by a fraction of lr: measured up to 3e-4 (Qwen3 embeddings) after
+# 3 steps of lr 1e-2. A wrong gradient moves weights by O(lr x steps) = 3e-2, a hundred times more.
+WEIGHT_TOLERANCE = 1e-3
+# The first loss is exact up to reduction order (FP32_TOLERANCE); later ones inherit the weights' AdamW noise.
+TRAINED_LOSS_TOLERANCE = 1e-4
 
 
 class CausalLM(L.LightningModule):
@@ -33,8 +36,7 @@ class CausalLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         tokens, labels = batch
-        logits = self.model(tokens).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss, _ = loss_of(self.model, tokens, labels)
         self.log("train_loss", loss, sync_dist=True)
         self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
         return loss
@@ -92,7 +94,7 @@ def reference_run(model: torch.nn.Module) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
-        loss = F.cross_entropy(model(tokens).logits.flatten(0, 1), labels.flatten())
+        loss, _ = loss_of(model, tokens, labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -101,21 +103,23 @@ def reference_run(model: torch.nn.Module) -> list[float]:
 
 
 def compare_training(module: CausalLM, reference: torch.nn.Module, reference_losses: list[float]) -> dict:
-    loss_error = max(abs(a - b) / abs(b) for a, b in zip(module.losses, reference_losses, strict=True))
+    errors = [abs(a - b) / abs(b) for a, b in zip(module.losses, reference_losses, strict=True)]
     ref_params = dict(reference.named_parameters())
     weight_error = max(
         (p.full_tensor() - ref_params[name]).abs().max().item() for name, p in module.model.named_parameters()
     )
-    assert loss_error < FP32_TOLERANCE and weight_error < WEIGHT_TOLERANCE, (loss_error, weight_error)
-    return {"loss": loss_error, "weights_after_3_adamw_steps": weight_error}
+    result = {"first_loss": errors[0], "later_losses": max(errors[1:]), "weights_after_3_adamw_steps": weight_error}
+    assert errors[0] < FP32_TOLERANCE and max(errors[1:]) < TRAINED_LOSS_TOLERANCE, result
+    assert weight_error < WEIGHT_TOLERANCE, result
+    return result
 
 
-def check_trainer_parity(tp: int, sp: bool, activation_checkpointing: bool) -> dict:
+def check_trainer_parity(tp: int, sp: bool, activation_checkpointing: bool, family: str = "llama") -> dict:
     """3 AdamW steps through Trainer.fit match a single-process run, loss for loss and weight for weight."""
     strategy = AutoModelParallelStrategy(tp=tp, sp=sp, activation_checkpointing=activation_checkpointing)
-    module = CausalLM()
+    module = CausalLM(tiny_model(family))
     trainer(strategy).fit(module, data(dist.get_world_size() // tp))
-    reference = tiny_model()
+    reference = tiny_model(family)
     return compare_training(module, reference, reference_run(reference))
 
 

@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 VOCAB = 128
 SEQ = 16
+
+
+CONFIGS = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "qwen3_cls": Qwen3Config,
+    "gemma3": Gemma3TextConfig,
+    "gemma3_vlm": Gemma3TextConfig,
+    "phi3": Phi3Config,
+}
+FAMILIES = tuple(CONFIGS)
 
 
 def tiny_config(family: str = "llama", **overrides):
@@ -22,14 +46,30 @@ def tiny_config(family: str = "llama", **overrides):
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
+    if family in ("qwen3", "qwen3_cls", "gemma3", "gemma3_vlm"):
+        common.update(head_dim=16)
+    if family.startswith("gemma3"):
+        common.update(sliding_window=8, query_pre_attn_scalar=16, tie_word_embeddings=True)
+    if family == "qwen3_cls":
+        common.update(num_labels=3)
+    if family == "phi3":
+        common.update(num_key_value_heads=4)  # fused [q; k; v] of equal blocks
     common.update(overrides)
-    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
-    return config_class(**common)
+    text = CONFIGS[family](**common)
+    if family == "gemma3_vlm":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8)
+        return Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1, tie_word_embeddings=text.tie_word_embeddings)
+    return text
 
 
 def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    config = tiny_config(family, **overrides)
+    if family == "gemma3_vlm":
+        return Gemma3ForConditionalGeneration(config)
+    if family == "qwen3_cls":
+        return AutoModelForSequenceClassification.from_config(config)
+    return AutoModelForCausalLM.from_config(config)
 
 
 def batch(batch_size: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

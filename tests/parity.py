@@ -42,6 +42,8 @@ def dims_for(world_size: int, tp: int, dp_replicate: int = 1) -> ParallelDims:
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy with a padding mask, so the mask path of attention runs under every layout too."""
     logits = model(tokens, attention_mask=(tokens != 0).long()).logits
+    if logits.dim() == 2:  # sequence classification: one label per sequence
+        return F.cross_entropy(logits, labels[:, 0] % logits.shape[-1]), logits
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
 
 
@@ -66,10 +68,10 @@ def forward_backward_errors(model, reference, dp: DeviceMesh | None, *, batch_si
         "loss": relative_error(loss / dp_size, ref_loss),
         "logits": relative_error(logits, ref_logits[rank_slice]),
     }
-    ref_params = dict(reference.named_parameters())
-    missing = [name for name, p in model.named_parameters() if p.grad is None]
-    assert not missing, f"parameters without gradient: {missing}"
-    errors["grad"] = max(relative_error(p.grad, ref_params[name].grad) for name, p in model.named_parameters())
+    ref_grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys(), f"gradients differ in which parameters get one: {grads.keys() ^ ref_grads.keys()}"
+    errors["grad"] = max(relative_error(grads[name], ref_grads[name]) for name in grads)
     return errors
 
 
@@ -124,3 +126,30 @@ def check_frozen_stays_frozen(sp: bool) -> dict[str, int]:
     actual = {name: p.requires_grad for name, p in model.named_parameters()}
     assert actual == expected, {name for name in expected if actual[name] != expected[name]}
     return {"frozen": sum(not v for v in actual.values()), "trainable": sum(actual.values())}
+
+
+def check_family(family: str, sp: bool) -> dict[str, float]:
+    """fp32 parity of a family's registered plan at tp=2 (dp_shard takes the rest of the world)."""
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    reference, model = tiny_model(family), tiny_model(family)
+    parallelize(model, mesh, sp=sp)
+    errors = forward_backward_errors(model, reference, data_mesh(mesh))
+    assert max(errors.values()) < FP32_TOLERANCE, errors
+    return errors
+
+
+def check_naive_plan_is_wrong(family: str, replace: dict[str, object]) -> dict[str, float]:
+    """The family plan with some styles replaced by what the reference uses: it runs, and the check says how
+    wrong it is (the test asserts the errors are large, so our styles are what makes the family right)."""
+    from lightning_automodel.parallel.plans import select_tp_plan
+
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    reference, model = tiny_model(family), tiny_model(family)
+    plan, _ = select_tp_plan(model, sp=False)
+    for pattern, style in replace.items():
+        if style is None:
+            del plan[pattern]
+        else:
+            plan[pattern] = style
+    parallelize(model, mesh, tp_plan=plan)
+    return forward_backward_errors(model, reference, data_mesh(mesh))

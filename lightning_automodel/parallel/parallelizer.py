@@ -5,9 +5,12 @@ Nothing here knows about Lightning: the same call serves the strategy, Fabric an
 
 from __future__ import annotations
 
+import copy
 import logging
+from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,39 +28,101 @@ from lightning_automodel.parallel.validation import validate_tp_sizes
 
 log = logging.getLogger(__name__)
 
+S = TypeVar("S", bound="ParallelizationStrategy")
 
-def parallelize(
-    model: nn.Module,
-    device_mesh: DeviceMesh,
-    *,
-    sp: bool = False,
-    tp_plan: PlanSpec | None = None,
-    activation_checkpointing: bool = False,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
-) -> nn.Module:
-    """Parallelize ``model`` in place over the 5D ``device_mesh`` (see :class:`~lightning_automodel.ParallelDims`).
 
-    A model with real weights is first made identical on every rank (broadcast from global rank 0): tensor
-    parallel scatters sharded weights from rank 0, but FSDP shards each rank's own copy, so differently
-    initialised replicas would otherwise mix silently. A model on the meta device is left for the caller to
-    materialize after this returns.
-    """
-    tp = axis_size(device_mesh, "tp")
-    if sp and tp == 1:
-        raise ValueError("sp=True (sequence parallel) shards activations over the tp axis; it needs tp > 1.")
-    if tp > 1:
-        validate_tp_sizes(model, tp)
-    layers = decoder_layers(model)
-    if not is_meta(model):
-        model.to(device_mesh.device_type)
-        broadcast_from_rank0(model)
-    if tp > 1:
-        apply_tensor_parallel(model, tp_mesh(device_mesh), sp=sp, tp_plan=tp_plan)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model, layers)
-    apply_fsdp(model, layers, fsdp_mesh(device_mesh), mp_policy=mp_policy, offload_policy=offload_policy)
-    return model
+class ParallelizationStrategy(ABC):
+    """The whole parallelization flow for a model family; see :func:`register_parallelization_strategy`."""
+
+    @abstractmethod
+    def parallelize(
+        self,
+        model: nn.Module,
+        device_mesh: DeviceMesh,
+        *,
+        sp: bool = False,
+        tp_plan: PlanSpec | None = None,
+        activation_checkpointing: bool = False,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        offload_policy: OffloadPolicy | None = None,
+    ) -> nn.Module: ...
+
+
+_STRATEGIES: dict[str, ParallelizationStrategy] = {}
+
+
+def register_parallelization_strategy(*class_names: str) -> Callable[[type[S]], type[S]]:
+    """Class decorator: parallelize models whose class has one of ``class_names`` with this strategy."""
+
+    def register(cls: type[S]) -> type[S]:
+        for name in class_names:
+            _STRATEGIES[name] = cls()
+        return cls
+
+    return register
+
+
+def parallelization_strategy_for(model: nn.Module) -> ParallelizationStrategy:
+    return _STRATEGIES.get(type(model).__name__, DefaultParallelizationStrategy())
+
+
+def parallelize(model: nn.Module, device_mesh: DeviceMesh, **options: Any) -> nn.Module:
+    """Parallelize ``model`` in place over the 5D ``device_mesh`` (see :class:`~lightning_automodel.ParallelDims`)
+    with the strategy registered for its class. Options: see :meth:`DefaultParallelizationStrategy.parallelize`."""
+    return parallelization_strategy_for(model).parallelize(model, device_mesh, **options)
+
+
+class DefaultParallelizationStrategy(ParallelizationStrategy):
+    """Tensor parallel, then activation checkpointing, then FSDP2: the flow every family shares."""
+
+    def parallelize(
+        self,
+        model: nn.Module,
+        device_mesh: DeviceMesh,
+        *,
+        sp: bool = False,
+        tp_plan: PlanSpec | None = None,
+        activation_checkpointing: bool = False,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        offload_policy: OffloadPolicy | None = None,
+    ) -> nn.Module:
+        """A model with real weights is first made identical on every rank (broadcast from global rank 0):
+        tensor parallel scatters sharded weights from rank 0, but FSDP shards each rank's own copy, so
+        differently initialised replicas would otherwise mix silently. A model on the meta device is left for
+        the caller to materialize after this returns.
+        """
+        tp = axis_size(device_mesh, "tp")
+        if sp and tp == 1:
+            raise ValueError("sp=True (sequence parallel) shards activations over the tp axis; it needs tp > 1.")
+        if tp > 1:
+            validate_tp_sizes(model, tp)
+        layers = decoder_layers(model)
+        if not is_meta(model):
+            model.to(device_mesh.device_type)
+            broadcast_from_rank0(model)
+        if tp > 1:
+            self.apply_tensor_parallel(model, tp_mesh(device_mesh), sp=sp, tp_plan=tp_plan)
+        if activation_checkpointing:
+            apply_activation_checkpointing(model, layers)
+        apply_fsdp(model, layers, fsdp_mesh(device_mesh), mp_policy=mp_policy, offload_policy=offload_policy)
+        return model
+
+    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh, *, sp: bool, tp_plan: PlanSpec | None) -> None:
+        apply_tensor_parallel(model, mesh, sp=sp, tp_plan=tp_plan)
+
+
+@register_parallelization_strategy("Phi3ForCausalLM")
+class Phi3ParallelizationStrategy(DefaultParallelizationStrategy):
+    """Phi3 attention slices its fused qkv output with head counts read in forward: make them this rank's."""
+
+    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh, *, sp: bool, tp_plan: PlanSpec | None) -> None:
+        super().apply_tensor_parallel(model, mesh, sp=sp, tp_plan=tp_plan)
+        for layer in decoder_layers(model):
+            attention = layer.self_attn
+            attention.config = copy.copy(attention.config)  # the model's own config keeps the global counts
+            attention.config.num_attention_heads //= mesh.size()
+            attention.config.num_key_value_heads //= mesh.size()
+            attention.num_key_value_heads //= mesh.size()
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sp: bool, tp_plan: PlanSpec | None = None) -> None:

@@ -13,9 +13,16 @@ from typing import Callable, Mapping, Union
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
-from lightning_automodel.parallel.styles import SequenceParallelAllGather
+from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel, SequenceParallelAllGather
+from lightning_automodel.parallel.validation import model_config
 
 TPPlan = dict[str, ParallelStyle]
 PlanFunction = Callable[[nn.Module, bool], Mapping[str, ParallelStyle]]
@@ -35,11 +42,21 @@ def register_tp_plan(*class_names: str) -> Callable[[PlanFunction], PlanFunction
     return register
 
 
-def _decoder_plan(prefix: str, *, sp: bool) -> TPPlan:
+def _decoder_plan(
+    prefix: str,
+    *,
+    sp: bool,
+    gathering_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm"),
+    stream_norms: tuple[str, ...] = (),
+    qk_norm: bool = False,
+    lm_head: bool = True,
+) -> TPPlan:
     """The Llama-architecture plan: attention and MLP Megatron-style, vocab-parallel embedding and lm_head.
 
-    With ``sp`` the residual stream between blocks stays a ``Shard(1)`` DTensor: model-level code (rotary
-    embeddings, mask construction) then sees the global sequence length, which plain local shards would hide.
+    ``gathering_norms`` open a block (attention or MLP) and must hand it the full sequence; ``stream_norms`` act
+    on a block's output before the residual add (Gemma's sandwich norms) and stay sequence-sharded. With ``sp``
+    the residual stream between blocks stays a ``Shard(1)`` DTensor: model-level code (rotary embeddings, mask
+    construction) then sees the global sequence length, which plain local shards would hide.
     """
     layer = f"{prefix}.layers.*"
     plan: TPPlan = {
@@ -51,26 +68,85 @@ def _decoder_plan(prefix: str, *, sp: bool) -> TPPlan:
         f"{layer}.mlp.gate_proj": ColwiseParallel(),
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": RowwiseParallel(),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
+    if qk_norm:
+        plan[f"{layer}.self_attn.q_norm"] = HeadShardedNorm()
+        plan[f"{layer}.self_attn.k_norm"] = HeadShardedNorm()
+    if lm_head:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if sp:
         plan.update({
             f"{prefix}.embed_tokens": RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
             ),
-            f"{layer}.input_layernorm": SequenceParallelAllGather(),
-            f"{layer}.post_attention_layernorm": SequenceParallelAllGather(),
             f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             f"{prefix}.norm": SequenceParallel(use_local_output=False),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         })
+        plan.update({f"{layer}.{norm}": SequenceParallelAllGather() for norm in gathering_norms})
+        plan.update({f"{layer}.{norm}": SequenceParallel(use_local_output=False) for norm in stream_norms})
+        if lm_head:
+            plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     return plan
 
 
 @register_tp_plan("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 def llama_plan(model: nn.Module, sp: bool) -> TPPlan:
     return _decoder_plan("model", sp=sp)
+
+
+@register_tp_plan("Qwen3ForCausalLM")
+def qwen3_plan(model: nn.Module, sp: bool) -> TPPlan:
+    """Llama plus per-head q_norm/k_norm, whose weights see only this rank's heads."""
+    return _decoder_plan("model", sp=sp, qk_norm=True)
+
+
+@register_tp_plan("Qwen3ForSequenceClassification")
+def qwen3_classification_plan(model: nn.Module, sp: bool) -> TPPlan:
+    """The Qwen3 body; the small ``score`` head stays replicated and, with sp, gets the full sequence back."""
+    plan = _decoder_plan("model", sp=sp, qk_norm=True, lm_head=False)
+    if sp:
+        plan["score"] = PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        )
+    return plan
+
+
+@register_tp_plan("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+def gemma3_plan(model: nn.Module, sp: bool) -> TPPlan:
+    """Per-head q_norm/k_norm, sandwich norms around each block; the vision tower of the multimodal model is
+    left to FSDP."""
+    prefix = "model.language_model" if type(model).__name__ == "Gemma3ForConditionalGeneration" else "model"
+    return _decoder_plan(
+        prefix,
+        sp=sp,
+        gathering_norms=("input_layernorm", "pre_feedforward_layernorm"),
+        stream_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+        qk_norm=True,
+    )
+
+
+@register_tp_plan("Phi3ForCausalLM")
+def phi3_plan(model: nn.Module, sp: bool) -> TPPlan:
+    """Llama layout with Phi3's fused projections sharded block by block (the reference replicates attention).
+
+    [q; k; v] can only be split with the Hugging Face layout kept when its three blocks are equal, i.e. as
+    many KV heads as heads; with grouped KV heads no DTensor placement describes the split.
+    """
+    config = model_config(model)
+    if config.num_key_value_heads != config.num_attention_heads:
+        raise ValueError(
+            f"Phi3 with grouped KV heads ({config.num_attention_heads} heads, {config.num_key_value_heads} KV heads)"
+            " has a fused qkv_proj whose [q; k; v] blocks differ in size, so it cannot be tensor-sharded with the"
+            " Hugging Face layout kept. Use tp=1 (FSDP only), or pass tp_plan= that keeps self_attn replicated."
+        )
+    layer = "model.layers.*"
+    plan = _decoder_plan("model", sp=sp)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        del plan[f"{layer}.{name}"]
+    plan[f"{layer}.self_attn.qkv_proj"] = PackedColwiseParallel(parts=3)
+    plan[f"{layer}.mlp.gate_up_proj"] = PackedColwiseParallel(parts=2)
+    return plan
 
 
 def default_plan(model: nn.Module, sp: bool) -> TPPlan:

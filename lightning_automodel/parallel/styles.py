@@ -5,10 +5,16 @@ Each style is a small subclass of a torch ``ParallelStyle`` that changes only th
 
 from __future__ import annotations
 
+from functools import partial
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import SequenceParallel
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 class SequenceParallelAllGather(SequenceParallel):
@@ -27,3 +33,54 @@ class SequenceParallelAllGather(SequenceParallel):
         if isinstance(outputs, DTensor) and any(p.is_shard() for p in outputs.placements):
             outputs = outputs.redistribute(device_mesh, [Replicate()])
         return SequenceParallel._prepare_output_fn(use_local_output, mod, outputs, device_mesh)
+
+
+class HeadShardedNorm(SequenceParallel):
+    """A norm over ``head_dim`` (Qwen3, Gemma3 q_norm/k_norm) applied to this rank's heads only.
+
+    Its weight is shared by all heads, so each rank computes only part of its gradient. Run as a replicated
+    DTensor on input sharded on the heads dim, autograd sums the partial gradients over tp. Left as a plain
+    module (what the reference does), each rank would keep and apply its own partial gradient.
+    """
+
+    def __init__(self, *, head_dim: int = 2) -> None:
+        super().__init__(sequence_dim=head_dim, use_local_output=True)
+
+
+class PackedColwiseParallel(ParallelStyle):
+    """Column-parallel for a fused projection of ``parts`` equal blocks: Phi3's [gate; up], or [q; k; v] when
+    there are as many KV heads as heads.
+
+    Plain column sharding would hand rank 0 all of gate and rank 1 all of up: it runs, and it is wrong. Each
+    rank must keep its slice of every block, [gate_r; up_r]. ``_StridedShard(0, split_factor=parts)`` says
+    exactly that, so the parameter's global view stays the Hugging Face layout and checkpoints are unchanged.
+    DTensor has no matmul rule for that placement, so the projection runs on local tensors; the input
+    gradient, partial on each rank, is summed over tp on its way back.
+    """
+
+    def __init__(self, *, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"PackedColwiseParallel shards nn.Linear modules, not {type(module).__name__}.")
+        if module.out_features % (self.parts * device_mesh.size()):
+            raise ValueError(
+                f"PackedColwiseParallel: out_features={module.out_features} is not {self.parts} blocks that split"
+                f" evenly over {device_mesh.size()} ranks."
+            )
+        placement = [_StridedShard(0, split_factor=self.parts)]
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.forward = MethodType(partial(_packed_linear_forward, mesh=device_mesh), module)
+        return module
+
+
+def _packed_linear_forward(self: nn.Linear, hidden: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:
+    if not isinstance(hidden, DTensor):
+        hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+    hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    bias = self.bias.to_local() if self.bias is not None else None
+    return F.linear(hidden, self.weight.to_local(), bias)

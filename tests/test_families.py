@@ -1,0 +1,49 @@
+"""Every registered family at tp=2, with and without sequence parallel, against a single process."""
+
+from functools import partial
+
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from harness import run_checks
+from lightning_checks import check_trainer_parity
+from models import FAMILIES
+from parity import check_family, check_naive_plan_is_wrong
+
+SP = (False, True)
+
+
+def test_forward_backward_parity_of_every_family():
+    results = run_checks(2, [partial(check_family, family, sp) for family in FAMILIES for sp in SP])
+    assert len(results) == 2 * len(FAMILIES)
+
+
+def test_three_adamw_steps_of_every_family():
+    checks = [partial(check_trainer_parity, 2, sp, False, family) for family in FAMILIES for sp in SP]
+    assert len(run_checks(2, checks)) == len(checks)
+
+
+def test_family_plans_on_tp_times_fsdp():
+    """tp=2 x dp_shard=2: strided FSDP shards over Phi3's packed projections, tied Gemma3 embeddings."""
+    checks = [partial(check_family, family, True) for family in ("phi3", "gemma3", "qwen3")]
+    checks.append(partial(check_trainer_parity, 2, True, True, "phi3"))
+    assert len(run_checks(4, checks)) == len(checks)
+
+
+def test_what_the_reference_does_is_wrong():
+    """Leaving q_norm/k_norm plain (the reference) or sharding fused projections naively gives wrong gradients."""
+    layer = "model.layers.*"
+    qk_norms_left_alone = {f"{layer}.self_attn.q_norm": None, f"{layer}.self_attn.k_norm": None}
+    naive_gate_up = {f"{layer}.mlp.gate_up_proj": ColwiseParallel()}
+    naive_qkv = {f"{layer}.self_attn.qkv_proj": ColwiseParallel()}
+    checks = [
+        partial(check_naive_plan_is_wrong, "qwen3", qk_norms_left_alone),
+        partial(check_naive_plan_is_wrong, "gemma3", qk_norms_left_alone),
+        partial(check_naive_plan_is_wrong, "phi3", naive_gate_up),
+        partial(check_naive_plan_is_wrong, "phi3", naive_qkv),
+    ]
+    results = run_checks(2, checks)
+    for name, per_rank in results.items():
+        errors = per_rank[0]
+        assert errors["grad"] > 1e-2, f"{name}: expected wrong gradients, got {errors}"
+    for name in list(results)[2:]:
+        assert results[name][0]["logits"] > 1e-2, f"{name}: naive fused sharding should change the logits"

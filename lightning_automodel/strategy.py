@@ -58,7 +58,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         cp: context-parallel size (not available yet: must be 1).
         pp: pipeline-parallel size (not available yet: must be 1).
         tp_plan: a dict of module pattern -> ParallelStyle, an import path to one, or a function
-            ``(model, sp) -> dict``; default: the model family's registered plan.
+            ``(model, sp) -> dict``; default: the family's registered plan, else the model's Hugging Face plan.
+        allow_unsharded_linears: accept a plan that leaves large Linears of the blocks it shards whole.
         activation_checkpointing: recompute each decoder layer in backward.
         mp_policy: FSDP2 MixedPrecisionPolicy; default: derived from ``Trainer(precision=...)``.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
@@ -77,6 +78,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         cp: int = 1,
         pp: int = 1,
         tp_plan: Optional[PlanSpec] = None,
+        allow_unsharded_linears: bool = False,
         activation_checkpointing: bool = False,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         cpu_offload: bool = False,
@@ -97,6 +99,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
         self.sp = sp
         self.tp_plan = tp_plan
+        self.allow_unsharded_linears = allow_unsharded_linears
         self.activation_checkpointing = activation_checkpointing
         self.mp_policy = mp_policy
         self.cpu_offload = cpu_offload
@@ -171,6 +174,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             self.device_mesh,
             sp=self.sp,
             tp_plan=self.tp_plan,
+            allow_unsharded_linears=self.allow_unsharded_linears,
             activation_checkpointing=self.activation_checkpointing,
             mp_policy=self._mixed_precision_policy(),
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else None,

@@ -9,6 +9,7 @@ from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -29,8 +30,9 @@ CONFIGS = {
     "gemma3": Gemma3TextConfig,
     "gemma3_vlm": Gemma3TextConfig,
     "phi3": Phi3Config,
+    "granite": GraniteConfig,  # no registered plan: trained through its Hugging Face plan
 }
-FAMILIES = tuple(CONFIGS)
+FAMILIES = tuple(name for name in CONFIGS if name != "granite")
 
 
 def tiny_config(family: str = "llama", **overrides):
@@ -52,6 +54,8 @@ def tiny_config(family: str = "llama", **overrides):
         common.update(sliding_window=8, query_pre_attn_scalar=16, tie_word_embeddings=True)
     if family == "qwen3_cls":
         common.update(num_labels=3)
+    if family == "granite":  # its multipliers make it differ from Llama
+        common.update(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.2)
     if family == "phi3":
         common.update(num_key_value_heads=4)  # fused [q; k; v] of equal blocks
     common.update(overrides)

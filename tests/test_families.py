@@ -22,6 +22,12 @@ def test_three_adamw_steps_of_every_family():
     assert len(run_checks(2, checks)) == len(checks)
 
 
+def test_a_model_without_family_plan_trains_through_its_hugging_face_plan():
+    """Granite (multipliers on embeddings, residuals and logits) has no registered plan; transformers ships one."""
+    checks = [partial(check_family, "granite", False), partial(check_trainer_parity, 2, False, True, "granite")]
+    assert len(run_checks(2, checks)) == len(checks)
+
+
 def test_family_plans_on_tp_times_fsdp():
     """tp=2 x dp_shard=2: strided FSDP shards over Phi3's packed projections, tied Gemma3 embeddings."""
     checks = [partial(check_family, family, True) for family in ("phi3", "gemma3", "qwen3")]

@@ -2,10 +2,13 @@
 
 import pytest
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from lightning_automodel.parallel.parallelizer import apply_tensor_parallel, is_meta
-from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns
+from lightning_automodel.parallel.hf_plan import translate_style
+from lightning_automodel.parallel.parallelizer import apply_tensor_parallel, check_plan_coverage, is_meta
+from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns, unsharded_linears
+from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel
 from lightning_automodel.parallel.validation import validate_tp_sizes
 from models import tiny_config, tiny_model
 
@@ -34,14 +37,32 @@ def test_registered_family_plan(family):
 )
 def test_user_plan_wins(spec, expected):
     plan, source = select_tp_plan(tiny_model(), sp=False, tp_plan=spec)
-    assert (plan, source) == (expected, "user")
+    assert (plan, source) == (expected, "user plan")
 
 
-def test_unregistered_model_gets_the_default_plan():
-    class CustomLlama(type(tiny_model())):
-        pass
+def test_unregistered_model_uses_its_hugging_face_plan():
+    plan, source = select_tp_plan(tiny_model("granite"), sp=False)
+    assert source == "Hugging Face plan of GraniteForCausalLM"
+    assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
+    assert plan["lm_head"].output_layouts == (Shard(-1),), "lm_head must leave the logits vocab-sharded"
+    assert unmatched_patterns(tiny_model("granite"), plan) == []
 
-    plan, source = select_tp_plan(CustomLlama(tiny_config()), sp=False)
+
+def test_hugging_face_plans_have_no_sequence_parallel_layout():
+    with pytest.raises(ValueError, match="sp=True: GraniteForCausalLM has no registered plan"):
+        select_tp_plan(tiny_model("granite"), sp=True)
+
+
+def test_a_model_without_any_plan_gets_the_default_plan():
+    class PlanlessLlama(type(tiny_model())):
+        _tp_plan = None
+
+    config = tiny_config()
+    config.base_model_tp_plan = None
+    model = PlanlessLlama(config)
+    model._tp_plan = None
+    model.model._tp_plan = None
+    plan, source = select_tp_plan(model, sp=False)
     assert source == "default Llama-style plan" and "lm_head" in plan
 
 
@@ -93,3 +114,59 @@ def test_a_half_meta_model_is_refused():
         is_meta(model)
     with torch.device("meta"):
         assert is_meta(tiny_model())
+
+
+def test_every_hugging_face_style_string_is_understood():
+    """Each style of the installed transformers is translated, or refused as needing transformers' runtime."""
+    import transformers.distributed.expert_parallel  # noqa: F401  (registers the expert-parallel styles)
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    names = set(ALL_PARALLEL_STYLES) | {"colwise_rep", "rowwise_rep", "sequence_parallel", "local_colwise", "local"}
+    for name in sorted(names):
+        try:
+            translate_style(name, "model.layers.*.mlp")
+        except ValueError as error:
+            assert "needs transformers' own runtime" in str(error), (name, error)
+            assert "'model.layers.*.mlp'" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("style", "expected"),
+    [
+        ("colwise", ColwiseParallel),
+        ("rowwise", RowwiseParallel),
+        ("colwise_gather_output", ColwiseParallel),
+        ("rowwise_split_input", RowwiseParallel),
+        ("embedding_rowwise", RowwiseParallel),
+        ("sequence_parallel", SequenceParallel),
+        ("replicated_with_grad_allreduce", HeadShardedNorm),
+        ("packed_colwise", PackedColwiseParallel),
+    ],
+)
+def test_style_translations(style, expected):
+    assert isinstance(translate_style(style, "x"), expected)
+
+
+def test_replicated_gather_styles_gather():
+    assert translate_style("colwise_gather_output", "x").output_layouts == (Replicate(),)
+    assert translate_style("rowwise_split_input", "x").input_layouts == (Replicate(),)
+
+
+def test_an_unknown_style_names_itself_and_its_module():
+    with pytest.raises(ValueError, match="Unknown Hugging Face tensor-parallel style 'diagonal' for module 'model.x'"):
+        translate_style("diagonal", "model.x")
+
+
+def test_a_plan_that_leaves_the_mlp_whole_is_refused_unless_allowed():
+    attention_only = {f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+    model = tiny_model()
+    with pytest.raises(ValueError, match="leaves large Linear layers of the blocks it shards unsharded") as error:
+        check_plan_coverage(model, attention_only, source="user plan")
+    assert "model.layers.0.mlp.gate_proj" in str(error.value) and "allow_unsharded_linears=True" in str(error.value)
+    check_plan_coverage(model, attention_only, source="user plan", allow_unsharded_linears=True)
+
+
+def test_the_vision_tower_of_a_multimodal_model_is_not_flagged():
+    model = tiny_model("gemma3_vlm")
+    plan, source = select_tp_plan(model, sp=False)
+    assert unsharded_linears(model, plan) == []

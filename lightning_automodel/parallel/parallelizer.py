@@ -9,7 +9,7 @@ import copy
 import logging
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from lightning_automodel.mesh import axis_size, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.checkpointing import apply_activation_checkpointing
 from lightning_automodel.parallel.fsdp import apply_fsdp
-from lightning_automodel.parallel.plans import PlanSpec, select_tp_plan, unmatched_patterns
+from lightning_automodel.parallel.plans import PlanSpec, select_tp_plan, unmatched_patterns, unsharded_linears
 from lightning_automodel.parallel.validation import validate_tp_sizes
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class ParallelizationStrategy(ABC):
         activation_checkpointing: bool = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         offload_policy: OffloadPolicy | None = None,
+        allow_unsharded_linears: bool = False,
     ) -> nn.Module: ...
 
 
@@ -85,6 +86,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         activation_checkpointing: bool = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         offload_policy: OffloadPolicy | None = None,
+        allow_unsharded_linears: bool = False,
     ) -> nn.Module:
         """A model with real weights is first made identical on every rank (broadcast from global rank 0):
         tensor parallel scatters sharded weights from rank 0, but FSDP shards each rank's own copy, so
@@ -101,22 +103,24 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             model.to(device_mesh.device_type)
             broadcast_from_rank0(model)
         if tp > 1:
-            self.apply_tensor_parallel(model, tp_mesh(device_mesh), sp=sp, tp_plan=tp_plan)
+            self.apply_tensor_parallel(
+                model, tp_mesh(device_mesh), sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears
+            )
         if activation_checkpointing:
             apply_activation_checkpointing(model, layers)
         apply_fsdp(model, layers, fsdp_mesh(device_mesh), mp_policy=mp_policy, offload_policy=offload_policy)
         return model
 
-    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh, *, sp: bool, tp_plan: PlanSpec | None) -> None:
-        apply_tensor_parallel(model, mesh, sp=sp, tp_plan=tp_plan)
+    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh, **options: Any) -> None:
+        apply_tensor_parallel(model, mesh, **options)
 
 
 @register_parallelization_strategy("Phi3ForCausalLM")
 class Phi3ParallelizationStrategy(DefaultParallelizationStrategy):
     """Phi3 attention slices its fused qkv output with head counts read in forward: make them this rank's."""
 
-    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh, *, sp: bool, tp_plan: PlanSpec | None) -> None:
-        super().apply_tensor_parallel(model, mesh, sp=sp, tp_plan=tp_plan)
+    def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh, **options: Any) -> None:
+        super().apply_tensor_parallel(model, mesh, **options)
         for layer in decoder_layers(model):
             attention = layer.self_attn
             attention.config = copy.copy(attention.config)  # the model's own config keeps the global counts
@@ -125,17 +129,17 @@ class Phi3ParallelizationStrategy(DefaultParallelizationStrategy):
             attention.num_key_value_heads //= mesh.size()
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sp: bool, tp_plan: PlanSpec | None = None) -> None:
+def apply_tensor_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    sp: bool,
+    tp_plan: PlanSpec | None = None,
+    allow_unsharded_linears: bool = False,
+) -> None:
     """Shard ``model`` with its tensor-parallel plan; ties and frozen parameters survive."""
     plan, source = select_tp_plan(model, sp=sp, tp_plan=tp_plan)
-    unmatched = unmatched_patterns(model, plan)
-    if len(unmatched) == len(plan):
-        raise ValueError(
-            f"The {source} matches no module of {type(model).__name__}: {sorted(plan)}. Pass tp_plan= with"
-            " patterns over the names in model.named_modules()."
-        )
-    if unmatched:
-        log.warning("Tensor-parallel plan patterns that match no module of %s: %s", type(model).__name__, unmatched)
+    check_plan_coverage(model, plan, source=source, allow_unsharded_linears=allow_unsharded_linears)
     log.info("Tensor parallel over %d ranks with the %s", mesh.size(), source)
 
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
@@ -145,6 +149,29 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sp: bool, tp_pl
     # Some styles (SequenceParallel) re-create parameters as trainable: restore what the user froze.
     for name, param in model.named_parameters(remove_duplicate=False):
         param.requires_grad_(requires_grad[name])
+
+
+def check_plan_coverage(
+    model: nn.Module, plan: Mapping[str, object], *, source: str, allow_unsharded_linears: bool = False
+) -> None:
+    """Refuse a plan that matches nothing or leaves large Linears of the blocks it shards whole; report
+    patterns that match no module (``parallelize_module`` would skip them silently)."""
+    unmatched = unmatched_patterns(model, plan)
+    if len(unmatched) == len(plan):
+        raise ValueError(
+            f"The {source} matches no module of {type(model).__name__}: {sorted(plan)}. Pass tp_plan= with"
+            " patterns over the names in model.named_modules()."
+        )
+    if unmatched:
+        log.warning("Tensor-parallel plan patterns that match no module of %s: %s", type(model).__name__, unmatched)
+    whole = unsharded_linears(model, plan)
+    if whole and not allow_unsharded_linears:
+        shown = ", ".join(whole[:6]) + (f" and {len(whole) - 6} more" if len(whole) > 6 else "")
+        raise ValueError(
+            f"The {source} leaves large Linear layers of the blocks it shards unsharded: {shown}. Every tp rank"
+            " would hold and compute them in full. Add them to tp_plan=, or pass allow_unsharded_linears=True if"
+            " that is intended."
+        )
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

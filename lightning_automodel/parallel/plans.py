@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_automodel.parallel.hf_plan import hf_style_strings, hf_tp_plan
 from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel, SequenceParallelAllGather
 from lightning_automodel.parallel.validation import model_config
 
@@ -178,12 +179,15 @@ def _resolve_user_plan(spec: PlanSpec, model: nn.Module, sp: bool) -> TPPlan:
 
 
 def select_tp_plan(model: nn.Module, *, sp: bool, tp_plan: PlanSpec | None = None) -> tuple[TPPlan, str]:
-    """Pick the plan for ``model`` and say where it came from: the user's, the family's, or the default."""
+    """Pick the plan for ``model`` and say where it came from, in this priority: the user's ``tp_plan``, the
+    family plan registered for its class, the model's own Hugging Face plan, the default Llama-style plan."""
     if tp_plan is not None:
-        return _resolve_user_plan(tp_plan, model, sp), "user"
+        return _resolve_user_plan(tp_plan, model, sp), "user plan"
     family = _FAMILY_PLANS.get(type(model).__name__)
     if family is not None:
         return dict(family(model, sp)), f"family plan for {type(model).__name__}"
+    if hf_style_strings(model):
+        return hf_tp_plan(model, sp), f"Hugging Face plan of {type(model).__name__}"
     return default_plan(model, sp), "default Llama-style plan"
 
 
@@ -191,6 +195,31 @@ def unmatched_patterns(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> l
     """Plan keys that name no module of ``model`` (``parallelize_module`` skips them silently)."""
     names = [name for name, _ in model.named_modules()]
     return [pattern for pattern in plan if not any(_matches(pattern, name) for name in names)]
+
+
+def unsharded_linears(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[str]:
+    """Large Linears that the plan leaves whole inside the blocks it shards: a plan that misses them (an MLP
+    named differently, say) runs, but every rank then holds and computes those weights in full.
+
+    Large: at least an eighth of the largest Linear the plan shards. Blocks: the items of ModuleLists.
+    """
+    modules = dict(model.named_modules())
+    matched = {name for name in modules if any(_matches(pattern, name) for pattern in plan)}
+    sharded = [modules[name].weight.numel() for name in matched if isinstance(modules[name], nn.Linear)]
+    if not sharded:
+        return []
+    blocks = {
+        f"{name}.{index}" for name, module in modules.items() if isinstance(module, nn.ModuleList) for index in range(len(module))
+    }
+    touched = {block for block in blocks if any(name.startswith(f"{block}.") for name in matched)}
+    return [
+        name
+        for name, module in modules.items()
+        if isinstance(module, nn.Linear)
+        and name not in matched
+        and module.weight.numel() * 8 >= max(sharded)
+        and any(name.startswith(f"{block}.") for block in touched)
+    ]
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -173,8 +173,7 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     Never a 2D (dp_shard, cp) slice: FSDP would read its first axis as a replicate axis.
     """
     if axis_size(mesh, "dp_replicate") > 1:
-        flattened(mesh, "dp_shard_cp")
-        return mesh["dp_replicate", "dp_shard_cp"]
+        return mesh["dp_replicate", "dp_shard_cp"]  # "dp_shard_cp" was flattened by ParallelDims.build_mesh
     return flattened(mesh, "dp_shard_cp")
 
 

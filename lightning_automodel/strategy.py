@@ -6,6 +6,7 @@ Hugging Face models inside the LightningModule and parallelizes them before any 
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from contextlib import ExitStack
@@ -19,6 +20,8 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -104,13 +107,15 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         self.mp_policy = mp_policy
         self.cpu_offload = cpu_offload
         self._loss_parallel = ExitStack()
+        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     @override
     def setup_environment(self) -> None:
         # Resolve and validate the sizes before the first collective, identically on every rank.
         self.parallel_dims = self.parallel_dims.resolve(self.num_nodes * self.num_processes)
         self._setup_distributed()
-        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, timeout=self._timeout)
+        if self._device_mesh is None:  # later stages (validate after fit) reuse the mesh the model lives on
+            self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, timeout=self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -123,6 +128,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        # ModelParallelStrategy.setup, less its demand that configure_model parallelizes the model itself.
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -147,6 +153,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         module = self.lightning_module
         assert module is not None
         models = find_hf_models(module)
+        _log_local_values(module)
         ours = bool(models) and all(model in _PARALLELIZED_BY_US for model in models)
         if not ours and _is_parallelized(module):
             log.info("%s is already parallelized (DTensor or FSDP2 parameters); leaving it as it is.", type(module).__name__)
@@ -158,10 +165,16 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
                 " (e.g. self.model = AutoModelForCausalLM.from_config(config)), or parallelize it yourself in"
                 " configure_model."
             )
+        if self._models and not any(model in self._models for model in models):
+            rank_zero_warn(
+                f"{type(module).__name__} holds a new model in this stage: the one trained before was replaced"
+                " (configure_model runs at every stage). Guard it with `if self.model is not None: return`."
+            )
         for model in models:
             if model not in _PARALLELIZED_BY_US:
                 self._parallelize(model)
                 _PARALLELIZED_BY_US.add(model)
+        self._models = weakref.WeakSet(models)
         if axis_size(self.device_mesh, "tp") > 1:
             # lm_head leaves the logits sharded on the vocabulary: cross-entropy and its backward need
             # loss_parallel, entered once per stage for every step (training, validation, manual backward).
@@ -180,7 +193,12 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else None,
         )
         if meta:
-            materialize_hf_model(model, self.root_device)
+            materialize_hf_model(model, torch.device("cpu") if self.cpu_offload else self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        if not self.cpu_offload:  # offloaded FSDP shards must stay in CPU memory
+            super().model_to_device()
 
     def _mixed_precision_policy(self) -> Optional[MixedPrecisionPolicy]:
         if self.mp_policy is not None:
@@ -198,6 +216,10 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return _to_local(super().test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return _to_local(super().predict_step(*args, **kwargs))
 
     @override
     def reduce(
@@ -256,12 +278,24 @@ def _is_parallelized(module: nn.Module) -> bool:
 
 
 def _to_local(output: Any) -> Any:
-    """Hand Lightning a plain tensor where a step returned a DTensor loss (gradients still flow through it)."""
-    if isinstance(output, DTensor):
-        return output.full_tensor()
-    if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
-        return {**output, "loss": output["loss"].full_tensor()}
-    return output
+    """Hand Lightning plain tensors where a step returned DTensors (a loss from vocab-sharded logits, the logits
+    themselves); gradients still flow through ``full_tensor``."""
+    return apply_to_collection(output, DTensor, DTensor.full_tensor)
+
+
+def _log_local_values(module: pl.LightningModule) -> None:
+    """Make ``module.log`` store plain tensors: a DTensor would end up in callback_metrics and checkpoints
+    (ModelCheckpoint's best score), which then hold a pickled device mesh. ``log_dict`` goes through it too."""
+    if getattr(module.log, "logs_local_values", False):
+        return
+    log_value = module.log
+
+    @functools.wraps(log_value)
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        log_value(name, _to_local(value), *args, **kwargs)
+
+    log.logs_local_values = True
+    module.log = log
 
 
 AutoModelParallelStrategy.register_strategies(StrategyRegistry)

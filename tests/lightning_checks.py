@@ -7,23 +7,28 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
 from lightning_automodel.hf.initialization import materialize_hf_model
 from models import batch, tiny_config, tiny_model
-from parity import FP32_TOLERANCE, loss_of
+from parity import FP32_TOLERANCE, loss_of, relative_error
 
 STEPS = 3
 LR = 1e-2
 GLOBAL_BATCH = 8
 # AdamW scales every element's step to about lr whatever the gradient's size, so reduction-order noise on a
 # near-zero gradient element can move it by a fraction of lr: measured up to 3e-4 (Qwen3 embeddings) after
-# 3 steps of lr 1e-2. A wrong gradient moves weights by O(lr x steps) = 3e-2, a hundred times more.
+# 3 steps of lr 1e-2. A gradient of the wrong direction moves weights by O(lr x steps) = 3e-2; one of the
+# wrong scale barely moves them, which is why compare_training checks the gradients themselves.
 WEIGHT_TOLERANCE = 1e-3
-# The first loss is exact up to reduction order (FP32_TOLERANCE); later ones inherit the weights' AdamW noise.
+# The first loss and gradients are exact up to reduction order (FP32_TOLERANCE); later ones inherit the
+# weights' AdamW noise (gradients measured up to 1.2e-3 relative). A gradient of the wrong scale is off by
+# O(1) at every step, the first included.
 TRAINED_LOSS_TOLERANCE = 1e-4
+TRAINED_GRAD_TOLERANCE = 1e-2
 
 
 class CausalLM(L.LightningModule):
@@ -33,6 +38,10 @@ class CausalLM(L.LightningModule):
         super().__init__()
         self.model = model if model is not None else tiny_model()
         self.losses: list[float] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.grads.append({name: p.grad.full_tensor() for name, p in self.model.named_parameters() if p.grad is not None})
 
     def training_step(self, batch, batch_idx):
         tokens, labels = batch
@@ -45,6 +54,7 @@ class CausalLM(L.LightningModule):
         tokens, labels = batch
         loss = F.cross_entropy(self.model(tokens).logits.flatten(0, 1), labels.flatten())
         self.log("val_loss", loss, sync_dist=True)
+        self.log("val_loss_unsynced", loss)  # Lightning's default: no reduction, stored as given
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=LR)
@@ -57,6 +67,8 @@ class MetaInitCausalLM(CausalLM):
         super().__init__(model=torch.nn.Identity())
 
     def configure_model(self) -> None:
+        if not isinstance(self.model, torch.nn.Identity):
+            return  # Lightning calls configure_model at every stage: build once
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(tiny_config())
 
@@ -89,27 +101,47 @@ def data(dp: int) -> DataLoader:
     return DataLoader(TensorDataset(tokens, labels), batch_size=GLOBAL_BATCH // dp)
 
 
-def reference_run(model: torch.nn.Module) -> list[float]:
+def reference_run(model: torch.nn.Module) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Losses and gradients of each of the single-process AdamW steps."""
     tokens, labels = batch(GLOBAL_BATCH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    losses, grads = [], []
     for _ in range(STEPS):
         loss, _ = loss_of(model, tokens, labels)
         optimizer.zero_grad()
         loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
         optimizer.step()
         losses.append(loss.item())
-    return losses
+    return losses, grads
 
 
-def compare_training(module: CausalLM, reference: torch.nn.Module, reference_losses: list[float]) -> dict:
+def compare_training(module: CausalLM, reference: torch.nn.Module, reference_steps: tuple[list, list]) -> dict:
+    """Per-step losses and gradients, then the weights after the last step.
+
+    AdamW all but ignores a gradient's scale, so a gradient off by a constant factor would pass the weight
+    comparison: the gradients Lightning hands the optimizer are compared too, at every step.
+    """
+    reference_losses, reference_grads = reference_steps
+    grad_errors = [
+        max(relative_error(grads[name], ref[name]) for name in ref)
+        for grads, ref in zip(module.grads, reference_grads, strict=True)
+    ]
+    assert all(grads.keys() == ref.keys() for grads, ref in zip(module.grads, reference_grads))
     errors = [abs(a - b) / abs(b) for a, b in zip(module.losses, reference_losses, strict=True)]
     ref_params = dict(reference.named_parameters())
     weight_error = max(
         (p.full_tensor() - ref_params[name]).abs().max().item() for name, p in module.model.named_parameters()
     )
-    result = {"first_loss": errors[0], "later_losses": max(errors[1:]), "weights_after_3_adamw_steps": weight_error}
+    result = {
+        "first_loss": errors[0],
+        "later_losses": max(errors[1:]),
+        "first_grads": grad_errors[0],
+        "later_grads": max(grad_errors[1:]),
+        "weights_after_3_adamw_steps": weight_error,
+    }
     assert errors[0] < FP32_TOLERANCE and max(errors[1:]) < TRAINED_LOSS_TOLERANCE, result
+    assert grad_errors[0] < FP32_TOLERANCE and max(grad_errors[1:]) < TRAINED_GRAD_TOLERANCE, result
     assert weight_error < WEIGHT_TOLERANCE, result
     return result
 
@@ -117,7 +149,7 @@ def compare_training(module: CausalLM, reference: torch.nn.Module, reference_los
 def check_trainer_parity(tp: int, sp: bool, activation_checkpointing: bool, family: str = "llama") -> dict:
     """3 AdamW steps through Trainer.fit match a single-process run, loss for loss and weight for weight."""
     strategy = AutoModelParallelStrategy(tp=tp, sp=sp, activation_checkpointing=activation_checkpointing)
-    module = CausalLM(tiny_model(family))
+    module = CausalLM(tiny_model(family, seed=dist.get_rank()))  # rank 0's weights must win
     trainer(strategy).fit(module, data(dist.get_world_size() // tp))
     reference = tiny_model(family)
     return compare_training(module, reference, reference_run(reference))
@@ -125,7 +157,7 @@ def check_trainer_parity(tp: int, sp: bool, activation_checkpointing: bool, fami
 
 def check_meta_model_from_configure_model(tp: int) -> dict:
     """A model built on meta in configure_model is parallelized, initialised like HF, and trains in parity."""
-    torch.manual_seed(7)
+    torch.manual_seed(7 + dist.get_rank())  # ranks disagree: every rank must take rank 0's random state
     module = MetaInitCausalLM()
     trainer(AutoModelParallelStrategy(tp=tp)).fit(module, data(dist.get_world_size() // tp))
     torch.manual_seed(7)
@@ -152,8 +184,8 @@ def check_bf16_mixed_trainer(tp: int) -> dict:
     trainer(AutoModelParallelStrategy(tp=tp), precision="bf16-mixed").fit(module, data(dist.get_world_size() // tp))
     policy = module.model._get_fsdp_state()._mp_policy
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), policy
-    reference_losses = reference_run(tiny_model())
-    bf16_losses = reference_run(tiny_model().to(torch.bfloat16))
+    reference_losses, _ = reference_run(tiny_model())
+    bf16_losses, _ = reference_run(tiny_model().to(torch.bfloat16))
     noise = max(abs(a - b) / b for a, b in zip(bf16_losses, reference_losses))
     error = max(abs(a - b) / b for a, b in zip(module.losses, reference_losses))
     assert error <= 2 * noise + 1e-3, (error, noise)
@@ -184,7 +216,10 @@ def check_data_parallel_wiring(tp: int) -> dict:
     assert fit.callback_metrics["dp_rank_sum"].item() == sum(range(dp)), fit.callback_metrics
     assert module.loss_parallel_active and not _loss_parallel_active(), "loss_parallel must span the stage only"
     metrics = fit.validate(module, data(dp), verbose=False)  # after fit: loss_parallel entered again
-    return {"tokens": module.seen_tokens, "val_loss": metrics[0]["val_loss"]}
+    val_loss = metrics[0]["val_loss"]
+    for name in ("val_loss", "val_loss_unsynced"):
+        assert not isinstance(fit.callback_metrics[name], DTensor), f"logged {name} must be a plain tensor"
+    return {"tokens": module.seen_tokens, "val_loss": val_loss}
 
 
 def _loss_parallel_active() -> bool:

@@ -75,10 +75,13 @@ def forward_backward_errors(model, reference, dp: DeviceMesh | None, *, batch_si
     return errors
 
 
-def check_layout(tp: int, sp: bool, activation_checkpointing: bool) -> dict[str, float]:
-    """fp32 parity of one layout; dp_shard takes the rest of the world."""
-    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
-    reference, model = tiny_model(), tiny_model()
+def check_layout(tp: int, sp: bool, activation_checkpointing: bool, dp_replicate: int = 1) -> dict[str, float]:
+    """fp32 parity of one layout; dp_shard takes the rest of the world.
+
+    Every rank builds its model from a different seed: parallelize must make them all rank 0's.
+    """
+    mesh = dims_for(dist.get_world_size(), tp, dp_replicate).build_mesh("cpu")
+    reference, model = tiny_model(), tiny_model(seed=dist.get_rank())
     parallelize(model, mesh, sp=sp, activation_checkpointing=activation_checkpointing)
     errors = forward_backward_errors(model, reference, data_mesh(mesh))
     assert max(errors.values()) < FP32_TOLERANCE, errors

@@ -13,26 +13,23 @@ SP = (False, True)
 
 
 def test_forward_backward_parity_of_every_family():
-    results = run_checks(2, [partial(check_family, family, sp) for family in FAMILIES for sp in SP])
-    assert len(results) == 2 * len(FAMILIES)
+    run_checks(2, [partial(check_family, family, sp) for family in FAMILIES for sp in SP])
 
 
 def test_three_adamw_steps_of_every_family():
-    checks = [partial(check_trainer_parity, 2, sp, False, family) for family in FAMILIES for sp in SP]
-    assert len(run_checks(2, checks)) == len(checks)
+    run_checks(2, [partial(check_trainer_parity, 2, sp, False, family) for family in FAMILIES for sp in SP])
 
 
 def test_a_model_without_family_plan_trains_through_its_hugging_face_plan():
     """Granite (multipliers on embeddings, residuals and logits) has no registered plan; transformers ships one."""
-    checks = [partial(check_family, "granite", False), partial(check_trainer_parity, 2, False, True, "granite")]
-    assert len(run_checks(2, checks)) == len(checks)
+    run_checks(2, [partial(check_family, "granite", False), partial(check_trainer_parity, 2, False, True, "granite")])
 
 
 def test_family_plans_on_tp_times_fsdp():
     """tp=2 x dp_shard=2: strided FSDP shards over Phi3's packed projections, tied Gemma3 embeddings."""
     checks = [partial(check_family, family, True) for family in ("phi3", "gemma3", "qwen3")]
     checks.append(partial(check_trainer_parity, 2, True, True, "phi3"))
-    assert len(run_checks(4, checks)) == len(checks)
+    run_checks(4, checks)
 
 
 def test_what_the_reference_does_is_wrong():

@@ -13,13 +13,12 @@ def test_world_of_two():
     checks = [partial(check_layout, tp, sp, ac) for tp, sp in ((2, False), (2, True), (1, False)) for ac in AC]
     checks.append(partial(check_bf16_layout, 2, True))
     checks += [partial(check, sp) for check in (check_tied_embeddings, check_frozen_stays_frozen) for sp in (False, True)]
-    results = run_checks(2, checks)
-    assert len(results) == len(checks)
+    run_checks(2, checks)
 
 
 def test_world_of_four():
-    """tp=2 x dp_shard=2, with and without sp and activation checkpointing; bf16."""
+    """tp=2 x dp_shard=2, with and without sp and activation checkpointing; bf16; HSDP with and without tp."""
     checks = [partial(check_layout, 2, sp, ac) for sp in (False, True) for ac in AC]
     checks.append(partial(check_bf16_layout, 2, False))
-    results = run_checks(4, checks)
-    assert len(results) == len(checks)
+    checks += [partial(check_layout, 1, False, False, 2), partial(check_layout, 2, True, False, 2)]
+    run_checks(4, checks)

@@ -43,7 +43,9 @@ def test_trainer_on_four_ranks():
     checks = [partial(check_trainer_parity, 2, False, ac) for ac in AC]
     checks += [partial(check_trainer_parity, 2, True, True), partial(check_data_parallel_wiring, 2)]
     results = run_checks(4, checks)
-    tokens = [r["tokens"] for r in results["check_data_parallel_wiring(2)"]]
+    wiring = results["check_data_parallel_wiring(2)"]
+    assert len({r["val_loss"] for r in wiring}) == 1, "every rank must report the same validation loss"
+    tokens = [r["tokens"] for r in wiring]
     assert tokens[0] == tokens[1] and tokens[2] == tokens[3], "tensor-parallel peers must read the same batch"
     assert tokens[0] != tokens[2], "data-parallel ranks must read different batches"
 

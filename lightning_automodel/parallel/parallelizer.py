@@ -121,8 +121,7 @@ class Phi3ParallelizationStrategy(DefaultParallelizationStrategy):
 
     def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh, **options: Any) -> None:
         super().apply_tensor_parallel(model, mesh, **options)
-        for layer in decoder_layers(model):
-            attention = layer.self_attn
+        for attention in (module for module in model.modules() if hasattr(module, "qkv_proj")):
             attention.config = copy.copy(attention.config)  # the model's own config keeps the global counts
             attention.config.num_attention_heads //= mesh.size()
             attention.config.num_key_value_heads //= mesh.size()
@@ -175,9 +174,15 @@ def check_plan_coverage(
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: the largest ModuleList in the model (``model.layers`` in Hugging Face models)."""
-    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    """The transformer blocks, in registration order: the items of every ModuleList that hold parameters
+    (``model.layers`` in Hugging Face models, and a vision tower's encoder layers in multimodal ones)."""
+    return [
+        block
+        for module in model.modules()
+        if isinstance(module, nn.ModuleList)
+        for block in module
+        if not isinstance(block, nn.ModuleList) and any(True for _ in block.parameters())
+    ]
 
 
 def is_meta(model: nn.Module) -> bool:

@@ -150,11 +150,6 @@ def phi3_plan(model: nn.Module, sp: bool) -> TPPlan:
     return plan
 
 
-def default_plan(model: nn.Module, sp: bool) -> TPPlan:
-    """Fallback for unregistered models: the Llama layout, which many decoder-only families share."""
-    return _decoder_plan("model", sp=sp)
-
-
 def _import_object(path: str) -> object:
     module_name, _, attribute = path.rpartition(".")
     if not module_name:
@@ -188,7 +183,7 @@ def select_tp_plan(model: nn.Module, *, sp: bool, tp_plan: PlanSpec | None = Non
         return dict(family(model, sp)), f"family plan for {type(model).__name__}"
     if hf_style_strings(model):
         return hf_tp_plan(model, sp), f"Hugging Face plan of {type(model).__name__}"
-    return default_plan(model, sp), "default Llama-style plan"
+    return llama_plan(model, sp), "default Llama-style plan"  # the layout many decoder-only families share
 
 
 def unmatched_patterns(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[str]:

@@ -156,3 +156,31 @@ def check_naive_plan_is_wrong(family: str, replace: dict[str, object]) -> dict[s
             plan[pattern] = style
     parallelize(model, mesh, tp_plan=plan)
     return forward_backward_errors(model, reference, data_mesh(mesh))
+
+
+def user_plan(model: torch.nn.Module, sp: bool) -> dict:
+    """A plan as a user writes it for Llama, with torch's styles only: logits gathered, no sequence parallel."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layer = "model.layers.*"
+    plan = {f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+    plan |= {f"{layer}.mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")}
+    plan |= {f"{layer}.self_attn.o_proj": RowwiseParallel(), f"{layer}.mlp.down_proj": RowwiseParallel()}
+    plan |= {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate())}
+    plan |= {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    return plan
+
+
+USER_PLAN = user_plan(None, False)
+
+
+def check_user_plan(spec: str) -> dict[str, float]:
+    """tp_plan given as a dict, an import path to a dict, an import path to a function, or the function."""
+    specs = {"dict": USER_PLAN, "dict path": "parity.USER_PLAN", "function path": "parity.user_plan", "function": user_plan}
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    reference, model = tiny_model(), tiny_model()
+    parallelize(model, mesh, tp_plan=specs[spec])
+    errors = forward_backward_errors(model, reference, data_mesh(mesh))
+    assert max(errors.values()) < FP32_TOLERANCE, errors
+    return errors

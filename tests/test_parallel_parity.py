@@ -3,7 +3,13 @@
 from functools import partial
 
 from harness import run_checks
-from parity import check_bf16_layout, check_frozen_stays_frozen, check_layout, check_tied_embeddings
+from parity import (
+    check_bf16_layout,
+    check_frozen_stays_frozen,
+    check_layout,
+    check_tied_embeddings,
+    check_user_plan,
+)
 
 AC = (False, True)
 
@@ -13,6 +19,7 @@ def test_world_of_two():
     checks = [partial(check_layout, tp, sp, ac) for tp, sp in ((2, False), (2, True), (1, False)) for ac in AC]
     checks.append(partial(check_bf16_layout, 2, True))
     checks += [partial(check, sp) for check in (check_tied_embeddings, check_frozen_stays_frozen) for sp in (False, True)]
+    checks += [partial(check_user_plan, spec) for spec in ("dict", "dict path", "function path", "function")]
     run_checks(2, checks)
 
 

@@ -6,7 +6,18 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_automodel.parallel.hf_plan import translate_style
-from lightning_automodel.parallel.parallelizer import apply_tensor_parallel, check_plan_coverage, is_meta
+from lightning_automodel.parallel import (
+    DefaultParallelizationStrategy,
+    ParallelizationStrategy,
+    parallelize,
+    register_parallelization_strategy,
+)
+from lightning_automodel.parallel.parallelizer import (
+    apply_tensor_parallel,
+    check_plan_coverage,
+    is_meta,
+    parallelization_strategy_for,
+)
 from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns, unsharded_linears
 from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel
 from lightning_automodel.parallel.validation import validate_tp_sizes
@@ -170,3 +181,22 @@ def test_the_vision_tower_of_a_multimodal_model_is_not_flagged():
     model = tiny_model("gemma3_vlm")
     plan, source = select_tp_plan(model, sp=False)
     assert unsharded_linears(model, plan) == []
+
+
+def test_a_registered_parallelization_strategy_takes_over_the_flow():
+    calls = []
+
+    class Family(torch.nn.Module):
+        pass
+
+    @register_parallelization_strategy("Family")
+    class FamilyStrategy(ParallelizationStrategy):
+        def parallelize(self, model, device_mesh, **options):
+            calls.append((model, device_mesh, options))
+            return model
+
+    model = Family()
+    assert isinstance(parallelization_strategy_for(model), FamilyStrategy)
+    assert parallelize(model, "mesh", sp=True) is model
+    assert calls == [(model, "mesh", {"sp": True})]
+    assert isinstance(parallelization_strategy_for(tiny_model()), DefaultParallelizationStrategy)

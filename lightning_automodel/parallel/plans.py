@@ -189,7 +189,7 @@ def select_tp_plan(model: nn.Module, *, sp: bool, tp_plan: PlanSpec | None = Non
 def unmatched_patterns(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[str]:
     """Plan keys that name no module of ``model`` (``parallelize_module`` skips them silently)."""
     names = [name for name, _ in model.named_modules()]
-    return [pattern for pattern in plan if not any(_matches(pattern, name) for name in names)]
+    return [pattern for pattern in plan if not any(pattern_matches(pattern, name) for name in names)]
 
 
 def unsharded_linears(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[str]:
@@ -199,7 +199,7 @@ def unsharded_linears(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> li
     Large: at least an eighth of the largest Linear the plan shards. Blocks: the items of ModuleLists.
     """
     modules = dict(model.named_modules())
-    matched = {name for name in modules if any(_matches(pattern, name) for pattern in plan)}
+    matched = {name for name in modules if any(pattern_matches(pattern, name) for pattern in plan)}
     sharded = [modules[name].weight.numel() for name in matched if isinstance(modules[name], nn.Linear)]
     if not sharded:
         return []
@@ -217,6 +217,7 @@ def unsharded_linears(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> li
     ]
 
 
-def _matches(pattern: str, name: str) -> bool:
+def pattern_matches(pattern: str, name: str) -> bool:
+    """Whether module ``name`` matches plan key ``pattern`` (``*`` stands for one path component)."""
     parts, name_parts = pattern.split("."), name.split(".")
     return len(parts) == len(name_parts) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, name_parts))

@@ -1,0 +1,114 @@
+"""Plan report: what parallelize() would do to a model on a mesh, computed without GPUs or real weights.
+
+The model is built (or kept) on the meta device and parallelized for real inside a fake process group of the
+requested world size, so the per-rank shapes are the ones training would get, not a re-derivation that could
+drift from the code. An 8B-parameter config takes seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_automodel.mesh import ParallelDims
+from lightning_automodel.parallel.parallelizer import parallelize
+from lightning_automodel.parallel.plans import (
+    PlanSpec,
+    pattern_matches,
+    select_tp_plan,
+    unmatched_patterns,
+    unsharded_linears,
+)
+
+# Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and
+# exp_avg_sq (all in the parameter's dtype). Activations come on top and depend on the batch.
+_TRAINING_COPIES = 4
+
+
+@dataclass
+class PlanReport:
+    model_name: str
+    dims: ParallelDims
+    plan_source: str
+    styles: dict[str, tuple[str, int]] = field(default_factory=dict)  # pattern -> (style, modules matched)
+    unmatched_patterns: list[str] = field(default_factory=list)
+    unsharded_linears: list[str] = field(default_factory=list)
+    total_parameters: int = 0
+    parameters_per_rank: int = 0
+    parameter_bytes_per_rank: int = 0
+
+    @property
+    def training_bytes_per_rank(self) -> int:
+        """Parameters + gradients + AdamW state on one rank (activations not included)."""
+        return _TRAINING_COPIES * self.parameter_bytes_per_rank
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.model_name} on {self.dims}",
+            f"tensor-parallel plan: {self.plan_source}" if self.dims.tp > 1 else "tensor parallel: off (tp=1)",
+        ]
+        width = max((len(pattern) for pattern in self.styles), default=0)
+        lines += [f"  {p:<{width}}  {style} x{count}" for p, (style, count) in self.styles.items()]
+        if self.unmatched_patterns:
+            lines.append(f"patterns matching no module: {', '.join(self.unmatched_patterns)}")
+        if self.unsharded_linears:
+            lines.append(f"large Linears left whole on every tp rank: {', '.join(self.unsharded_linears)}")
+        share = self.parameters_per_rank / max(self.total_parameters, 1)
+        lines += [
+            f"parameters: {self.total_parameters:,} in all, {self.parameters_per_rank:,} per rank"
+            f" ({share:.2%}; ideal 1/{self.dims.tp * self.dims.dp_shard * self.dims.cp})",
+            f"memory per rank: {_gib(self.parameter_bytes_per_rank)} parameters,"
+            f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state (activations not included)",
+        ]
+        return "\n".join(lines)
+
+
+def plan_report(
+    model: nn.Module, dims: ParallelDims, *, sp: bool = False, tp_plan: PlanSpec | None = None, rank: int = 0
+) -> PlanReport:
+    """Parallelize ``model`` (on the meta device) as ``rank`` of a fake world of ``dims`` and describe the result.
+
+    ``dims`` must be resolved (a world size is needed). Must be called outside any real process group.
+    """
+    if not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
+    report = PlanReport(type(model).__name__, dims, plan_source="")
+    report.total_parameters = sum(p.numel() for p in model.parameters())
+    if dims.tp > 1:
+        plan, report.plan_source = select_tp_plan(model, sp=sp, tp_plan=tp_plan)
+        names = [name for name, _ in model.named_modules()]
+        for pattern, style in plan.items():
+            report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
+        report.unmatched_patterns = unmatched_patterns(model, plan)
+        report.unsharded_linears = unsharded_linears(model, plan)
+        tp_plan = plan
+    with _fake_world(dims.world_size, rank):
+        parallelize(model, dims.build_mesh("cpu"), sp=sp, tp_plan=tp_plan, allow_unsharded_linears=True)
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    report.parameters_per_rank = sum(t.numel() for t in local)
+    report.parameter_bytes_per_rank = sum(t.numel() * t.element_size() for t in local)
+    return report
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """A process group whose collectives do nothing: shapes and placements, no communication."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("plan_report runs in a fake process group; call it outside distributed training.")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"

@@ -1,0 +1,67 @@
+"""The plan report: a fake world of any size, in this process, on meta-device models."""
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from lightning_automodel import ParallelDims, plan_report
+from models import tiny_config
+
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
+
+
+def on_meta(config):
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_an_8b_model_on_32_ranks():
+    report = plan_report(on_meta(LlamaConfig(**LLAMA_8B)), ParallelDims(tp=8, dp_shard=4).resolve(32), sp=True)
+    assert report.total_parameters == 8_030_261_248
+    # Everything is sharded 32 ways but the norms (replicated over tp, sharded over dp): within 0.1% of ideal.
+    assert report.parameters_per_rank == pytest.approx(report.total_parameters / 32, rel=1e-3)
+    assert report.training_bytes_per_rank == 4 * 4 * report.parameters_per_rank  # fp32 param, grad, 2 AdamW states
+    text = str(report)
+    for fragment in [
+        "family plan for LlamaForCausalLM",
+        "model.layers.*.mlp.down_proj",
+        "RowwiseParallel x32",
+        "SequenceParallelAllGather x32",
+        "8,030,261,248 in all",
+        "ideal 1/32",
+        "GiB with gradients and AdamW state",
+    ]:
+        assert fragment in text, (fragment, text)
+
+
+def test_unmatched_patterns_and_whole_linears_are_reported():
+    plan = {
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.qkv": ColwiseParallel(),
+    }
+    report = plan_report(on_meta(tiny_config()), ParallelDims(tp=2).resolve(4), tp_plan=plan)
+    assert report.plan_source == "user plan"
+    assert report.unmatched_patterns == ["model.layers.*.self_attn.qkv"]
+    assert "model.layers.0.mlp.down_proj" in report.unsharded_linears
+    assert "patterns matching no module: model.layers.*.self_attn.qkv" in str(report)
+
+
+def test_fsdp_only():
+    model = on_meta(tiny_config())
+    total = sum(p.numel() for p in model.parameters())
+    report = plan_report(model, ParallelDims().resolve(4))
+    assert "tensor parallel: off" in str(report)
+    assert report.parameters_per_rank == pytest.approx(total / 4, rel=0.01)
+
+
+def test_a_model_with_weights_is_refused():
+    with pytest.raises(ValueError, match="needs a model on the meta device"):
+        plan_report(AutoModelForCausalLM.from_config(tiny_config()), ParallelDims().resolve(2))

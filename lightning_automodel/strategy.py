@@ -22,9 +22,11 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -33,6 +35,7 @@ from typing_extensions import override
 from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
+from lightning_automodel.parallel.grad_norm import clip_grad_norm_
 from lightning_automodel.parallel.parallelizer import is_meta
 from lightning_automodel.parallel.plans import PlanSpec
 
@@ -134,6 +137,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
 
         self._parallelize_models()
+        _clip_across_meshes(self.precision_plugin)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -281,6 +285,17 @@ def _to_local(output: Any) -> Any:
     """Hand Lightning plain tensors where a step returned DTensors (a loss from vocab-sharded logits, the logits
     themselves); gradients still flow through ``full_tensor``."""
     return apply_to_collection(output, DTensor, DTensor.full_tensor)
+
+
+def _clip_across_meshes(precision: Precision) -> None:
+    """Route Trainer(gradient_clip_val=...) with the "norm" algorithm to a clip that handles gradients on
+    several meshes (torch's fails on the mix). Precision plugins own clipping in Lightning, one class per
+    precision flag, so the method is replaced on the instance rather than in a subclass of each."""
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(precision.main_params(optimizer), clip_val)
+
+    precision.clip_grad_by_norm = clip_grad_by_norm
 
 
 def _log_local_values(module: pl.LightningModule) -> None:

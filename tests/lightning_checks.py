@@ -34,9 +34,10 @@ TRAINED_GRAD_TOLERANCE = 1e-2
 class CausalLM(L.LightningModule):
     """What a user writes: a Hugging Face model and a plain cross-entropy; no parallel code."""
 
-    def __init__(self, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: type = torch.optim.AdamW) -> None:
         super().__init__()
         self.model = model if model is not None else tiny_model()
+        self.optimizer = optimizer
         self.losses: list[float] = []
         self.grads: list[dict[str, torch.Tensor]] = []
 
@@ -57,7 +58,7 @@ class CausalLM(L.LightningModule):
         self.log("val_loss_unsynced", loss)  # Lightning's default: no reduction, stored as given
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=LR)
+        return self.optimizer(self.parameters(), lr=LR)
 
 
 class MetaInitCausalLM(CausalLM):
@@ -101,16 +102,20 @@ def data(dp: int) -> DataLoader:
     return DataLoader(TensorDataset(tokens, labels), batch_size=GLOBAL_BATCH // dp)
 
 
-def reference_run(model: torch.nn.Module) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """Losses and gradients of each of the single-process AdamW steps."""
+def reference_run(
+    model: torch.nn.Module, optimizer: type = torch.optim.AdamW, clip: float | None = None
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Losses and (unclipped) gradients of each single-process step."""
     tokens, labels = batch(GLOBAL_BATCH)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = optimizer(model.parameters(), lr=LR)
     losses, grads = [], []
     for _ in range(STEPS):
         loss, _ = loss_of(model, tokens, labels)
         optimizer.zero_grad()
         loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         losses.append(loss.item())
     return losses, grads
@@ -248,3 +253,13 @@ def check_no_hf_model_is_an_error() -> str:
         assert "found no Hugging Face model" in str(error), error
         return str(error)
     raise AssertionError("a module without a Hugging Face model did not raise")
+
+
+def check_trainer_gradient_clipping(tp: int, sp: bool) -> dict:
+    """Trainer(gradient_clip_val=...) clips by the global norm over every mesh. With SGD, whose step is
+    proportional to the clipped gradient, the weights show a wrong norm (AdamW would hide it)."""
+    module = CausalLM(optimizer=torch.optim.SGD)
+    strategy = AutoModelParallelStrategy(tp=tp, sp=sp)
+    trainer(strategy, gradient_clip_val=0.1, gradient_clip_algorithm="norm").fit(module, data(dist.get_world_size() // tp))
+    reference = tiny_model()
+    return compare_training(module, reference, reference_run(reference, torch.optim.SGD, clip=0.1))

@@ -184,3 +184,24 @@ def check_user_plan(spec: str) -> dict[str, float]:
     errors = forward_backward_errors(model, reference, data_mesh(mesh))
     assert max(errors.values()) < FP32_TOLERANCE, errors
     return errors
+
+
+def check_clip_grad_norm(tp: int, sp: bool) -> dict[str, float]:
+    """The global gradient norm over parameters on different meshes equals the single-process one, and so do
+    the clipped gradients."""
+    from lightning_automodel.parallel.grad_norm import clip_grad_norm_
+
+    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    reference, model = tiny_model(), tiny_model()
+    parallelize(model, mesh, sp=sp)
+    forward_backward_errors(model, reference, data_mesh(mesh))
+    norm = clip_grad_norm_(model.parameters(), max_norm=0.1)
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.1)
+    assert ref_norm > 0.1, "the test must clip"
+    ref_grads = dict(reference.named_parameters())
+    errors = {
+        "norm": relative_error(norm, ref_norm),
+        "clipped_grad": max(relative_error(p.grad, ref_grads[name].grad) for name, p in model.named_parameters()),
+    }
+    assert max(errors.values()) < FP32_TOLERANCE, errors
+    return errors

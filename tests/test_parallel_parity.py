@@ -5,6 +5,7 @@ from functools import partial
 from harness import run_checks
 from parity import (
     check_bf16_layout,
+    check_clip_grad_norm,
     check_frozen_stays_frozen,
     check_layout,
     check_tied_embeddings,
@@ -20,6 +21,7 @@ def test_world_of_two():
     checks.append(partial(check_bf16_layout, 2, True))
     checks += [partial(check, sp) for check in (check_tied_embeddings, check_frozen_stays_frozen) for sp in (False, True)]
     checks += [partial(check_user_plan, spec) for spec in ("dict", "dict path", "function path", "function")]
+    checks += [partial(check_clip_grad_norm, 2, sp) for sp in (False, True)]
     run_checks(2, checks)
 
 
@@ -28,4 +30,5 @@ def test_world_of_four():
     checks = [partial(check_layout, 2, sp, ac) for sp in (False, True) for ac in AC]
     checks.append(partial(check_bf16_layout, 2, False))
     checks += [partial(check_layout, 1, False, False, 2), partial(check_layout, 2, True, False, 2)]
+    checks.append(partial(check_clip_grad_norm, 2, True))
     run_checks(4, checks)

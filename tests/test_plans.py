@@ -200,3 +200,17 @@ def test_a_registered_parallelization_strategy_takes_over_the_flow():
     assert parallelize(model, "mesh", sp=True) is model
     assert calls == [(model, "mesh", {"sp": True})]
     assert isinstance(parallelization_strategy_for(tiny_model()), DefaultParallelizationStrategy)
+
+
+def test_user_plans_may_use_hugging_face_style_strings():
+    plan, _ = select_tp_plan(tiny_model(), sp=False, tp_plan={"a.b": "colwise", "c.d": "rowwise_split_input", "e": "replicate"})
+    assert isinstance(plan["a.b"], ColwiseParallel) and plan["c.d"].input_layouts == (Replicate(),)
+    assert "e" not in plan
+    with pytest.raises(ValueError, match="Unknown Hugging Face tensor-parallel style 'sideways' for module 'a.b'"):
+        select_tp_plan(tiny_model(), sp=False, tp_plan={"a.b": "sideways"})
+
+
+def test_phi3_with_grouped_kv_heads_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"Phi3 with grouped KV heads \(4 heads, 2 KV heads\)") as error:
+        select_tp_plan(tiny_model("phi3", num_key_value_heads=2), sp=False)
+    assert "Use tp=1" in str(error.value)

@@ -14,6 +14,7 @@ from lightning_checks import (
     check_meta_model_from_configure_model,
     check_no_hf_model_is_an_error,
     check_self_parallelized_module_left_alone,
+    check_trainer_gradient_clipping,
     check_trainer_parity,
 )
 from lightning_automodel import AutoModelParallelStrategy
@@ -42,6 +43,7 @@ def test_trainer_on_four_ranks():
     """tp=2 x dp_shard=2 with and without activation checkpointing (and with sp); sampler and metric wiring."""
     checks = [partial(check_trainer_parity, 2, False, ac) for ac in AC]
     checks += [partial(check_trainer_parity, 2, True, True), partial(check_data_parallel_wiring, 2)]
+    checks += [partial(check_trainer_gradient_clipping, 2, sp) for sp in (False, True)]
     results = run_checks(4, checks)
     wiring = results["check_data_parallel_wiring(2)"]
     assert len({r["val_loss"] for r in wiring}) == 1, "every rank must report the same validation loss"

@@ -21,13 +21,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_automodel.parallel.hf_plan import hf_style_strings, hf_tp_plan
+from lightning_automodel.parallel.hf_plan import hf_style_strings, hf_tp_plan, translate_style
 from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel, SequenceParallelAllGather
 from lightning_automodel.parallel.validation import model_config
 
 TPPlan = dict[str, ParallelStyle]
 PlanFunction = Callable[[nn.Module, bool], Mapping[str, ParallelStyle]]
-PlanSpec = Union[Mapping[str, ParallelStyle], str, PlanFunction]
+PlanSpec = Union[Mapping[str, Union[ParallelStyle, str]], str, PlanFunction]
 
 _FAMILY_PLANS: dict[str, PlanFunction] = {}
 
@@ -170,7 +170,12 @@ def _resolve_user_plan(spec: PlanSpec, model: nn.Module, sp: bool) -> TPPlan:
             f"tp_plan must be a dict of module pattern -> ParallelStyle, an import path to one, or a function"
             f" (model, sp) -> dict; got {type(spec).__name__}."
         )
-    return dict(spec)
+    plan = {}
+    for pattern, style in spec.items():
+        style = translate_style(style, pattern) if isinstance(style, str) else style
+        if style is not None:  # "replicate": nothing to shard
+            plan[pattern] = style
+    return plan
 
 
 def select_tp_plan(model: nn.Module, *, sp: bool, tp_plan: PlanSpec | None = None) -> tuple[TPPlan, str]:

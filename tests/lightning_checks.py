@@ -34,10 +34,13 @@ TRAINED_GRAD_TOLERANCE = 1e-2
 class CausalLM(L.LightningModule):
     """What a user writes: a Hugging Face model and a plain cross-entropy; no parallel code."""
 
-    def __init__(self, model: torch.nn.Module | None = None, optimizer: type = torch.optim.AdamW) -> None:
+    def __init__(
+        self, model: torch.nn.Module | None = None, optimizer: type = torch.optim.AdamW, lr: float = LR
+    ) -> None:
         super().__init__()
         self.model = model if model is not None else tiny_model()
         self.optimizer = optimizer
+        self.lr = lr
         self.losses: list[float] = []
         self.grads: list[dict[str, torch.Tensor]] = []
 
@@ -58,7 +61,7 @@ class CausalLM(L.LightningModule):
         self.log("val_loss_unsynced", loss)  # Lightning's default: no reduction, stored as given
 
     def configure_optimizers(self):
-        return self.optimizer(self.parameters(), lr=LR)
+        return self.optimizer(self.parameters(), lr=self.lr)
 
 
 class MetaInitCausalLM(CausalLM):
@@ -103,11 +106,11 @@ def data(dp: int) -> DataLoader:
 
 
 def reference_run(
-    model: torch.nn.Module, optimizer: type = torch.optim.AdamW, clip: float | None = None
+    model: torch.nn.Module, optimizer: type = torch.optim.AdamW, lr: float = LR, clip: float | None = None
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Losses and (unclipped) gradients of each single-process step."""
     tokens, labels = batch(GLOBAL_BATCH)
-    optimizer = optimizer(model.parameters(), lr=LR)
+    optimizer = optimizer(model.parameters(), lr=lr)
     losses, grads = [], []
     for _ in range(STEPS):
         loss, _ = loss_of(model, tokens, labels)
@@ -143,7 +146,7 @@ def compare_training(module: CausalLM, reference: torch.nn.Module, reference_ste
         "later_losses": max(errors[1:]),
         "first_grads": grad_errors[0],
         "later_grads": max(grad_errors[1:]),
-        "weights_after_3_adamw_steps": weight_error,
+        "weights_after_3_steps": weight_error,
     }
     assert errors[0] < FP32_TOLERANCE and max(errors[1:]) < TRAINED_LOSS_TOLERANCE, result
     assert grad_errors[0] < FP32_TOLERANCE and max(grad_errors[1:]) < TRAINED_GRAD_TOLERANCE, result
@@ -256,10 +259,24 @@ def check_no_hf_model_is_an_error() -> str:
 
 
 def check_trainer_gradient_clipping(tp: int, sp: bool) -> dict:
-    """Trainer(gradient_clip_val=...) clips by the global norm over every mesh. With SGD, whose step is
-    proportional to the clipped gradient, the weights show a wrong norm (AdamW would hide it)."""
-    module = CausalLM(optimizer=torch.optim.SGD)
+    """Trainer(gradient_clip_val=...) clips by the global norm over every mesh.
+
+    With SGD each weight update is lr times the clipped gradient, so a norm off by a factor (1 + e) makes every
+    update off by e: the updates are compared relative to their size (AdamW would hide a wrong norm). A large lr
+    keeps the updates far above fp32 rounding of the weights.
+    """
+    lr = 10.0
+    module = CausalLM(optimizer=torch.optim.SGD, lr=lr)
     strategy = AutoModelParallelStrategy(tp=tp, sp=sp)
-    trainer(strategy, gradient_clip_val=0.1, gradient_clip_algorithm="norm").fit(module, data(dist.get_world_size() // tp))
-    reference = tiny_model()
-    return compare_training(module, reference, reference_run(reference, torch.optim.SGD, clip=0.1))
+    clipping = dict(gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+    trainer(strategy, **clipping).fit(module, data(dist.get_world_size() // tp))
+    initial, reference = tiny_model(), tiny_model()
+    result = compare_training(module, reference, reference_run(reference, torch.optim.SGD, lr=lr, clip=0.1))
+    start = dict(initial.named_parameters())
+    final = dict(reference.named_parameters())
+    result["update"] = max(
+        relative_error(p.full_tensor() - start[name], final[name] - start[name])
+        for name, p in module.model.named_parameters()
+    )
+    assert result["update"] < 1e-4, result
+    return result

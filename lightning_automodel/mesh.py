@@ -18,7 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Union
+from typing import Literal
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -30,7 +30,7 @@ FLATTENED_AXES = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 
-Size = Union[int, Literal["auto"]]
+Size = int | Literal["auto"]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import logging
 import weakref
 from contextlib import ExitStack
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -20,16 +20,16 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.optim import Optimizer
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_automodel.hf.initialization import materialize_hf_model
@@ -80,17 +80,17 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         tp: int = 1,
         sp: bool = False,
         dp_replicate: int = 1,
-        dp_shard: Union[int, Literal["auto"]] = "auto",
+        dp_shard: int | Literal["auto"] = "auto",
         cp: int = 1,
         pp: int = 1,
-        tp_plan: Optional[PlanSpec] = None,
+        tp_plan: PlanSpec | None = None,
         allow_unsharded_linears: bool = False,
         activation_checkpointing: bool = False,
-        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -160,7 +160,9 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         _log_local_values(module)
         ours = bool(models) and all(model in _PARALLELIZED_BY_US for model in models)
         if not ours and _is_parallelized(module):
-            log.info("%s is already parallelized (DTensor or FSDP2 parameters); leaving it as it is.", type(module).__name__)
+            log.info(
+                "%s is already parallelized (DTensor or FSDP2 parameters); leaving it as it is.", type(module).__name__
+            )
             return
         if not models:
             raise TypeError(
@@ -204,7 +206,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         if not self.cpu_offload:  # offloaded FSDP shards must stay in CPU memory
             super().model_to_device()
 
-    def _mixed_precision_policy(self) -> Optional[MixedPrecisionPolicy]:
+    def _mixed_precision_policy(self) -> MixedPrecisionPolicy | None:
         if self.mp_policy is not None:
             return self.mp_policy
         return _PRECISION_POLICIES.get(self.precision_plugin.precision)
@@ -228,9 +230,9 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
     @override
     def reduce(
         self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
     ) -> Tensor:
         """Reduce over the data-parallel ranks (dp_replicate x dp_shard x cp) unless a group is given.
 
@@ -292,7 +294,7 @@ def _clip_across_meshes(precision: Precision) -> None:
     several meshes (torch's fails on the mix). Precision plugins own clipping in Lightning, one class per
     precision flag, so the method is replaced on the instance rather than in a subclass of each."""
 
-    def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
         clip_grad_norm_(precision.main_params(optimizer), clip_val)
 
     precision.clip_grad_by_norm = clip_grad_by_norm

@@ -30,15 +30,17 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], results: Any, pg_timeout: float) -> None:
-    os.environ.update({
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "NODE_RANK": "0",
-        "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "NODE_RANK": "0",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     import torch
     import torch.distributed as dist
 
@@ -107,5 +109,7 @@ def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240
 def check_name(check: Check) -> str:
     """A name that is the same in every process (a partial's repr holds an address)."""
     func = getattr(check, "func", check)
-    args = ", ".join([*map(repr, getattr(check, "args", ())), *(f"{k}={v!r}" for k, v in getattr(check, "keywords", {}).items())])
+    args = ", ".join(
+        [*map(repr, getattr(check, "args", ())), *(f"{k}={v!r}" for k, v in getattr(check, "keywords", {}).items())]
+    )
     return f"{func.__name__}({args})"

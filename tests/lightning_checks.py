@@ -6,15 +6,14 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from models import batch, tiny_config, tiny_model
+from parity import FP32_TOLERANCE, loss_of, relative_error
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
-from lightning_automodel.hf.initialization import materialize_hf_model
-from models import batch, tiny_config, tiny_model
-from parity import FP32_TOLERANCE, loss_of, relative_error
 
 STEPS = 3
 LR = 1e-2
@@ -45,7 +44,9 @@ class CausalLM(L.LightningModule):
         self.grads: list[dict[str, torch.Tensor]] = []
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        self.grads.append({name: p.grad.full_tensor() for name, p in self.model.named_parameters() if p.grad is not None})
+        self.grads.append(
+            {name: p.grad.full_tensor() for name, p in self.model.named_parameters() if p.grad is not None}
+        )
 
     def training_step(self, batch, batch_idx):
         tokens, labels = batch
@@ -135,7 +136,7 @@ def compare_training(module: CausalLM, reference: torch.nn.Module, reference_ste
         max(relative_error(grads[name], ref[name]) for name in ref)
         for grads, ref in zip(module.grads, reference_grads, strict=True)
     ]
-    assert all(grads.keys() == ref.keys() for grads, ref in zip(module.grads, reference_grads))
+    assert all(grads.keys() == ref.keys() for grads, ref in zip(module.grads, reference_grads, strict=True))
     errors = [abs(a - b) / abs(b) for a, b in zip(module.losses, reference_losses, strict=True)]
     ref_params = dict(reference.named_parameters())
     weight_error = max(
@@ -194,8 +195,8 @@ def check_bf16_mixed_trainer(tp: int) -> dict:
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), policy
     reference_losses, _ = reference_run(tiny_model())
     bf16_losses, _ = reference_run(tiny_model().to(torch.bfloat16))
-    noise = max(abs(a - b) / b for a, b in zip(bf16_losses, reference_losses))
-    error = max(abs(a - b) / b for a, b in zip(module.losses, reference_losses))
+    noise = max(abs(a - b) / b for a, b in zip(bf16_losses, reference_losses, strict=True))
+    error = max(abs(a - b) / b for a, b in zip(module.losses, reference_losses, strict=True))
     assert error <= 2 * noise + 1e-3, (error, noise)
     return {"loss_vs_fp32": error, "single_process_bf16_loss_vs_fp32": noise}
 

@@ -18,8 +18,8 @@ def _timeout_of(mesh) -> timedelta:
 def check_mesh_axes(dp_replicate: int, tp: int) -> dict:
     """Which global ranks share each group, and that every group carries the requested timeout."""
     timeout = timedelta(seconds=17)
-    mesh = ParallelDims(dp_replicate=dp_replicate, tp=tp).resolve(dist.get_world_size()).build_mesh(
-        "cpu", timeout=timeout
+    mesh = (
+        ParallelDims(dp_replicate=dp_replicate, tp=tp).resolve(dist.get_world_size()).build_mesh("cpu", timeout=timeout)
     )
     groups = {
         "tp": tp_mesh(mesh),

@@ -61,8 +61,21 @@ def tiny_config(family: str = "llama", **overrides):
     common.update(overrides)
     text = CONFIGS[family](**common)
     if family == "gemma3_vlm":
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8)
-        return Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1, tie_word_embeddings=text.tie_word_embeddings)
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=8,
+        )
+        return Gemma3Config(
+            text_config=text.to_dict(),
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            image_token_index=VOCAB - 1,
+            tie_word_embeddings=text.tie_word_embeddings,
+        )
     return text
 
 

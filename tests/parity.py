@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from models import batch, tiny_model
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
@@ -17,7 +18,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_automodel import ParallelDims, parallelize
 from lightning_automodel.mesh import data_mesh
-from models import batch, tiny_model
 
 # fp32: TP and FSDP change only the order of reductions; measured errors are ~1e-6 (see the closing notes).
 FP32_TOLERANCE = 2e-5
@@ -70,7 +70,9 @@ def forward_backward_errors(model, reference, dp: DeviceMesh | None, *, batch_si
     }
     ref_grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    assert grads.keys() == ref_grads.keys(), f"gradients differ in which parameters get one: {grads.keys() ^ ref_grads.keys()}"
+    assert grads.keys() == ref_grads.keys(), (
+        f"gradients differ in which parameters get one: {grads.keys() ^ ref_grads.keys()}"
+    )
     errors["grad"] = max(relative_error(grads[name], ref_grads[name]) for name in grads)
     return errors
 
@@ -102,7 +104,9 @@ def check_bf16_layout(tp: int, sp: bool) -> dict[str, float]:
     errors = forward_backward_errors(model, tiny_model(), data_mesh(mesh))
     noise = forward_backward_errors(tiny_model().to(torch.bfloat16), tiny_model(), None)
     for key, value in errors.items():
-        assert value <= 2 * noise[key] + 1e-4, f"{key}: parallel bf16 error {value:.2e} > 2 x single-process bf16 error {noise[key]:.2e}"
+        assert value <= 2 * noise[key] + 1e-4, (
+            f"{key}: parallel bf16 error {value:.2e} > 2 x single-process bf16 error {noise[key]:.2e}"
+        )
     return {**errors, **{f"single_process_bf16_{k}": v for k, v in noise.items()}}
 
 
@@ -177,7 +181,12 @@ USER_PLAN = user_plan(None, False)
 
 def check_user_plan(spec: str) -> dict[str, float]:
     """tp_plan given as a dict, an import path to a dict, an import path to a function, or the function."""
-    specs = {"dict": USER_PLAN, "dict path": "parity.USER_PLAN", "function path": "parity.user_plan", "function": user_plan}
+    specs = {
+        "dict": USER_PLAN,
+        "dict path": "parity.USER_PLAN",
+        "function path": "parity.user_plan",
+        "function": user_plan,
+    }
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = tiny_model(), tiny_model()
     parallelize(model, mesh, tp_plan=specs[spec])

@@ -2,12 +2,11 @@
 
 from functools import partial
 
-from torch.distributed.tensor.parallel import ColwiseParallel
-
 from harness import run_checks
 from lightning_checks import check_trainer_parity
 from models import FAMILIES
 from parity import check_family, check_naive_plan_is_wrong
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 SP = (False, True)
 

@@ -1,7 +1,6 @@
 import time
 
 import pytest
-
 from harness import run_checks
 from harness_checks import check_every_rank_hangs, check_rank_one_hangs, check_rank_one_raises
 

@@ -1,10 +1,10 @@
 import functools
 
 import pytest
-
 from harness import run_checks
-from lightning_automodel import ParallelDims
 from mesh_checks import check_mesh_axes
+
+from lightning_automodel import ParallelDims
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,11 @@ def test_dp_shard_inferred(request_, world_size, expected):
     ("request_", "world_size", "fragments"),
     [
         (dict(tp=3), 4, ["tp=3", "4 processes", "does not divide 4", "valid tp sizes are [1, 2, 4]"]),
-        (dict(tp=2, dp_shard=4), 4, ["needs pp*dp_replicate*dp_shard*cp*tp = 8", "world size is 4", 'dp_shard="auto" (= 2)']),
+        (
+            dict(tp=2, dp_shard=4),
+            4,
+            ["needs pp*dp_replicate*dp_shard*cp*tp = 8", "world size is 4", 'dp_shard="auto" (= 2)'],
+        ),
         (dict(tp=2, dp_shard=1), 4, ["= 2 processes", 'dp_shard="auto" (= 2) or dp_shard=2']),
         (dict(dp_replicate=3, tp=2), 8, ["dp_replicate=3", "does not divide 8", "pp=1, dp_replicate=1, cp=1, tp=1"]),
         (dict(pp=2, cp=2, tp=2), 4, ["pp*dp_replicate*cp*tp = 8 does not divide 4"]),
@@ -60,7 +64,7 @@ def test_malformed_sizes_are_rejected(request_, fragment):
 
 def test_unresolved_dims_have_no_shape():
     with pytest.raises(RuntimeError, match="resolve"):
-        ParallelDims().shape
+        _ = ParallelDims().shape
 
 
 def test_mesh_groups_and_timeouts_on_four_ranks():

@@ -19,7 +19,9 @@ def test_world_of_two():
     """tp=2, tp=2 with sp, dp_shard=2; each with and without activation checkpointing; bf16 with tp+sp."""
     checks = [partial(check_layout, tp, sp, ac) for tp, sp in ((2, False), (2, True), (1, False)) for ac in AC]
     checks.append(partial(check_bf16_layout, 2, True))
-    checks += [partial(check, sp) for check in (check_tied_embeddings, check_frozen_stays_frozen) for sp in (False, True)]
+    checks += [
+        partial(check, sp) for check in (check_tied_embeddings, check_frozen_stays_frozen) for sp in (False, True)
+    ]
     checks += [partial(check_user_plan, spec) for spec in ("dict", "dict path", "function path", "function")]
     checks += [partial(check_clip_grad_norm, 2, sp) for sp in (False, True)]
     run_checks(2, checks)

@@ -2,16 +2,17 @@
 
 import pytest
 import torch
+from models import tiny_config, tiny_model
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from lightning_automodel.parallel.hf_plan import translate_style
 from lightning_automodel.parallel import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
     parallelize,
     register_parallelization_strategy,
 )
+from lightning_automodel.parallel.hf_plan import translate_style
 from lightning_automodel.parallel.parallelizer import (
     apply_tensor_parallel,
     check_plan_coverage,
@@ -21,7 +22,6 @@ from lightning_automodel.parallel.parallelizer import (
 from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns, unsharded_linears
 from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel
 from lightning_automodel.parallel.validation import validate_tp_sizes
-from models import tiny_config, tiny_model
 
 USER_PLAN = {"model.layers.*.mlp.up_proj": ColwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel()}
 
@@ -103,7 +103,10 @@ def test_unmatched_patterns_are_reported():
 @pytest.mark.parametrize(
     ("tp", "fragments"),
     [
-        (4, ["tp=4 does not divide num_key_value_heads=2", "values that divide every split size of this model: [1, 2]"]),
+        (
+            4,
+            ["tp=4 does not divide num_key_value_heads=2", "values that divide every split size of this model: [1, 2]"],
+        ),
         (3, ["num_attention_heads=4", "num_key_value_heads=2", "intermediate_size=128", "vocab_size=128"]),
     ],
 )
@@ -203,7 +206,9 @@ def test_a_registered_parallelization_strategy_takes_over_the_flow():
 
 
 def test_user_plans_may_use_hugging_face_style_strings():
-    plan, _ = select_tp_plan(tiny_model(), sp=False, tp_plan={"a.b": "colwise", "c.d": "rowwise_split_input", "e": "replicate"})
+    plan, _ = select_tp_plan(
+        tiny_model(), sp=False, tp_plan={"a.b": "colwise", "c.d": "rowwise_split_input", "e": "replicate"}
+    )
     assert isinstance(plan["a.b"], ColwiseParallel) and plan["c.d"].input_layouts == (Replicate(),)
     assert "e" not in plan
     with pytest.raises(ValueError, match="Unknown Hugging Face tensor-parallel style 'sideways' for module 'a.b'"):

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from models import tiny_config
 from torch.distributed.tensor.parallel import ColwiseParallel
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lightning_automodel import ParallelDims, plan_report
-from models import tiny_config
 
 LLAMA_8B = dict(
     hidden_size=4096,

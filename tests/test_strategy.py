@@ -4,8 +4,6 @@ from functools import partial
 
 import lightning as L
 import pytest
-
-import lightning_automodel
 from harness import run_checks
 from lightning_checks import (
     check_bf16_mixed_trainer,
@@ -17,6 +15,8 @@ from lightning_checks import (
     check_trainer_gradient_clipping,
     check_trainer_parity,
 )
+
+import lightning_automodel
 from lightning_automodel import AutoModelParallelStrategy
 
 AC = (False, True)
@@ -24,9 +24,7 @@ AC = (False, True)
 
 def test_trainer_on_two_ranks():
     """tp=2, tp=2 with sp and dp_shard=2, each with and without activation checkpointing; then the wiring."""
-    checks = [
-        partial(check_trainer_parity, tp, sp, ac) for tp, sp in ((2, False), (2, True), (1, False)) for ac in AC
-    ]
+    checks = [partial(check_trainer_parity, tp, sp, ac) for tp, sp in ((2, False), (2, True), (1, False)) for ac in AC]
     checks += [
         partial(check_meta_model_from_configure_model, 2),
         check_self_parallelized_module_left_alone,

@@ -85,7 +85,9 @@ def hf_style_strings(model: nn.Module) -> dict[str, str]:
     for path, module in model.named_modules():
         if not isinstance(module, PreTrainedModel):
             continue
-        own = getattr(module, "_tp_plan", None) or (getattr(module.config, "base_model_tp_plan", None) if path else None)
+        own = getattr(module, "_tp_plan", None) or (
+            getattr(module.config, "base_model_tp_plan", None) if path else None
+        )
         prefix = f"{path}." if path else ""
         plan.update({f"{prefix}{pattern}": style for pattern, style in (own or {}).items()})
     return plan

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
-from typing import Callable, Mapping, Union
+from collections.abc import Callable, Mapping
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -27,7 +27,7 @@ from lightning_automodel.parallel.validation import model_config
 
 TPPlan = dict[str, ParallelStyle]
 PlanFunction = Callable[[nn.Module, bool], Mapping[str, ParallelStyle]]
-PlanSpec = Union[Mapping[str, Union[ParallelStyle, str]], str, PlanFunction]
+PlanSpec = Mapping[str, ParallelStyle | str] | str | PlanFunction
 
 _FAMILY_PLANS: dict[str, PlanFunction] = {}
 
@@ -76,14 +76,16 @@ def _decoder_plan(
     if lm_head:
         plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if sp:
-        plan.update({
-            f"{prefix}.embed_tokens": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-            ),
-            f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            f"{prefix}.norm": SequenceParallel(use_local_output=False),
-        })
+        plan.update(
+            {
+                f"{prefix}.embed_tokens": RowwiseParallel(
+                    input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+                ),
+                f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                f"{prefix}.norm": SequenceParallel(use_local_output=False),
+            }
+        )
         plan.update({f"{layer}.{norm}": SequenceParallelAllGather() for norm in gathering_norms})
         plan.update({f"{layer}.{norm}": SequenceParallel(use_local_output=False) for norm in stream_norms})
         if lm_head:
@@ -209,7 +211,10 @@ def unsharded_linears(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> li
     if not sharded:
         return []
     blocks = {
-        f"{name}.{index}" for name, module in modules.items() if isinstance(module, nn.ModuleList) for index in range(len(module))
+        f"{name}.{index}"
+        for name, module in modules.items()
+        if isinstance(module, nn.ModuleList)
+        for index in range(len(module))
     }
     touched = {block for block in blocks if any(name.startswith(f"{block}.") for name in matched)}
     return [
@@ -225,4 +230,6 @@ def unsharded_linears(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> li
 def pattern_matches(pattern: str, name: str) -> bool:
     """Whether module ``name`` matches plan key ``pattern`` (``*`` stands for one path component)."""
     parts, name_parts = pattern.split("."), name.split(".")
-    return len(parts) == len(name_parts) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, name_parts))
+    if len(parts) != len(name_parts):
+        return False
+    return all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, name_parts, strict=True))

@@ -11,7 +11,6 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor

@@ -19,12 +19,12 @@ STEPS = 3
 LR = 1e-2
 GLOBAL_BATCH = 8
 # AdamW scales every element's step to about lr whatever the gradient's size, so reduction-order noise on a
-# near-zero gradient element can move it by a fraction of lr: measured up to 3e-4 (Qwen3 embeddings) after
+# near-zero gradient element can move it by a fraction of lr: measured up to 6.3e-4 (Qwen3 classifier) after
 # 3 steps of lr 1e-2. A gradient of the wrong direction moves weights by O(lr x steps) = 3e-2; one of the
 # wrong scale barely moves them, which is why compare_training checks the gradients themselves.
-WEIGHT_TOLERANCE = 1e-3
+WEIGHT_TOLERANCE = 2e-3
 # The first loss and gradients are exact up to reduction order (FP32_TOLERANCE); later ones inherit the
-# weights' AdamW noise (gradients measured up to 1.2e-3 relative). A gradient of the wrong scale is off by
+# weights. AdamW noise (gradients measured up to 2e-3 relative). A gradient of the wrong scale is off by
 # O(1) at every step, the first included.
 TRAINED_LOSS_TOLERANCE = 1e-4
 TRAINED_GRAD_TOLERANCE = 1e-2
@@ -275,9 +275,9 @@ def check_trainer_gradient_clipping(tp: int, sp: bool) -> dict:
     result = compare_training(module, reference, reference_run(reference, torch.optim.SGD, lr=lr, clip=0.1))
     start = dict(initial.named_parameters())
     final = dict(reference.named_parameters())
-    result["update"] = max(
-        relative_error(p.full_tensor() - start[name], final[name] - start[name])
-        for name, p in module.model.named_parameters()
-    )
+    updates = {name: final[name] - start[name] for name in final}
+    differences = [(p.full_tensor() - final[name]).abs().max() for name, p in module.model.named_parameters()]
+    # Relative to the largest update: a wrong norm scales every update alike, rounding does not.
+    result["update"] = (max(differences) / max(u.abs().max() for u in updates.values())).item()
     assert result["update"] < 1e-4, result
     return result

@@ -24,7 +24,7 @@ GLOBAL_BATCH = 8
 # wrong scale barely moves them, which is why compare_training checks the gradients themselves.
 WEIGHT_TOLERANCE = 2e-3
 # The first loss and gradients are exact up to reduction order (FP32_TOLERANCE); later ones inherit the
-# weights. AdamW noise (gradients measured up to 2e-3 relative). A gradient of the wrong scale is off by
+# weights' AdamW noise (gradients measured up to 2e-3 relative). A gradient of the wrong scale is off by
 # O(1) at every step, the first included.
 TRAINED_LOSS_TOLERANCE = 1e-4
 TRAINED_GRAD_TOLERANCE = 1e-2

@@ -68,14 +68,15 @@ class CausalLM(L.LightningModule):
 class MetaInitCausalLM(CausalLM):
     """Builds the model in configure_model on the meta device (the way to build models too big for one rank)."""
 
-    def __init__(self) -> None:
+    def __init__(self, family: str = "llama") -> None:
         super().__init__(model=torch.nn.Identity())
+        self.family = family
 
     def configure_model(self) -> None:
         if not isinstance(self.model, torch.nn.Identity):
             return  # Lightning calls configure_model at every stage: build once
         with torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(tiny_config())
+            self.model = AutoModelForCausalLM.from_config(tiny_config(self.family))
 
 
 class SelfParallelizedCausalLM(CausalLM):
@@ -164,14 +165,14 @@ def check_trainer_parity(tp: int, sp: bool, activation_checkpointing: bool, fami
     return compare_training(module, reference, reference_run(reference))
 
 
-def check_meta_model_from_configure_model(tp: int) -> dict:
+def check_meta_model_from_configure_model(tp: int, family: str = "llama") -> dict:
     """A model built on meta in configure_model is parallelized, initialised like HF, and trains in parity."""
     torch.manual_seed(7 + dist.get_rank())  # ranks disagree: every rank must take rank 0's random state
-    module = MetaInitCausalLM()
+    module = MetaInitCausalLM(family)
     trainer(AutoModelParallelStrategy(tp=tp)).fit(module, data(dist.get_world_size() // tp))
     torch.manual_seed(7)
     with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(tiny_config())
+        reference = AutoModelForCausalLM.from_config(tiny_config(family))
     reference.to_empty(device="cpu")
     reference.init_weights()
     return compare_training(module, reference, reference_run(reference))

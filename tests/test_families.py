@@ -3,7 +3,7 @@
 from functools import partial
 
 from harness import run_checks
-from lightning_checks import check_trainer_parity
+from lightning_checks import check_meta_model_from_configure_model, check_trainer_parity
 from models import FAMILIES
 from parity import check_family, check_naive_plan_is_wrong
 from torch.distributed.tensor.parallel import ColwiseParallel
@@ -28,6 +28,8 @@ def test_family_plans_on_tp_times_fsdp():
     """tp=2 x dp_shard=2: strided FSDP shards over Phi3's packed projections, tied Gemma3 embeddings."""
     checks = [partial(check_family, family, True) for family in ("phi3", "gemma3", "qwen3")]
     checks.append(partial(check_trainer_parity, 2, True, True, "phi3"))
+    # Meta-device builds: each rank initialises its slice of the packed and tied weights, as HF would.
+    checks += [partial(check_meta_model_from_configure_model, 2, family) for family in ("phi3", "gemma3")]
     run_checks(4, checks)
 
 

@@ -1,0 +1,54 @@
+"""Print the errors every parity check measures, layout by layout: the numbers behind the test tolerances.
+
+    .venv/bin/python benchmarks/parity_errors.py      # about 3 minutes on 2 CPU cores (gloo, 2 and 4 processes)
+
+Each line is one check of tests/parity.py or tests/lightning_checks.py and its errors against a single-process
+run of the same model (relative to the largest reference value, except weights: absolute).
+"""
+
+import json
+import os
+import sys
+from functools import partial
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import lightning_checks as lc  # noqa: E402
+import parity  # noqa: E402
+from harness import run_checks  # noqa: E402
+from models import FAMILIES  # noqa: E402
+
+LAYOUTS_2 = ((2, False), (2, True), (1, False))  # (tp, sp) on 2 ranks; dp_shard takes the rest
+AC = (False, True)
+
+
+def world_of_two() -> list:
+    checks = [partial(parity.check_layout, tp, sp, ac) for tp, sp in LAYOUTS_2 for ac in AC]
+    checks += [partial(parity.check_bf16_layout, 2, True), partial(parity.check_clip_grad_norm, 2, True)]
+    checks += [partial(lc.check_trainer_parity, tp, sp, ac) for tp, sp in LAYOUTS_2 for ac in AC]
+    checks += [partial(parity.check_family, family, sp) for family in FAMILIES for sp in (False, True)]
+    checks += [partial(lc.check_trainer_parity, 2, sp, False, family) for family in FAMILIES for sp in (False, True)]
+    checks.append(partial(parity.check_family, "granite", False))
+    checks.append(partial(lc.check_trainer_parity, 2, False, False, "granite"))
+    checks.append(partial(lc.check_bf16_mixed_trainer, 2))
+    return checks
+
+
+def world_of_four() -> list:
+    checks = [partial(parity.check_layout, 2, sp, ac) for sp in (False, True) for ac in AC]
+    checks += [partial(parity.check_bf16_layout, 2, False)]
+    checks += [partial(parity.check_layout, 1, False, False, 2), partial(parity.check_layout, 2, True, False, 2)]
+    checks += [partial(lc.check_trainer_parity, 2, sp, ac) for sp in (False, True) for ac in AC]
+    checks += [partial(lc.check_trainer_gradient_clipping, 2, sp) for sp in (False, True)]
+    return checks
+
+
+def main() -> None:
+    for world_size, checks in ((2, world_of_two()), (4, world_of_four())):
+        for name, per_rank in run_checks(world_size, checks, timeout=1200).items():
+            errors = {key: float(f"{value:.2e}") for key, value in per_rank[0].items()}
+            print(f"world {world_size}  {name}  {json.dumps(errors)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from contextlib import ExitStack
+from collections.abc import Generator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -136,10 +137,12 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
 
+        # "bf16-true"/"16-true" cast the module: do it before sharding, so FSDP shards and gathers the low-precision
+        # weights it will compute with (and materializes them directly in that dtype).
+        self.model = self.precision_plugin.convert_module(self.model)
         self._parallelize_models()
         _clip_across_meshes(self.precision_plugin)
         _materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
 
@@ -226,6 +229,21 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return _to_local(super().predict_step(*args, **kwargs))
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulating micro-batches: FSDP keeps the unsharded gradients and reduce-scatters them once, on the
+        last micro-batch, instead of once per micro-batch (Lightning blocks only DDP's sync itself)."""
+        assert self.model is not None
+        units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
 
     @override
     def reduce(

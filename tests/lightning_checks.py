@@ -202,6 +202,20 @@ def check_bf16_mixed_trainer(tp: int) -> dict:
     return {"loss_vs_fp32": error, "single_process_bf16_loss_vs_fp32": noise}
 
 
+def check_bf16_true_trainer(tp: int) -> dict:
+    """Trainer(precision="bf16-true"): bf16 weights, sharded and trained in bf16, as close to fp32 as a
+    single-process bf16 run."""
+    module = CausalLM()
+    trainer(AutoModelParallelStrategy(tp=tp), precision="bf16-true").fit(module, data(dist.get_world_size() // tp))
+    assert {p.dtype for p in module.model.parameters()} == {torch.bfloat16}
+    reference_losses, _ = reference_run(tiny_model())
+    bf16_losses, _ = reference_run(tiny_model().to(torch.bfloat16))
+    noise = max(abs(a - b) / b for a, b in zip(bf16_losses, reference_losses, strict=True))
+    error = max(abs(a - b) / b for a, b in zip(module.losses, reference_losses, strict=True))
+    assert error <= 2 * noise + 1e-3, (error, noise)
+    return {"loss_vs_fp32": error, "single_process_bf16_loss_vs_fp32": noise}
+
+
 class RankProbe(CausalLM):
     """Logs its data-parallel rank with a summing sync_dist, and records the batches it was dealt."""
 
@@ -282,3 +296,32 @@ def check_trainer_gradient_clipping(tp: int, sp: bool) -> dict:
     result["update"] = (max(differences) / max(u.abs().max() for u in updates.values())).item()
     assert result["update"] < 1e-4, result
     return result
+
+
+def check_gradient_accumulation(tp: int) -> dict:
+    """accumulate_grad_batches=2 over half batches gives the gradients of the whole batch, and FSDP
+    reduce-scatters once per optimizer step, not once per micro-batch."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group  # to count reductions
+
+    calls = []
+    reduce = fsdp_group.foreach_reduce
+
+    def counting_reduce(*args, **kwargs):
+        calls.append(1)
+        return reduce(*args, **kwargs)
+
+    module = CausalLM()
+    dp = dist.get_world_size() // tp
+    tokens, labels = batch(GLOBAL_BATCH)
+    half_batches = DataLoader(TensorDataset(tokens, labels), batch_size=GLOBAL_BATCH // dp // 2)
+    fsdp_group.foreach_reduce = counting_reduce
+    try:
+        trainer(AutoModelParallelStrategy(tp=tp), accumulate_grad_batches=2).fit(module, half_batches)
+    finally:
+        fsdp_group.foreach_reduce = reduce
+    units = sum(isinstance(m, FSDPModule) for m in module.model.modules())
+    assert len(calls) == STEPS * units, f"{len(calls)} reduce-scatters for {STEPS} steps of {units} FSDP units"
+    micro_losses = zip(module.losses[::2], module.losses[1::2], strict=True)
+    module.losses = [(first + second) / 2 for first, second in micro_losses]  # the whole batch's mean
+    reference = tiny_model()
+    return compare_training(module, reference, reference_run(reference))

@@ -30,6 +30,7 @@ CONFIGS = {
     "gemma3": Gemma3TextConfig,
     "gemma3_vlm": Gemma3TextConfig,
     "phi3": Phi3Config,
+    "phi3_gqa": Phi3Config,
     "granite": GraniteConfig,  # no registered plan: trained through its Hugging Face plan
 }
 FAMILIES = tuple(name for name in CONFIGS if name != "granite")
@@ -57,7 +58,9 @@ def tiny_config(family: str = "llama", **overrides):
     if family == "granite":  # its multipliers make it differ from Llama
         common.update(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.2)
     if family == "phi3":
-        common.update(num_key_value_heads=4)  # fused [q; k; v] of equal blocks
+        common.update(num_key_value_heads=4)  # fused [q; k; v] of equal blocks (Phi-3-mini)
+    if family == "phi3_gqa":
+        common.update(num_key_value_heads=2)  # grouped KV heads: unequal blocks (Phi-3-medium, Phi-4-mini)
     common.update(overrides)
     text = CONFIGS[family](**common)
     if family == "gemma3_vlm":

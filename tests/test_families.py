@@ -25,8 +25,8 @@ def test_a_model_without_family_plan_trains_through_its_hugging_face_plan():
 
 
 def test_family_plans_on_tp_times_fsdp():
-    """tp=2 x dp_shard=2: strided FSDP shards over Phi3's packed projections, tied Gemma3 embeddings."""
-    checks = [partial(check_family, family, True) for family in ("phi3", "gemma3", "qwen3")]
+    """tp=2 x dp_shard=2: FSDP over Phi3's packed and regrouped projections, tied Gemma3 embeddings."""
+    checks = [partial(check_family, family, True) for family in ("phi3", "phi3_gqa", "gemma3", "qwen3")]
     checks.append(partial(check_trainer_parity, 2, True, True, "phi3"))
     # Meta-device builds: each rank initialises its slice of the packed and tied weights, as HF would.
     checks += [partial(check_meta_model_from_configure_model, 2, family) for family in ("phi3", "gemma3")]

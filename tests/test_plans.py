@@ -20,7 +20,7 @@ from lightning_automodel.parallel.parallelizer import (
     parallelization_strategy_for,
 )
 from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns, unsharded_linears
-from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel
+from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel, RegroupedColwiseParallel
 from lightning_automodel.parallel.validation import validate_tp_sizes
 
 USER_PLAN = {"model.layers.*.mlp.up_proj": ColwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel()}
@@ -215,7 +215,9 @@ def test_user_plans_may_use_hugging_face_style_strings():
         select_tp_plan(tiny_model(), sp=False, tp_plan={"a.b": "sideways"})
 
 
-def test_phi3_with_grouped_kv_heads_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"Phi3 with grouped KV heads \(4 heads, 2 KV heads\)") as error:
-        select_tp_plan(tiny_model("phi3", num_key_value_heads=2), sp=False)
-    assert "Use tp=1" in str(error.value)
+def test_phi3_fused_projections_are_split_block_by_block():
+    equal, _ = select_tp_plan(tiny_model("phi3"), sp=False)
+    grouped, _ = select_tp_plan(tiny_model("phi3_gqa"), sp=False)
+    qkv, gate_up = "model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.gate_up_proj"
+    assert equal[qkv].parts == 3 and equal[gate_up].parts == 2
+    assert isinstance(grouped[qkv], RegroupedColwiseParallel) and grouped[qkv].block_sizes == (64, 32, 32)

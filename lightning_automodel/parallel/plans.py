@@ -22,7 +22,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_automodel.parallel.hf_plan import hf_style_strings, hf_tp_plan, translate_style
-from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel, SequenceParallelAllGather
+from lightning_automodel.parallel.styles import (
+    HeadShardedNorm,
+    PackedColwiseParallel,
+    RegroupedColwiseParallel,
+    SequenceParallelAllGather,
+)
 from lightning_automodel.parallel.validation import model_config
 
 TPPlan = dict[str, ParallelStyle]
@@ -133,21 +138,21 @@ def gemma3_plan(model: nn.Module, sp: bool) -> TPPlan:
 def phi3_plan(model: nn.Module, sp: bool) -> TPPlan:
     """Llama layout with Phi3's fused projections sharded block by block (the reference replicates attention).
 
-    [q; k; v] can only be split with the Hugging Face layout kept when its three blocks are equal, i.e. as
-    many KV heads as heads; with grouped KV heads no DTensor placement describes the split.
+    [gate; up], and [q; k; v] with as many KV heads as heads, are blocks of equal size: each rank holds its
+    slice of every block. With grouped KV heads the [q; k; v] blocks differ in size, no placement describes
+    that split, and the projection output is regrouped instead (one all-gather per layer).
     """
     config = model_config(model)
-    if config.num_key_value_heads != config.num_attention_heads:
-        raise ValueError(
-            f"Phi3 with grouped KV heads ({config.num_attention_heads} heads, {config.num_key_value_heads} KV heads)"
-            " has a fused qkv_proj whose [q; k; v] blocks differ in size, so it cannot be tensor-sharded with the"
-            " Hugging Face layout kept. Use tp=1 (FSDP only), or pass tp_plan= that keeps self_attn replicated."
-        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     layer = "model.layers.*"
     plan = _decoder_plan("model", sp=sp)
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
         del plan[f"{layer}.{name}"]
-    plan[f"{layer}.self_attn.qkv_proj"] = PackedColwiseParallel(parts=3)
+    if q_size == kv_size:
+        plan[f"{layer}.self_attn.qkv_proj"] = PackedColwiseParallel(parts=3)
+    else:
+        plan[f"{layer}.self_attn.qkv_proj"] = RegroupedColwiseParallel(block_sizes=(q_size, kv_size, kv_size))
     plan[f"{layer}.mlp.gate_up_proj"] = PackedColwiseParallel(parts=2)
     return plan
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
@@ -84,3 +84,35 @@ def _packed_linear_forward(self: nn.Linear, hidden: torch.Tensor, *, mesh: Devic
     hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     bias = self.bias.to_local() if self.bias is not None else None
     return F.linear(hidden, self.weight.to_local(), bias)
+
+
+class RegroupedColwiseParallel(ColwiseParallel):
+    """Column-parallel for a fused projection of unequal blocks: Phi3's [q; k; v] with grouped KV heads.
+
+    Each rank needs its slice of every block, [q_r; k_r; v_r], but no DTensor placement describes that split
+    when the blocks differ in size. The weight is therefore split the plain way (the Hugging Face layout, so
+    checkpoints are unchanged), and the outputs are regrouped: one all-gather of the projection output per
+    layer, after which each rank keeps its own slice of every block. Attention then runs on this rank's heads
+    only. The gradients each rank sends back cover only its slices, so they are summed on the way back.
+    """
+
+    def __init__(self, *, block_sizes: tuple[int, ...]) -> None:
+        super().__init__(output_layouts=Shard(-1), use_local_output=False)
+        self.block_sizes = block_sizes
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if any(size % device_mesh.size() for size in self.block_sizes):
+            raise ValueError(
+                f"RegroupedColwiseParallel: blocks {self.block_sizes} do not split over {device_mesh.size()} ranks."
+            )
+        module = super()._apply(module, device_mesh)
+        module.register_forward_hook(partial(_keep_own_slices, block_sizes=self.block_sizes, mesh=device_mesh))
+        return module
+
+
+def _keep_own_slices(
+    module: nn.Module, inputs: tuple, output: DTensor, *, block_sizes: tuple[int, ...], mesh: DeviceMesh
+) -> torch.Tensor:
+    full = output.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    rank, size = mesh.get_local_rank(), mesh.size()
+    return torch.cat([block.chunk(size, dim=-1)[rank] for block in full.split(list(block_sizes), dim=-1)], dim=-1)

@@ -122,12 +122,12 @@ def check_tied_embeddings(sp: bool) -> dict[str, float]:
     return errors
 
 
-def check_frozen_stays_frozen(sp: bool) -> dict[str, int]:
+def check_frozen_stays_frozen(sp: bool, family: str = "llama") -> dict[str, int]:
     """Styles must not flip requires_grad: frozen embeddings and norms stay frozen, trainable ones trainable."""
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
-    model = tiny_model()
+    model = tiny_model(family)
     for name, param in model.named_parameters():
-        param.requires_grad_(not ("norm" in name or "embed" in name))
+        param.requires_grad_(not ("norm" in name or "embed" in name or "qkv" in name))
     expected = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize(model, mesh, sp=sp)
     actual = {name: p.requires_grad for name, p in model.named_parameters()}
@@ -139,7 +139,9 @@ def check_family(family: str, sp: bool) -> dict[str, float]:
     """fp32 parity of a family's registered plan at tp=2 (dp_shard takes the rest of the world)."""
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = tiny_model(family), tiny_model(family)
+    tied = _embeddings_tied(model)
     parallelize(model, mesh, sp=sp)
+    assert _embeddings_tied(model) == tied, "tensor parallel changed whether lm_head is tied to the embedding"
     errors = forward_backward_errors(model, reference, data_mesh(mesh))
     assert max(errors.values()) < FP32_TOLERANCE, errors
     return errors
@@ -214,3 +216,8 @@ def check_clip_grad_norm(tp: int, sp: bool) -> dict[str, float]:
     }
     assert max(errors.values()) < FP32_TOLERANCE, errors
     return errors
+
+
+def _embeddings_tied(model: torch.nn.Module) -> bool:
+    output = model.get_output_embeddings()
+    return output is not None and output.weight is model.get_input_embeddings().weight

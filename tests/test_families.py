@@ -5,7 +5,7 @@ from functools import partial
 from harness import run_checks
 from lightning_checks import check_meta_model_from_configure_model, check_trainer_parity
 from models import FAMILIES
-from parity import check_family, check_naive_plan_is_wrong
+from parity import check_family, check_frozen_stays_frozen, check_naive_plan_is_wrong
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 SP = (False, True)
@@ -13,6 +13,12 @@ SP = (False, True)
 
 def test_forward_backward_parity_of_every_family():
     run_checks(2, [partial(check_family, family, sp) for family in FAMILIES for sp in SP])
+
+
+def test_no_family_style_unfreezes_a_frozen_parameter():
+    """Head-sharded norms, packed and regrouped projections, sequence-parallel norms: frozen stays frozen."""
+    families = ("qwen3", "gemma3", "phi3", "phi3_gqa")
+    run_checks(2, [partial(check_frozen_stays_frozen, True, family) for family in families])
 
 
 def test_three_adamw_steps_of_every_family():

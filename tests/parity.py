@@ -221,3 +221,17 @@ def check_clip_grad_norm(tp: int, sp: bool) -> dict[str, float]:
 def _embeddings_tied(model: torch.nn.Module) -> bool:
     output = model.get_output_embeddings()
     return output is not None and output.weight is model.get_input_embeddings().weight
+
+
+def check_phi3_attention_kept_whole() -> dict[str, float]:
+    """A user plan may leave Phi3's attention replicated (the reference's layout): head counts stay global."""
+    from lightning_automodel.parallel.plans import select_tp_plan
+
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    reference, model = tiny_model("phi3_gqa"), tiny_model("phi3_gqa")
+    plan, _ = select_tp_plan(model, sp=False)
+    del plan["model.layers.*.self_attn.qkv_proj"], plan["model.layers.*.self_attn.o_proj"]
+    parallelize(model, mesh, tp_plan=plan, allow_unsharded_linears=True)
+    errors = forward_backward_errors(model, reference, data_mesh(mesh))
+    assert max(errors.values()) < FP32_TOLERANCE, errors
+    return errors

@@ -5,14 +5,21 @@ from functools import partial
 from harness import run_checks
 from lightning_checks import check_meta_model_from_configure_model, check_trainer_parity
 from models import FAMILIES
-from parity import check_family, check_frozen_stays_frozen, check_naive_plan_is_wrong
+from parity import (
+    check_family,
+    check_frozen_stays_frozen,
+    check_naive_plan_is_wrong,
+    check_phi3_attention_kept_whole,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 SP = (False, True)
 
 
 def test_forward_backward_parity_of_every_family():
-    run_checks(2, [partial(check_family, family, sp) for family in FAMILIES for sp in SP])
+    checks = [partial(check_family, family, sp) for family in FAMILIES for sp in SP]
+    checks.append(check_phi3_attention_kept_whole)  # a user plan that keeps attention whole stays correct
+    run_checks(2, checks)
 
 
 def test_no_family_style_unfreezes_a_frozen_parameter():

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_automodel.mesh import axis_size, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.checkpointing import apply_activation_checkpointing
@@ -117,11 +118,16 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
 
 @register_parallelization_strategy("Phi3ForCausalLM")
 class Phi3ParallelizationStrategy(DefaultParallelizationStrategy):
-    """Phi3 attention slices its fused qkv output with head counts read in forward: make them this rank's."""
+    """Phi3 attention slices its fused qkv output with head counts read in forward: make them this rank's
+    wherever the plan sharded ``qkv_proj`` (a user plan may keep attention whole)."""
 
     def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh, **options: Any) -> None:
         super().apply_tensor_parallel(model, mesh, **options)
         for attention in (module for module in model.modules() if hasattr(module, "qkv_proj")):
+            weight = attention.qkv_proj.weight
+            placements = weight.placements if isinstance(weight, DTensor) else ()
+            if not any(isinstance(p, Shard | _StridedShard) for p in placements):
+                continue
             attention.config = copy.copy(attention.config)  # the model's own config keeps the global counts
             attention.config.num_attention_heads //= mesh.size()
             attention.config.num_key_value_heads //= mesh.size()

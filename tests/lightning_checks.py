@@ -8,12 +8,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from models import batch, tiny_config, tiny_model
 from parity import FP32_TOLERANCE, loss_of, relative_error
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
+from lightning_automodel.parallel import decoder_layers
 
 STEPS = 3
 LR = 1e-2
@@ -156,11 +157,17 @@ def compare_training(module: CausalLM, reference: torch.nn.Module, reference_ste
     return result
 
 
-def check_trainer_parity(tp: int, sp: bool, activation_checkpointing: bool, family: str = "llama") -> dict:
+def check_trainer_parity(
+    tp: int, sp: bool, activation_checkpointing: bool, family: str = "llama", cpu_offload: bool = False
+) -> dict:
     """3 AdamW steps through Trainer.fit match a single-process run, loss for loss and weight for weight."""
-    strategy = AutoModelParallelStrategy(tp=tp, sp=sp, activation_checkpointing=activation_checkpointing)
+    strategy = AutoModelParallelStrategy(
+        tp=tp, sp=sp, activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload
+    )
     module = CausalLM(tiny_model(family, seed=dist.get_rank()))  # rank 0's weights must win
     trainer(strategy).fit(module, data(dist.get_world_size() // tp))
+    offload = decoder_layers(module.model)[0]._get_fsdp_state()._fsdp_param_group.offload_policy
+    assert isinstance(offload, CPUOffloadPolicy) == cpu_offload, offload
     reference = tiny_model(family)
     return compare_training(module, reference, reference_run(reference))
 

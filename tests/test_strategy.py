@@ -28,6 +28,7 @@ def test_trainer_on_two_ranks():
     """tp=2, tp=2 with sp and dp_shard=2, each with and without activation checkpointing; then the wiring."""
     checks = [partial(check_trainer_parity, tp, sp, ac) for tp, sp in ((2, False), (2, True), (1, False)) for ac in AC]
     checks += [
+        partial(check_trainer_parity, 2, True, False, "llama", True),  # CPU offload, on a CPU-only machine too
         partial(check_meta_model_from_configure_model, 2),
         check_self_parallelized_module_left_alone,
         partial(check_bf16_mixed_trainer, 2),

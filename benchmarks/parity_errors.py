@@ -30,7 +30,7 @@ def world_of_two() -> list:
     checks += [partial(lc.check_trainer_parity, 2, sp, False, family) for family in FAMILIES for sp in (False, True)]
     checks.append(partial(parity.check_family, "granite", False))
     checks.append(partial(lc.check_trainer_parity, 2, False, False, "granite"))
-    checks.append(partial(lc.check_bf16_mixed_trainer, 2))
+    checks += [partial(lc.check_bf16_trainer, 2, precision) for precision in ("bf16-mixed", "bf16-true")]
     return checks
 
 

@@ -6,8 +6,7 @@ import lightning as L
 import pytest
 from harness import run_checks
 from lightning_checks import (
-    check_bf16_mixed_trainer,
-    check_bf16_true_trainer,
+    check_bf16_trainer,
     check_data_parallel_wiring,
     check_gradient_accumulation,
     check_invalid_size_raises_everywhere,
@@ -31,8 +30,8 @@ def test_trainer_on_two_ranks():
         partial(check_trainer_parity, 2, True, False, "llama", True),  # CPU offload, on a CPU-only machine too
         partial(check_meta_model_from_configure_model, 2),
         check_self_parallelized_module_left_alone,
-        partial(check_bf16_mixed_trainer, 2),
-        partial(check_bf16_true_trainer, 2),
+        partial(check_bf16_trainer, 2, "bf16-mixed"),
+        partial(check_bf16_trainer, 2, "bf16-true"),
         partial(check_gradient_accumulation, 1),
         partial(check_gradient_accumulation, 2),
         check_no_hf_model_is_an_error,

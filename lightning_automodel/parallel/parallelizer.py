@@ -33,21 +33,13 @@ S = TypeVar("S", bound="ParallelizationStrategy")
 
 
 class ParallelizationStrategy(ABC):
-    """The whole parallelization flow for a model family; see :func:`register_parallelization_strategy`."""
+    """The whole parallelization flow for a model family; see :func:`register_parallelization_strategy`.
+
+    ``options`` are those of :meth:`DefaultParallelizationStrategy.parallelize`.
+    """
 
     @abstractmethod
-    def parallelize(
-        self,
-        model: nn.Module,
-        device_mesh: DeviceMesh,
-        *,
-        sp: bool = False,
-        tp_plan: PlanSpec | None = None,
-        activation_checkpointing: bool = False,
-        mp_policy: MixedPrecisionPolicy | None = None,
-        offload_policy: OffloadPolicy | None = None,
-        allow_unsharded_linears: bool = False,
-    ) -> nn.Module: ...
+    def parallelize(self, model: nn.Module, device_mesh: DeviceMesh, **options: Any) -> nn.Module: ...
 
 
 _STRATEGIES: dict[str, ParallelizationStrategy] = {}

@@ -12,7 +12,7 @@ from lightning_automodel.parallel import (
     parallelize,
     register_parallelization_strategy,
 )
-from lightning_automodel.parallel.hf_plan import translate_style
+from lightning_automodel.parallel.hf_plan import hf_style_strings, translate_style
 from lightning_automodel.parallel.parallelizer import (
     apply_tensor_parallel,
     check_plan_coverage,
@@ -221,3 +221,20 @@ def test_phi3_fused_projections_are_split_block_by_block():
     qkv, gate_up = "model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.gate_up_proj"
     assert equal[qkv].parts == 3 and equal[gate_up].parts == 2
     assert isinstance(grouped[qkv], RegroupedColwiseParallel) and grouped[qkv].block_sizes == (64, 32, 32)
+
+
+def test_hugging_face_plans_of_nested_language_models_get_their_prefix():
+    strings = hf_style_strings(tiny_model("gemma3_vlm"))
+    assert strings["model.language_model.layers.*.self_attn.q_proj"] == "colwise"
+    assert strings["lm_head"] == "colwise_gather_output"
+
+
+def test_hugging_face_plans_are_found_in_configs_when_instances_carry_none():
+    """transformers 4.4x keeps base_model_tp_plan on the config and does not merge it into the instance."""
+    model = tiny_model("granite")
+    for module in model.modules():
+        if hasattr(module, "_tp_plan"):
+            module._tp_plan = None
+    strings = hf_style_strings(model)
+    assert strings["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert strings["lm_head"] == "colwise_gather_output"  # the class plan

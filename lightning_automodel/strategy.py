@@ -36,6 +36,7 @@ from typing_extensions import override
 from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
+from lightning_automodel.parallel.checkpointing import ACMode
 from lightning_automodel.parallel.grad_norm import clip_grad_norm_
 from lightning_automodel.parallel.parallelizer import is_meta
 from lightning_automodel.parallel.plans import PlanSpec
@@ -67,7 +68,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         tp_plan: a dict of module pattern -> ParallelStyle, an import path to one, or a function
             ``(model, sp) -> dict``; default: the family's registered plan, else the model's Hugging Face plan.
         allow_unsharded_linears: accept a plan that leaves large Linears of the blocks it shards whole.
-        activation_checkpointing: recompute each decoder layer in backward.
+        activation_checkpointing: recompute activations in backward: True or "full" (whole decoder layers),
+            "selective" (keep attention and every other matmul output) or "submodule" (attention and MLP apart).
         mp_policy: FSDP2 MixedPrecisionPolicy; default: derived from ``Trainer(precision=...)``.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
         save_distributed_checkpoint, process_group_backend, timeout: as in Lightning's ModelParallelStrategy.
@@ -86,7 +88,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         pp: int = 1,
         tp_plan: PlanSpec | None = None,
         allow_unsharded_linears: bool = False,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | ACMode = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,

@@ -158,7 +158,7 @@ def compare_training(module: CausalLM, reference: torch.nn.Module, reference_ste
 
 
 def check_trainer_parity(
-    tp: int, sp: bool, activation_checkpointing: bool, family: str = "llama", cpu_offload: bool = False
+    tp: int, sp: bool, activation_checkpointing: bool | str, family: str = "llama", cpu_offload: bool = False
 ) -> dict:
     """3 AdamW steps through Trainer.fit match a single-process run, loss for loss and weight for weight."""
     strategy = AutoModelParallelStrategy(

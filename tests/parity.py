@@ -77,7 +77,7 @@ def forward_backward_errors(model, reference, dp: DeviceMesh | None, *, batch_si
     return errors
 
 
-def check_layout(tp: int, sp: bool, activation_checkpointing: bool, dp_replicate: int = 1) -> dict[str, float]:
+def check_layout(tp: int, sp: bool, activation_checkpointing: bool | str, dp_replicate: int = 1) -> dict[str, float]:
     """fp32 parity of one layout; dp_shard takes the rest of the world.
 
     Every rank builds its model from a different seed: parallelize must make them all rank 0's.

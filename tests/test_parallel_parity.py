@@ -24,6 +24,7 @@ def test_world_of_two():
     ]
     checks += [partial(check_user_plan, spec) for spec in ("dict", "dict path", "function path", "function")]
     checks += [partial(check_clip_grad_norm, 2, sp) for sp in (False, True)]
+    checks += [partial(check_layout, 2, True, mode) for mode in ("selective", "submodule")]
     run_checks(2, checks)
 
 
@@ -33,4 +34,5 @@ def test_world_of_four():
     checks.append(partial(check_bf16_layout, 2, False))
     checks += [partial(check_layout, 1, False, False, 2), partial(check_layout, 2, True, False, 2)]
     checks.append(partial(check_clip_grad_norm, 2, True))
+    checks += [partial(check_layout, 2, True, mode) for mode in ("selective", "submodule")]
     run_checks(4, checks)

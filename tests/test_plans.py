@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_automodel.parallel import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
+    decoder_layers,
     parallelize,
     register_parallelization_strategy,
 )
@@ -238,3 +239,13 @@ def test_hugging_face_plans_are_found_in_configs_when_instances_carry_none():
     strings = hf_style_strings(model)
     assert strings["model.layers.*.mlp.down_proj"] == "rowwise"
     assert strings["lm_head"] == "colwise_gather_output"  # the class plan
+
+
+def test_activation_checkpointing_modes_are_checked():
+    from lightning_automodel.parallel.checkpointing import apply_activation_checkpointing
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match='activation_checkpointing=\'partial\': use True/"full", "selective"'):
+        apply_activation_checkpointing(model, decoder_layers(model), mode="partial")
+    with pytest.raises(ValueError, match='"submodule" found no attention or MLP block in Linear'):
+        apply_activation_checkpointing(model, [torch.nn.Linear(2, 2)], mode="submodule")

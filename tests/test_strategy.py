@@ -46,6 +46,7 @@ def test_trainer_on_four_ranks():
     """tp=2 x dp_shard=2 with and without activation checkpointing (and with sp); sampler and metric wiring."""
     checks = [partial(check_trainer_parity, 2, False, ac) for ac in AC]
     checks += [partial(check_trainer_parity, 2, True, True), partial(check_data_parallel_wiring, 2)]
+    checks += [partial(check_trainer_parity, 2, True, mode) for mode in ("selective", "submodule")]
     checks += [partial(check_trainer_gradient_clipping, 2, sp) for sp in (False, True)]
     results = run_checks(4, checks)
     wiring = results["check_data_parallel_wiring(2)"]

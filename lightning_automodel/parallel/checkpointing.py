@@ -1,4 +1,10 @@
-"""Activation checkpointing of whole decoder layers.
+"""Activation checkpointing: recompute activations in backward instead of keeping them, in three granularities.
+
+- ``"full"``: each decoder layer keeps only its input; everything inside is recomputed.
+- ``"selective"``: inside each layer, the outputs of attention and of every other matmul are kept, the cheap
+  ops between them (norms, activations, rotary, residual adds) are recomputed.
+- ``"submodule"``: attention and MLP are checkpointed separately; the norms and residuals between them keep
+  their activations.
 
 Uses torch's composable ``checkpoint``, which works through module hooks: parameter names stay those of the
 Hugging Face model, so state dicts, checkpoints and exports need no renaming.
@@ -6,21 +12,77 @@ Hugging Face model, so state dicts, checkpoints and exports need no renaming.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Literal
 
+import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+ACMode = Literal["full", "selective", "submodule"]
+
+# Names Hugging Face decoder layers give their attention and MLP blocks.
+_SUBMODULE_NAMES = ("self_attn", "attention", "attn", "mlp", "feed_forward")
+
+_ATTENTION_OPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+_MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
-def apply_activation_checkpointing(model: nn.Module, layers: Sequence[nn.Module]) -> None:
-    """Recompute each decoder layer's activations in backward instead of storing them."""
+def apply_activation_checkpointing(model: nn.Module, layers: Sequence[nn.Module], mode: ACMode | bool = "full") -> None:
+    """Checkpoint each decoder layer in ``layers`` with ``mode`` (True means "full")."""
+    mode = "full" if mode is True else mode
+    if mode not in ("full", "selective", "submodule"):
+        raise ValueError(f'activation_checkpointing={mode!r}: use True/"full", "selective" or "submodule".')
     if not layers:
         raise ValueError(
-            f"activation_checkpointing=True found no decoder layers in {type(model).__name__}: it needs a"
-            " ModuleList of transformer blocks (model.layers in Hugging Face models)."
+            f"activation_checkpointing found no decoder layers in {type(model).__name__}: it needs a ModuleList of"
+            " transformer blocks (model.layers in Hugging Face models)."
         )
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False  # a KV cache built in the first forward would be built again on recompute
     for layer in layers:
-        checkpoint(layer)
+        if mode == "full":
+            checkpoint(layer)
+        elif mode == "selective":
+            checkpoint(layer, context_fn=_selective_contexts)
+        else:
+            for block in _attention_and_mlp(layer):
+                checkpoint(block)
+
+
+def _attention_and_mlp(layer: nn.Module) -> list[nn.Module]:
+    blocks = [child for name, child in layer.named_children() if name in _SUBMODULE_NAMES]
+    if not blocks:
+        raise ValueError(
+            f'activation_checkpointing="submodule" found no attention or MLP block in {type(layer).__name__} (looked'
+            f' for children named {", ".join(_SUBMODULE_NAMES)}); use "full" or "selective".'
+        )
+    return blocks
+
+
+def _selective_contexts() -> tuple:
+    """One context pair per layer call: the forward and its recompute must count matmuls the same way."""
+    counts: dict[str, int] = defaultdict(int)
+    return create_selective_checkpoint_contexts(partial(_keep_attention_and_every_other_matmul, counts))
+
+
+def _keep_attention_and_every_other_matmul(
+    counts: dict[str, int], ctx: object, op: Callable, *args: object, **kwargs: object
+) -> CheckpointPolicy:
+    if op in _ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    if op in _MATMUL_OPS:
+        phase = "recompute" if ctx.is_recompute else "forward"
+        counts[phase] += 1
+        if counts[phase] % 2 == 1:  # 1st, 3rd, ... matmul: keep; the others are recomputed from them
+            return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_automodel.mesh import axis_size, fsdp_mesh, tp_mesh
-from lightning_automodel.parallel.checkpointing import apply_activation_checkpointing
+from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
 from lightning_automodel.parallel.fsdp import apply_fsdp
 from lightning_automodel.parallel.plans import PlanSpec, select_tp_plan, unmatched_patterns, unsharded_linears
 from lightning_automodel.parallel.validation import validate_tp_sizes
@@ -76,12 +76,15 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         *,
         sp: bool = False,
         tp_plan: PlanSpec | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | ACMode = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         offload_policy: OffloadPolicy | None = None,
         allow_unsharded_linears: bool = False,
     ) -> nn.Module:
-        """A model with real weights is first made identical on every rank (broadcast from global rank 0):
+        """``activation_checkpointing``: False, True (= "full"), "full", "selective" or "submodule" (see
+        :mod:`lightning_automodel.parallel.checkpointing`).
+
+        A model with real weights is first made identical on every rank (broadcast from global rank 0):
         tensor parallel scatters sharded weights from rank 0, but FSDP shards each rank's own copy, so
         differently initialised replicas would otherwise mix silently. A model on the meta device is left for
         the caller to materialize after this returns.
@@ -100,7 +103,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
                 model, tp_mesh(device_mesh), sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears
             )
         if activation_checkpointing:
-            apply_activation_checkpointing(model, layers)
+            apply_activation_checkpointing(model, layers, mode=activation_checkpointing)
         apply_fsdp(model, layers, fsdp_mesh(device_mesh), mp_policy=mp_policy, offload_policy=offload_policy)
         return model
 

@@ -323,3 +323,54 @@ def check_gradient_accumulation(tp: int) -> dict:
     module.losses = [(first + second) / 2 for first, second in micro_losses]  # the whole batch's mean
     reference = tiny_model()
     return compare_training(module, reference, reference_run(reference))
+
+
+class ManualCausalLM(CausalLM):
+    """Manual optimization with an LR scheduler: manual_backward must run inside the stage's loss_parallel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        tokens, labels = batch
+        loss, _ = loss_of(self.model, tokens, labels)
+        self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()  # Lightning calls on_before_optimizer_step, which records the gradients
+        scheduler.step()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=LR)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[0]).logits  # vocab-sharded under tp: handed back as a plain tensor
+
+
+def check_manual_optimization_and_predict(tp: int) -> dict:
+    """Manual optimization with a halving LR matches a single process; predict after fit returns full logits."""
+    module = ManualCausalLM()
+    fit = trainer(AutoModelParallelStrategy(tp=tp))
+    fit.fit(module, data(dist.get_world_size() // tp))
+    reference = tiny_model()
+    tokens, labels = batch(GLOBAL_BATCH)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    losses, grads = [], []
+    for _ in range(STEPS):
+        loss, _ = loss_of(reference, tokens, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        grads.append({name: p.grad.clone() for name, p in reference.named_parameters()})
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    result = compare_training(module, reference, (losses, grads))
+    predictions = fit.predict(module, DataLoader(TensorDataset(tokens[:2]), batch_size=2))
+    assert not isinstance(predictions[0], DTensor), "predict must hand back plain tensors"
+    result["predicted_logits"] = relative_error(predictions[0], reference(tokens[:2]).logits)
+    assert result["predicted_logits"] < FP32_TOLERANCE, result
+    return result

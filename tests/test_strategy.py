@@ -10,6 +10,7 @@ from lightning_checks import (
     check_data_parallel_wiring,
     check_gradient_accumulation,
     check_invalid_size_raises_everywhere,
+    check_manual_optimization_and_predict,
     check_meta_model_from_configure_model,
     check_no_hf_model_is_an_error,
     check_self_parallelized_module_left_alone,
@@ -34,6 +35,7 @@ def test_trainer_on_two_ranks():
         partial(check_bf16_trainer, 2, "bf16-true"),
         partial(check_gradient_accumulation, 1),
         partial(check_gradient_accumulation, 2),
+        partial(check_manual_optimization_and_predict, 2),
         check_no_hf_model_is_an_error,
         check_invalid_size_raises_everywhere,
     ]

@@ -1,1 +1,1 @@
-"""Hugging Face specifics: building on the meta device, initialising and loading weights, exporting."""
+"""Hugging Face specifics that torch does not know: initialising a meta-device model the way transformers would."""

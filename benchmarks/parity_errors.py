@@ -1,6 +1,6 @@
 """Print the errors every parity check measures, layout by layout: the numbers behind the test tolerances.
 
-    .venv/bin/python benchmarks/parity_errors.py      # about 3 minutes on 2 CPU cores (gloo, 2 and 4 processes)
+    .venv/bin/python benchmarks/parity_errors.py      # about 4 minutes on 2 CPU cores (gloo, 2, 4 and 8 processes)
 
 Each line is one check of tests/parity.py or tests/lightning_checks.py and its errors against a single-process
 run of the same model (relative to the largest reference value, except weights: absolute).
@@ -14,7 +14,9 @@ from functools import partial
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import lightning_checks as lc  # noqa: E402
+import mixed_dtype_checks as mixed  # noqa: E402
 import parity  # noqa: E402
+import training_checks as tc  # noqa: E402
 from harness import run_checks  # noqa: E402
 from models import FAMILIES  # noqa: E402
 
@@ -31,6 +33,12 @@ def world_of_two() -> list:
     checks.append(partial(parity.check_family, "granite", False))
     checks.append(partial(lc.check_trainer_parity, 2, False, False, "granite"))
     checks += [partial(lc.check_bf16_trainer, 2, precision) for precision in ("bf16-mixed", "bf16-true")]
+    checks += [mixed.check_float64_router_training]
+    checks += [partial(mixed.check_bf16_model_with_fp32_router, policy) for policy in (False, True)]
+    checks += [partial(lc.check_bf16_trainer, 1, p, "ernie_moe") for p in ("bf16-mixed", "bf16-true")]
+    checks += [partial(tc.check_token_normalised_loss, 1), partial(tc.check_param_groups, 2)]
+    checks += [partial(tc.check_two_optimizers, 2), partial(tc.check_evaluation_without_fit, 2)]
+    checks += [partial(parity.check_fsdp_schedule, *options) for options in ((None, 0, 1), (True, 2, 2))]
     return checks
 
 
@@ -40,11 +48,17 @@ def world_of_four() -> list:
     checks += [partial(parity.check_layout, 1, False, False, 2), partial(parity.check_layout, 2, True, False, 2)]
     checks += [partial(lc.check_trainer_parity, 2, sp, ac) for sp in (False, True) for ac in AC]
     checks += [partial(lc.check_trainer_gradient_clipping, 2, sp) for sp in (False, True)]
+    checks += [partial(lc.check_trainer_parity, 1, False, False, dp_replicate=2)]
+    checks += [partial(tc.check_token_normalised_loss, 2)]
     return checks
 
 
+def world_of_eight() -> list:
+    return [partial(lc.check_trainer_parity, 2, True, False, dp_replicate=2)]
+
+
 def main() -> None:
-    for world_size, checks in ((2, world_of_two()), (4, world_of_four())):
+    for world_size, checks in ((2, world_of_two()), (4, world_of_four()), (8, world_of_eight())):
         for name, per_rank in run_checks(world_size, checks, timeout=1200).items():
             errors = {key: float(f"{value:.2e}") for key, value in per_rank[0].items()}
             print(f"world {world_size}  {name}  {json.dumps(errors)}")

@@ -2,6 +2,10 @@
 
 from lightning_automodel.mesh import ParallelDims
 from lightning_automodel.parallel import (
+    causal_lm_loss,
+    fully_shard_by_dtype,
+    global_token_mean,
+    iter_maximal_uniform_dtype_subtrees,
     parallelize,
     plan_report,
     register_parallelization_strategy,
@@ -12,6 +16,10 @@ from lightning_automodel.strategy import AutoModelParallelStrategy
 __all__ = [
     "AutoModelParallelStrategy",
     "ParallelDims",
+    "causal_lm_loss",
+    "fully_shard_by_dtype",
+    "global_token_mean",
+    "iter_maximal_uniform_dtype_subtrees",
     "parallelize",
     "plan_report",
     "register_parallelization_strategy",

@@ -37,8 +37,9 @@ from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
 from lightning_automodel.parallel.checkpointing import ACMode
+from lightning_automodel.parallel.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.grad_norm import clip_grad_norm_
-from lightning_automodel.parallel.parallelizer import is_meta
+from lightning_automodel.parallel.parallelizer import fp32_pinned_names, is_meta
 from lightning_automodel.parallel.plans import PlanSpec
 
 if TYPE_CHECKING:
@@ -49,9 +50,18 @@ log = logging.getLogger(__name__)
 # Models this package parallelized, so a later stage on the same module does not mistake them for the user's.
 _PARALLELIZED_BY_US: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
-# Lightning's precision flags that FSDP2 carries out with a MixedPrecisionPolicy.
-_PRECISION_POLICIES = {
+# Trainer(precision=...) flags and the FSDP2 MixedPrecisionPolicy each maps to ("-true" flags cast the weights
+# instead, and FSDP computes in their dtype); what is missing is refused by ``mixed_precision_policy``.
+_PRECISION_POLICIES: dict[str, MixedPrecisionPolicy | None] = {
+    "32-true": None,
     "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16-true": None,
+    "16-true": None,
+}
+_PRECISION_ADVICE = {
+    "16-mixed": "fp16 mixed precision needs loss scaling, which FSDP2's sharded gradients do not get here. Use"
+    " precision='bf16-mixed' (fp32 weights, bf16 compute, no scaling needed), or '16-true' to train in fp16.",
+    "64-true": "FSDP2 and tensor parallel are not meant for fp64 training. Use precision='32-true'.",
 }
 
 
@@ -72,6 +82,11 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             "selective" (keep attention and every other matmul output) or "submodule" (attention and MLP apart).
         mp_policy: FSDP2 MixedPrecisionPolicy; default: derived from ``Trainer(precision=...)``.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+        reshard_after_forward: None (default): free every decoder layer's gathered weights after its forward but
+            the last's, and keep the root's; True: free all (least memory); False: free none (no all-gather
+            in backward).
+        forward_prefetch: following decoder layers each layer all-gathers before its forward (0: none ahead).
+        backward_prefetch: preceding decoder layers each layer all-gathers in backward (1: FSDP's default).
         save_distributed_checkpoint, process_group_backend, timeout: as in Lightning's ModelParallelStrategy.
             ``timeout`` also bounds every sub-group of the mesh.
     """
@@ -91,6 +106,9 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         activation_checkpointing: bool | ACMode = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         cpu_offload: bool = False,
+        reshard_after_forward: bool | None = None,
+        forward_prefetch: int = 0,
+        backward_prefetch: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -106,19 +124,30 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
                 raise ValueError(f"{name}={size}: {issue} parallelism is not supported yet; set {name}=1.")
         if sp and tp == 1:
             raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
+        if forward_prefetch < 0 or backward_prefetch < 1:
+            raise ValueError(
+                f"forward_prefetch={forward_prefetch}, backward_prefetch={backward_prefetch}: they count decoder"
+                " layers gathered ahead (0 or more) and behind (1 or more, FSDP's default being 1)."
+            )
         self.sp = sp
         self.tp_plan = tp_plan
         self.allow_unsharded_linears = allow_unsharded_linears
         self.activation_checkpointing = activation_checkpointing
         self.mp_policy = mp_policy
         self.cpu_offload = cpu_offload
+        self.fsdp_options = dict(
+            reshard_after_forward=reshard_after_forward,
+            forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+        )
         self._loss_parallel = ExitStack()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     @override
     def setup_environment(self) -> None:
-        # Resolve and validate the sizes before the first collective, identically on every rank.
+        # Resolve and validate the sizes and precision before the first collective, identically on every rank.
         self.parallel_dims = self.parallel_dims.resolve(self.num_nodes * self.num_processes)
+        self._mixed_precision_policy()
         self._setup_distributed()
         if self._device_mesh is None:  # later stages (validate after fit) reuse the mesh the model lives on
             self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, timeout=self._timeout)
@@ -140,8 +169,12 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
 
         # "bf16-true"/"16-true" cast the module: do it before sharding, so FSDP shards and gathers the low-precision
-        # weights it will compute with (and materializes them directly in that dtype).
-        self.model = self.precision_plugin.convert_module(self.model)
+        # weights it will compute with (and materializes them directly in that dtype). What a model pins to fp32
+        # stays fp32, as in Hugging Face's from_pretrained(dtype=torch.bfloat16).
+        with ExitStack() as pinned:
+            for model in find_hf_models(self.model):
+                pinned.enter_context(keep_pinned_fp32(model, fp32_pinned_names(model)))
+            self.model = self.precision_plugin.convert_module(self.model)
         self._parallelize_models()
         _clip_across_meshes(self.precision_plugin)
         _materialize_distributed_module(self.model, self.root_device)
@@ -202,6 +235,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             activation_checkpointing=self.activation_checkpointing,
             mp_policy=self._mixed_precision_policy(),
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else None,
+            **self.fsdp_options,
         )
         if meta:
             materialize_hf_model(model, torch.device("cpu") if self.cpu_offload else self.root_device)
@@ -212,9 +246,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             super().model_to_device()
 
     def _mixed_precision_policy(self) -> MixedPrecisionPolicy | None:
-        if self.mp_policy is not None:
-            return self.mp_policy
-        return _PRECISION_POLICIES.get(self.precision_plugin.precision)
+        policy = mixed_precision_policy(self.precision_plugin.precision)
+        return self.mp_policy if self.mp_policy is not None else policy
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -282,6 +315,14 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Automatic TP/SP/FSDP2 for Hugging Face models", override=True
         )
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """The FSDP2 policy for a ``Trainer(precision=...)`` flag; an unsupported flag is an error that says what to use."""
+    if precision not in _PRECISION_POLICIES:
+        advice = _PRECISION_ADVICE.get(precision, f"Use one of {', '.join(map(repr, _PRECISION_POLICIES))}.")
+        raise ValueError(f"AutoModelParallelStrategy does not support precision={precision!r}. {advice}")
+    return _PRECISION_POLICIES[precision]
 
 
 def find_hf_models(module: nn.Module) -> list[nn.Module]:

@@ -6,6 +6,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    Ernie4_5_MoeConfig,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
@@ -32,8 +33,9 @@ CONFIGS = {
     "phi3": Phi3Config,
     "phi3_gqa": Phi3Config,
     "granite": GraniteConfig,  # no registered plan: trained through its Hugging Face plan
+    "ernie_moe": Ernie4_5_MoeConfig,  # its router is pinned to fp32 (_keep_in_fp32_modules_strict); MoE: no TP
 }
-FAMILIES = tuple(name for name in CONFIGS if name != "granite")
+FAMILIES = tuple(name for name in CONFIGS if name not in ("granite", "ernie_moe"))
 
 
 def tiny_config(family: str = "llama", **overrides):
@@ -57,6 +59,10 @@ def tiny_config(family: str = "llama", **overrides):
         common.update(num_labels=3)
     if family == "granite":  # its multipliers make it differ from Llama
         common.update(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.2)
+    if family == "ernie_moe":
+        common.update(
+            moe_intermediate_size=32, moe_num_experts=4, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=1
+        )
     if family == "phi3":
         common.update(num_key_value_heads=4)  # fused [q; k; v] of equal blocks (Phi-3-mini)
     if family == "phi3_gqa":

@@ -22,6 +22,19 @@ from lightning_automodel.mesh import data_mesh
 # fp32: TP and FSDP change only the order of reductions; measured errors are ~1e-6 (see the closing notes).
 FP32_TOLERANCE = 2e-5
 
+STEPS = 3
+LR = 1e-2
+# AdamW scales every element's step to about lr whatever the gradient's size, so reduction-order noise on a
+# near-zero gradient element can move it by a fraction of lr: measured up to 6.3e-4 (Qwen3 classifier) after
+# 3 steps of lr 1e-2. A gradient of the wrong direction moves weights by O(lr x steps) = 3e-2; one of the
+# wrong scale barely moves them, which is why the gradients are compared at every step too.
+WEIGHT_TOLERANCE = 2e-3
+# The first loss and gradients are exact up to reduction order (FP32_TOLERANCE); later ones inherit the
+# weights' AdamW noise (gradients measured up to 2e-3 relative). A gradient of the wrong scale is off by
+# O(1) at every step, the first included.
+TRAINED_LOSS_TOLERANCE = 1e-4
+TRAINED_GRAD_TOLERANCE = 1e-2
+
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
@@ -77,6 +90,30 @@ def forward_backward_errors(model, reference, dp: DeviceMesh | None, *, batch_si
     return errors
 
 
+def weight_error(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """Largest absolute difference of any weight (AdamW steps are of size lr, whatever the weight's scale)."""
+    ref_params = dict(reference.named_parameters())
+    return max((full(p) - ref_params[name]).abs().max().item() for name, p in model.named_parameters())
+
+
+def check_training(model, reference, dp: DeviceMesh | None, *, steps: int = STEPS) -> dict[str, float]:
+    """AdamW steps on both models: every step's loss, logits and gradients, then the weights."""
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (model, reference)]
+    per_step = []
+    for _ in range(steps):
+        per_step.append(forward_backward_errors(model, reference, dp))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    first, later = per_step[0], {key: max(step[key] for step in per_step[1:]) for key in per_step[0]}
+    result = {**{f"first_{k}": v for k, v in first.items()}, **{f"later_{k}": v for k, v in later.items()}}
+    result[f"weights_after_{steps}_steps"] = weight_error(model, reference)
+    assert max(first.values()) < FP32_TOLERANCE, result
+    assert later["loss"] < TRAINED_LOSS_TOLERANCE and max(later.values()) < TRAINED_GRAD_TOLERANCE, result
+    assert result[f"weights_after_{steps}_steps"] < WEIGHT_TOLERANCE, result
+    return result
+
+
 def check_layout(tp: int, sp: bool, activation_checkpointing: bool | str, dp_replicate: int = 1) -> dict[str, float]:
     """fp32 parity of one layout; dp_shard takes the rest of the world.
 
@@ -103,6 +140,11 @@ def check_bf16_layout(tp: int, sp: bool) -> dict[str, float]:
     parallelize(model, mesh, sp=sp, mp_policy=BF16)
     errors = forward_backward_errors(model, tiny_model(), data_mesh(mesh))
     noise = forward_backward_errors(tiny_model().to(torch.bfloat16), tiny_model(), None)
+    return within_bf16_noise(errors, noise)
+
+
+def within_bf16_noise(errors: dict[str, float], noise: dict[str, float]) -> dict[str, float]:
+    """Errors against fp32 of a parallel bf16 run, at most twice those of a single-process bf16 run (``noise``)."""
     for key, value in errors.items():
         assert value <= 2 * noise[key] + 1e-4, (
             f"{key}: parallel bf16 error {value:.2e} > 2 x single-process bf16 error {noise[key]:.2e}"
@@ -233,5 +275,41 @@ def check_phi3_attention_kept_whole() -> dict[str, float]:
     del plan["model.layers.*.self_attn.qkv_proj"], plan["model.layers.*.self_attn.o_proj"]
     parallelize(model, mesh, tp_plan=plan, allow_unsharded_linears=True)
     errors = forward_backward_errors(model, reference, data_mesh(mesh))
+    assert max(errors.values()) < FP32_TOLERANCE, errors
+    return errors
+
+
+def check_fsdp_schedule(reshard_after_forward: bool | None, forward_prefetch: int, backward_prefetch: int) -> dict:
+    """The reshard and prefetch options set what they say on every unit, and leave the results exact."""
+    from lightning_automodel.parallel import decoder_layers
+
+    mesh = dims_for(dist.get_world_size(), 1).build_mesh("cpu")
+    reference, model = tiny_model(num_hidden_layers=4), tiny_model(num_hidden_layers=4)
+    parallelize(
+        model,
+        mesh,
+        reshard_after_forward=reshard_after_forward,
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+    )
+    layers = decoder_layers(model)
+    states = [unit._get_fsdp_state() for unit in (*layers, model)]
+    reshards = [state._fsdp_param_group.post_forward_mesh_info is not None for state in states]
+    if reshard_after_forward is None:
+        assert reshards == [True, True, True, False, False], reshards  # every layer but the last; not the root
+    else:
+        assert reshards == [reshard_after_forward] * 5, reshards
+    index = {id(layer): i for i, layer in enumerate(layers)}
+    forward = [[index[id(s._modules[0])] for s in state._states_to_forward_prefetch] for state in states[:4]]
+    backward = [[index[id(s._modules[0])] for s in state._states_to_backward_prefetch] for state in states[:4]]
+    ahead = [list(range(i + 1, min(4, i + 1 + forward_prefetch))) for i in range(4)]
+    behind = (
+        [list(range(i - 1, max(-1, i - 1 - backward_prefetch), -1)) for i in range(4)]
+        if backward_prefetch > 1
+        else [[]] * 4
+    )
+    assert forward == ahead and backward == behind, (forward, backward)
+    errors = forward_backward_errors(model, reference, data_mesh(mesh))
+    errors.update(forward_backward_errors(model, reference, data_mesh(mesh)))  # a second pass, after resharding
     assert max(errors.values()) < FP32_TOLERANCE, errors
     return errors

@@ -7,6 +7,7 @@ from parity import (
     check_bf16_layout,
     check_clip_grad_norm,
     check_frozen_stays_frozen,
+    check_fsdp_schedule,
     check_layout,
     check_tied_embeddings,
     check_user_plan,
@@ -25,6 +26,7 @@ def test_world_of_two():
     checks += [partial(check_user_plan, spec) for spec in ("dict", "dict path", "function path", "function")]
     checks += [partial(check_clip_grad_norm, 2, sp) for sp in (False, True)]
     checks += [partial(check_layout, 2, True, mode) for mode in ("selective", "submodule")]
+    checks += [partial(check_fsdp_schedule, *options) for options in ((None, 0, 1), (True, 2, 2), (False, 1, 3))]
     run_checks(2, checks)
 
 

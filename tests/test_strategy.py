@@ -4,6 +4,7 @@ from functools import partial
 
 import lightning as L
 import pytest
+import torch
 from harness import run_checks
 from lightning_checks import (
     check_bf16_trainer,
@@ -20,6 +21,7 @@ from lightning_checks import (
 
 import lightning_automodel
 from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.strategy import mixed_precision_policy
 
 AC = (False, True)
 
@@ -91,12 +93,40 @@ def test_constructible_from_lightning_cli():
         (dict(pp=2), "pp=2: pipeline parallelism is not supported yet; set pp=1"),
         (dict(sp=True), "it needs tp > 1"),
         (dict(tp=0), "tp=0 is invalid"),
+        (dict(forward_prefetch=-1), "gathered ahead (0 or more)"),
+        (dict(backward_prefetch=0), "behind (1 or more"),
     ],
 )
 def test_unsupported_options_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError) as error:
         AutoModelParallelStrategy(**kwargs)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("precision", "param_dtype"),
+    [("32-true", None), ("bf16-true", None), ("16-true", None), ("bf16-mixed", torch.bfloat16)],
+)
+def test_precision_flags_map_to_a_policy(precision, param_dtype):
+    policy = mixed_precision_policy(precision)
+    if param_dtype is None:
+        assert policy is None  # "-true" flags cast the weights; FSDP computes in their dtype
+    else:
+        assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("precision", "advice"),
+    [
+        ("16-mixed", "Use precision='bf16-mixed'"),
+        ("64-true", "Use precision='32-true'"),
+        ("transformer-engine", "Use one of '32-true', 'bf16-mixed', 'bf16-true', '16-true'"),
+    ],
+)
+def test_other_precision_flags_are_refused_with_advice(precision, advice):
+    with pytest.raises(ValueError, match=f"does not support precision='{precision}'") as error:
+        mixed_precision_policy(precision)
+    assert advice in str(error.value)
 
 
 def test_public_api():

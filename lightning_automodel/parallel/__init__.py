@@ -1,5 +1,8 @@
 """Parallelization of Hugging Face models with torch's own DTensor, tensor parallel and FSDP2 (no Lightning)."""
 
+from lightning_automodel.parallel.dtypes import iter_maximal_uniform_dtype_subtrees
+from lightning_automodel.parallel.fsdp import fully_shard_by_dtype
+from lightning_automodel.parallel.loss import causal_lm_loss, global_token_mean
 from lightning_automodel.parallel.parallelizer import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
@@ -14,7 +17,11 @@ __all__ = [
     "DefaultParallelizationStrategy",
     "ParallelizationStrategy",
     "PlanReport",
+    "causal_lm_loss",
     "decoder_layers",
+    "fully_shard_by_dtype",
+    "global_token_mean",
+    "iter_maximal_uniform_dtype_subtrees",
     "parallelize",
     "plan_report",
     "register_parallelization_strategy",

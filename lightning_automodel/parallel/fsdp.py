@@ -1,14 +1,19 @@
-"""FSDP2 sharding: one unit per decoder layer, then the root for everything else."""
+"""FSDP2 sharding: one unit per decoder layer, then the root, each cut by compute dtype."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_automodel.parallel.dtypes import compute_dtype_resolver, iter_maximal_uniform_dtype_subtrees
 
 
 def apply_fsdp(
@@ -18,21 +23,132 @@ def apply_fsdp(
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | None = None,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 1,
+    fp32_compute_module_names: Iterable[str] = (),
 ) -> None:
-    """Shard each decoder layer, then the root.
+    """Shard each decoder layer, then the root, with :func:`fully_shard_by_dtype`.
 
-    Every layer but the last reshards after forward; the last one's parameters are needed again at once by the
-    backward, and the root (embeddings, final norm, lm_head) is kept unsharded between forward and backward too.
+    ``reshard_after_forward``: None, the default, reshards every layer but the last, whose parameters the backward
+    needs again at once, and not the root (embeddings, final norm, lm_head), which backward also starts with;
+    True reshards all of them (least memory), False none (no all-gather in backward, most memory).
+
+    ``forward_prefetch``: how many following layers each layer all-gathers before running its own forward (0:
+    FSDP's default, each layer gathers its own when it starts). ``backward_prefetch``: how many preceding layers
+    each layer all-gathers in backward (1: FSDP's default). More overlaps communication further and holds more
+    unsharded layers at once.
     """
-    options = {
-        "mesh": mesh,
-        "mp_policy": mp_policy or MixedPrecisionPolicy(),
-        "offload_policy": offload_policy or OffloadPolicy(),
-        "shard_placement_fn": _shard_placement,
-    }
+    if forward_prefetch < 0 or backward_prefetch < 1:
+        raise ValueError(
+            f"forward_prefetch={forward_prefetch}, backward_prefetch={backward_prefetch}: forward_prefetch counts"
+            " layers gathered ahead (0 or more) and backward_prefetch layers gathered behind (1 or more)."
+        )
+    options = dict(
+        mesh=mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        fp32_compute_module_names=tuple(fp32_compute_module_names),
+    )
     for index, layer in enumerate(layers):
-        fully_shard(layer, reshard_after_forward=index < len(layers) - 1, **options)
-    fully_shard(model, reshard_after_forward=False, **options)
+        last = index == len(layers) - 1
+        fully_shard_by_dtype(
+            layer, reshard_after_forward=not last if reshard_after_forward is None else reshard_after_forward, **options
+        )
+    fully_shard_by_dtype(model, reshard_after_forward=bool(reshard_after_forward), **options)
+    for index, layer in enumerate(layers):
+        if forward_prefetch > 0:
+            layer.set_modules_to_forward_prefetch(list(layers[index + 1 : index + 1 + forward_prefetch]))
+        if backward_prefetch > 1:
+            layer.set_modules_to_backward_prefetch(list(layers[max(0, index - backward_prefetch) : index][::-1]))
+
+
+def fully_shard_by_dtype(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    fp32_compute_module_names: tuple[str, ...] = (),
+    reshard_after_forward: bool = True,
+) -> FSDPModule:
+    """``fully_shard`` ``module`` so that every parameter computes in the dtype it needs.
+
+    Parameters are grouped by compute dtype (see :func:`~lightning_automodel.parallel.dtypes.compute_dtype_resolver`;
+    ``fp32_compute_module_names`` pins names to fp32), and each FSDP unit holds one group:
+
+    * one dtype: ``module`` is one unit;
+    * two: the minority dtype's largest uniform submodules are units of their own, then ``module`` holds the rest;
+    * three or more: every largest uniform submodule is a unit, then ``module`` holds what is left.
+
+    A unit computing in another dtype than the policy's (an fp32 router in a bf16 model) gathers, computes,
+    reduces gradients and returns outputs in that dtype. Parameters already sharded by an inner
+    ``fully_shard`` are left to it. A parameter that no unit can hold alone, because it sits directly in a module
+    beside parameters of another dtype, is an error naming it, raised before any sharding.
+    """
+    policy = mp_policy or MixedPrecisionPolicy()
+    dtype_of = compute_dtype_resolver(
+        module, param_dtype=policy.param_dtype, fp32_module_names=fp32_compute_module_names
+    )
+    for unit, dtype in dtype_units(module, dtype_of):
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=_policy_for(policy, dtype),
+            offload_policy=offload_policy or OffloadPolicy(),
+            shard_placement_fn=_shard_placement,
+        )
+    return module
+
+
+def dtype_units(
+    module: nn.Module, dtype_of: Callable[[torch.Tensor], torch.dtype]
+) -> list[tuple[nn.Module, torch.dtype | None]]:
+    """The FSDP units ``module`` is cut into, innermost first, with the compute dtype of each; ``module`` last."""
+    sharded = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
+    params = [p for p in module.parameters() if id(p) not in sharded]
+    numel_by_dtype = Counter[torch.dtype]()
+    for param in params:
+        numel_by_dtype[dtype_of(param)] += param.numel()
+    if len(numel_by_dtype) <= 1:
+        return [(module, next(iter(numel_by_dtype), None))]
+
+    majority = max(numel_by_dtype, key=numel_by_dtype.__getitem__)
+    subtrees = iter_maximal_uniform_dtype_subtrees(
+        module, include_buffers=False, tensor_pred=lambda p: id(p) not in sharded, dtype_of=dtype_of
+    )
+    if len(numel_by_dtype) == 2:  # the bulk stays one unit; only the minority is cut out
+        units = [(sub, dtype) for sub, dtype in subtrees if dtype != majority]
+    else:
+        units = [(sub, dtype) for sub, dtype in subtrees if sub is not module]
+    in_units = {id(p) for sub, _ in units for p in sub.parameters()}
+    rest = [p for p in params if id(p) not in in_units]
+    rest_dtypes = {dtype_of(p) for p in rest}
+    if len(rest_dtypes) > 1:
+        raise ValueError(_inseparable_message(module, rest, dtype_of))
+    return [*units, (module, next(iter(rest_dtypes), majority))]
+
+
+def _inseparable_message(module: nn.Module, params: list[nn.Parameter], dtype_of: Callable) -> str:
+    names = {id(p): name for name, p in module.named_parameters()}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for param in params:
+        by_dtype.setdefault(dtype_of(param), []).append(names[id(param)])
+    listed = "; ".join(f"{dtype}: {', '.join(sorted(group)[:4])}" for dtype, group in by_dtype.items())
+    return (
+        f"FSDP2 cannot shard {type(module).__name__} by dtype: these parameters compute in different dtypes but sit"
+        f" directly in the same modules, so no FSDP unit can hold one dtype alone ({listed}). Cast them to one dtype"
+        " (e.g. module.to(torch.bfloat16)), or move the parameters that must keep their own dtype into a submodule"
+        " of their own."
+    )
+
+
+def _policy_for(policy: MixedPrecisionPolicy, dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """The policy itself, or for a unit computing in another dtype, one that keeps that dtype throughout."""
+    if dtype is None or policy.param_dtype in (None, dtype):
+        return policy
+    return replace(policy, param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
 
 
 def _shard_placement(param: nn.Parameter) -> Shard | None:

@@ -79,10 +79,15 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         activation_checkpointing: bool | ACMode = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         offload_policy: OffloadPolicy | None = None,
+        reshard_after_forward: bool | None = None,
+        forward_prefetch: int = 0,
+        backward_prefetch: int = 1,
         allow_unsharded_linears: bool = False,
     ) -> nn.Module:
         """``activation_checkpointing``: False, True (= "full"), "full", "selective" or "submodule" (see
-        :mod:`lightning_automodel.parallel.checkpointing`).
+        :mod:`lightning_automodel.parallel.checkpointing`). ``reshard_after_forward``, ``forward_prefetch`` and
+        ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp`. Parameters the model pins to
+        fp32 (Hugging Face's ``_keep_in_fp32_modules_strict``) compute in fp32 under any mixed-precision policy.
 
         A model with real weights is first made identical on every rank (broadcast from global rank 0):
         tensor parallel scatters sharded weights from rank 0, but FSDP shards each rank's own copy, so
@@ -104,7 +109,17 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             )
         if activation_checkpointing:
             apply_activation_checkpointing(model, layers, mode=activation_checkpointing)
-        apply_fsdp(model, layers, fsdp_mesh(device_mesh), mp_policy=mp_policy, offload_policy=offload_policy)
+        apply_fsdp(
+            model,
+            layers,
+            fsdp_mesh(device_mesh),
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+            forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+            fp32_compute_module_names=fp32_pinned_names(model),
+        )
         return model
 
     def apply_tensor_parallel(self, model: nn.Module, mesh: DeviceMesh, **options: Any) -> None:
@@ -172,6 +187,12 @@ def check_plan_coverage(
             " would hold and compute them in full. Add them to tp_plan=, or pass allow_unsharded_linears=True if"
             " that is intended."
         )
+
+
+def fp32_pinned_names(model: nn.Module) -> tuple[str, ...]:
+    """Names the model's authors require to stay fp32 even in a bf16 or fp16 model (Hugging Face's
+    ``_keep_in_fp32_modules_strict``, which a model gathers from its submodules too)."""
+    return tuple(sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or ()))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

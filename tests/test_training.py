@@ -1,0 +1,41 @@
+"""Lightning's training features under tp x dp, HSDP and HSDP x TP, each against a single process."""
+
+from functools import partial
+
+from harness import run_checks
+from lightning_checks import check_bf16_trainer, check_trainer_parity
+from training_checks import (
+    check_evaluation_without_fit,
+    check_param_groups,
+    check_refused_precision,
+    check_token_normalised_loss,
+    check_two_optimizers,
+)
+
+
+def test_training_features_on_two_ranks():
+    """dp=2 token-normalised loss; param groups, two optimizers and evaluation without fit at tp=2; a model
+    with its router pinned to fp32 under bf16-true and bf16-mixed; a refused precision."""
+    checks = [
+        partial(check_token_normalised_loss, 1),
+        partial(check_param_groups, 2),
+        partial(check_two_optimizers, 2),
+        partial(check_evaluation_without_fit, 2),
+        check_refused_precision,
+    ]
+    checks += [partial(check_bf16_trainer, 1, precision, "ernie_moe") for precision in ("bf16-true", "bf16-mixed")]
+    results = run_checks(2, checks)
+    for message in results["check_refused_precision()"]:
+        assert "precision='16-mixed'" in message and "Use precision='bf16-mixed'" in message
+
+
+def test_four_ranks_hsdp_and_uneven_tokens():
+    """HSDP (dp_replicate=2 x dp_shard=2) through Trainer.fit; token-normalised loss at tp=2 x dp=2."""
+    run_checks(
+        4, [partial(check_trainer_parity, 1, False, False, dp_replicate=2), partial(check_token_normalised_loss, 2)]
+    )
+
+
+def test_eight_ranks_hsdp_times_tp():
+    """dp_replicate=2 x dp_shard=2 x tp=2 with sequence parallel, in one launch of 8 processes."""
+    run_checks(8, [partial(check_trainer_parity, 2, True, False, dp_replicate=2)], timeout=400, pg_timeout=120)

@@ -107,9 +107,16 @@ def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240
 
 
 def check_name(check: Check) -> str:
-    """A name that is the same in every process (a partial's repr holds an address)."""
+    """A name that is the same in every process (a partial's repr, or a function argument's, holds an address)."""
     func = getattr(check, "func", check)
     args = ", ".join(
-        [*map(repr, getattr(check, "args", ())), *(f"{k}={v!r}" for k, v in getattr(check, "keywords", {}).items())]
+        [
+            *map(_show, getattr(check, "args", ())),
+            *(f"{k}={_show(v)}" for k, v in getattr(check, "keywords", {}).items()),
+        ]
     )
     return f"{func.__name__}({args})"
+
+
+def _show(value: Any) -> str:
+    return value.__name__ if callable(value) and hasattr(value, "__name__") else repr(value)

@@ -47,8 +47,9 @@ class CausalLM(L.LightningModule):
         self.grads: list[dict[str, torch.Tensor]] = []
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        # Copies: a gradient replicated on every mesh dim hands back its own storage, which clipping then scales.
         self.grads.append(
-            {name: p.grad.full_tensor() for name, p in self.model.named_parameters() if p.grad is not None}
+            {name: p.grad.full_tensor().clone() for name, p in self.model.named_parameters() if p.grad is not None}
         )
 
     def training_step(self, batch, batch_idx):
@@ -297,19 +298,21 @@ def check_no_hf_model_is_an_error() -> str:
     raise AssertionError("a module without a Hugging Face model did not raise")
 
 
-def check_trainer_gradient_clipping(tp: int, sp: bool) -> dict:
-    """Trainer(gradient_clip_val=...) clips by the global norm over every mesh.
+def check_trainer_gradient_clipping(
+    tp: int, sp: bool, build: Callable[[], torch.nn.Module] = tiny_model, lr: float = 10.0
+) -> dict:
+    """Trainer(gradient_clip_val=...) clips by the global norm over every mesh (of the model ``build`` makes).
 
     With SGD each weight update is lr times the clipped gradient, so a norm off by a factor (1 + e) makes every
     update off by e: the updates are compared relative to their size (AdamW would hide a wrong norm). A large lr
-    keeps the updates far above fp32 rounding of the weights.
+    keeps the updates far above fp32 rounding of the weights, and a small enough one keeps the steps from
+    amplifying rounding (LoRA's product B @ A reacts to both factors' steps at once).
     """
-    lr = 10.0
-    module = CausalLM(optimizer=torch.optim.SGD, lr=lr)
+    module = CausalLM(build(), optimizer=torch.optim.SGD, lr=lr)
     strategy = AutoModelParallelStrategy(tp=tp, sp=sp)
     clipping = dict(gradient_clip_val=0.1, gradient_clip_algorithm="norm")
     trainer(strategy, **clipping).fit(module, data(dist.get_world_size() // tp))
-    initial, reference = tiny_model(), tiny_model()
+    initial, reference = build(), build()
     result = compare_training(
         module,
         reference,

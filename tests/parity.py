@@ -53,8 +53,9 @@ def dims_for(world_size: int, tp: int, dp_replicate: int = 1) -> ParallelDims:
 
 
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy with a padding mask, so the mask path of attention runs under every layout too."""
-    logits = model(tokens, attention_mask=(tokens != 0).long()).logits
+    """Cross-entropy with a padding mask, so the mask path of attention runs under every layout too. In fp32: a
+    bf16 loss would be rounded to 8 mantissa bits, and a mean of per-rank bf16 losses rounded differently."""
+    logits = model(tokens, attention_mask=(tokens != 0).long()).logits.float()  # as transformers' own losses do
     if logits.dim() == 2:  # sequence classification: one label per sequence
         return F.cross_entropy(logits, labels[:, 0] % logits.shape[-1]), logits
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits

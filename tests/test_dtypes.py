@@ -18,8 +18,13 @@ def linear(dtype: torch.dtype, features: int = 4) -> nn.Linear:
     return nn.Linear(features, features, dtype=dtype)
 
 
+class Block(nn.Module):
+    def forward(self, x):
+        return x
+
+
 def block(**children: nn.Module) -> nn.Module:
-    module = nn.Module()
+    module = Block()
     for name, child in children.items():
         module.add_module(name, child)
     return module
@@ -128,6 +133,11 @@ def test_three_dtypes_cut_out_every_maximal_subtree():
     model = block(attn=linear(BF16, 8), mlp=block(up=linear(BF16, 8), router=linear(FP32)), extra=linear(FP64))
     units = names(model, dtype_units(model, storage))
     assert units == [("attn", BF16), ("mlp.up", BF16), ("mlp.router", FP32), ("extra", FP64), ("", BF16)]
+
+
+def test_containers_without_forward_are_cut_into_their_modules():
+    model = block(base=linear(BF16, 8), lora_A=nn.ModuleDict({"default": linear(FP32)}))
+    assert names(model, dtype_units(model, storage)) == [("lora_A.default", FP32), ("", BF16)]
 
 
 def test_parameters_that_cannot_be_isolated_are_named():

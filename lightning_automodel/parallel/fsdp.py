@@ -122,12 +122,21 @@ def dtype_units(
         units = [(sub, dtype) for sub, dtype in subtrees if dtype != majority]
     else:
         units = [(sub, dtype) for sub, dtype in subtrees if sub is not module]
+    units = [(unit, dtype) for sub, dtype in units for unit in _with_forward(sub)]
     in_units = {id(p) for sub, _ in units for p in sub.parameters()}
     rest = [p for p in params if id(p) not in in_units]
     rest_dtypes = {dtype_of(p) for p in rest}
     if len(rest_dtypes) > 1:
         raise ValueError(_inseparable_message(module, rest, dtype_of))
     return [*units, (module, next(iter(rest_dtypes), majority))]
+
+
+def _with_forward(module: nn.Module) -> list[nn.Module]:
+    """``module``, or for a container with no forward of its own (a ModuleDict of LoRA adapters), the modules it
+    holds: FSDP hooks run around forward calls."""
+    if type(module).forward is not nn.Module.forward:
+        return [module]
+    return [unit for child in module.children() for unit in _with_forward(child)]
 
 
 def _inseparable_message(module: nn.Module, params: list[nn.Parameter], dtype_of: Callable) -> str:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_automodel.mesh import axis_size, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
 from lightning_automodel.parallel.fsdp import apply_fsdp
+from lightning_automodel.parallel.lora import lora_aware
 from lightning_automodel.parallel.plans import PlanSpec, select_tp_plan, unmatched_patterns, unsharded_linears
 from lightning_automodel.parallel.validation import validate_tp_sizes
 
@@ -62,8 +63,13 @@ def parallelization_strategy_for(model: nn.Module) -> ParallelizationStrategy:
 
 def parallelize(model: nn.Module, device_mesh: DeviceMesh, **options: Any) -> nn.Module:
     """Parallelize ``model`` in place over the 5D ``device_mesh`` (see :class:`~lightning_automodel.ParallelDims`)
-    with the strategy registered for its class. Options: see :meth:`DefaultParallelizationStrategy.parallelize`."""
-    return parallelization_strategy_for(model).parallelize(model, device_mesh, **options)
+    with the strategy registered for its class. Options: see :meth:`DefaultParallelizationStrategy.parallelize`.
+
+    A PEFT model is parallelized through the Hugging Face model it wraps, whose module names the plans know.
+    """
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parallelization_strategy_for(hf_model).parallelize(hf_model, device_mesh, **options)
+    return model
 
 
 class DefaultParallelizationStrategy(ParallelizationStrategy):
@@ -155,6 +161,7 @@ def apply_tensor_parallel(
     """Shard ``model`` with its tensor-parallel plan; ties and frozen parameters survive."""
     plan, source = select_tp_plan(model, sp=sp, tp_plan=tp_plan)
     check_plan_coverage(model, plan, source=source, allow_unsharded_linears=allow_unsharded_linears)
+    plan = lora_aware(plan, model)
     log.info("Tensor parallel over %d ranks with the %s", mesh.size(), source)
 
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}

@@ -212,7 +212,12 @@ def unsharded_linears(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> li
     """
     modules = dict(model.named_modules())
     matched = {name for name in modules if any(pattern_matches(pattern, name) for pattern in plan)}
-    sharded = [modules[name].weight.numel() for name in matched if isinstance(modules[name], nn.Linear)]
+
+    def covered(name: str) -> bool:  # a matched module, or inside one (a LoRA layer's base_layer and adapters)
+        return any(name == m or name.startswith(f"{m}.") for m in matched)
+
+    linears = {name: m for name, m in modules.items() if isinstance(m, nn.Linear)}
+    sharded = [m.weight.numel() for name, m in linears.items() if covered(name)]
     if not sharded:
         return []
     blocks = {
@@ -224,9 +229,8 @@ def unsharded_linears(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> li
     touched = {block for block in blocks if any(name.startswith(f"{block}.") for name in matched)}
     return [
         name
-        for name, module in modules.items()
-        if isinstance(module, nn.Linear)
-        and name not in matched
+        for name, module in linears.items()
+        if not covered(name)
         and module.weight.numel() * 8 >= max(sharded)
         and any(name.startswith(f"{block}.") for block in touched)
     ]

@@ -105,14 +105,11 @@ class RegroupedColwiseParallel(ColwiseParallel):
             raise ValueError(
                 f"RegroupedColwiseParallel: blocks {self.block_sizes} do not split over {device_mesh.size()} ranks."
             )
-        module = super()._apply(module, device_mesh)
-        module.register_forward_hook(partial(_keep_own_slices, block_sizes=self.block_sizes, mesh=device_mesh))
-        return module
+        return super()._apply(module, device_mesh)
 
-
-def _keep_own_slices(
-    module: nn.Module, inputs: tuple, output: DTensor, *, block_sizes: tuple[int, ...], mesh: DeviceMesh
-) -> torch.Tensor:
-    full = output.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-    rank, size = mesh.get_local_rank(), mesh.size()
-    return torch.cat([block.chunk(size, dim=-1)[rank] for block in full.split(list(block_sizes), dim=-1)], dim=-1)
+    def _prepare_output_fn(self, output_layouts, use_local_output, mod, output: DTensor, device_mesh: DeviceMesh):
+        """Keep this rank's slice of every block (an instance method: it needs the block sizes)."""
+        full = output.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        blocks = full.split(list(self.block_sizes), dim=-1)
+        return torch.cat([block.chunk(size, dim=-1)[rank] for block in blocks], dim=-1)

@@ -1,0 +1,39 @@
+"""PEFT LoRA models under TP, SP and FSDP2, against a single-process PEFT model."""
+
+from functools import partial
+
+from harness import run_checks
+from lightning_checks import check_trainer_gradient_clipping
+from lora_checks import (
+    check_lora_adds_no_forward_collective,
+    check_lora_bf16_base,
+    check_lora_trainer,
+    check_lora_training,
+    peft_model,
+)
+
+ATTENTION = ("q_proj", "v_proj", "o_proj")
+
+
+def test_lora_on_two_ranks():
+    """tp=2 with and without sp on every projection; biases trained and lora_bias (Qwen2); Phi3's packed and
+    regrouped projections; DoRA; a bf16 base with fp32 adapters; clipping; the Trainer with checkpointing."""
+    checks = [check_lora_adds_no_forward_collective]
+    checks += [partial(check_lora_training, 2, sp) for sp in (False, True)]
+    checks.append(partial(check_lora_training, 2, True, family="qwen2", targets=ATTENTION, bias="all", lora_bias=True))
+    checks += [
+        partial(check_lora_training, 2, False, family="phi3"),
+        partial(check_lora_training, 2, True, family="phi3_gqa"),
+    ]
+    checks.append(partial(check_lora_training, 2, False, targets=(*ATTENTION, "down_proj"), use_dora=True))
+    checks += [partial(check_lora_bf16_base, tp) for tp in (1, 2)]
+    checks.append(partial(check_trainer_gradient_clipping, 2, True, peft_model, 1.0))
+    checks.append(partial(check_lora_trainer, 2, False, True))
+    run_checks(2, checks)
+
+
+def test_lora_on_four_ranks():
+    """tp=2 x dp_shard=2 with sp, with full and selective activation checkpointing; through the Trainer too."""
+    checks = [partial(check_lora_training, 2, True, ac) for ac in (True, "selective")]
+    checks.append(partial(check_lora_trainer, 2, True, True))
+    run_checks(4, checks)

@@ -1,5 +1,6 @@
 """lightning-automodel: one-line model parallelism for Hugging Face models in PyTorch Lightning."""
 
+from lightning_automodel.hf.export import export_merged, export_peft_adapter
 from lightning_automodel.mesh import ParallelDims
 from lightning_automodel.parallel import (
     causal_lm_loss,
@@ -17,6 +18,8 @@ __all__ = [
     "AutoModelParallelStrategy",
     "ParallelDims",
     "causal_lm_loss",
+    "export_merged",
+    "export_peft_adapter",
     "fully_shard_by_dtype",
     "global_token_mean",
     "iter_maximal_uniform_dtype_subtrees",

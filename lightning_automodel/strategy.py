@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -20,7 +21,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -33,6 +34,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_automodel.checkpoint import load_trainable_checkpoint, only_trainable
 from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
@@ -87,6 +89,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             in backward).
         forward_prefetch: following decoder layers each layer all-gathers before its forward (0: none ahead).
         backward_prefetch: preceding decoder layers each layer all-gathers in backward (1: FSDP's default).
+        save_trainable_only: checkpoints hold the trainable parameters only (LoRA adapters) with the optimizer and
+            loop state; resuming takes the frozen rest from the model as built (its pretrained weights or seed).
         save_distributed_checkpoint, process_group_backend, timeout: as in Lightning's ModelParallelStrategy.
             ``timeout`` also bounds every sub-group of the mesh.
     """
@@ -109,6 +113,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: bool | None = None,
         forward_prefetch: int = 0,
         backward_prefetch: int = 1,
+        save_trainable_only: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -140,6 +145,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             forward_prefetch=forward_prefetch,
             backward_prefetch=backward_prefetch,
         )
+        self.save_trainable_only = save_trainable_only
         self._loss_parallel = ExitStack()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -248,6 +254,18 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
     def _mixed_precision_policy(self) -> MixedPrecisionPolicy | None:
         policy = mixed_precision_policy(self.precision_plugin.precision)
         return self.mp_policy if self.mp_policy is not None else policy
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        return only_trainable(state, self.model) if self.save_trainable_only else state
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if not self.save_trainable_only:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        return load_trainable_checkpoint(path, self.model, self.optimizers, weights_only=weights_only)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

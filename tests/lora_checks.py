@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
+import lightning as L
 import torch
 import torch.distributed as dist
 from lightning_checks import CausalLM, compare_training, data, reference_run, trainer
 from models import batch, tiny_model
 from parity import (
+    FP32_TOLERANCE,
     LR,
     check_training,
     dims_for,
     forward_backward_errors,
+    full,
     loss_of,
+    relative_error,
     within_bf16_noise,
 )
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
+from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
+from lightning_automodel.hf.export import export_merged, export_peft_adapter
 from lightning_automodel.mesh import data_mesh
 
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -26,12 +37,16 @@ PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def peft_model(
-    family: str = "llama", seed: int = 0, targets: tuple[str, ...] = LLAMA_TARGETS, **lora: object
+    family: str = "llama",
+    seed: int = 0,
+    targets: tuple[str, ...] = LLAMA_TARGETS,
+    adapter_seed: int | None = None,
+    **lora: object,
 ) -> torch.nn.Module:
     """A tiny model with LoRA adapters; both adapter matrices random (PEFT's default zero B would give A no
-    gradient at the first step, and hide a wrong one)."""
+    gradient at the first step, and hide a wrong one). ``adapter_seed`` (default: ``seed``) seeds the adapters."""
     model = tiny_model(family, seed=seed)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed if adapter_seed is None else adapter_seed)
     options = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False) | lora
     return get_peft_model(model, LoraConfig(target_modules=list(targets), **options))
 
@@ -118,3 +133,109 @@ def check_lora_trainer(tp: int, sp: bool, activation_checkpointing: bool | str) 
     reference = peft_model()
     adam = lambda m: [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR)]  # noqa: E731
     return compare_training(module, reference, reference_run(reference, optimizers=adam))
+
+
+def shared_directory() -> Path:
+    """A fresh directory, the same path on every rank."""
+    path = [tempfile.mkdtemp(prefix="lam-export-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return Path(path[0])
+
+
+def check_peft_exports(tp: int, sp: bool, **lora: object) -> dict:
+    """After an AdamW step, the adapter export loads into the base model with PeftModel.from_pretrained, and the
+    merged export with AutoModelForCausalLM.from_pretrained, each giving the parallel model's logits; a failing
+    export raises on every rank and leaves the previous export as it was."""
+    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    model = peft_model(seed=dist.get_rank(), **lora)
+    parallelize(model, mesh, sp=sp)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    tokens, labels = batch(4)
+    with loss_parallel():
+        loss_of(model, tokens, labels)[0].backward()
+    optimizer.step()
+    with torch.no_grad():
+        logits = full(model(tokens).logits)
+    directory = shared_directory()
+    export_peft_adapter(model, directory / "adapter")
+    export_merged(model, directory / "merged")
+    result = {}
+    if dist.get_rank() == 0:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+            p.name for p in (directory / "adapter").iterdir()
+        }
+        adapter = PeftModel.from_pretrained(tiny_model(), directory / "adapter")
+        merged = AutoModelForCausalLM.from_pretrained(directory / "merged")
+        assert not any("lora_" in name or "base_layer" in name for name in merged.state_dict())
+        with torch.no_grad():
+            result["adapter_logits"] = relative_error(adapter(tokens).logits, logits)
+            result["merged_logits"] = relative_error(merged(tokens).logits, logits)
+        assert max(result.values()) < FP32_TOLERANCE, result
+    result["failed_export"] = _check_failed_export_keeps_previous(model, directory / "adapter")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+    return result
+
+
+def _check_failed_export_keeps_previous(model: torch.nn.Module, directory: Path) -> str:
+    before = {p.name: p.read_bytes() for p in directory.iterdir()} if dist.get_rank() == 0 else None
+    save = model.save_pretrained
+
+    def failing_save(*args, **kwargs):
+        save(*args, **kwargs)  # part of the files are written, then the disk fills up
+        raise OSError("No space left on device")
+
+    model.save_pretrained = failing_save
+    try:
+        export_peft_adapter(model, directory)
+    except (OSError, RuntimeError) as error:
+        message = str(error)
+    else:
+        raise AssertionError("a failing export did not raise")
+    finally:
+        del model.save_pretrained
+    if dist.get_rank() == 0:
+        after = {p.name: p.read_bytes() for p in directory.iterdir()}
+        assert after == before, "a failed export changed the previous one"
+        leftovers = [p.name for p in directory.parent.iterdir() if p.name.startswith(".")]
+        assert not leftovers, leftovers
+    return message
+
+
+def check_lora_resume(tp: int) -> dict:
+    """Trainable-only checkpoints: 2 steps, a checkpoint holding the adapters alone, then 2 more steps resumed
+    into a model with other adapters give the losses and weights of 4 uninterrupted steps."""
+    directory = shared_directory()
+
+    def fit(module: CausalLM, steps: int, ckpt_path: Path | None = None) -> L.Trainer:
+        run = trainer(AutoModelParallelStrategy(tp=tp, save_trainable_only=True), max_steps=steps)
+        run.fit(module, data(dist.get_world_size() // tp), ckpt_path=ckpt_path)
+        return run
+
+    whole = LoraCausalLM(peft_model())
+    fit(whole, 4)
+    interrupted = LoraCausalLM(peft_model())
+    checkpoint = directory / "step-2.ckpt"
+    fit(interrupted, 2).save_checkpoint(checkpoint)
+    saved = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    weights = [key for key in saved if key.startswith("state_dict.")]
+    adapters = [name for name, p in interrupted.named_parameters() if p.requires_grad]
+    assert sorted(weights) == sorted(f"state_dict.{name}" for name in adapters), weights
+    resumed = LoraCausalLM(peft_model(adapter_seed=1))  # other adapters: the checkpoint's must replace them
+    fit(resumed, 4, ckpt_path=checkpoint)
+    finals = dict(whole.model.named_parameters())
+    result = {
+        "saved_tensors": len(weights),
+        "model_tensors": len(list(whole.model.parameters())),
+        "resumed_losses": max(abs(a - b) / b for a, b in zip(resumed.losses, whole.losses[2:], strict=True)),
+        "resumed_weights": max(
+            (full(p) - full(finals[n])).abs().max().item() for n, p in resumed.model.named_parameters()
+        ),
+    }
+    assert len(resumed.losses) == 2 and result["resumed_losses"] < FP32_TOLERANCE, result
+    assert result["resumed_weights"] < 1e-6, result
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+    return result

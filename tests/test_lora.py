@@ -7,8 +7,10 @@ from lightning_checks import check_trainer_gradient_clipping
 from lora_checks import (
     check_lora_adds_no_forward_collective,
     check_lora_bf16_base,
+    check_lora_resume,
     check_lora_trainer,
     check_lora_training,
+    check_peft_exports,
     peft_model,
 )
 
@@ -17,10 +19,13 @@ ATTENTION = ("q_proj", "v_proj", "o_proj")
 
 def test_lora_on_two_ranks():
     """tp=2 with and without sp on every projection; biases trained and lora_bias (Qwen2); Phi3's packed and
-    regrouped projections; DoRA; a bf16 base with fp32 adapters; clipping; the Trainer with checkpointing."""
+    regrouped projections; DoRA; a bf16 base with fp32 adapters; clipping; the Trainer with checkpointing;
+    resuming from a checkpoint of the adapters alone."""
     checks = [check_lora_adds_no_forward_collective]
     checks += [partial(check_lora_training, 2, sp) for sp in (False, True)]
-    checks.append(partial(check_lora_training, 2, True, family="qwen2", targets=ATTENTION, bias="all", lora_bias=True))
+    checks.append(
+        partial(check_lora_training, 2, True, family="qwen2", targets=ATTENTION, bias="all", lora_bias=True, r=3)
+    )
     checks += [
         partial(check_lora_training, 2, False, family="phi3"),
         partial(check_lora_training, 2, True, family="phi3_gqa"),
@@ -29,11 +34,14 @@ def test_lora_on_two_ranks():
     checks += [partial(check_lora_bf16_base, tp) for tp in (1, 2)]
     checks.append(partial(check_trainer_gradient_clipping, 2, True, peft_model, 1.0))
     checks.append(partial(check_lora_trainer, 2, False, True))
+    checks.append(partial(check_lora_resume, 2))
     run_checks(2, checks)
 
 
 def test_lora_on_four_ranks():
-    """tp=2 x dp_shard=2 with sp, with full and selective activation checkpointing; through the Trainer too."""
+    """tp=2 x dp_shard=2 with sp, with full and selective activation checkpointing; through the Trainer too; the
+    adapter and merged exports (LoRA and DoRA) round trip through PEFT and transformers in one process."""
     checks = [partial(check_lora_training, 2, True, ac) for ac in (True, "selective")]
     checks.append(partial(check_lora_trainer, 2, True, True))
+    checks += [partial(check_peft_exports, 2, True), partial(check_peft_exports, 2, False, use_dora=True)]
     run_checks(4, checks)

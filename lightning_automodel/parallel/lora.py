@@ -56,10 +56,10 @@ class LoraParallel(ParallelStyle):
                 f"LoRA on a {type(module.base_layer).__name__} cannot be tensor parallel here: only Linear layers"
                 " (attention and MLP projections) can. Leave it out of target_modules, or use tp=1."
             )
-        rowwise = isinstance(self.style, RowwiseParallel)
-        sharded, replicated = (module.lora_A, module.lora_B) if rowwise else (module.lora_B, module.lora_A)
         if isinstance(self.style, PackedColwiseParallel):
             return self._apply_packed(module, device_mesh)
+        rowwise = isinstance(self.style, RowwiseParallel)
+        sharded, replicated = (module.lora_A, module.lora_B) if rowwise else (module.lora_B, module.lora_A)
         for layer in (module.base_layer, *sharded.values()):
             self.style._partition_linear_fn("", layer, device_mesh)
         for layer in replicated.values():
@@ -80,13 +80,16 @@ class LoraParallel(ParallelStyle):
     def _apply_packed(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         """Packed projections compute on local tensors inside the base layer; ``B`` is packed like it, and ``A``,
         replicated, hands it a replicated DTensor, whose gradient the packed layer sums over tp."""
+        if getattr(module, "lora_magnitude_vector", None):
+            raise TypeError(
+                "DoRA on a packed projection (Phi3's qkv_proj, gate_up_proj) is not supported with tp > 1: use plain"
+                " LoRA there (use_dora=False), or tp=1."
+            )
         for layer in (module.base_layer, *module.lora_B.values()):
             self.style._apply(layer, device_mesh)
         for layer in module.lora_A.values():
             _replicate(layer, device_mesh)
             distribute_module(layer, device_mesh, input_fn=partial(_as_dtensor, None))
-        if getattr(module, "lora_magnitude_vector", None):
-            raise TypeError("DoRA on a packed projection (Phi3's qkv_proj, gate_up_proj) is not supported under tp.")
         return module
 
 

@@ -1,6 +1,7 @@
 """lightning-automodel: one-line model parallelism for Hugging Face models in PyTorch Lightning."""
 
-from lightning_automodel.hf.export import export_merged, export_peft_adapter
+from lightning_automodel.hf.export import export_hf, export_merged, export_peft_adapter
+from lightning_automodel.hf.loading import from_pretrained
 from lightning_automodel.mesh import ParallelDims
 from lightning_automodel.parallel import (
     causal_lm_loss,
@@ -18,8 +19,10 @@ __all__ = [
     "AutoModelParallelStrategy",
     "ParallelDims",
     "causal_lm_loss",
+    "export_hf",
     "export_merged",
     "export_peft_adapter",
+    "from_pretrained",
     "fully_shard_by_dtype",
     "global_token_mean",
     "iter_maximal_uniform_dtype_subtrees",

@@ -1,8 +1,9 @@
-"""Lightning checkpoints that hold the trainable parameters only (LoRA adapters), and resuming from them.
+"""Loading Lightning's sharded checkpoints, including those that hold the trainable parameters only.
 
 A LoRA run trains a few million parameters on top of billions of frozen ones that never change and can be
-rebuilt from where they came from (the pretrained checkpoint, or the seed). Saving them at every checkpoint
-costs disk and time for nothing.
+rebuilt from where they came from (the pretrained checkpoint, or the seed): saving them at every checkpoint
+costs disk and time for nothing. And an optimizer has no state for a parameter that never got a gradient (a
+vision tower in text-only training), so its saved state lacks entries that a freshly set-up optimizer has.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load, _is_sharded_checkpoint
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,7 +24,66 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
+
+from lightning_automodel.parallel.styles import is_packed, packed_blocks
+
+
+def split_packed(tree: Any) -> Any:
+    """``tree`` (a state dict, possibly nested) with every packed weight replaced by its blocks (see
+    :func:`~lightning_automodel.parallel.styles.packed_blocks`): torch's distributed checkpoint refuses strided
+    shards ("overlapping chunks"). The blocks share the weights' storage, so loading into them loads the weights."""
+    if isinstance(tree, dict):
+        return {key: split_packed(value) for key, value in tree.items()}
+    return packed_blocks(tree) if is_packed(tree) else tree
+
+
+def _load(state: dict[str, Any], path: Path, stored: dict[str, Any], *, strict: bool) -> None:
+    """Load ``state`` in place. A packed weight saved by another layout (as one tensor, or in blocks where this
+    layout holds it whole) cannot be read slice by slice: each rank reads it whole, one at a time, and keeps its
+    shard. ``strict=False`` leaves entries the checkpoint lacks as they are."""
+    mismatched: list[tuple[list[str], torch.Tensor]] = []
+    blocks: dict[str, list[str]] = {}
+    for key in stored:
+        base, _, index = key.rpartition(".block")
+        if base and index.isdigit():
+            blocks.setdefault(base, []).append(key)
+    for keys in blocks.values():
+        keys.sort(key=lambda key: int(key.rpartition(".block")[2]))
+    request = _request(state, "", stored, blocks, mismatched)
+    dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    for keys, target in mismatched:
+        if not keys and not strict:
+            continue
+        whole = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype) for key in keys}
+        dcp.load(whole, checkpoint_id=path)
+        full = torch.cat(list(whole.values())) if whole else None
+        if full is None:
+            raise ValueError(f"{path} lacks a tensor this model needs ({target.shape}).")
+        if isinstance(target, DTensor):
+            shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            target.to_local().copy_(shard)
+        else:
+            target.copy_(full)
+
+
+def _request(tree: Any, prefix: str, stored: dict[str, Any], blocks_of: dict[str, list[str]], mismatched: list) -> Any:
+    """What to ask torch's checkpoint reader for, in the shape of ``tree``; tensors stored in another form go to
+    ``mismatched`` with the checkpoint keys that hold them."""
+    if isinstance(tree, dict):
+        requests = {k: _request(v, f"{prefix}{k}.", stored, blocks_of, mismatched) for k, v in tree.items()}
+        return {key: value for key, value in requests.items() if value is not None}
+    if not isinstance(tree, torch.Tensor):
+        return tree
+    key = prefix[:-1]
+    blocks = blocks_of.get(key, [])
+    if is_packed(tree) and blocks:
+        return packed_blocks(tree)
+    if not is_packed(tree) and (key in stored or not blocks):
+        return tree
+    mismatched.append(([key] if key in stored else blocks, tree))
+    return None
 
 
 def trainable_names(module: nn.Module) -> set[str]:
@@ -33,24 +95,33 @@ def only_trainable(state_dict: dict[str, Any], module: nn.Module) -> dict[str, A
     return {name: value for name, value in state_dict.items() if name in trainable}
 
 
-def load_trainable_checkpoint(
-    path: Path, module: nn.Module, optimizers: list[Optimizer], *, weights_only: bool | None = None
+def load_sharded_checkpoint(
+    path: Path,
+    module: nn.Module,
+    optimizers: list[Optimizer],
+    *,
+    trainable_only: bool = False,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
-    """Load a sharded checkpoint written with trainable parameters only: those parameters and the optimizers'
-    state come from ``path``, frozen parameters stay as the module has them. Returns the checkpoint's other
-    contents (loop state, callbacks), as Lightning's loader does."""
+    """Load a sharded checkpoint into ``module`` and ``optimizers``, resharding to their layout if it differs
+    from the saving run's. Returns the checkpoint's other contents (loop state, callbacks), as Lightning does.
+
+    ``trainable_only``: the checkpoint holds the trainable parameters only; frozen ones stay as built. Optimizer
+    state the checkpoint lacks (parameters that never got a gradient) keeps its fresh initial value.
+    """
     if not _is_sharded_checkpoint(path):
         raise ValueError(
             f"{path} is not a sharded (distributed) checkpoint. Checkpoints of trainable parameters only are written"
             " and read with save_distributed_checkpoint=True."
         )
-    model_state = {"state_dict": only_trainable(get_model_state_dict(module), module)}
-    _distributed_checkpoint_load(model_state, path)
-    set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=False))
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    model_state = get_model_state_dict(module)
+    model_state = only_trainable(model_state, module) if trainable_only else model_state
+    _load({"state_dict": model_state}, path, stored, strict=True)
+    set_model_state_dict(module, model_state, options=StateDictOptions(strict=not trainable_only))
     for index, optimizer in enumerate(optimizers):
-        key = f"optimizer_{index}"
-        optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
-        _distributed_checkpoint_load(optimizer_state, path)
+        optimizer_state = get_optimizer_state_dict(module, optimizer)
+        _load({f"optimizer_{index}": optimizer_state}, path, stored, strict=False)
         options = StateDictOptions(cpu_offload=True)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key], options=options)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state, options=options)
     return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -34,8 +35,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_automodel.checkpoint import load_trainable_checkpoint, only_trainable
+from lightning_automodel.atomic_directory import atomic_directory
+from lightning_automodel.checkpoint import load_sharded_checkpoint, only_trainable, split_packed
 from lightning_automodel.hf.initialization import materialize_hf_model
+from lightning_automodel.hf.loading import load_hf_checkpoint, pretrained_checkpoint
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
 from lightning_automodel.parallel.checkpointing import ACMode
@@ -245,6 +248,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         )
         if meta:
             materialize_hf_model(model, torch.device("cpu") if self.cpu_offload else self.root_device)
+            if (checkpoint := pretrained_checkpoint(model)) is not None:
+                load_hf_checkpoint(model, checkpoint)
 
     @override
     def model_to_device(self) -> None:
@@ -258,14 +263,31 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
-        return only_trainable(state, self.model) if self.save_trainable_only else state
+        state = only_trainable(state, self.model) if self.save_trainable_only else state
+        return split_packed(state) if self._save_distributed_checkpoint else state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        return split_packed(state) if self._save_distributed_checkpoint else state
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Sharded checkpoints are written beside their path and swapped in once every rank has written its part:
+        a save that fails midway (a full disk, a killed job) leaves the previous checkpoint at that path whole."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with atomic_directory(self.broadcast(filepath)) as staging:
+            super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if not self.save_trainable_only:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(self.broadcast(checkpoint_path))
-        return load_trainable_checkpoint(path, self.model, self.optimizers, weights_only=weights_only)
+        if not self.save_trainable_only and not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        return load_sharded_checkpoint(
+            path, self.model, self.optimizers, trainable_only=self.save_trainable_only, weights_only=weights_only
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -12,10 +12,12 @@ import os
 import queue
 import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -104,6 +106,15 @@ def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240
     if crashed:
         pytest.fail(f"ranks exited with codes {crashed} after reporting their results")
     return collected
+
+
+def shared_directory() -> Path:
+    """Inside a worker: a fresh temporary directory, the same path on every rank."""
+    import torch.distributed as dist
+
+    path = [tempfile.mkdtemp(prefix="lam-test-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return Path(path[0])
 
 
 def check_name(check: Check) -> str:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from harness import shared_directory
 from lightning_checks import CausalLM, compare_training, data, reference_run, trainer
 from models import batch, tiny_model
 from parity import (
@@ -133,13 +133,6 @@ def check_lora_trainer(tp: int, sp: bool, activation_checkpointing: bool | str) 
     reference = peft_model()
     adam = lambda m: [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR)]  # noqa: E731
     return compare_training(module, reference, reference_run(reference, optimizers=adam))
-
-
-def shared_directory() -> Path:
-    """A fresh directory, the same path on every rank."""
-    path = [tempfile.mkdtemp(prefix="lam-export-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return Path(path[0])
 
 
 def check_peft_exports(tp: int, sp: bool, **lora: object) -> dict:

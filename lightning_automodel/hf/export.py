@@ -1,4 +1,4 @@
-"""Exports of a parallelized PEFT model in Hugging Face formats: the adapter directory, or the merged model.
+"""Exports of a parallelized model in Hugging Face formats: the model, a PEFT adapter, or a merged PEFT model.
 
 Every function here is collective: call it on every rank, in the same order (each sharded tensor is gathered
 with the collectives of its mesh). Rank 0 writes; the directory appears whole or not at all.
@@ -6,17 +6,19 @@ with the collectives of its mesh). Rank 0 writes; the directory appears whole or
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from lightning_automodel.atomic_directory import atomic_directory
 
 
 def export_peft_adapter(model: nn.Module, directory: str | os.PathLike) -> None:
@@ -29,8 +31,8 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike) -> None:
     _require_peft(model)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     state = gather_full_state_dict(model, keys=lambda name: name in trainable or "lora_" in name)
-    with _written_whole(directory) as staging:
-        if staging is not None:
+    with atomic_directory(directory) as staging:
+        if _is_writer():
             model.save_pretrained(staging, state_dict=state)
 
 
@@ -45,14 +47,87 @@ def export_merged(model: nn.Module, directory: str | os.PathLike) -> None:
 
     _require_peft(model)
     state = gather_full_state_dict(model)
-    with _written_whole(directory) as staging:
-        if staging is None:
+    with atomic_directory(directory) as staging:
+        if not _is_writer():
             return
         base = model.get_base_model()
         with torch.device("meta"):
             skeleton = get_peft_model(type(base)(base.config), model.peft_config[model.active_adapter])
         skeleton.load_state_dict(state, assign=True, strict=False)
         skeleton.merge_and_unload().save_pretrained(staging)
+
+
+def export_hf(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    max_shard_size: int = 5 * 2**30,
+) -> None:
+    """Write a parallelized Hugging Face model as a directory that ``from_pretrained`` loads in one process:
+    ``config.json``, ``generation_config.json``, safetensors shards of at most ``max_shard_size`` bytes with their
+    index (one ``model.safetensors`` if it fits), and the tokenizer's files when one is given.
+
+    Tensors are gathered one at a time, and rank 0 holds at most one shard: the whole model is never on one rank.
+    Names are those transformers' ``save_pretrained`` writes; a tied weight is written once.
+    """
+    from lightning_automodel.hf.loading import checkpoint_names
+
+    if hasattr(model, "peft_config"):
+        raise TypeError("A PEFT model is exported with export_merged (one model) or export_peft_adapter (adapters).")
+    names = checkpoint_names(model)
+    with atomic_directory(directory) as staging:
+        shards = _ShardWriter(staging, max_shard_size) if _is_writer() else None
+        for name, tensor in model.state_dict().items():
+            if name not in names:
+                continue
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if shards is not None:
+                shards.add(names[name], full.detach().to("cpu", copy=True).contiguous())
+        if shards is None:
+            return
+        shards.close()
+        model.config.save_pretrained(staging)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+
+
+class _ShardWriter:
+    """Safetensors shards named as transformers names them, written as each fills up."""
+
+    def __init__(self, directory: Path, max_shard_size: int) -> None:
+        self.directory, self.max_shard_size = directory, max_shard_size
+        self.current: dict[str, torch.Tensor] = {}
+        self.written: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = sum(t.numel() * t.element_size() for t in self.current.values())
+        if self.current and size + tensor.numel() * tensor.element_size() > self.max_shard_size:
+            self._flush()
+        self.current[name] = tensor
+
+    def _flush(self) -> None:
+        path = self.directory / f"shard-{len(self.written)}.tmp"
+        save_file(self.current, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(self.current)))
+        self.current = {}
+
+    def close(self) -> None:
+        if self.current:
+            self._flush()
+        if len(self.written) == 1:
+            self.written[0][0].rename(self.directory / "model.safetensors")
+            return
+        weight_map, total = {}, 0
+        for index, (path, names) in enumerate(self.written, start=1):
+            final = f"model-{index:05d}-of-{len(self.written):05d}.safetensors"
+            path.rename(self.directory / final)
+            weight_map.update(dict.fromkeys(names, final))
+            total += (self.directory / final).stat().st_size
+        index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2))
 
 
 def gather_full_state_dict(
@@ -65,59 +140,18 @@ def gather_full_state_dict(
     the accelerator.
     """
     select = keys or (lambda name: True)
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
     gathered = {}
     for name, tensor in model.state_dict().items():
         if not select(name):
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if is_writer:
+        if _is_writer():
             gathered[name] = full.detach().to(device, copy=True)
     return gathered
 
 
-@contextmanager
-def _written_whole(directory: str | os.PathLike) -> Generator[Path | None, None, None]:
-    """Rank 0 gets a staging directory beside ``directory`` (others get None); on success it replaces
-    ``directory``, on failure it is removed and ``directory`` is left as it was. Every rank learns the outcome:
-    if rank 0 failed, the others raise too instead of going on as if the export existed."""
-    target = Path(directory)
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    staging = None
-    written = False
-    try:
-        if is_writer:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        yield staging
-        if staging is not None:
-            _replace(target, staging)
-        written = True
-    finally:
-        if staging is not None and staging.exists():
-            shutil.rmtree(staging)
-        if dist.is_initialized() and not _everywhere(written) and written:
-            raise RuntimeError(f"Rank 0 failed to write {target}; its error is in rank 0's log.")
-
-
-def _everywhere(flag: bool) -> bool:
-    """Whether ``flag`` holds on every rank (a collective)."""
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    count = torch.tensor(int(flag), device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MIN)
-    return bool(count.item())
-
-
-def _replace(target: Path, staging: Path) -> None:
-    """Swap ``staging`` in for ``target``: the old directory is removed only once the new one is in place."""
-    if not target.exists():
-        staging.rename(target)
-        return
-    old = target.with_name(f".{target.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    target.rename(old)
-    staging.rename(target)
-    shutil.rmtree(old)
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _require_peft(model: nn.Module) -> None:

@@ -9,11 +9,10 @@ the order ``PreTrainedModel.initialize_weights`` uses, so the result equals a si
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
@@ -67,7 +66,7 @@ def _init_module(module: nn.Module, *, owner: nn.Module, done: set[int]) -> None
         owner._init_weights(module)  # buffers only (rotary): they are not sharded, initialise in place
         return
     full = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in params.items()}
-    stand_in = copy.copy(module)  # same class and attributes, so _init_weights picks the same branch
+    stand_in = unsharded_view(module)  # same class and attributes, so _init_weights picks the same branch
     stand_in._parameters = {  # keep entries registered as None (bias=False)
         name: nn.Parameter(full[name], requires_grad=False) if name in full else value
         for name, value in module._parameters.items()
@@ -77,6 +76,16 @@ def _init_module(module: nn.Module, *, owner: nn.Module, done: set[int]) -> None
         if id(param) not in done:
             _copy_shard(param, full[name])
             done.add(id(param))
+
+
+def unsharded_view(module: nn.Module) -> nn.Module:
+    """A shallow stand-in for ``module`` of its class before ``fully_shard`` swapped in ``FSDP<class>``: same
+    attributes (submodules and parameters shared, nothing copied), no FSDP hooks. Code that dispatches on the
+    class (transformers' init and checkpoint mappings) sees the model's own class; ``copy.copy`` of an FSDP
+    module would fail in FSDP's ``__new__``."""
+    view = object.__new__(next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule)))
+    view.__dict__.update(module.__dict__)
+    return view
 
 
 def _copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -78,6 +78,29 @@ class PackedColwiseParallel(ParallelStyle):
         return module
 
 
+def is_packed(tensor: torch.Tensor) -> bool:
+    """A weight :class:`PackedColwiseParallel` sharded block by block over tp: each rank's shard is not one slice
+    of the tensor (FSDP's strided placement over dp composes with tp into a plain slice, and is not this)."""
+    names = tensor.device_mesh.mesh_dim_names or () if isinstance(tensor, DTensor) else ()
+    return "tp" in names and isinstance(tensor.placements[names.index("tp")], _StridedShard)
+
+
+def packed_blocks(tensor: DTensor) -> dict[str, DTensor]:
+    """A packed weight as one DTensor per block (``block0``, ``block1``, ...), each a plain slice of its block,
+    sharing this rank's storage: what torch's checkpoint reader and writer can place (they reject or misplace
+    strided shards)."""
+    names = tensor.device_mesh.mesh_dim_names
+    parts = tensor.placements[names.index("tp")].split_factor
+    placements = [Shard(0) if name == "tp" else p for name, p in zip(names, tensor.placements, strict=True)]
+    shape = torch.Size([tensor.shape[0] // parts, *tensor.shape[1:]])
+    stride = torch.empty(shape, device="meta").stride()
+    mesh = tensor.device_mesh
+    return {
+        f"block{index}": DTensor.from_local(block, mesh, placements, run_check=False, shape=shape, stride=stride)
+        for index, block in enumerate(tensor.to_local().chunk(parts, dim=0))
+    }
+
+
 def _packed_linear_forward(self: nn.Linear, hidden: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:
     if not isinstance(hidden, DTensor):
         hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)

@@ -1,0 +1,138 @@
+"""Pretrained checkpoints loaded into parallelized models (inside gloo workers), against transformers'
+own single-process from_pretrained of the same directory."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import shared_directory
+from lightning_checks import CausalLM, compare_training, data, reference_run, trainer
+from models import batch, tiny_model
+from parity import FP32_TOLERANCE, dims_for, forward_backward_errors, full, relative_error
+from transformers import AutoModelForCausalLM
+
+from lightning_automodel import AutoModelParallelStrategy, export_hf, from_pretrained, parallelize
+from lightning_automodel.hf.initialization import materialize_hf_model
+from lightning_automodel.hf.loading import load_hf_checkpoint
+from lightning_automodel.mesh import data_mesh
+
+
+def saved_checkpoint(family: str, shard_size: str | None = None) -> Path:
+    """A checkpoint written by save_pretrained (of a model no rank builds by itself: seed 3)."""
+    directory = shared_directory()
+    if dist.get_rank() == 0:
+        options = {"max_shard_size": shard_size} if shard_size else {}
+        tiny_model(family, seed=3).save_pretrained(directory, **options)
+    dist.barrier()
+    return directory
+
+
+def remove(directory: Path) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+
+
+def check_loaded_weights(family: str, tp: int, sp: bool, shard_size: str | None = None) -> dict:
+    """Every weight equals transformers' own load of the directory, and so do loss, logits and gradients."""
+    directory = saved_checkpoint(family, shard_size)
+    if shard_size:
+        assert (directory / "model.safetensors.index.json").is_file(), "the checkpoint must be sharded"
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model = from_pretrained(directory, dtype=torch.float32)
+    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    parallelize(model, mesh, sp=sp)
+    materialize_hf_model(model, torch.device("cpu"))
+    load_hf_checkpoint(model, directory)
+    reference_state = reference.state_dict()
+    result = {"weights": max((full(t) - reference_state[n]).abs().max().item() for n, t in model.state_dict().items())}
+    assert result["weights"] == 0.0, result
+    if reference.get_output_embeddings().weight is reference.get_input_embeddings().weight:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "lm_head came untied"
+    result.update(forward_backward_errors(model, reference, data_mesh(mesh)))
+    assert max(result.values()) < FP32_TOLERANCE, result
+    remove(directory)
+    return result
+
+
+class PretrainedCausalLM(CausalLM):
+    """What a user writes: from_pretrained in configure_model."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(model=torch.nn.Identity())
+        self.directory = directory
+
+    def configure_model(self) -> None:
+        if isinstance(self.model, torch.nn.Identity):
+            self.model = from_pretrained(self.directory, dtype=torch.float32)
+
+
+def check_pretrained_trainer(family: str, tp: int) -> dict:
+    """Trainer.fit from a pretrained directory: 3 AdamW steps in parity with transformers' own load."""
+    directory = saved_checkpoint(family)
+    module = PretrainedCausalLM(directory)
+    trainer(AutoModelParallelStrategy(tp=tp)).fit(module, data(dist.get_world_size() // tp))
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    result = compare_training(module, reference, reference_run(reference))
+    remove(directory)
+    return result
+
+
+def check_loaded_dtypes() -> dict:
+    """A bf16 checkpoint loads as bf16 with dtype="auto" and as fp32 when asked, equal to transformers' loads. A
+    model whose checkpoint format transformers converts on load (Ernie's per-expert weights) is refused when
+    built, with what to do instead."""
+    directory = shared_directory()
+    if dist.get_rank() == 0:
+        tiny_model(seed=3).to(torch.bfloat16).save_pretrained(directory / "llama")
+        tiny_model("ernie_moe", seed=3).save_pretrained(directory / "ernie")
+    dist.barrier()
+    mesh = dims_for(dist.get_world_size(), 1).build_mesh("cpu")
+    result = {}
+    for dtype in ("auto", torch.float32):
+        model = from_pretrained(directory / "llama", dtype=dtype)
+        parallelize(model, mesh)
+        materialize_hf_model(model, torch.device("cpu"))
+        load_hf_checkpoint(model, directory / "llama")
+        reference = AutoModelForCausalLM.from_pretrained(directory / "llama", dtype=dtype).state_dict()
+        for key, tensor in model.state_dict().items():
+            assert full(tensor).dtype == reference[key].dtype and torch.equal(full(tensor), reference[key]), key
+        result[str(dtype)] = sorted({str(t.dtype) for t in model.state_dict().values()})
+    assert result == {"auto": ["torch.bfloat16"], "torch.float32": ["torch.float32"]}, result
+    with pytest.raises(ValueError, match="transformers' own from_pretrained") as error:
+        from_pretrained(directory / "ernie")
+    result["ernie"] = str(error.value)
+    remove(directory)
+    return result
+
+
+def check_export_round_trip(family: str, tp: int, sp: bool) -> dict:
+    """Load a checkpoint, take an AdamW step, export: from_pretrained of the export (sharded, with its index)
+    gives the parallel model's logits, and the config and generation config come along."""
+    directory = saved_checkpoint(family)
+    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    model = from_pretrained(directory, dtype=torch.float32)
+    parallelize(model, mesh, sp=sp)
+    materialize_hf_model(model, torch.device("cpu"))
+    load_hf_checkpoint(model, directory)
+    forward_backward_errors(model, AutoModelForCausalLM.from_pretrained(directory), data_mesh(mesh))
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    tokens = batch(2)[0]
+    with torch.no_grad():
+        logits = full(model(tokens).logits)
+    export_hf(model, directory / "export", max_shard_size=40_000)
+    result = {}
+    if dist.get_rank() == 0:
+        files = {p.name for p in (directory / "export").iterdir()}
+        assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= files, files
+        exported = AutoModelForCausalLM.from_pretrained(directory / "export")
+        with torch.no_grad():
+            result["logits"] = relative_error(exported(tokens).logits, logits)
+        result["shards"] = sum(name.endswith(".safetensors") for name in files)
+        assert result["logits"] < FP32_TOLERANCE and result["shards"] > 1, result
+    remove(directory)
+    return result

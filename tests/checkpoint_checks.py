@@ -14,7 +14,6 @@ import torch.distributed as dist
 from lightning_checks import CausalLM, data, trainer
 from models import tiny_config, tiny_model
 from parity import FP32_TOLERANCE, full
-
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from lightning_automodel import AutoModelParallelStrategy

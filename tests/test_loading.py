@@ -5,7 +5,6 @@ from functools import partial
 from harness import run_checks
 from loading_checks import check_export_round_trip, check_loaded_dtypes, check_loaded_weights, check_pretrained_trainer
 
-
 EXPORTS = (("llama", False), ("qwen3", True), ("gemma3", True), ("phi3", False))
 
 

@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_automodel.atomic_directory import atomic_directory
 from lightning_automodel.checkpoint import load_sharded_checkpoint, only_trainable, split_packed
 from lightning_automodel.hf.initialization import materialize_hf_model
-from lightning_automodel.hf.loading import load_hf_checkpoint, pretrained_checkpoint
+from lightning_automodel.hf.loading import materialize_pretrained, pretrained_checkpoint
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
 from lightning_automodel.parallel.checkpointing import ACMode
@@ -247,9 +247,11 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             **self.fsdp_options,
         )
         if meta:
-            materialize_hf_model(model, torch.device("cpu") if self.cpu_offload else self.root_device)
-            if (checkpoint := pretrained_checkpoint(model)) is not None:
-                load_hf_checkpoint(model, checkpoint)
+            device = torch.device("cpu") if self.cpu_offload else self.root_device
+            if pretrained_checkpoint(model) is not None:
+                materialize_pretrained(model, device)
+            else:
+                materialize_hf_model(model, device)
 
     @override
     def model_to_device(self) -> None:

@@ -11,9 +11,11 @@ import lightning.pytorch.strategies.model_parallel as lightning_model_parallel
 import pytest
 import torch
 import torch.distributed as dist
-from lightning_checks import CausalLM, data, trainer
-from models import tiny_config, tiny_model
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_checks import GLOBAL_BATCH, CausalLM, data, trainer
+from models import batch, tiny_config, tiny_model, tiny_tokenizer
 from parity import FP32_TOLERANCE, full
+from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from lightning_automodel import AutoModelParallelStrategy
@@ -44,6 +46,7 @@ def check_save_and_exact_resume(directory: str, tp: int, family: str) -> list[fl
     if dist.get_rank() == 0:
         torch.save(weights, Path(directory) / "weights-step-2.pt")
         tiny_config(family).save_pretrained(Path(directory) / "config")
+        tiny_tokenizer().save_pretrained(Path(directory) / "config")
 
     real_save = lightning_model_parallel._distributed_checkpoint_save
 
@@ -105,6 +108,7 @@ def assert_converted(directory: Path, family: str) -> dict:
     output = directory / "hf"
     command = [sys.executable, "-m", "lightning_automodel.convert", str(directory / "step-2.ckpt")]
     subprocess.run([*command, "--config", str(directory / "config"), "--output", str(output)], check=True)
+    assert (output / "tokenizer.json").is_file(), "the tokenizer beside the config must come along"
     auto_class = AutoModelForImageTextToText if family == "gemma3_vlm" else AutoModelForCausalLM
     loaded = auto_class.from_pretrained(output).state_dict()
     expected = torch.load(directory / "weights-step-2.pt")
@@ -112,3 +116,31 @@ def assert_converted(directory: Path, family: str) -> dict:
     errors = {name: (loaded[name] - tensor).abs().max().item() for name, tensor in expected.items()}
     assert max(errors.values()) == 0.0, errors
     return {"tensors": len(errors), "max_error": max(errors.values())}
+
+
+def check_data_position_restored(directory: str, tp: int) -> dict:
+    """Interrupted mid-epoch, a run whose loader is stateful (torchdata's StatefulDataLoader) resumes at the
+    next batch: its losses are the uninterrupted run's. With a plain DataLoader, Lightning restarts the epoch and
+    the losses differ (shown, so the check can tell)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    tokens, labels = batch(4 * GLOBAL_BATCH)  # four different batches per epoch
+    dataset = TensorDataset(tokens, labels)
+    per_rank = GLOBAL_BATCH // (dist.get_world_size() // tp)
+
+    def run(module: CausalLM, loader_class: type, **options) -> None:
+        fit_run = trainer(AutoModelParallelStrategy(tp=tp), max_steps=4, **options.pop("trainer", {}))
+        fit_run.fit(module, loader_class(dataset, batch_size=per_rank), **options)
+
+    result = {}
+    for loader_class in (StatefulDataLoader, DataLoader):
+        # Saved by ModelCheckpoint during the run, as in real training (after fit, the loader's state is reset).
+        saving = ModelCheckpoint(dirpath=Path(directory) / loader_class.__name__, every_n_train_steps=2, save_top_k=-1)
+        whole = CausalLM(tiny_model())
+        run(whole, loader_class, trainer=dict(callbacks=[saving], enable_checkpointing=True))
+        resumed = CausalLM(tiny_model(seed=5))
+        run(resumed, loader_class, ckpt_path=Path(saving.dirpath) / "epoch=0-step=2.ckpt")
+        errors = [abs(a - b) / b for a, b in zip(resumed.losses, whole.losses[2:], strict=True)]
+        result[loader_class.__name__] = max(errors)
+    assert result["StatefulDataLoader"] < FP32_TOLERANCE and result["DataLoader"] > 100 * FP32_TOLERANCE, result
+    return result

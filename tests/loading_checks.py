@@ -11,13 +11,12 @@ import torch
 import torch.distributed as dist
 from harness import shared_directory
 from lightning_checks import CausalLM, compare_training, data, reference_run, trainer
-from models import batch, tiny_model
+from models import batch, tiny_model, tiny_tokenizer
 from parity import FP32_TOLERANCE, dims_for, forward_backward_errors, full, relative_error
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from lightning_automodel import AutoModelParallelStrategy, export_hf, from_pretrained, parallelize
-from lightning_automodel.hf.initialization import materialize_hf_model
-from lightning_automodel.hf.loading import load_hf_checkpoint
+from lightning_automodel.hf.loading import materialize_pretrained
 from lightning_automodel.mesh import data_mesh
 
 
@@ -42,16 +41,16 @@ def check_loaded_weights(family: str, tp: int, sp: bool, shard_size: str | None 
     directory = saved_checkpoint(family, shard_size)
     if shard_size:
         assert (directory / "model.safetensors.index.json").is_file(), "the checkpoint must be sharded"
-    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    model = from_pretrained(directory, dtype=torch.float32)
+    auto_class = AutoModelForSequenceClassification if family == "qwen3_cls" else AutoModelForCausalLM
+    reference = auto_class.from_pretrained(directory, dtype=torch.float32)
+    model = from_pretrained(directory, model_class=auto_class, dtype=torch.float32)
     mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
     parallelize(model, mesh, sp=sp)
-    materialize_hf_model(model, torch.device("cpu"))
-    load_hf_checkpoint(model, directory)
+    materialize_pretrained(model, torch.device("cpu"))
     reference_state = reference.state_dict()
     result = {"weights": max((full(t) - reference_state[n]).abs().max().item() for n, t in model.state_dict().items())}
     assert result["weights"] == 0.0, result
-    if reference.get_output_embeddings().weight is reference.get_input_embeddings().weight:
+    if getattr(reference.get_output_embeddings(), "weight", None) is reference.get_input_embeddings().weight:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "lm_head came untied"
     result.update(forward_backward_errors(model, reference, data_mesh(mesh)))
     assert max(result.values()) < FP32_TOLERANCE, result
@@ -96,8 +95,7 @@ def check_loaded_dtypes() -> dict:
     for dtype in ("auto", torch.float32):
         model = from_pretrained(directory / "llama", dtype=dtype)
         parallelize(model, mesh)
-        materialize_hf_model(model, torch.device("cpu"))
-        load_hf_checkpoint(model, directory / "llama")
+        materialize_pretrained(model, torch.device("cpu"))
         reference = AutoModelForCausalLM.from_pretrained(directory / "llama", dtype=dtype).state_dict()
         for key, tensor in model.state_dict().items():
             assert full(tensor).dtype == reference[key].dtype and torch.equal(full(tensor), reference[key]), key
@@ -117,22 +115,55 @@ def check_export_round_trip(family: str, tp: int, sp: bool) -> dict:
     mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
     model = from_pretrained(directory, dtype=torch.float32)
     parallelize(model, mesh, sp=sp)
-    materialize_hf_model(model, torch.device("cpu"))
-    load_hf_checkpoint(model, directory)
+    materialize_pretrained(model, torch.device("cpu"))
     forward_backward_errors(model, AutoModelForCausalLM.from_pretrained(directory), data_mesh(mesh))
     torch.optim.AdamW(model.parameters(), lr=1e-2).step()
     tokens = batch(2)[0]
     with torch.no_grad():
         logits = full(model(tokens).logits)
-    export_hf(model, directory / "export", max_shard_size=40_000)
+    export_hf(model, directory / "export", tokenizer=tiny_tokenizer(), max_shard_size=40_000)
     result = {}
     if dist.get_rank() == 0:
         files = {p.name for p in (directory / "export").iterdir()}
-        assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= files, files
+        expected = {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json"}
+        assert expected <= files, files
+        assert AutoTokenizer.from_pretrained(directory / "export")("w5 w7")["input_ids"] == [5, 7]
         exported = AutoModelForCausalLM.from_pretrained(directory / "export")
         with torch.no_grad():
             result["logits"] = relative_error(exported(tokens).logits, logits)
         result["shards"] = sum(name.endswith(".safetensors") for name in files)
         assert result["logits"] < FP32_TOLERANCE and result["shards"] > 1, result
+    remove(directory)
+    return result
+
+
+def check_pretrained_peft(tp: int, sp: bool) -> dict:
+    """get_peft_model on a from_pretrained model built on meta: the base weights are the checkpoint's, the
+    adapters initialised by PEFT's rule (B zero, so the model computes exactly the pretrained model)."""
+    from peft import LoraConfig, get_peft_model
+
+    directory = saved_checkpoint("llama")
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    model = get_peft_model(from_pretrained(directory, dtype=torch.float32), LoraConfig(r=4, target_modules=targets))
+    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    parallelize(model, mesh, sp=sp)
+    materialize_pretrained(model.get_base_model(), torch.device("cpu"))
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    expected = reference.state_dict()
+    result = {"base_weights": 0.0}
+    for name, tensor in model.get_base_model().state_dict().items():
+        if "lora_" in name:
+            continue
+        difference = (full(tensor) - expected[name.replace(".base_layer.", ".")]).abs().max().item()
+        result["base_weights"] = max(result["base_weights"], difference)
+    adapters = {name: full(p) for name, p in model.named_parameters() if "lora_" in name}
+    assert adapters and all(not t.any() for name, t in adapters.items() if "lora_B" in name), "B must start at zero"
+    bound = 1 / 64**0.5  # kaiming_uniform(a=sqrt(5)) over fan_in = hidden size: PEFT's rule for A
+    a_values = [t for name, t in adapters.items() if "lora_A" in name]
+    assert all(0 < t.abs().max() <= bound and t.std() > bound / 4 for t in a_values), "A is not PEFT's init"
+    tokens = batch(2)[0]
+    with torch.no_grad():
+        result["logits"] = relative_error(full(model(tokens).logits), reference(tokens).logits)
+    assert result["base_weights"] == 0.0 and result["logits"] < FP32_TOLERANCE, result
     remove(directory)
     return result

@@ -107,3 +107,13 @@ def batch(batch_size: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tenso
     labels[:, -2:] = -100
     tokens[:, -2:] = 0  # pad tokens in the input too: the vocab-parallel embedding must keep padding_idx right
     return tokens[:, :-1], labels
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="w0", unk_token="w1")

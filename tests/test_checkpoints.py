@@ -6,6 +6,7 @@ import pytest
 from checkpoint_checks import (
     FAMILIES,
     assert_converted,
+    check_data_position_restored,
     check_resume_into_layout,
     check_save_and_exact_resume,
     check_save_unsharded_resume_sharded,
@@ -23,3 +24,8 @@ def test_resume_exactly_and_into_other_layouts(tmp_path, family):
     checks.append(partial(check_save_unsharded_resume_sharded, str(tmp_path), family, losses))
     run_checks(2, checks)
     assert_converted(tmp_path, family)
+
+
+def test_data_position_restored_mid_epoch(tmp_path):
+    """Resumed mid-epoch at tp=2 x dp_shard=2: a stateful loader continues at the next batch."""
+    run_checks(4, [partial(check_data_position_restored, str(tmp_path), 2)])

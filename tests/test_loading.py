@@ -3,17 +3,27 @@
 from functools import partial
 
 from harness import run_checks
-from loading_checks import check_export_round_trip, check_loaded_dtypes, check_loaded_weights, check_pretrained_trainer
+from loading_checks import (
+    check_export_round_trip,
+    check_loaded_dtypes,
+    check_loaded_weights,
+    check_pretrained_peft,
+    check_pretrained_trainer,
+)
 
 EXPORTS = (("llama", False), ("qwen3", True), ("gemma3", True), ("phi3", False))
 
 
 def test_pretrained_loading_and_export_on_four_ranks():
-    """tp=2 x dp_shard=2: Llama; Qwen3 and Gemma3 (tied, sharded files) with sp; Phi3's packed and regrouped
-    projections; Gemma3's multimodal model, whose checkpoint names differ from its modules; through the Trainer;
-    dtypes. Then exports of Llama, Qwen3, Gemma3 and Phi3 back to Hugging Face directories."""
+    """tp=2 x dp_shard=2: Llama, Mistral, Qwen2, the Qwen3 classifier; Qwen3 and Gemma3 (tied, sharded files)
+    with sp; Phi3's packed and regrouped projections; Gemma3's multimodal model, whose checkpoint names differ
+    from its modules; through the Trainer; dtypes; a PEFT model over a pretrained base. Then exports of Llama,
+    Qwen3, Gemma3 and Phi3 back to Hugging Face directories."""
     checks = [
         partial(check_loaded_weights, "llama", 2, False),
+        partial(check_loaded_weights, "mistral", 2, True),
+        partial(check_loaded_weights, "qwen2", 2, False),
+        partial(check_loaded_weights, "qwen3_cls", 2, True),
         partial(check_loaded_weights, "qwen3", 2, True),
         partial(check_loaded_weights, "gemma3", 2, True, "20KB"),
         partial(check_loaded_weights, "phi3", 2, False),
@@ -21,6 +31,7 @@ def test_pretrained_loading_and_export_on_four_ranks():
         partial(check_loaded_weights, "gemma3_vlm", 2, False),
         partial(check_pretrained_trainer, "llama", 2),
         check_loaded_dtypes,
+        partial(check_pretrained_peft, 2, True),
     ]
     checks += [partial(check_export_round_trip, family, 2, sp) for family, sp in EXPORTS]
     run_checks(4, checks)

@@ -9,15 +9,23 @@ the order ``PreTrainedModel.initialize_weights`` uses, so the result equals a si
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_automodel.parallel.lora import is_lora_layer
 
-def materialize_hf_model(model: nn.Module, device: torch.device) -> None:
-    """Allocate ``model`` on ``device`` and initialise it as Hugging Face would, every rank holding its shard."""
+
+def materialize_hf_model(model: nn.Module, device: torch.device, *, skip: Collection[str] = ()) -> None:
+    """Allocate ``model`` on ``device`` and initialise it as Hugging Face would, every rank holding its shard.
+
+    ``skip``: names of parameters left uninitialised because something fills them next (a pretrained
+    checkpoint): their modules draw nothing, and no full-size tensor is made for them.
+    """
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -25,7 +33,7 @@ def materialize_hf_model(model: nn.Module, device: torch.device) -> None:
     model.to_empty(device=device)
     _share_random_state_of_rank0()
     with torch.no_grad():
-        _init_post_order(model, owner=model, device=device, done=set())
+        _init_post_order(model, owner=model, device=device, done=set(), skip=set(skip), prefix="")
 
 
 def _share_random_state_of_rank0() -> None:
@@ -37,14 +45,20 @@ def _share_random_state_of_rank0() -> None:
     torch.set_rng_state(state[0])
 
 
-def _init_post_order(module: nn.Module, *, owner: nn.Module, device: torch.device, done: set[int]) -> None:
+def _init_post_order(
+    module: nn.Module, *, owner: nn.Module, device: torch.device, done: set[int], skip: set[str], prefix: str
+) -> None:
     """Children first, then the module, each sub-model with its own ``_init_weights`` (as HF's smart_apply)."""
     from transformers import PreTrainedModel
 
-    for child in module.children():
+    for name, child in module.named_children():
         sub_owner = child if isinstance(child, PreTrainedModel) else owner
-        _init_post_order(child, owner=sub_owner, device=device, done=done)
+        _init_post_order(child, owner=sub_owner, device=device, done=done, skip=skip, prefix=f"{prefix}{name}.")
     _materialize_tensor_attributes(module, device)
+    own = [f"{prefix}{name}" for name, _ in module.named_parameters(recurse=False)]
+    if own and all(name in skip for name in own):
+        owner._init_weights(_full_size_stand_in(module, device="meta"))  # its buffers only (Gemma's embed_scale)
+        return
     _init_module(module, owner=owner, done=done)
 
 
@@ -61,20 +75,55 @@ def _init_module(module: nn.Module, *, owner: nn.Module, done: set[int]) -> None
     Hugging Face initialises tied modules separately and ties afterwards, so the embedding's values win and
     lm_head's draw is discarded; drawing it here too keeps the random stream identical.
     """
-    params = dict(module.named_parameters(recurse=False))
-    if not params:
+    if is_lora_layer(module):
+        _init_lora_adapters(module, getattr(owner, "peft_config", {}), done=done)
+    if not any(True for _ in module.parameters(recurse=False)):
         owner._init_weights(module)  # buffers only (rotary): they are not sharded, initialise in place
         return
-    full = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in params.items()}
-    stand_in = unsharded_view(module)  # same class and attributes, so _init_weights picks the same branch
+    stand_in = _full_size_stand_in(module)  # same class and attributes, so _init_weights picks the same branch
+    owner._init_weights(stand_in)
+    _copy_shards(module, stand_in, done)
+
+
+def _init_lora_adapters(module: nn.Module, peft_config: dict, *, done: set[int]) -> None:
+    """Initialise a LoRA layer's adapters as PEFT does (``reset_lora_parameters``), after transformers' init
+    has visited them as the plain Linears they are."""
+    for adapter in module.lora_A:
+        init = peft_config[adapter].init_lora_weights if adapter in peft_config else True
+        if init not in (True, False, "gaussian") or getattr(module, "lora_magnitude_vector", None):
+            raise ValueError(
+                f"Adapters initialised with init_lora_weights={init!r} or DoRA need the base weights at"
+                " creation; on a model built on the meta device use init_lora_weights=True, False or 'gaussian',"
+                " or build the model with real weights."
+            )
+        pair = {"lora_A": module.lora_A[adapter], "lora_B": module.lora_B[adapter]}
+        stand_ins = {which: _full_size_stand_in(layer) for which, layer in pair.items()}
+        stand_in = unsharded_view(module)
+        stand_in._modules = {
+            **module._modules,
+            **{which: nn.ModuleDict({adapter: s}) for which, s in stand_ins.items()},
+        }
+        stand_in.reset_lora_parameters(adapter, init)
+        for which, layer in pair.items():
+            done.difference_update(id(p) for p in layer.parameters(recurse=False))  # transformers' draw is replaced
+            _copy_shards(layer, stand_ins[which], done)
+
+
+def _full_size_stand_in(module: nn.Module, device: str = "cpu") -> nn.Module:
+    """``module`` with its own parameters replaced by full-size, unsharded tensors to initialise (on the meta
+    device: initialising them does nothing, while the module's buffers, shared, are initialised in place)."""
+    stand_in = unsharded_view(module)
     stand_in._parameters = {  # keep entries registered as None (bias=False)
-        name: nn.Parameter(full[name], requires_grad=False) if name in full else value
+        name: None if value is None else nn.Parameter(torch.empty(value.shape, dtype=value.dtype, device=device), False)
         for name, value in module._parameters.items()
     }
-    owner._init_weights(stand_in)
-    for name, param in params.items():
+    return stand_in
+
+
+def _copy_shards(module: nn.Module, stand_in: nn.Module, done: set[int]) -> None:
+    for name, param in module.named_parameters(recurse=False):
         if id(param) not in done:
-            _copy_shard(param, full[name])
+            _copy_shard(param, stand_in._parameters[name])
             done.add(id(param))
 
 

@@ -62,11 +62,12 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike) -> None:
 
     Each rank reads the slices of the checkpoint its shards cover, cast to the model's dtypes. Checkpoint names
     follow transformers' conversion mapping (a model may name a tensor differently than its checkpoint does).
-    A tied parameter is read once. A tensor the checkpoint lacks is an error naming it.
+    A tied parameter is read once. A tensor the checkpoint lacks is an error naming it. In a PEFT-wrapped model
+    the base weights are loaded and the adapters left as initialised.
     """
     reader = HuggingFaceStorageReader(str(path))
     stored = set(reader.read_metadata().state_dict_metadata)
-    state = _by_checkpoint_name(model, get_model_state_dict(model))
+    state = _by_checkpoint_name(model, _without_adapters(get_model_state_dict(model)))
     tied = _tied_aliases(model)
     missing = sorted(name for name in state if name not in stored and name not in tied)
     if missing:
@@ -91,6 +92,17 @@ def _load_whole_then_keep_shard(name: str, tensor: DTensor, path: str | os.PathL
     tensor.to_local().copy_(shard.to_local())
 
 
+def materialize_pretrained(model: nn.Module, device: torch.device) -> None:
+    """Allocate a parallelized meta model built by :func:`from_pretrained` and fill it from its checkpoint;
+    collective. Only what the checkpoint lacks is initialised (buffers such as rotary frequencies, a PEFT model's
+    adapters): no full-size tensor is made for the rest."""
+    from lightning_automodel.hf.initialization import materialize_hf_model
+
+    loaded = {name for name, _ in model.named_parameters(remove_duplicate=False) if not _is_adapter(name)}
+    materialize_hf_model(model, device, skip=loaded)
+    load_hf_checkpoint(model, pretrained_checkpoint(model))
+
+
 def checkpoint_names(model: nn.Module) -> dict[str, str]:
     """Module state-dict name -> the name ``save_pretrained`` writes, for every tensor written (a tied weight
     once, under its first name)."""
@@ -98,6 +110,15 @@ def checkpoint_names(model: nn.Module) -> dict[str, str]:
     stored = _by_checkpoint_name(model, {name: torch.empty(0) for name in state})
     tied = _tied_aliases(model)
     return {name: stored_name for name, stored_name in zip(state, stored, strict=True) if stored_name not in tied}
+
+
+def _without_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A PEFT-wrapped model's base weights under their own names (its adapters are not in the checkpoint)."""
+    return {name.replace(".base_layer.", "."): tensor for name, tensor in state.items() if not _is_adapter(name)}
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_" in name or "lora_magnitude_vector" in name
 
 
 def _by_checkpoint_name(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

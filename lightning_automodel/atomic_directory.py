@@ -22,28 +22,48 @@ def atomic_directory(directory: str | os.PathLike) -> Generator[Path, None, None
     is left as it was, and every rank raises, so none goes on as if the save had happened.
     """
     target = Path(directory)
-    staging = [None]
+    created: list[str | None] = [None, None]  # the staging path, or rank 0's error
     if _rank() == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = [tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent)]
+        try:
+            created[0] = _make_staging(target)
+        except OSError as error:
+            created[1] = repr(error)
     if dist.is_initialized():
-        dist.broadcast_object_list(staging, src=0)
-    path = Path(staging[0])
+        dist.broadcast_object_list(created, src=0)
+    if created[1] is not None:
+        raise OSError(f"Rank 0 could not create a staging directory beside {target}: {created[1]}")
+    path = Path(created[0])
     succeeded = False
     try:
         yield path
         succeeded = True
     finally:
         everywhere = _everywhere(succeeded)
+        swap_error = None
         if _rank() == 0:
-            if everywhere:
-                _replace(target, path)
-            else:
-                shutil.rmtree(path, ignore_errors=True)
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                if everywhere:
+                    _replace(target, path)
+            except OSError as error:
+                swap_error = error
+            shutil.rmtree(path, ignore_errors=True)  # left over only if not swapped in
+        swapped = _everywhere(swap_error is None)
+        if swap_error is not None:
+            raise swap_error
+        if not swapped:
+            raise RuntimeError(f"Rank 0 failed to put {target} in place; see its error.")
         if succeeded and not everywhere:
             raise RuntimeError(f"Another rank failed to write {target}; it was left as it was. See that rank's error.")
+
+
+def _make_staging(target: Path) -> str:
+    """A fresh directory beside ``target``, with the permissions a plain ``mkdir`` would give it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
+    return staging
 
 
 def _rank() -> int:
@@ -67,7 +87,11 @@ def _replace(target: Path, staging: Path) -> None:
     old = target.with_name(f".{target.name}.old")
     _remove(old)
     target.rename(old)
-    staging.rename(target)
+    try:
+        staging.rename(target)
+    except OSError:
+        old.rename(target)  # put the previous one back
+        raise
     _remove(old)
 
 

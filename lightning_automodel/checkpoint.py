@@ -24,10 +24,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_automodel.parallel.styles import is_packed, packed_blocks
+from lightning_automodel.hf.initialization import copy_shard
+from lightning_automodel.parallel.styles import is_packed, packed_block_keys, packed_blocks
 
 
 def split_packed(tree: Any) -> Any:
@@ -44,54 +45,45 @@ def _load(state: dict[str, Any], path: Path, stored: dict[str, Any], *, strict: 
     layout holds it whole) cannot be read slice by slice: each rank reads it whole, one at a time, and keeps its
     shard. ``strict=False`` leaves entries the checkpoint lacks as they are."""
     mismatched: list[tuple[list[str], torch.Tensor]] = []
-    blocks: dict[str, list[str]] = {}
-    for key in stored:
-        base, _, index = key.rpartition(".block")
-        if base and index.isdigit():
-            blocks.setdefault(base, []).append(key)
-    for keys in blocks.values():
-        keys.sort(key=lambda key: int(key.rpartition(".block")[2]))
-    request = _request(state, "", stored, blocks, mismatched)
+    split: list[tuple[DTensor, dict[str, DTensor]]] = []
+    request = _request(state, "", stored, packed_block_keys(stored), mismatched, split)
     dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    for target, blocks in split:  # blocks alias the weight, unless made on another device (CPU offload)
+        for chunk, block in zip(target.to_local().chunk(len(blocks)), blocks.values(), strict=True):
+            chunk.copy_(block.to_local())
     for keys, target in mismatched:
-        if not keys and not strict:
+        if not keys:
+            if strict:
+                raise ValueError(f"{path} lacks a tensor this model needs ({tuple(target.shape)}).")
             continue
         whole = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype) for key in keys}
         dcp.load(whole, checkpoint_id=path)
-        full = torch.cat(list(whole.values())) if whole else None
-        if full is None:
-            raise ValueError(f"{path} lacks a tensor this model needs ({target.shape}).")
-        if isinstance(target, DTensor):
-            shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
-            target.to_local().copy_(shard)
-        else:
-            target.copy_(full)
+        copy_shard(target, torch.cat(list(whole.values())))
 
 
-def _request(tree: Any, prefix: str, stored: dict[str, Any], blocks_of: dict[str, list[str]], mismatched: list) -> Any:
+def _request(
+    tree: Any, prefix: str, stored: dict[str, Any], blocks_of: dict[str, list[str]], mismatched: list, split: list
+) -> Any:
     """What to ask torch's checkpoint reader for, in the shape of ``tree``; tensors stored in another form go to
-    ``mismatched`` with the checkpoint keys that hold them."""
+    ``mismatched`` with the checkpoint keys that hold them, packed weights read as blocks to ``split``."""
     if isinstance(tree, dict):
-        requests = {k: _request(v, f"{prefix}{k}.", stored, blocks_of, mismatched) for k, v in tree.items()}
+        requests = {k: _request(v, f"{prefix}{k}.", stored, blocks_of, mismatched, split) for k, v in tree.items()}
         return {key: value for key, value in requests.items() if value is not None}
     if not isinstance(tree, torch.Tensor):
         return tree
     key = prefix[:-1]
     blocks = blocks_of.get(key, [])
     if is_packed(tree) and blocks:
-        return packed_blocks(tree)
+        split.append((tree, packed_blocks(tree)))
+        return split[-1][1]
     if not is_packed(tree) and (key in stored or not blocks):
         return tree
     mismatched.append(([key] if key in stored else blocks, tree))
     return None
 
 
-def trainable_names(module: nn.Module) -> set[str]:
-    return {name for name, param in module.named_parameters() if param.requires_grad}
-
-
 def only_trainable(state_dict: dict[str, Any], module: nn.Module) -> dict[str, Any]:
-    trainable = trainable_names(module)
+    trainable = {name for name, param in module.named_parameters() if param.requires_grad}
     return {name: value for name, value in state_dict.items() if name in trainable}
 
 
@@ -101,13 +93,15 @@ def load_sharded_checkpoint(
     optimizers: list[Optimizer],
     *,
     trainable_only: bool = False,
+    strict: bool = True,
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint into ``module`` and ``optimizers``, resharding to their layout if it differs
     from the saving run's. Returns the checkpoint's other contents (loop state, callbacks), as Lightning does.
 
-    ``trainable_only``: the checkpoint holds the trainable parameters only; frozen ones stay as built. Optimizer
-    state the checkpoint lacks (parameters that never got a gradient) keeps its fresh initial value.
+    ``trainable_only``: the checkpoint holds the trainable parameters only; frozen ones stay as built. ``strict``
+    (the LightningModule's ``strict_loading``): weights the checkpoint lacks are an error. Optimizer state the
+    checkpoint lacks (parameters that never got a gradient) keeps its fresh initial value.
     """
     if not _is_sharded_checkpoint(path):
         raise ValueError(
@@ -117,8 +111,8 @@ def load_sharded_checkpoint(
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
     model_state = get_model_state_dict(module)
     model_state = only_trainable(model_state, module) if trainable_only else model_state
-    _load({"state_dict": model_state}, path, stored, strict=True)
-    set_model_state_dict(module, model_state, options=StateDictOptions(strict=not trainable_only))
+    _load({"state_dict": model_state}, path, stored, strict=strict)
+    set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict and not trainable_only))
     for index, optimizer in enumerate(optimizers):
         optimizer_state = get_optimizer_state_dict(module, optimizer)
         _load({f"optimizer_{index}": optimizer_state}, path, stored, strict=False)

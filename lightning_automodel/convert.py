@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_automodel.atomic_directory import atomic_directory
+from lightning_automodel.parallel.styles import packed_block_keys
 
 _WEIGHTS = "state_dict."
 
@@ -40,7 +41,7 @@ def convert(
     state = _weights_for(model, Path(checkpoint))
     missing, _ = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    untied = [name for name in missing if model.get_parameter(name).is_meta] if missing else []
+    untied = [name for name in missing if model.get_parameter(name).is_meta]
     if untied:
         raise ValueError(f"{checkpoint} lacks weights of {cls.__name__}: {untied[:5]}.")
     with atomic_directory(output) as staging:
@@ -61,7 +62,8 @@ def _weights_for(model: torch.nn.Module, checkpoint: Path) -> dict[str, torch.Te
     prefix = next((key[: -len(wanted[0])] for key in stored if key.endswith(wanted[0])), None)
     if prefix is None:
         raise ValueError(f"{checkpoint} holds no weights of this model (no key ends with {wanted[0]}).")
-    parts = {name: _stored_parts(prefix + name, stored) for name in wanted}
+    blocks = packed_block_keys(stored)
+    parts = {name: [prefix + name] if prefix + name in stored else blocks.get(prefix + name, []) for name in wanted}
     state = {
         _WEIGHTS + key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype)
         for keys in parts.values()
@@ -69,13 +71,6 @@ def _weights_for(model: torch.nn.Module, checkpoint: Path) -> dict[str, torch.Te
     }
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     return {name: torch.cat([state[_WEIGHTS + key] for key in keys]) for name, keys in parts.items() if keys}
-
-
-def _stored_parts(key: str, stored: dict) -> list[str]:
-    if key in stored:
-        return [key]
-    blocks = [name for name in stored if name.startswith(f"{key}.block")]
-    return sorted(blocks, key=lambda name: int(name.rsplit("block", 1)[1]))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,6 +43,7 @@ from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reducti
 from lightning_automodel.parallel import parallelize
 from lightning_automodel.parallel.checkpointing import ACMode
 from lightning_automodel.parallel.dtypes import keep_pinned_fp32
+from lightning_automodel.parallel.fsdp import validate_prefetch
 from lightning_automodel.parallel.grad_norm import clip_grad_norm_
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names, is_meta
 from lightning_automodel.parallel.plans import PlanSpec
@@ -132,10 +133,10 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
                 raise ValueError(f"{name}={size}: {issue} parallelism is not supported yet; set {name}=1.")
         if sp and tp == 1:
             raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
-        if forward_prefetch < 0 or backward_prefetch < 1:
+        validate_prefetch(forward_prefetch, backward_prefetch)
+        if save_trainable_only and not save_distributed_checkpoint:
             raise ValueError(
-                f"forward_prefetch={forward_prefetch}, backward_prefetch={backward_prefetch}: they count decoder"
-                " layers gathered ahead (0 or more) and behind (1 or more, FSDP's default being 1)."
+                "save_trainable_only=True writes sharded checkpoints; it needs save_distributed_checkpoint=True."
             )
         self.sp = sp
         self.tp_plan = tp_plan
@@ -287,8 +288,14 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         if not self.save_trainable_only and not _is_sharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only=weights_only)
+        assert self.lightning_module is not None
         return load_sharded_checkpoint(
-            path, self.model, self.optimizers, trainable_only=self.save_trainable_only, weights_only=weights_only
+            path,
+            self.model,
+            self.optimizers,
+            trainable_only=self.save_trainable_only,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
         )
 
     @override

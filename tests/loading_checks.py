@@ -139,11 +139,18 @@ def check_export_round_trip(family: str, tp: int, sp: bool) -> dict:
 
 def check_pretrained_peft(tp: int, sp: bool) -> dict:
     """get_peft_model on a from_pretrained model built on meta: the base weights are the checkpoint's, the
-    adapters initialised by PEFT's rule (B zero, so the model computes exactly the pretrained model)."""
+    adapters initialised by PEFT's rule (B zero, so the model computes exactly the pretrained model); with
+    init_lora_weights=False, drawn like any Linear (not left as uninitialised memory)."""
     from peft import LoraConfig, get_peft_model
 
     directory = saved_checkpoint("llama")
     targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    plain = get_peft_model(from_pretrained(directory), LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    parallelize(plain, dims_for(dist.get_world_size(), tp).build_mesh("cpu"))
+    materialize_pretrained(plain.get_base_model(), torch.device("cpu"))
+    for name, param in plain.named_parameters():  # PEFT leaves these to the Linears' own init: drawn, finite
+        if "lora_" in name:
+            assert torch.isfinite(full(param)).all() and full(param).abs().max() > 0, name
     model = get_peft_model(from_pretrained(directory, dtype=torch.float32), LoraConfig(r=4, target_modules=targets))
     mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
     parallelize(model, mesh, sp=sp)
@@ -167,3 +174,32 @@ def check_pretrained_peft(tp: int, sp: bool) -> dict:
     assert result["base_weights"] == 0.0 and result["logits"] < FP32_TOLERANCE, result
     remove(directory)
     return result
+
+
+def check_export_failure_on_rank0() -> dict:
+    """A write failing on rank 0 only, halfway through the tensors, raises on every rank instead of leaving the
+    others waiting in the next gather, and leaves no directory behind."""
+    from lightning_automodel.hf import export
+
+    directory = saved_checkpoint("llama")
+    model = from_pretrained(directory, dtype=torch.float32)
+    parallelize(model, dims_for(dist.get_world_size(), 2).build_mesh("cpu"))
+    materialize_pretrained(model, torch.device("cpu"))
+    add = export._ShardWriter.add
+    calls = []
+
+    def failing_add(self, name, tensor):
+        calls.append(name)
+        if len(calls) > 3:
+            raise OSError("No space left on device")
+        add(self, name, tensor)
+
+    export._ShardWriter.add = failing_add
+    try:
+        with pytest.raises((OSError, RuntimeError)) as error:
+            export_hf(model, directory / "export", max_shard_size=40_000)
+    finally:
+        export._ShardWriter.add = add
+    assert not (directory / "export").exists()
+    remove(directory)
+    return {"error": str(error.value)}

@@ -4,6 +4,7 @@ from functools import partial
 
 from harness import run_checks
 from loading_checks import (
+    check_export_failure_on_rank0,
     check_export_round_trip,
     check_loaded_dtypes,
     check_loaded_weights,
@@ -34,4 +35,5 @@ def test_pretrained_loading_and_export_on_four_ranks():
         partial(check_pretrained_peft, 2, True),
     ]
     checks += [partial(check_export_round_trip, family, 2, sp) for family, sp in EXPORTS]
+    checks.append(check_export_failure_on_rank0)
     run_checks(4, checks)

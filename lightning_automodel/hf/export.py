@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ def export_merged(model: nn.Module, directory: str | os.PathLike) -> None:
         with torch.device("meta"):
             skeleton = get_peft_model(type(base)(base.config), model.peft_config[model.active_adapter])
         skeleton.load_state_dict(state, assign=True, strict=False)
+        skeleton.tie_weights()  # assigning gave tied modules separate tensors
         skeleton.merge_and_unload().save_pretrained(staging)
 
 
@@ -78,12 +79,15 @@ def export_hf(
     names = checkpoint_names(model)
     with atomic_directory(directory) as staging:
         shards = _ShardWriter(staging, max_shard_size) if _is_writer() else None
-        for name, tensor in model.state_dict().items():
-            if name not in names:
-                continue
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            if shards is not None:
-                shards.add(names[name], full.detach().to("cpu", copy=True).contiguous())
+        failure = None
+        for name, full in _full_tensors(model, select=names.__contains__):
+            if shards is not None and failure is None:
+                try:  # a failed write must not leave the other ranks waiting in the next gather
+                    shards.add(names[name], full.contiguous())
+                except OSError as error:
+                    failure = error
+        if failure is not None:
+            raise failure
         if shards is None:
             return
         shards.close()
@@ -100,19 +104,22 @@ class _ShardWriter:
     def __init__(self, directory: Path, max_shard_size: int) -> None:
         self.directory, self.max_shard_size = directory, max_shard_size
         self.current: dict[str, torch.Tensor] = {}
+        self.current_size = self.total_size = 0
         self.written: list[tuple[Path, list[str]]] = []
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = sum(t.numel() * t.element_size() for t in self.current.values())
-        if self.current and size + tensor.numel() * tensor.element_size() > self.max_shard_size:
+        size = tensor.numel() * tensor.element_size()
+        if self.current and self.current_size + size > self.max_shard_size:
             self._flush()
         self.current[name] = tensor
+        self.current_size += size
+        self.total_size += size
 
     def _flush(self) -> None:
         path = self.directory / f"shard-{len(self.written)}.tmp"
         save_file(self.current, str(path), metadata={"format": "pt"})
         self.written.append((path, list(self.current)))
-        self.current = {}
+        self.current, self.current_size = {}, 0
 
     def close(self) -> None:
         if self.current:
@@ -120,34 +127,30 @@ class _ShardWriter:
         if len(self.written) == 1:
             self.written[0][0].rename(self.directory / "model.safetensors")
             return
-        weight_map, total = {}, 0
+        weight_map = {}
         for index, (path, names) in enumerate(self.written, start=1):
             final = f"model-{index:05d}-of-{len(self.written):05d}.safetensors"
             path.rename(self.directory / final)
             weight_map.update(dict.fromkeys(names, final))
-            total += (self.directory / final).stat().st_size
-        index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index_file = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
         (self.directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2))
 
 
-def gather_full_state_dict(
-    model: nn.Module, *, keys: Callable[[str], bool] | None = None, device: str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """The model's state dict with every DTensor gathered to a full tensor, held by rank 0 only (other ranks get
-    an empty dict). ``keys``: a predicate on names selecting what to gather (default: everything).
+def gather_full_state_dict(model: nn.Module, *, keys: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The model's state dict with every DTensor gathered to a full CPU tensor, held by rank 0 only (other ranks
+    get an empty dict); collective. ``keys``: a predicate on names selecting what to gather (default: all)."""
+    return dict(_full_tensors(model, select=keys or (lambda name: True)))
 
-    Tensors are gathered one at a time and moved to ``device``, so no rank holds more than one full tensor on
-    the accelerator.
-    """
-    select = keys or (lambda name: True)
-    gathered = {}
+
+def _full_tensors(model: nn.Module, *, select: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full CPU tensor)`` for the selected state-dict entries, gathered one at a time on every rank and
+    yielded on rank 0 only, so no rank holds more than one full tensor on the accelerator."""
     for name, tensor in model.state_dict().items():
         if not select(name):
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if _is_writer():
-            gathered[name] = full.detach().to(device, copy=True)
-    return gathered
+            yield name, full.detach().to("cpu", copy=True)
 
 
 def _is_writer() -> bool:

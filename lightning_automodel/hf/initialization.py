@@ -10,6 +10,7 @@ the order ``PreTrainedModel.initialize_weights`` uses, so the result equals a si
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,8 @@ def materialize_hf_model(model: nn.Module, device: torch.device, *, skip: Collec
     model.to_empty(device=device)
     _share_random_state_of_rank0()
     with torch.no_grad():
-        _init_post_order(model, owner=model, device=device, done=set(), skip=set(skip), prefix="")
+        context = _Context(device=device, skip=set(skip), peft_config=getattr(model, "peft_config", {}))
+        _init_post_order(model, owner=model, prefix="", context=context)
 
 
 def _share_random_state_of_rank0() -> None:
@@ -45,21 +47,29 @@ def _share_random_state_of_rank0() -> None:
     torch.set_rng_state(state[0])
 
 
-def _init_post_order(
-    module: nn.Module, *, owner: nn.Module, device: torch.device, done: set[int], skip: set[str], prefix: str
-) -> None:
+@dataclass
+class _Context:
+    device: torch.device
+    skip: set[str]  # parameter names filled afterwards (from a checkpoint)
+    peft_config: dict  # the root model's: nested sub-models do not carry it
+    done: set[int] = field(default_factory=set)  # parameters initialised (a tied one keeps its first values)
+
+
+def _init_post_order(module: nn.Module, *, owner: nn.Module, prefix: str, context: _Context) -> None:
     """Children first, then the module, each sub-model with its own ``_init_weights`` (as HF's smart_apply)."""
     from transformers import PreTrainedModel
 
     for name, child in module.named_children():
         sub_owner = child if isinstance(child, PreTrainedModel) else owner
-        _init_post_order(child, owner=sub_owner, device=device, done=done, skip=skip, prefix=f"{prefix}{name}.")
-    _materialize_tensor_attributes(module, device)
+        _init_post_order(child, owner=sub_owner, prefix=f"{prefix}{name}.", context=context)
+    _materialize_tensor_attributes(module, context.device)
     own = [f"{prefix}{name}" for name, _ in module.named_parameters(recurse=False)]
-    if own and all(name in skip for name in own):
+    if own and all(name in context.skip for name in own):
         owner._init_weights(_full_size_stand_in(module, device="meta"))  # its buffers only (Gemma's embed_scale)
         return
-    _init_module(module, owner=owner, done=done)
+    if is_lora_layer(module):
+        _init_lora_adapters(module, context.peft_config, done=context.done)
+    _init_module(module, owner=owner, done=context.done)
 
 
 def _materialize_tensor_attributes(module: nn.Module, device: torch.device) -> None:
@@ -75,8 +85,6 @@ def _init_module(module: nn.Module, *, owner: nn.Module, done: set[int]) -> None
     Hugging Face initialises tied modules separately and ties afterwards, so the embedding's values win and
     lm_head's draw is discarded; drawing it here too keeps the random stream identical.
     """
-    if is_lora_layer(module):
-        _init_lora_adapters(module, getattr(owner, "peft_config", {}), done=done)
     if not any(True for _ in module.parameters(recurse=False)):
         owner._init_weights(module)  # buffers only (rotary): they are not sharded, initialise in place
         return
@@ -90,7 +98,9 @@ def _init_lora_adapters(module: nn.Module, peft_config: dict, *, done: set[int])
     has visited them as the plain Linears they are."""
     for adapter in module.lora_A:
         init = peft_config[adapter].init_lora_weights if adapter in peft_config else True
-        if init not in (True, False, "gaussian") or getattr(module, "lora_magnitude_vector", None):
+        if init is False:  # PEFT leaves the Linears' own init: transformers' draw stands
+            continue
+        if init not in (True, "gaussian") or getattr(module, "lora_magnitude_vector", None):
             raise ValueError(
                 f"Adapters initialised with init_lora_weights={init!r} or DoRA need the base weights at"
                 " creation; on a model built on the meta device use init_lora_weights=True, False or 'gaussian',"
@@ -123,7 +133,7 @@ def _full_size_stand_in(module: nn.Module, device: str = "cpu") -> nn.Module:
 def _copy_shards(module: nn.Module, stand_in: nn.Module, done: set[int]) -> None:
     for name, param in module.named_parameters(recurse=False):
         if id(param) not in done:
-            _copy_shard(param, stand_in._parameters[name])
+            copy_shard(param, stand_in._parameters[name])
             done.add(id(param))
 
 
@@ -137,7 +147,8 @@ def unsharded_view(module: nn.Module) -> nn.Module:
     return view
 
 
-def _copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's shard of ``full`` into ``param`` (a DTensor, or a plain tensor taking all of it)."""
     if isinstance(param, DTensor):
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         param.to_local().copy_(shard)

@@ -8,6 +8,7 @@ torch's distributed checkpoint reader: no rank ever holds the full model.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from lightning_automodel.hf.initialization import unsharded_view
+from lightning_automodel.hf.initialization import copy_shard, unsharded_view
 from lightning_automodel.parallel.styles import is_packed
+
+log = logging.getLogger(__name__)
 
 _CHECKPOINT_ATTRIBUTE = "_lightning_automodel_checkpoint"
 
@@ -57,21 +60,23 @@ def pretrained_checkpoint(model: nn.Module) -> Path | None:
     return getattr(model, _CHECKPOINT_ATTRIBUTE, None)
 
 
-def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike) -> None:
+def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, missing_ok: bool = False) -> None:
     """Fill ``model`` (parallelized and materialized) from the safetensors in ``path``; collective.
 
     Each rank reads the slices of the checkpoint its shards cover, cast to the model's dtypes. Checkpoint names
     follow transformers' conversion mapping (a model may name a tensor differently than its checkpoint does).
-    A tied parameter is read once. A tensor the checkpoint lacks is an error naming it. In a PEFT-wrapped model
-    the base weights are loaded and the adapters left as initialised.
+    A tied parameter is read once. A tensor the checkpoint lacks is an error naming it, or with ``missing_ok`` a
+    warning. In a PEFT-wrapped model the base weights are loaded and the adapters left as initialised.
     """
     reader = HuggingFaceStorageReader(str(path))
     stored = set(reader.read_metadata().state_dict_metadata)
     state = _by_checkpoint_name(model, _without_adapters(get_model_state_dict(model)))
     tied = _tied_aliases(model)
     missing = sorted(name for name in state if name not in stored and name not in tied)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    if missing and missing_ok:
+        log.warning("%s lacks %s; they keep their fresh initialisation (a new head, say).", path, shown)
+    elif missing:
         raise ValueError(
             f"{path} lacks weights of {type(model).__name__}: {shown}. Is it a checkpoint of this model class?"
         )
@@ -79,28 +84,36 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike) -> None:
     packed = {name: tensor for name, tensor in state.items() if is_packed(tensor)}
     dcp.load({name: tensor for name, tensor in state.items() if name not in packed}, storage_reader=reader)
     for name, tensor in packed.items():
-        _load_whole_then_keep_shard(name, tensor, path)
+        _load_whole_then_keep_shard(name, tensor, reader)
 
 
-def _load_whole_then_keep_shard(name: str, tensor: DTensor, path: str | os.PathLike) -> None:
+def _load_whole_then_keep_shard(name: str, tensor: DTensor, reader: HuggingFaceStorageReader) -> None:
     """Packed projections (Phi3's qkv_proj, gate_up_proj) hold strided shards, whose slices torch's checkpoint
     reader places wrongly (measured: a tp=2 x dp_shard=2 load of Phi3 is off by 0.12). Each rank reads the whole
     tensor, one at a time, and keeps its shard."""
     whole = {name: torch.empty(tensor.shape, dtype=tensor.dtype)}
-    dcp.load(whole, storage_reader=HuggingFaceStorageReader(str(path)))
-    shard = distribute_tensor(whole[name], tensor.device_mesh, tensor.placements, src_data_rank=None)
-    tensor.to_local().copy_(shard.to_local())
+    dcp.load(whole, storage_reader=reader)
+    copy_shard(tensor, whole[name])
 
 
 def materialize_pretrained(model: nn.Module, device: torch.device) -> None:
     """Allocate a parallelized meta model built by :func:`from_pretrained` and fill it from its checkpoint;
     collective. Only what the checkpoint lacks is initialised (buffers such as rotary frequencies, a PEFT model's
-    adapters): no full-size tensor is made for the rest."""
+    adapters, a new head such as a classifier's ``score``): no full-size tensor is made for the rest."""
     from lightning_automodel.hf.initialization import materialize_hf_model
 
-    loaded = {name for name, _ in model.named_parameters(remove_duplicate=False) if not _is_adapter(name)}
-    materialize_hf_model(model, device, skip=loaded)
-    load_hf_checkpoint(model, pretrained_checkpoint(model))
+    path = pretrained_checkpoint(model)
+    materialize_hf_model(model, device, skip=_parameters_in_checkpoint(model, path))
+    load_hf_checkpoint(model, path, missing_ok=True)
+
+
+def _parameters_in_checkpoint(model: nn.Module, path: Path) -> set[str]:
+    """Names (all of them, for tied parameters) of the parameters whose values ``path`` holds."""
+    stored = set(HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata)
+    params = [(name, p) for name, p in model.named_parameters(remove_duplicate=False) if not _is_adapter(name)]
+    stored_names = _by_checkpoint_name(model, {n.replace(".base_layer.", "."): torch.empty(0) for n, _ in params})
+    present = {id(p) for (_, p), key in zip(params, stored_names, strict=True) if key in stored}
+    return {name for name, p in params if id(p) in present}
 
 
 def checkpoint_names(model: nn.Module) -> dict[str, str]:

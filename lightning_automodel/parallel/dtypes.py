@@ -123,12 +123,14 @@ def keep_pinned_fp32(module: nn.Module, fp32_module_names: Iterable[str]) -> Ite
         for owner, attribute, tensor in pinned_to_fp32(module, fp32_module_names)
         if tensor.dtype == torch.float32
     ]
-    yield
-    for owner, attribute, original in kept:
-        if attribute in owner._parameters:
-            owner._parameters[attribute].data = original
-        else:
-            owner._buffers[attribute] = original
+    try:
+        yield
+    finally:
+        for owner, attribute, original in kept:
+            if attribute in owner._parameters:
+                owner._parameters[attribute].data = original
+            else:
+                owner._buffers[attribute] = original
 
 
 def _matches_any(components: list[str], patterns: list[list[str]]) -> bool:

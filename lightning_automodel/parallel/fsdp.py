@@ -39,11 +39,7 @@ def apply_fsdp(
     each layer all-gathers in backward (1: FSDP's default). More overlaps communication further and holds more
     unsharded layers at once.
     """
-    if forward_prefetch < 0 or backward_prefetch < 1:
-        raise ValueError(
-            f"forward_prefetch={forward_prefetch}, backward_prefetch={backward_prefetch}: forward_prefetch counts"
-            " layers gathered ahead (0 or more) and backward_prefetch layers gathered behind (1 or more)."
-        )
+    validate_prefetch(forward_prefetch, backward_prefetch)
     options = dict(
         mesh=mesh,
         mp_policy=mp_policy,
@@ -61,6 +57,14 @@ def apply_fsdp(
             layer.set_modules_to_forward_prefetch(list(layers[index + 1 : index + 1 + forward_prefetch]))
         if backward_prefetch > 1:
             layer.set_modules_to_backward_prefetch(list(layers[max(0, index - backward_prefetch) : index][::-1]))
+
+
+def validate_prefetch(forward_prefetch: int, backward_prefetch: int) -> None:
+    if forward_prefetch < 0 or backward_prefetch < 1:
+        raise ValueError(
+            f"forward_prefetch={forward_prefetch}, backward_prefetch={backward_prefetch}: they count decoder layers"
+            " gathered ahead (0 or more) and behind (1 or more, FSDP's default being 1)."
+        )
 
 
 def fully_shard_by_dtype(
@@ -84,18 +88,24 @@ def fully_shard_by_dtype(
     A unit computing in another dtype than the policy's (an fp32 router in a bf16 model) gathers, computes,
     reduces gradients and returns outputs in that dtype. Parameters already sharded by an inner
     ``fully_shard`` are left to it. A parameter that no unit can hold alone, because it sits directly in a module
-    beside parameters of another dtype, is an error naming it, raised before any sharding.
+    beside parameters of another dtype, is an error naming it, raised before ``module`` is sharded.
     """
     policy = mp_policy or MixedPrecisionPolicy()
     dtype_of = compute_dtype_resolver(
         module, param_dtype=policy.param_dtype, fp32_module_names=fp32_compute_module_names
     )
-    for unit, dtype in dtype_units(module, dtype_of):
+    claimed = _sharded_parameter_ids(module)
+    planned = []
+    for unit, dtype in dtype_units(module, dtype_of):  # storage dtypes read before sharding replaces parameters
+        own = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        planned.append((unit, _policy_for(policy, dtype, storage={p.dtype for p in own})))
+    for unit, unit_policy in planned:
         fully_shard(
             unit,
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,
-            mp_policy=_policy_for(policy, dtype),
+            mp_policy=unit_policy,
             offload_policy=offload_policy or OffloadPolicy(),
             shard_placement_fn=_shard_placement,
         )
@@ -106,7 +116,7 @@ def dtype_units(
     module: nn.Module, dtype_of: Callable[[torch.Tensor], torch.dtype]
 ) -> list[tuple[nn.Module, torch.dtype | None]]:
     """The FSDP units ``module`` is cut into, innermost first, with the compute dtype of each; ``module`` last."""
-    sharded = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
+    sharded = _sharded_parameter_ids(module)
     params = [p for p in module.parameters() if id(p) not in sharded]
     numel_by_dtype = Counter[torch.dtype]()
     for param in params:
@@ -120,8 +130,8 @@ def dtype_units(
     )
     if len(numel_by_dtype) == 2:  # the bulk stays one unit; only the minority is cut out
         units = [(sub, dtype) for sub, dtype in subtrees if dtype != majority]
-    else:
-        units = [(sub, dtype) for sub, dtype in subtrees if sub is not module]
+    else:  # with several dtypes ``module`` itself is never uniform
+        units = list(subtrees)
     units = [(unit, dtype) for sub, dtype in units for unit in _with_forward(sub)]
     in_units = {id(p) for sub, _ in units for p in sub.parameters()}
     rest = [p for p in params if id(p) not in in_units]
@@ -129,6 +139,11 @@ def dtype_units(
     if len(rest_dtypes) > 1:
         raise ValueError(_inseparable_message(module, rest, dtype_of))
     return [*units, (module, next(iter(rest_dtypes), majority))]
+
+
+def _sharded_parameter_ids(module: nn.Module) -> set[int]:
+    """Parameters already sharded by an inner ``fully_shard`` (a decoder layer, when sharding the root)."""
+    return {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
 
 
 def _with_forward(module: nn.Module) -> list[nn.Module]:
@@ -153,9 +168,13 @@ def _inseparable_message(module: nn.Module, params: list[nn.Parameter], dtype_of
     )
 
 
-def _policy_for(policy: MixedPrecisionPolicy, dtype: torch.dtype | None) -> MixedPrecisionPolicy:
-    """The policy itself, or for a unit computing in another dtype, one that keeps that dtype throughout."""
-    if dtype is None or policy.param_dtype in (None, dtype):
+def _policy_for(
+    policy: MixedPrecisionPolicy, dtype: torch.dtype | None, *, storage: set[torch.dtype]
+) -> MixedPrecisionPolicy:
+    """The policy itself if under it the unit computes in ``dtype`` already (the policy's dtype, or with none,
+    its one storage dtype); otherwise one that keeps ``dtype`` throughout (a pinned fp32 router stored in bf16)."""
+    computes_in = policy.param_dtype or (next(iter(storage)) if len(storage) == 1 else None)
+    if dtype is None or computes_in == dtype:
         return policy
     return replace(policy, param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
 

@@ -3,7 +3,9 @@
 A plain ``F.cross_entropy`` averages over this rank's tokens, and FSDP then averages the ranks' gradients: with
 padding or uneven batches, ranks with few tokens weigh as much as ranks with many, and the result differs from a
 single process. Dividing by the global token count instead, and multiplying by the number of ranks FSDP
-averages over, gives exactly the single-process loss and gradients.
+averages over, gives the single-process gradients; the mean of the ranks' values is the single-process loss.
+With gradient accumulation each micro-batch is divided by its own global count, which equals one big batch when
+micro-batches hold equal numbers of tokens.
 """
 
 from __future__ import annotations

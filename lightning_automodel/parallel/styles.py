@@ -5,6 +5,7 @@ Each style is a small subclass of a torch ``ParallelStyle`` that changes only th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 from types import MethodType
 
@@ -99,6 +100,16 @@ def packed_blocks(tensor: DTensor) -> dict[str, DTensor]:
         f"block{index}": DTensor.from_local(block, mesh, placements, run_check=False, shape=shape, stride=stride)
         for index, block in enumerate(tensor.to_local().chunk(parts, dim=0))
     }
+
+
+def packed_block_keys(keys: Iterable[str]) -> dict[str, list[str]]:
+    """Checkpoint keys of weights saved as :func:`packed_blocks` (``name.block0``, ...), by weight name, in order."""
+    blocks: dict[str, list[str]] = {}
+    for key in keys:
+        name, _, index = key.rpartition(".block")
+        if name and index.isdigit():
+            blocks.setdefault(name, []).append(key)
+    return {name: sorted(group, key=lambda key: int(key.rpartition(".block")[2])) for name, group in blocks.items()}
 
 
 def _packed_linear_forward(self: nn.Linear, hidden: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:

@@ -24,6 +24,7 @@ from parity import (
 )
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoModelForCausalLM
@@ -97,7 +98,9 @@ def check_lora_bf16_base(tp: int) -> dict:
 
 
 def check_lora_adds_no_forward_collective() -> dict[str, int]:
-    """At tp=2 with sp, a LoRA model's forward issues exactly the collectives of the same model without LoRA."""
+    """At tp=2 with sp, a LoRA model's forward issues exactly the collectives of the same model without LoRA, and
+    each adapter is split or replicated as described (a replicated row-parallel A would also compute right and
+    add no collective, but hold tp times the memory)."""
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     found = {}
     for name, model in (("plain", tiny_model()), ("lora", peft_model())):
@@ -111,6 +114,13 @@ def check_lora_adds_no_forward_collective() -> dict[str, int]:
         found[f"{name}_forward"] = forward.get_total_counts()
         found[f"{name}_backward"] = backward.get_total_counts()
     assert found["lora_forward"] == found["plain_forward"], found
+    attention = model.base_model.model.model.layers[0].self_attn  # the scheme README describes, on the tp dim
+    for projection, a, b in (("q_proj", Replicate(), Shard(0)), ("o_proj", Shard(1), Replicate())):
+        layer = getattr(attention, projection)
+        for adapter, expected in ((layer.lora_A["default"], a), (layer.lora_B["default"], b)):
+            weight = adapter.weight
+            placement = weight.placements[weight.device_mesh.mesh_dim_names.index("tp")]
+            assert placement == expected, (projection, placement, expected)
     return found
 
 

@@ -1,20 +1,19 @@
-"""``lightning-automodel-convert``: a Lightning sharded checkpoint to a Hugging Face model directory.
-
-    lightning-automodel-convert CHECKPOINT --config MODEL_DIR --output OUT_DIR
+"""A Lightning sharded checkpoint to a Hugging Face model directory (``lightning-automodel export``).
 
 Runs in one process, without GPUs or a process group: it reads the checkpoint's shards, assembles the model's
-weights (only those: optimizer state is left on disk), and writes them with the config (and tokenizer, when
-``MODEL_DIR`` has one) as ``save_pretrained`` does. The whole model is held in CPU memory once.
+weights (only those: optimizer state is left on disk), and writes them with the config and tokenizer as
+``save_pretrained`` does. The whole model is held in CPU memory once.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -22,32 +21,77 @@ from lightning_automodel.atomic_directory import atomic_directory
 from lightning_automodel.parallel.styles import packed_block_keys
 
 _WEIGHTS = "state_dict."
+_METADATA = "meta.pt"  # Lightning's: everything of the checkpoint but the model and optimizer states
 
 
 def convert(
-    checkpoint: str | os.PathLike, config: str | os.PathLike, output: str | os.PathLike, *, model_class: str = ""
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    config: str | os.PathLike | None = None,
+    model_class: str = "",
 ) -> None:
     """Write the model weights of ``checkpoint`` (a directory ``trainer.save_checkpoint`` wrote) as a Hugging Face
-    model directory ``output``, for the model described by ``config`` (a Hugging Face model directory).
+    model directory ``output``.
 
-    ``model_class``: a transformers class name (default: the config's first architecture).
+    Args:
+        config: a Hugging Face model directory describing the model (its tokenizer is copied too). Not needed for
+            checkpoints of :class:`~lightning_automodel.lm.CausalLMModule`, which record their config, tokenizer
+            and LoRA settings; their LoRA adapters are merged into the weights.
+        model_class: a transformers class name (default: the config's first architecture).
     """
     import transformers
 
-    hf_config = transformers.AutoConfig.from_pretrained(config)
+    checkpoint = Path(checkpoint)
+    metadata = _metadata(checkpoint)
+    if config is not None:
+        hf_config = transformers.AutoConfig.from_pretrained(config)
+    elif metadata.get("hf_config"):
+        recorded = dict(metadata["hf_config"])
+        hf_config = transformers.AutoConfig.for_model(recorded.pop("model_type"), **recorded)
+    else:
+        raise ValueError(
+            f"{checkpoint} does not record its model's config (it was not written by CausalLMModule): pass"
+            " --config, the Hugging Face model directory the model was built from."
+        )
     cls = getattr(transformers, model_class or (hf_config.architectures or ["AutoModelForCausalLM"])[0])
     with torch.device("meta"):
         model = cls.from_config(hf_config) if cls.__name__.startswith("Auto") else cls(hf_config)
-    state = _weights_for(model, Path(checkpoint))
-    missing, _ = model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    untied = [name for name in missing if model.get_parameter(name).is_meta]
-    if untied:
-        raise ValueError(f"{checkpoint} lacks weights of {cls.__name__}: {untied[:5]}.")
+    lora = None if config is not None else (metadata.get("hyper_parameters") or {}).get("lora")
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+    _load_weights(model, checkpoint)
+    if lora is not None:
+        model = model.merge_and_unload()
     with atomic_directory(output) as staging:
         model.save_pretrained(staging)
-        if any((Path(config) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-            transformers.AutoTokenizer.from_pretrained(config).save_pretrained(staging)
+        if config is not None:
+            if any((Path(config) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+                transformers.AutoTokenizer.from_pretrained(config).save_pretrained(staging)
+        for name, text in (metadata.get("tokenizer_files") or {}).items():
+            (Path(staging) / name).write_text(text)
+
+
+def _metadata(checkpoint: Path) -> dict[str, Any]:
+    path = checkpoint / _METADATA
+    if not path.is_file():
+        raise ValueError(f"{checkpoint} is not a sharded Lightning checkpoint (no {_METADATA} in it).")
+    # A checkpoint this user's own training wrote; it holds Lightning's loop and callback objects.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _load_weights(model: nn.Module, checkpoint: Path) -> None:
+    """Fill ``model`` (on the meta device) from the checkpoint; a weight the checkpoint lacks is an error."""
+    missing, _ = model.load_state_dict(_weights_for(model, checkpoint), strict=False, assign=True)
+    model.tie_weights()
+    absent = [name for name in missing if model.get_parameter(name).is_meta]
+    if absent:
+        raise ValueError(
+            f"{checkpoint} lacks weights of {type(model).__name__}: {absent[:5]}. A checkpoint saved with"
+            " save_trainable_only=True holds the adapters only: export them with export_peft_adapter instead."
+        )
 
 
 def _weights_for(model: torch.nn.Module, checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -71,17 +115,3 @@ def _weights_for(model: torch.nn.Module, checkpoint: Path) -> dict[str, torch.Te
     }
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     return {name: torch.cat([state[_WEIGHTS + key] for key in keys]) for name, keys in parts.items() if keys}
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-automodel-convert", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="directory written by trainer.save_checkpoint / ModelCheckpoint")
-    parser.add_argument("--config", required=True, help="Hugging Face model directory with the model's config.json")
-    parser.add_argument("--output", required=True, help="directory to write (replaced only once complete)")
-    parser.add_argument("--model-class", default="", help="transformers class (default: the config's architecture)")
-    args = parser.parse_args(argv)
-    convert(args.checkpoint, args.config, args.output, model_class=args.model_class)
-
-
-if __name__ == "__main__":
-    main()

@@ -103,10 +103,10 @@ def _contents(directory: Path) -> dict[str, bytes] | None:
 
 
 def assert_converted(directory: Path, family: str) -> dict:
-    """Outside any process group, as users run it: the command-line converter turns the checkpoint into a
+    """Outside any process group, as users run it: `lightning-automodel export` turns the checkpoint into a
     directory that from_pretrained loads, with exactly the weights the model had when it was saved."""
     output = directory / "hf"
-    command = [sys.executable, "-m", "lightning_automodel.convert", str(directory / "step-2.ckpt")]
+    command = [sys.executable, "-m", "lightning_automodel.cli", "export", str(directory / "step-2.ckpt")]
     subprocess.run([*command, "--config", str(directory / "config"), "--output", str(output)], check=True)
     assert (output / "tokenizer.json").is_file(), "the tokenizer beside the config must come along"
     auto_class = AutoModelForImageTextToText if family == "gemma3_vlm" else AutoModelForCausalLM

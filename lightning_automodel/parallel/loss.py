@@ -15,33 +15,85 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_automodel.mesh import reduction_mesh
 
 
-def global_token_mean(loss_sum: Tensor, num_tokens: Tensor | int, device_mesh: DeviceMesh) -> Tensor:
+def global_token_mean(loss_sum: Tensor, num_tokens: Tensor | int, device_mesh: DeviceMesh | None) -> Tensor:
     """This rank's share of the mean loss over all data-parallel ranks' tokens.
 
     ``loss_sum`` is the sum of this rank's per-token losses and ``num_tokens`` how many tokens it summed. The
     result is ``loss_sum / global_tokens * dp``, where ``dp`` is the number of ranks FSDP averages gradients over
     (dp_replicate x dp_shard x cp): the averaged gradients are those of the global mean, and the mean of the
     results over those ranks is the global mean loss, which ``self.log(..., sync_dist=True)`` reports.
+    Without a mesh (one process, or a strategy that builds none) it is the mean over this rank's tokens.
     """
+    if device_mesh is None:
+        return loss_sum / torch.as_tensor(num_tokens, device=loss_sum.device).clamp_min(1)
     mesh = reduction_mesh(device_mesh)
     total = torch.as_tensor(num_tokens, dtype=torch.float32, device=device_mesh.device_type).detach().clone()
     dist.all_reduce(total, group=mesh.get_group())
     return loss_sum * (mesh.size() / total.clamp_min(1))
 
 
-def causal_lm_loss(logits: Tensor, labels: Tensor, device_mesh: DeviceMesh, *, ignore_index: int = -100) -> Tensor:
+def causal_lm_loss(
+    logits: Tensor, labels: Tensor, device_mesh: DeviceMesh | None, *, ignore_index: int = -100
+) -> Tensor:
     """Next-token cross-entropy, averaged over the non-ignored tokens of the global batch.
 
     ``labels`` follow Hugging Face's convention: aligned with the input ids (position t is scored on predicting
     ``labels[:, t + 1]``), ``ignore_index`` where no loss is wanted (padding, prompts). The labels are shifted,
     not the logits, so vocabulary-sharded logits (tensor parallel, under ``loss_parallel``) are used as they are.
     """
-    targets = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    loss_sum, num_tokens = causal_lm_loss_sum(logits, labels, ignore_index=ignore_index)
+    return global_token_mean(loss_sum, num_tokens, device_mesh)
+
+
+def causal_lm_loss_sum(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """The summed next-token cross-entropy over this rank's tokens, and how many tokens it sums (see
+    :func:`causal_lm_loss` for the label convention)."""
+    targets = next_token_targets(labels, ignore_index=ignore_index)
     loss_sum = F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
-    return global_token_mean(loss_sum, (targets != ignore_index).sum(), device_mesh)
+    return loss_sum, (targets != ignore_index).sum()
+
+
+def next_token_targets(labels: Tensor, *, ignore_index: int = -100) -> Tensor:
+    """Labels aligned with the input ids, shifted to the position that predicts them (the last position has none)."""
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+@torch.no_grad()
+def next_token_hits(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """How many of this rank's scored tokens the logits rank first, and how many tokens are scored.
+
+    Vocabulary-sharded logits (a DTensor sharded on its last dim) are never gathered: each tp rank finds its
+    shard's largest logit and the target's logit where its shard holds the target, and one all-reduce (max) of
+    those two numbers per token decides. A tie with the target counts as a hit.
+    """
+    targets = next_token_targets(labels, ignore_index=ignore_index)
+    scored = targets != ignore_index
+    local, group, offset = _vocab_shard(logits)
+    index = targets.clamp_min(0).unsqueeze(-1) - offset
+    held = (index >= 0) & (index < local.size(-1))
+    target_logit = local.gather(-1, index.clamp(0, local.size(-1) - 1))
+    target_logit = torch.where(held, target_logit, torch.finfo(local.dtype).min).squeeze(-1)
+    best_and_target = torch.stack([local.amax(-1), target_logit]).float()
+    if group is not None:
+        dist.all_reduce(best_and_target, op=dist.ReduceOp.MAX, group=group)
+    best, target_logit = best_and_target
+    return ((target_logit >= best) & scored).sum(), scored.sum()
+
+
+def _vocab_shard(logits: Tensor) -> tuple[Tensor, dist.ProcessGroup | None, int]:
+    """This rank's logits, the group that holds the rest of the vocabulary, and where this rank's part begins."""
+    if not isinstance(logits, DTensor):
+        return logits, None, 0
+    placements = logits.placements
+    if len(placements) != 1 or placements[0] not in (Shard(-1), Shard(logits.ndim - 1)):
+        return logits.full_tensor(), None, 0
+    mesh = logits.device_mesh
+    shard_size = -(-logits.size(-1) // mesh.size())  # torch.chunk's: the last shard may be smaller
+    return logits.to_local(), mesh.get_group(), mesh.get_local_rank() * shard_size

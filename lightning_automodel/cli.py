@@ -1,0 +1,125 @@
+"""``lightning-automodel``: train, evaluate, inspect and export Hugging Face causal LMs from a YAML config.
+
+    lightning-automodel fit --config config.yaml        # validate, test and predict alike (LightningCLI)
+    lightning-automodel fit --config config.yaml --print_config
+    lightning-automodel plan --config config.yaml [--world_size 64]
+    lightning-automodel export CHECKPOINT --output DIR
+
+``fit``/``validate``/``test``/``predict`` are Lightning's own LightningCLI over :class:`CausalLMModule` and any
+LightningDataModule (``TextDataModule`` and ``DemoDataModule`` by their short names). The Trainer's defaults
+differ from Lightning's in two ways: the strategy is ``AutoModelParallelStrategy`` (``"automodel"``), and the
+logger a CSVLogger, which the end-of-training summary draws its loss curve from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+import yaml
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_automodel.convert import convert
+from lightning_automodel.lm.data import TextDataModule
+from lightning_automodel.lm.module import CausalLMModule
+from lightning_automodel.parallel.report import plan_report
+from lightning_automodel.strategy import AutoModelParallelStrategy
+
+TRAINER_DEFAULTS = {
+    "strategy": "automodel",
+    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "."}},
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"plan": plan_command, "export": export_command}
+    if argv and argv[0] in commands:
+        commands[argv[0]](argv[1:])
+    else:
+        cli(argv)
+
+
+def cli(argv: list[str] | None = None, *, run: bool = True) -> LightningCLI:
+    """Lightning's CLI over CausalLMModule and any data module, with this package's Trainer defaults."""
+    return LightningCLI(
+        CausalLMModule,
+        TextDataModule,
+        subclass_mode_data=True,
+        trainer_defaults=TRAINER_DEFAULTS,
+        args=argv,
+        run=run,
+        parser_kwargs={"description": __doc__.splitlines()[0]},
+    )
+
+
+def plan_command(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-automodel plan",
+        description="Print what the config's strategy does to its model (plan, parameters and memory per rank)"
+        " without GPUs or weights: the model is built on the meta device and parallelized in a fake process group.",
+    )
+    parser.add_argument("--config", required=True, help="the YAML config given to `lightning-automodel fit`")
+    parser.add_argument("--world_size", type=int, help="ranks in all (default: the config's devices x num_nodes)")
+    args = parser.parse_args(argv)
+    print(plan_for_config(args.config, world_size=args.world_size))
+
+
+def plan_for_config(path: str, *, world_size: int | None = None) -> Any:
+    """The plan report of a ``lightning-automodel fit`` config: its model on its strategy's mesh."""
+    with open(path) as file:
+        config = yaml.safe_load(file) or {}
+    trainer = config.get("trainer") or {}
+    strategy = _instantiate(trainer.get("strategy", "automodel"), default=AutoModelParallelStrategy)
+    if not isinstance(strategy, AutoModelParallelStrategy):
+        raise ValueError(f"`plan` describes AutoModelParallelStrategy layouts; the config's strategy is {strategy!r}.")
+    if world_size is None:
+        devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+        if not isinstance(devices, int):
+            raise ValueError(f"trainer.devices is {devices!r}: pass --world_size, the number of ranks to plan for.")
+        world_size = devices * nodes
+    module = _instantiate(config.get("model") or {}, default=CausalLMModule)
+    needs_tokenizer = module.hparams.model is None and "vocab_size" not in (module.hparams.config or {})
+    tokenizer = _instantiate(config["data"], default=TextDataModule).tokenizer if needs_tokenizer else None
+    model = module.build_model(tokenizer, meta=True)
+    return plan_report(model, strategy.parallel_dims.resolve(world_size), sp=strategy.sp, tp_plan=strategy.tp_plan)
+
+
+def export_command(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-automodel export",
+        description="Write a checkpoint of `fit` (or any sharded Lightning checkpoint) as a Hugging Face model"
+        " directory for from_pretrained. One process, no GPU; LoRA adapters are merged.",
+    )
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory written by ModelCheckpoint / trainer.save_checkpoint"
+    )
+    parser.add_argument("--output", required=True, help="directory to write (replaced only once complete)")
+    parser.add_argument(
+        "--config",
+        help="Hugging Face model directory with the model's config.json (only for checkpoints not"
+        " written by CausalLMModule, which record their config)",
+    )
+    parser.add_argument("--model_class", default="", help="transformers class (default: the config's architecture)")
+    args = parser.parse_args(argv)
+    convert(args.checkpoint, args.output, config=args.config, model_class=args.model_class)
+    print(f"wrote {args.output}")
+
+
+def _instantiate(spec: Any, *, default: type) -> Any:
+    """An object from a config entry: a registered strategy name, ``{class_path, init_args}``, or the init
+    arguments of ``default``. Short class paths are looked up in this package, as LightningCLI does for
+    subclasses it knows."""
+    if isinstance(spec, str):
+        return default() if spec == "automodel" else spec
+    if "class_path" not in spec:
+        return default(**spec)
+    module_name, _, name = spec["class_path"].rpartition(".")
+    module = importlib.import_module(module_name or "lightning_automodel.lm")
+    return getattr(module, name)(**(spec.get("init_args") or {}))
+
+
+if __name__ == "__main__":
+    main()

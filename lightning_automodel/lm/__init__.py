@@ -1,0 +1,8 @@
+"""The ready-made product over the strategy: a LightningModule for causal LMs, data modules, a byte tokenizer."""
+
+from lightning_automodel.lm.data import DemoDataModule, TextDataModule
+from lightning_automodel.lm.module import CausalLMModule
+from lightning_automodel.lm.summary import TrainingSummary, plot_losses
+from lightning_automodel.lm.tokenizer import byte_tokenizer
+
+__all__ = ["CausalLMModule", "DemoDataModule", "TextDataModule", "TrainingSummary", "byte_tokenizer", "plot_losses"]

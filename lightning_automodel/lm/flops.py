@@ -1,0 +1,37 @@
+"""Model FLOPs per token, for Lightning's ThroughputMonitor (tokens/s and MFU).
+
+``measure_flops`` would trace the model on the meta device; for a decoder-only transformer the count is known
+in closed form (the one MFU is conventionally reported with), and it holds for the parallelized model, whose
+DTensor parameters report their global sizes.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> int:
+    """Training FLOPs per token: 6 per trainable weight (forward, input and weight gradients), 4 per frozen one
+    (no weight gradient: LoRA's base), plus attention's score and value products (12 x layers x width x seq_len).
+
+    Embedding lookups do no arithmetic and are left out; a tied lm_head counts once, as the output matmul.
+    """
+    embeddings = {id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()}
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = {id(output.weight)} if output is not None else set()
+    trainable = frozen = 0
+    for parameter in model.parameters():
+        if id(parameter) in embeddings and id(parameter) not in tied:
+            continue
+        if parameter.requires_grad:
+            trainable += parameter.numel()
+        else:
+            frozen += parameter.numel()
+    config = model.config
+    attention = 12 * config.num_hidden_layers * _attention_width(config) * seq_len
+    return 6 * trainable + 4 * frozen + attention
+
+
+def _attention_width(config) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads * head_dim

@@ -1,0 +1,281 @@
+"""CausalLMModule: a ready LightningModule for Hugging Face causal language models, with optional LoRA.
+
+It is what a user would write with the strategy's public API, done once and tested: the model is built on the
+meta device (the strategy allocates only each rank's shards and reads pretrained weights shard by shard), the
+loss is averaged over every scored token of the global batch whichever rank holds them, and the metrics are
+token-weighted and reduced over the data-parallel ranks only. It runs under any Lightning strategy; under
+others than ``AutoModelParallelStrategy`` the model is built with real weights by transformers itself.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from lightning_automodel.hf.loading import from_pretrained
+from lightning_automodel.lm.flops import flops_per_token
+from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
+from lightning_automodel.lm.summary import TrainingSummary
+from lightning_automodel.mesh import axis_size, reduction_mesh
+from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean, next_token_hits
+from lightning_automodel.strategy import AutoModelParallelStrategy
+
+Schedule = Literal["cosine", "linear", "constant"]
+_STAGES = ("train", "val", "test")
+_VOCAB_MULTIPLE = 64  # a vocabulary sized from a tokenizer is rounded up so that any tp up to 64 divides it
+
+
+class CausalLMModule(L.LightningModule):
+    """Train, evaluate and score a Hugging Face causal LM.
+
+    Args:
+        model: a local Hugging Face model directory to start from (its weights are loaded), or None to train from
+            ``config``.
+        config: with ``model``, overrides of its config (``{"attn_implementation": "sdpa"}``); without, a whole
+            config to build a new model from, with its ``model_type`` (``{"model_type": "llama", "hidden_size":
+            ...}``). A missing ``vocab_size`` is taken from the data module's tokenizer (rounded up to a
+            multiple of 64, so that tensor parallelism divides it).
+        lora: ``peft.LoraConfig`` arguments (``{"r": 16, "target_modules": ["q_proj", "v_proj"]}``): only the
+            adapters train.
+        dtype: the weights' dtype when loading ``model`` (``"auto"``: the checkpoint's). Training precision is
+            ``Trainer(precision=...)``'s.
+        learning_rate, weight_decay, betas: AdamW's; weight decay applies to matrices only, not to norms and
+            biases.
+        warmup_steps: steps of linear warm-up from 0 to ``learning_rate``.
+        schedule: the decay after warm-up, to ``min_lr_ratio * learning_rate`` at the last step
+            (``Trainer(max_steps=...)`` or the epochs' steps).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
+        dtype: str = "auto",
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        schedule: Schedule = "cosine",
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if model is None and not (config or {}).get("model_type"):
+            raise ValueError(
+                "CausalLMModule needs a model: `model=` a local Hugging Face model directory, or `config=` a whole"
+                ' config with its model_type, e.g. {"model_type": "llama", "hidden_size": 256, ...}.'
+            )
+        if schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"schedule={schedule!r} is not one of 'cosine', 'linear', 'constant'.")
+        self.save_hyperparameters()
+        self.model: nn.Module | None = None
+        self.tokenizer: Any = None
+        self._flops_per_token: int | None = None
+        self._batch_shape: tuple[int, int] = (0, 0)
+        for stage in _STAGES:  # train_metrics, val_metrics, test_metrics
+            sync_on_step = stage == "train"  # a step's logged value is the global batch's
+            metrics = {
+                "loss": TokenMean(dist_sync_on_step=sync_on_step),
+                "perplexity": TokenPerplexity(dist_sync_on_step=sync_on_step),
+                "accuracy": TokenMean(dist_sync_on_step=sync_on_step),
+            }
+            setattr(self, f"{stage}_metrics", nn.ModuleDict(metrics))
+
+    def configure_model(self) -> None:
+        if self.model is not None:  # Lightning calls this at every stage: the trained model stays
+            return
+        self.tokenizer = self._find_tokenizer()
+        ours = isinstance(self.trainer.strategy, AutoModelParallelStrategy)
+        self.model = self.build_model(self.tokenizer, meta=ours)
+
+    def setup(self, stage: str) -> None:
+        # Metrics reduce over the data-parallel ranks: tp peers hold the same numbers and must count once.
+        mesh = self.device_mesh
+        group = reduction_mesh(mesh).get_group() if mesh is not None else None
+        for stage in _STAGES:
+            metrics = getattr(self, f"{stage}_metrics").to(self.trainer.strategy.root_device)
+            for metric in metrics.values():
+                metric.process_group = group
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The logits (vocabulary-sharded under tensor parallelism)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._step("train", batch)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._step("val", batch)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._step("test", batch)
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities)."""
+        logits = self(batch["input_ids"], batch.get("attention_mask"))
+        loss_sums, counts = [], []
+        for row in range(batch["input_ids"].size(0)):
+            loss_sum, count = causal_lm_loss_sum(logits[row : row + 1], batch["labels"][row : row + 1])
+            loss_sums.append(_plain(loss_sum).detach())
+            counts.append(count)
+        return {"loss_sum": torch.stack(loss_sums), "tokens": torch.stack(counts)}
+
+    def _step(self, stage: str, batch: dict[str, Tensor]) -> Tensor:
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        self._batch_shape = tuple(input_ids.shape)
+        logits = self(input_ids, batch.get("attention_mask"))
+        loss_sum, tokens = causal_lm_loss_sum(logits, labels)
+        loss = global_token_mean(loss_sum, tokens, self.device_mesh)
+        hits, _ = next_token_hits(logits, labels)
+        metrics = getattr(self, f"{stage}_metrics")
+        loss_sum = _plain(loss_sum)
+        metrics["loss"](loss_sum, tokens)
+        metrics["perplexity"](loss_sum, tokens)
+        metrics["accuracy"](hits, tokens)
+        on_step = stage == "train"
+        for name, metric in metrics.items():
+            self.log(f"{stage}_{name}", metric, on_step=on_step, on_epoch=not on_step, prog_bar=name != "perplexity")
+        return loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hparams = self.hparams
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": hparams.weight_decay},
+            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(
+            [group for group in groups if group["params"]], lr=hparams.learning_rate, betas=tuple(hparams.betas)
+        )
+        total = self.trainer.estimated_stepping_batches
+        if hparams.schedule != "constant" and not math.isfinite(total):
+            raise ValueError(
+                f'schedule="{hparams.schedule}" decays to the last step, and this run has no end: set'
+                ' Trainer(max_steps=...) or max_epochs, or schedule="constant".'
+            )
+        factor = partial(
+            learning_rate_factor,
+            warmup_steps=hparams.warmup_steps,
+            total_steps=int(total) if math.isfinite(total) else 0,
+            schedule=hparams.schedule,
+            min_lr_ratio=hparams.min_lr_ratio,
+        )
+        scheduler = LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_callbacks(self) -> list[Callback]:
+        """Tokens/s and MFU (Lightning's ThroughputMonitor, told each rank's share of the global batch), and a
+        summary at the end of fit."""
+        return [
+            ThroughputMonitor(batch_size_fn=self._samples_per_rank, length_fn=self._tokens_per_rank, window_size=10),
+            TrainingSummary(),
+        ]
+
+    @property
+    def flops_per_batch(self) -> float:
+        """This rank's share of the FLOPs of the global batch (ThroughputMonitor multiplies by the world size)."""
+        if self._flops_per_token is None:
+            self._flops_per_token = flops_per_token(self.model, self._batch_shape[1])
+        return self._flops_per_token * self._tokens_per_rank(None)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # What `lightning-automodel export` needs to write a Hugging Face directory from the checkpoint alone.
+        config = (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).config
+        checkpoint["hf_config"] = config.to_dict()
+        checkpoint["tokenizer_files"] = tokenizer_files(self.tokenizer) if self.tokenizer is not None else None
+
+    def _samples_per_rank(self, batch: Any) -> float:
+        return self._batch_shape[0] * self._data_parallel_share()
+
+    def _tokens_per_rank(self, batch: Any) -> float:
+        return self._batch_shape[0] * self._batch_shape[1] * self._data_parallel_share()
+
+    def _data_parallel_share(self) -> float:
+        """Data-parallel ranks over all ranks: tp peers read the same batch, so each counts for 1/tp of it."""
+        mesh = self.device_mesh
+        return 1.0 if mesh is None else axis_size(mesh, "dp") / mesh.size()
+
+    def _find_tokenizer(self) -> Any:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if getattr(datamodule, "tokenizer", None) is not None:
+            return datamodule.tokenizer
+        if self.hparams.model is not None:
+            from transformers import AutoTokenizer
+
+            try:
+                return AutoTokenizer.from_pretrained(self.hparams.model)
+            except (OSError, ValueError):
+                return None
+        return None
+
+    def build_model(self, tokenizer: Any = None, *, meta: bool) -> nn.Module:
+        """The Hugging Face model these hyperparameters describe, with its LoRA adapters.
+
+        ``meta=True`` builds it on the meta device, for ``AutoModelParallelStrategy`` (which allocates each rank's
+        shards and fills them from the checkpoint, or initialises them as transformers would the whole model) or
+        for a plan report; ``meta=False`` has transformers load or initialise it whole.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hparams = self.hparams
+        overrides = dict(hparams.config or {})
+        dtype = hparams.dtype if hparams.dtype == "auto" else getattr(torch, hparams.dtype)
+        if hparams.model is not None and meta:
+            model = from_pretrained(hparams.model, dtype=dtype, **overrides)
+        elif hparams.model is not None:
+            model = AutoModelForCausalLM.from_pretrained(hparams.model, dtype=dtype, **overrides)
+        else:
+            if "vocab_size" not in overrides:
+                if tokenizer is None:
+                    raise ValueError(
+                        "The config has no vocab_size and there is no tokenizer to take it from: set"
+                        " config.vocab_size, or use a data module with a `tokenizer` attribute."
+                    )
+                overrides["vocab_size"] = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+            with torch.device("meta") if meta else nullcontext():
+                model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**overrides))
+        return _with_lora(model, hparams.lora) if hparams.lora is not None else model
+
+
+def learning_rate_factor(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: Schedule, min_lr_ratio: float
+) -> float:
+    """The learning rate at ``step`` as a fraction of the peak: linear warm-up, then the schedule's decay."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return min_lr_ratio + (1 - min_lr_ratio) * decay
+
+
+def tokenizer_files(tokenizer: Any) -> dict[str, str]:
+    """The files ``save_pretrained`` writes for ``tokenizer``, as text: plain data, kept in a checkpoint's
+    metadata and written out again beside an export."""
+    with tempfile.TemporaryDirectory() as directory:
+        tokenizer.save_pretrained(directory)
+        return {path.name: path.read_text() for path in Path(directory).iterdir() if path.is_file()}
+
+
+def _with_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError('LoRA needs peft: pip install "lightning-automodel[peft]"') from error
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+
+
+def _plain(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

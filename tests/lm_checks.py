@@ -1,0 +1,171 @@
+"""CausalLMModule inside gloo workers: its loss, metrics, optimizer and schedule against a single process.
+
+The reference is independent of the module's code: transformers' own loss (``labels=``), an argmax accuracy
+over the full logits, and an AdamW loop written out here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+from lightning_checks import compare_training, trainer
+from models import VOCAB, tiny_config
+from parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE
+from torch.utils.data import DataLoader, Dataset
+from transformers import AutoModelForCausalLM
+
+from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.lm import CausalLMModule
+from lightning_automodel.lm.module import learning_rate_factor
+
+GLOBAL_BATCH = 8
+SEQ = 16
+HPARAMS = dict(learning_rate=1e-2, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=1, min_lr_ratio=0.1)
+
+
+class RecordingLM(CausalLMModule):
+    """CausalLMModule, recording what the reference is compared with: the synced loss it logs and the gradients
+    the optimizer gets."""
+
+    def __init__(self) -> None:
+        super().__init__(config=tiny_config("llama").to_dict(), **HPARAMS)
+        self.losses: list[float] = []
+        self.accuracies: list[float] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.grads.append(
+            {n: p.grad.full_tensor().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        )
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.losses.append(self.trainer.callback_metrics["train_loss"].item())
+        self.accuracies.append(self.trainer.callback_metrics["train_accuracy"].item())
+
+
+class Rows(Dataset):
+    def __init__(self, rows: dict[str, torch.Tensor]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows["input_ids"])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {key: value[index] for key, value in self.rows.items()}
+
+
+def padded_rows(count: int, seed: int) -> dict[str, torch.Tensor]:
+    """Right-padded rows of 3 to SEQ real tokens: ranks hold different numbers of scored tokens, so a mean of
+    per-rank means would be wrong."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (count, SEQ), generator=generator)
+    lengths = torch.randint(3, SEQ + 1, (count,), generator=generator)
+    real = torch.arange(SEQ) < lengths[:, None]
+    input_ids[~real] = 0
+    return {"input_ids": input_ids, "labels": input_ids.masked_fill(~real, -100), "attention_mask": real.long()}
+
+
+def reference_metrics(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' own loss over all rows at once, and the argmax accuracy of the full logits."""
+    output = model(**rows)
+    predicted = output.logits[:, :-1].argmax(-1)
+    targets = rows["labels"][:, 1:]
+    scored = targets != -100
+    accuracy = ((predicted == targets) & scored).sum() / scored.sum()
+    return {"loss": output.loss, "accuracy": accuracy, "tokens": scored.sum()}
+
+
+def check_causal_lm_module(tp: int, sp: bool) -> dict:
+    """3 steps of CausalLMModule (meta init, AdamW with decay groups, warm-up then cosine) on padded rows match a
+    single process: the logged loss and accuracy at every step, every gradient, the weights, then validation's
+    loss, perplexity and accuracy over two uneven batches."""
+    train = padded_rows(GLOBAL_BATCH, seed=1)  # an epoch of one step: every step sees the same global batch
+    val = padded_rows(2 * GLOBAL_BATCH, seed=2)
+    dp = dist.get_world_size() // tp
+    loader = DataLoader(Rows(train), batch_size=GLOBAL_BATCH // dp)
+    val_loader = DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp)
+
+    torch.manual_seed(7 + dist.get_rank())  # ranks disagree: every rank must take rank 0's random state
+    module = RecordingLM()
+    fit = trainer(AutoModelParallelStrategy(tp=tp, sp=sp))
+    fit.fit(module, loader)
+    logged = fit.validate(module, val_loader, verbose=False)[0]
+
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    reference.to_empty(device="cpu")
+    reference.init_weights()
+    losses, accuracies, grads = reference_training(reference, train)
+    result = compare_training(module, reference, (losses, grads))
+    accuracy_errors = [abs(a - b) for a, b in zip(module.accuracies, accuracies, strict=True)]
+    one_token = 1 / reference_metrics(reference, train)["tokens"].item()
+    assert max(accuracy_errors) <= one_token, (module.accuracies, accuracies)
+
+    with torch.no_grad():
+        expected = reference_metrics(reference, val)
+    val_errors = {
+        "val_loss": abs(logged["val_loss"] - expected["loss"].item()),
+        "val_perplexity": abs(logged["val_perplexity"] - expected["loss"].exp().item()) / expected["loss"].exp().item(),
+        "val_accuracy": abs(logged["val_accuracy"] - expected["accuracy"].item()),
+    }
+    assert val_errors["val_loss"] < TRAINED_LOSS_TOLERANCE and val_errors["val_perplexity"] < TRAINED_LOSS_TOLERANCE
+    assert val_errors["val_accuracy"] <= 1 / expected["tokens"].item(), (logged, expected)
+    return {**result, "train_accuracy": max(accuracy_errors), **val_errors, "val_loss_logged": logged["val_loss"]}
+
+
+def reference_training(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> tuple[list, list, list]:
+    """AdamW with weight decay on matrices only and the module's warm-up + cosine factor, written out."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": HPARAMS["weight_decay"]}, {"params": vectors, "weight_decay": 0.0}],
+        lr=HPARAMS["learning_rate"],
+        betas=HPARAMS["betas"],
+    )
+    losses, accuracies, grads = [], [], []
+    for step in range(STEPS):
+        factor = learning_rate_factor(
+            step, warmup_steps=1, total_steps=STEPS, schedule="cosine", min_lr_ratio=HPARAMS["min_lr_ratio"]
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = HPARAMS["learning_rate"] * factor
+        metrics = reference_metrics(model, rows)
+        optimizer.zero_grad()
+        metrics["loss"].backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        optimizer.step()
+        losses.append(metrics["loss"].item())
+        accuracies.append(metrics["accuracy"].item())
+    return losses, accuracies, grads
+
+
+def check_lora_checkpoint_exports_merged(tp: int) -> dict:
+    """A LoRA run's checkpoint (adapters trained 2 steps at tp, so lora_B is no longer zero) exported by
+    `lightning-automodel export`: a plain transformers model whose logits are the trained PEFT model's."""
+    from harness import shared_directory
+
+    directory = shared_directory()
+    rows = padded_rows(GLOBAL_BATCH, seed=1)
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    module = CausalLMModule(config=tiny_config("llama").to_dict(), lora=lora, learning_rate=1e-2)
+    fit = trainer(AutoModelParallelStrategy(tp=tp), max_steps=2)
+    fit.fit(module, DataLoader(Rows(rows), batch_size=GLOBAL_BATCH // (dist.get_world_size() // tp)))
+    fit.save_checkpoint(directory / "lora.ckpt")
+    with torch.no_grad():
+        logits = module.model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"]).logits.full_tensor()
+    trained_b = max(p.full_tensor().abs().max().item() for n, p in module.model.named_parameters() if "lora_B" in n)
+    if dist.get_rank() == 0:  # the command, as users run it: one process, outside the process group
+        command = [sys.executable, "-m", "lightning_automodel.cli", "export", str(directory / "lora.ckpt")]
+        subprocess.run([*command, f"--output={directory / 'merged'}"], check=True, timeout=120)
+    dist.barrier()
+    merged = AutoModelForCausalLM.from_pretrained(directory / "merged")
+    assert not any("lora" in name for name in merged.state_dict())
+    with torch.no_grad():
+        expected = merged(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"]).logits
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert trained_b > 1e-3 and error < FP32_TOLERANCE, (trained_b, error)
+    return {"lora_B_max": trained_b, "logits": error}

@@ -1,0 +1,350 @@
+"""Data modules and byte tokenizer: exact rows, file formats, splits, and exact resume of the training loader."""
+
+import json
+from functools import partial
+from itertools import islice
+
+import lightning as L
+import pytest
+import torch
+from data_checks import DEMO, check_resume_across_epochs
+from harness import check_name, run_checks
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torchdata.stateful_dataloader import StatefulDataLoader
+from transformers import AutoTokenizer
+
+from lightning_automodel.lm.data import (
+    IGNORE_INDEX,
+    DemoDataModule,
+    TextDataModule,
+    demo_documents,
+    expand_files,
+    pack_rows,
+    pad_rows,
+    read_documents,
+    split_documents,
+)
+from lightning_automodel.lm.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokenizer
+
+TEXTS = ["hello world", "héllo wörld, 日本語 🎉", "  leading spaces\n\ttabs\r\n", "\x00\x7f\xff", "a<eos>b", ""]
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def write_jsonl(path, records):
+    return write(path, "".join(json.dumps(record) + "\n" for record in records))
+
+
+def byte_ids(text):
+    return list(text.encode("utf-8"))
+
+
+def stream(rows):
+    """The real tokens of a TokenRows, concatenated in row order."""
+    return [int(token) for i in range(len(rows)) for token in rows.tokens[i, : rows.lengths[i]]]
+
+
+# ----------------------------------------------------------------------------------------------------- tokenizer
+
+
+def test_byte_tokenizer_ids_are_bytes_and_round_trip(tmp_path):
+    tokenizer = byte_tokenizer()
+    assert (len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id) == (BYTE_VOCAB_SIZE, EOS_ID, PAD_ID)
+    assert (EOS_ID, PAD_ID, BYTE_VOCAB_SIZE) == (257, 256, 258)
+    assert tokenizer.bos_token is None
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    for text in TEXTS:
+        ids = tokenizer(text, split_special_tokens=True)["input_ids"]
+        assert ids == byte_ids(text), text  # no BOS, no EOS added, one id per byte
+        assert tokenizer.decode(ids) == text
+        assert reloaded(text, split_special_tokens=True)["input_ids"] == ids
+        assert reloaded.decode(ids) == text
+    assert (reloaded.eos_token_id, reloaded.pad_token_id, len(reloaded)) == (EOS_ID, PAD_ID, BYTE_VOCAB_SIZE)
+    assert tokenizer.decode([104, 105, EOS_ID, PAD_ID], skip_special_tokens=True) == "hi"
+
+
+# ----------------------------------------------------------------------------------------------------- rows
+
+
+def test_pack_rows_cuts_the_eos_separated_stream_and_pads_only_the_last_row():
+    rows = pack_rows([[1, 2, 3], [4], [5, 6, 7, 8]], seq_len=4, eos_id=9, pad_id=0)
+    assert rows.tokens.tolist() == [[1, 2, 3, 9], [4, 9, 5, 6], [7, 8, 9, 0]]
+    assert [len(row) for row in rows.tokens] == [4, 4, 4]
+    last = rows[2]
+    assert set(last) == {"input_ids", "labels"}
+    assert last["input_ids"].tolist() == [7, 8, 9, 0]
+    assert last["labels"].tolist() == [7, 8, 9, IGNORE_INDEX]
+    assert rows[0]["labels"].tolist() == [1, 2, 3, 9]
+
+
+def test_pack_rows_exact_multiple_has_no_padding_row():
+    rows = pack_rows([[1, 2, 3]], seq_len=2, eos_id=9, pad_id=0)
+    assert rows.tokens.tolist() == [[1, 2], [3, 9]]
+    assert rows[1]["labels"].tolist() == [3, 9]
+
+
+def test_pad_rows_masks_exactly_the_padding_and_splits_long_documents_with_one_token_overlap():
+    rows = pad_rows([[1, 2], [3, 4, 5, 6, 7, 8]], seq_len=4, eos_id=9, pad_id=0)
+    # [3..8, 9] is 7 tokens: chunks start every seq_len - 1 = 3 tokens, so each token after the first is a target once.
+    assert rows.tokens.tolist() == [[1, 2, 9, 0], [3, 4, 5, 6], [6, 7, 8, 9]]
+    assert rows[0]["labels"].tolist() == [1, 2, 9, IGNORE_INDEX]
+    assert rows[0]["attention_mask"].tolist() == [1, 1, 1, 0]
+    assert rows[2]["labels"].tolist() == [6, 7, 8, 9]
+    assert rows[2]["attention_mask"].tolist() == [1, 1, 1, 1]
+
+
+def test_pad_rows_never_makes_a_row_without_a_target():
+    rows = pad_rows([[1, 2, 3, 4, 5, 6]], seq_len=4, eos_id=9, pad_id=0)  # 7 tokens with EOS
+    assert rows.tokens.tolist() == [[1, 2, 3, 4], [4, 5, 6, 9]]
+    rows = pad_rows([[1, 2, 3, 4, 5, 6, 7]], seq_len=4, eos_id=9, pad_id=0)  # 8 tokens: a 2-token tail
+    assert rows.tokens.tolist() == [[1, 2, 3, 4], [4, 5, 6, 7], [7, 9, 0, 0]]
+    assert rows[2]["labels"].tolist() == [7, 9, IGNORE_INDEX, IGNORE_INDEX]
+
+
+# ----------------------------------------------------------------------------------------------------- reading
+
+
+def test_txt_paragraphs_are_documents(tmp_path):
+    paragraphs = write(tmp_path / "a.txt", "first line\nsame doc\n\nsecond\n \t\n\n\nthird  \n")
+    single = write(tmp_path / "b.txt", "one document\nwithout blank lines\n")
+    assert read_documents(paragraphs) == ["first line\nsame doc", "second", "third  "]
+    assert read_documents(single) == ["one document\nwithout blank lines"]
+
+
+def test_jsonl_reads_the_text_field_and_skips_blank_lines(tmp_path):
+    path = write(tmp_path / "d.jsonl", '{"body": "x", "id": 1}\n\n{"body": "héllo"}\n{"body": ""}\n')
+    assert read_documents(path, text_field="body") == ["x", "héllo"]
+    json_path = write_jsonl(tmp_path / "e.json", [{"text": "j"}])
+    assert read_documents(json_path) == ["j"]
+
+
+def test_jsonl_missing_field_names_file_line_and_field(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}, {"content": "no text"}])
+    with pytest.raises(ValueError, match=r"d\.jsonl, line 2: no field 'text' \(found \['content'\]\)"):
+        read_documents(path)
+    path = write(tmp_path / "array.json", '[{"text": "a"},\n {"text": "b"}]\n')
+    with pytest.raises(ValueError, match=r"array\.json, line 1: not valid JSON .* one JSON object per line"):
+        read_documents(path)
+    path = write_jsonl(tmp_path / "n.jsonl", [{"text": 3}])
+    with pytest.raises(ValueError, match=r"n\.jsonl, line 1: field 'text' is a int, not a string"):
+        read_documents(path)
+
+
+def test_unknown_extension_and_unmatched_pattern_are_errors(tmp_path):
+    csv = write(tmp_path / "d.csv", "a,b\n")
+    with pytest.raises(ValueError, match=r"d\.csv.*\.txt, \.jsonl, \.json"):
+        read_documents(csv)
+    with pytest.raises(ValueError, match=r"No file matches '.*nothing\*\.txt'"):
+        read_documents(str(tmp_path / "nothing*.txt"))
+
+
+def test_glob_patterns_expand_sorted_without_duplicates(tmp_path):
+    b = write(tmp_path / "b.txt", "B")
+    a = write(tmp_path / "a.txt", "A")
+    nested = write(tmp_path / "sub" / "deep" / "c.jsonl", '{"text": "C"}\n')
+    assert expand_files(str(tmp_path / "*.txt")) == [a, b]
+    assert expand_files([str(tmp_path / "**" / "*.jsonl"), b, str(tmp_path / "*.txt")]) == [nested, b, a]
+    assert read_documents([str(tmp_path / "**" / "*.*")]) == ["A", "B", "C"]
+
+
+def test_split_documents_is_deterministic_disjoint_and_complete():
+    documents = [f"doc {i}" for i in range(50)]
+    train, held_out = split_documents(documents, 0.2, seed=3)
+    assert len(held_out) == 10 and len(train) == 40
+    assert set(train).isdisjoint(held_out) and set(train) | set(held_out) == set(documents)
+    assert train == sorted(train, key=documents.index)  # file order is kept
+    assert split_documents(documents, 0.2, seed=3) == (train, held_out)
+    assert split_documents(documents, 0.2, seed=4)[1] != held_out
+    assert split_documents(documents, 0.0, seed=3) == (documents, [])
+    assert len(split_documents(documents, 0.001, seed=3)[1]) == 1
+    with pytest.raises(ValueError, match="holds out all 2"):
+        split_documents(["a", "b"], 0.9, seed=0)
+
+
+# ----------------------------------------------------------------------------------------------------- modules
+
+
+def test_text_data_module_batches_hold_every_document_with_eos(tmp_path):
+    documents = ["first document", "zwei: ü", "third one is a little longer"]
+    write_jsonl(tmp_path / "train.jsonl", [{"text": text} for text in documents])
+    module = TextDataModule(train_files=str(tmp_path / "*.jsonl"), seq_len=8, batch_size=3)
+    module.setup("fit")
+    rows = module.datasets["train"]
+    assert stream(rows) == [token for text in documents for token in [*byte_ids(text), EOS_ID]]
+    assert module.val_dataloader() == []
+    loader = module.train_dataloader()
+    assert isinstance(loader, StatefulDataLoader)
+    batch = next(iter(loader))
+    assert set(batch) == {"input_ids", "labels"}
+    assert batch["input_ids"].shape == (3, 8) and batch["input_ids"].dtype == torch.long
+    assert len(loader) == 3  # 53 tokens -> 7 rows -> 3 batches; the partial batch is kept
+
+
+def test_text_data_module_pad_mode_and_special_token_text(tmp_path):
+    write(tmp_path / "train.txt", "ab\n\ncd<eos>e\n")
+    module = TextDataModule(train_files=str(tmp_path / "train.txt"), seq_len=6, batch_size=4, pack=False)
+    module.setup("fit")
+    batch = next(iter(module.train_dataloader()))
+    columns = (batch[key].tolist() for key in ("input_ids", "labels", "attention_mask"))
+    rows = sorted(zip(*columns, strict=True))
+    pad = IGNORE_INDEX
+    assert rows == [
+        ([97, 98, EOS_ID, PAD_ID, PAD_ID, PAD_ID], [97, 98, EOS_ID, pad, pad, pad], [1, 1, 1, 0, 0, 0]),
+        ([99, 100, 60, 101, 111, 115], [99, 100, 60, 101, 111, 115], [1] * 6),  # "<eos>" in text stays bytes
+        ([115, 62, 101, EOS_ID, PAD_ID, PAD_ID], [115, 62, 101, EOS_ID, pad, pad], [1, 1, 1, 1, 0, 0]),
+    ]
+
+
+def test_val_test_and_predict_sources(tmp_path):
+    write(tmp_path / "train.txt", "\n\n".join(f"train {i}" for i in range(10)))
+    write(tmp_path / "val.txt", "validation")
+    write(tmp_path / "test.txt", "testing")
+    train, val, test = (str(tmp_path / name) for name in ("train.txt", "val.txt", "test.txt"))
+
+    def first_text(module, loader):
+        row = next(iter(loader))["input_ids"][0]
+        return module.tokenizer.decode(row, skip_special_tokens=True)
+
+    module = TextDataModule(train_files=train, val_files=val, seq_len=16)
+    module.setup("test")
+    assert first_text(module, module.test_dataloader()) == "validation"  # test falls back to val_files
+    module = TextDataModule(train_files=train, val_files=val, test_files=test, seq_len=16)
+    module.setup("predict")
+    assert first_text(module, module.predict_dataloader()) == "testing"
+
+    module = TextDataModule(train_files=train, val_fraction=0.2, seq_len=64, seed=1)
+    module.setup("fit")
+    held_out = split_documents(read_documents(train), 0.2, seed=1)[1]
+    assert first_text(module, module.val_dataloader()) == "".join(held_out)
+    assert len(stream(module.datasets["train"])) + len(stream(module.datasets["val"])) == 10 * len("train 0") + 10
+
+    with pytest.raises(ValueError, match="Nothing to validate"):
+        TextDataModule(train_files=train).setup("validate")
+    with pytest.raises(ValueError, match="choose one source"):
+        TextDataModule(train_files=train, val_files=val, val_fraction=0.1)
+
+
+def test_demo_documents_are_deterministic_in_the_seed():
+    assert demo_documents(20, seed=5) == demo_documents(20, seed=5)
+    assert demo_documents(20, seed=5) != demo_documents(20, seed=6)
+    module = DemoDataModule(num_documents=30, val_documents=5, seed=5)
+    module.setup("fit")
+    assert (module.seq_len, module.batch_size) == (128, 16)
+    documents = demo_documents(35, seed=5)
+    assert stream(module.datasets["val"]) == [t for text in documents[30:] for t in [*byte_ids(text), EOS_ID]]
+    assert len(stream(module.datasets["train"])) == sum(len(byte_ids(text)) + 1 for text in documents[:30])
+
+
+# ----------------------------------------------------------------------------------------------------- resume
+
+
+def demo_loader(num_workers=0):
+    module = DemoDataModule(num_documents=60, val_documents=0, seq_len=16, batch_size=4, num_workers=num_workers)
+    module.setup("fit")
+    return module.train_dataloader()
+
+
+def batches(loader, count):
+    return [batch["input_ids"] for batch in islice(loader, count)]
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_train_loader_resumes_exactly_from_its_state_dict(epoch):
+    original = demo_loader()
+    original.sampler.set_epoch(epoch)
+    iterator = iter(original)
+    batches(iterator, 5)
+    state = original.state_dict()
+    expected = batches(iterator, 6)
+
+    # Lightning builds the resumed iterator before calling set_epoch: the state alone must restore the epoch.
+    resumed = demo_loader()
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    assert all(torch.equal(a, b) for a, b in zip(batches(iterator, 3), expected[:3], strict=True))
+    state = resumed.state_dict()
+    again = demo_loader()  # a second resume continues from the total position, not from the first resume
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(batches(iter(again), 3), expected[3:], strict=True))
+
+
+def test_shuffle_depends_on_seed_and_epoch_only():
+    def epoch_rows(loader):
+        return torch.cat([batch["input_ids"] for batch in loader])
+
+    loader = demo_loader()
+    first = epoch_rows(loader)
+    assert torch.equal(first, epoch_rows(demo_loader()))
+    loader.sampler.set_epoch(1)
+    second = epoch_rows(loader)
+    assert not torch.equal(first, second)
+    assert sorted(map(tuple, first.tolist())) == sorted(map(tuple, second.tolist()))  # same rows, other order
+
+
+class _RecordBatches(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["input_ids"])
+        return self.weight * batch["input_ids"].float().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def fit(max_steps, tmp_path, ckpt_path=None):
+    module = _RecordBatches()
+    data = DemoDataModule(num_documents=10, val_documents=0, seq_len=32, batch_size=4)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[checkpoints],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return trainer, module.seen
+
+
+def test_lightning_checkpoint_resumes_mid_epoch_on_the_same_batches(tmp_path):
+    trainer, full = fit(40, tmp_path)
+    per_epoch = trainer.num_training_batches
+    step = next(s for s in range(5, 40, 5) if s > per_epoch and s % per_epoch)  # mid-way through epoch 1 or later
+    checkpoint = next(tmp_path.glob(f"*-step={step}.ckpt"))
+    assert torch.load(checkpoint, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    _, resumed = fit(40, tmp_path / "resumed", ckpt_path=checkpoint)
+    assert len(resumed) == 40 - step
+    assert all(torch.equal(a, b) for a, b in zip(resumed, full[step:], strict=True))
+
+
+def test_distributed_resume_across_epochs_reads_the_uninterrupted_rows(tmp_path):
+    """World 4 at tp=2 x dp_shard=2, two epochs of 3 steps, resumed from the end of epoch 0 and from step 4: every
+    rank reads the rows it read uninterrupted. Tensor-parallel peers read the same rows, the two data-parallel
+    ranks together read every row once per epoch, in an order that changes with the epoch."""
+    check = partial(check_resume_across_epochs, str(tmp_path), 2)
+    ranks = run_checks(4, [check])[check_name(check)]
+    differ = sorted({step for rank in ranks for step, rows in rank["resumed"].items() if rows != rank["whole"][step:]})
+    assert not differ, f"resumed from steps {differ}: other rows than the uninterrupted run"
+    by_dp_rank = {}
+    for rank in ranks:
+        assert by_dp_rank.setdefault(rank["dp_rank"], rank["whole"]) == rank["whole"], "tp peers read other rows"
+    assert sorted(by_dp_rank) == [0, 1]
+    data = DemoDataModule(**DEMO)
+    data.setup("fit")
+    every_row = sorted(map(tuple, data.datasets["train"].tokens.tolist()))
+    epochs = [[by_dp_rank[dp][start : start + 3] for dp in (0, 1)] for start in (0, 3)]
+    for epoch in epochs:
+        read = [tuple(row) for steps in epoch for step in steps for row in step]
+        assert sorted(read) == every_row, "the dp ranks do not share out the epoch's rows, each row once"
+    assert epochs[0] != epochs[1], "the order does not change with the epoch: a replayed epoch would go unseen"

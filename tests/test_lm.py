@@ -62,3 +62,21 @@ def test_under_lightnings_own_strategy(tmp_path):
 def test_a_model_is_required():
     with pytest.raises(ValueError, match="`model=` a local Hugging Face model directory, or `config=`"):
         CausalLMModule(config={"hidden_size": 64})
+
+
+def test_flops_per_token():
+    """6 FLOPs per trained weight, 4 per frozen one, none for the embedding lookup, plus attention; a third of
+    each in evaluation."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_automodel.lm.flops import flops_per_token
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    weights = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    attention = 12 * 2 * 64 * 16  # layers x width x sequence
+    assert flops_per_token(model, 16) == 6 * weights + attention
+    assert flops_per_token(model, 16, training=False) == 2 * weights + attention // 3
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert flops_per_token(lora, 16) == 6 * adapters + 4 * weights + attention

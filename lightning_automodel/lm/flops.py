@@ -10,9 +10,10 @@ from __future__ import annotations
 from torch import nn
 
 
-def flops_per_token(model: nn.Module, seq_len: int) -> int:
-    """Training FLOPs per token: 6 per trainable weight (forward, input and weight gradients), 4 per frozen one
+def flops_per_token(model: nn.Module, seq_len: int, *, training: bool = True) -> int:
+    """FLOPs per token. Training: 6 per trainable weight (forward, input and weight gradients), 4 per frozen one
     (no weight gradient: LoRA's base), plus attention's score and value products (12 x layers x width x seq_len).
+    Evaluation: the forward alone, a third of that for every term.
 
     Embedding lookups do no arithmetic and are left out; a tied lm_head counts once, as the output matmul.
     """
@@ -29,6 +30,8 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int:
             frozen += parameter.numel()
     config = model.config
     attention = 12 * config.num_hidden_layers * _attention_width(config) * seq_len
+    if not training:
+        return 2 * (trainable + frozen) + attention // 3
     return 6 * trainable + 4 * frozen + attention
 
 

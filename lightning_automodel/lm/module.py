@@ -81,7 +81,6 @@ class CausalLMModule(L.LightningModule):
         self.save_hyperparameters()
         self.model: nn.Module | None = None
         self.tokenizer: Any = None
-        self._flops_per_token: int | None = None
         self._batch_shape: tuple[int, int] = (0, 0)
         for stage in _STAGES:  # train_metrics, val_metrics, test_metrics
             sync_on_step = stage == "train"  # a step's logged value is the global batch's
@@ -185,9 +184,7 @@ class CausalLMModule(L.LightningModule):
     @property
     def flops_per_batch(self) -> float:
         """This rank's share of the FLOPs of the global batch (ThroughputMonitor multiplies by the world size)."""
-        if self._flops_per_token is None:
-            self._flops_per_token = flops_per_token(self.model, self._batch_shape[1])
-        return self._flops_per_token * self._tokens_per_rank(None)
+        return flops_per_token(self.model, self._batch_shape[1], training=self.training) * self._tokens_per_rank(None)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # What `lightning-automodel export` needs to write a Hugging Face directory from the checkpoint alone.

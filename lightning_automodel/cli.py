@@ -34,10 +34,11 @@ TRAINER_DEFAULTS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    """``argv`` defaults to the command line (which LightningCLI then reads itself, as it prefers)."""
+    given = sys.argv[1:] if argv is None else argv
     commands = {"plan": plan_command, "export": export_command}
-    if argv and argv[0] in commands:
-        commands[argv[0]](argv[1:])
+    if given and given[0] in commands:
+        commands[given[0]](given[1:])
     else:
         cli(argv)
 

@@ -187,6 +187,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
         self._parallelize_models()
         _clip_across_meshes(self.precision_plugin)
+        _evaluate_without_inference_mode(trainer)
         _materialize_distributed_module(self.model, self.root_device)
         self.model_to_device()
         self.barrier()
@@ -347,6 +348,24 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         return _sync_ddp_if_available(_to_local(tensor), group, reduce_op=reduce_op)
 
     @override
+    def on_predict_start(self) -> None:
+        """Every rank must take part in every forward pass of a sharded model, and Lightning deals predict batches
+        unevenly (no padding, so that each row is predicted once): a rank with a batch more would wait for its
+        peers forever. Refuse that on every rank, before the first batch."""
+        assert self.lightning_module is not None
+        counts = torch.tensor(self.lightning_module.trainer.num_predict_batches, device=self.root_device)
+        gathered = [torch.zeros_like(counts) for _ in range(self.world_size)]
+        torch.distributed.all_gather(gathered, counts)
+        if any(not torch.equal(other, counts) for other in gathered):
+            raise ValueError(
+                f"predict: the ranks hold different numbers of batches ({[c.tolist() for c in gathered]}), and a"
+                " sharded model needs every rank in every forward pass. Give the predict DataLoader a"
+                " DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=False) from"
+                " trainer.distributed_sampler_kwargs (it pads by repeating rows), or make the number of rows a"
+                " multiple of the data-parallel size times the batch size."
+            )
+
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Agree over every rank (Lightning compares the sum with the world size)."""
         count = torch.tensor(int(decision), device=self.root_device)
@@ -408,6 +427,17 @@ def _clip_across_meshes(precision: Precision) -> None:
         clip_grad_norm_(precision.main_params(optimizer), clip_val)
 
     precision.clip_grad_by_norm = clip_grad_by_norm
+
+
+def _evaluate_without_inference_mode(trainer: pl.Trainer) -> None:
+    """Evaluate under ``no_grad``, as Lightning already does in fit's validation and for its own FSDP strategy.
+
+    FSDP2 allocates its all-gather buffers at the first unshard; made under ``inference_mode`` they are inference
+    tensors, and every later unshard fails ("Inference tensors do not track version counter"). Measured on a GPU
+    with ``trainer.validate`` as the first stage; on gloo Lightning uses ``no_grad`` anyway, so CPU runs never see it.
+    """
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        loop.inference_mode = False
 
 
 def _log_local_values(module: pl.LightningModule) -> None:

@@ -10,6 +10,7 @@ import torch
 from data_checks import DEMO, check_resume_across_epochs
 from harness import check_name, run_checks
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer
 
@@ -17,6 +18,7 @@ from lightning_automodel.lm.data import (
     IGNORE_INDEX,
     DemoDataModule,
     TextDataModule,
+    _SeededShuffle,
     demo_documents,
     expand_files,
     pack_rows,
@@ -286,6 +288,28 @@ def test_shuffle_depends_on_seed_and_epoch_only():
     assert sorted(map(tuple, first.tolist())) == sorted(map(tuple, second.tolist()))  # same rows, other order
 
 
+@pytest.mark.parametrize(("size", "num_replicas"), [(10, 1), (10, 3), (2, 4)])
+def test_shuffle_deals_each_rank_what_a_distributed_sampler_would(size, num_replicas):
+    """Same seed and epoch, same rows per rank as torch's DistributedSampler, padding included."""
+    for rank in range(num_replicas):
+        ours = _SeededShuffle(range(size), seed=3, num_replicas=num_replicas, rank=rank)
+        torchs = DistributedSampler(range(size), num_replicas=num_replicas, rank=rank, seed=3)
+        ours.set_epoch(2)
+        torchs.set_epoch(2)
+        assert list(ours) == list(torchs)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 3])
+def test_shuffle_resumed_at_another_data_parallel_size_reads_the_rest_of_the_epoch(num_replicas):
+    """Saved after 3 rows on each of 2 ranks (6 rows read together), resumed on 1 or 3 ranks."""
+    saved = [iter(_SeededShuffle(range(12), seed=0, num_replicas=2, rank=rank)) for rank in (0, 1)]
+    read = [next(iterator) for _ in range(3) for iterator in saved]
+    resumed = [iter(_SeededShuffle(range(12), seed=0, num_replicas=num_replicas, rank=r)) for r in range(num_replicas)]
+    for iterator in resumed:
+        iterator.load_state_dict(saved[0].state_dict())
+    assert sorted(read + [row for iterator in resumed for row in iterator]) == list(range(12))
+
+
 class _RecordBatches(L.LightningModule):
     def __init__(self):
         super().__init__()
@@ -303,7 +327,7 @@ class _RecordBatches(L.LightningModule):
 def fit(max_steps, tmp_path, ckpt_path=None):
     module = _RecordBatches()
     data = DemoDataModule(num_documents=10, val_documents=0, seq_len=32, batch_size=4)
-    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     trainer = L.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
@@ -317,34 +341,40 @@ def fit(max_steps, tmp_path, ckpt_path=None):
     return trainer, module.seen
 
 
-def test_lightning_checkpoint_resumes_mid_epoch_on_the_same_batches(tmp_path):
+@pytest.mark.parametrize("last_batch", [4, 11], ids=["mid-epoch", "epoch end"])
+def test_lightning_checkpoint_resumes_on_the_same_batches(tmp_path, last_batch):
+    """Saved after the given batch of epoch 1: resumed, the run reads what it read uninterrupted. Saved after an
+    epoch's last batch, Lightning resumes into the next epoch without building a new iterator."""
     trainer, full = fit(40, tmp_path)
     per_epoch = trainer.num_training_batches
-    step = next(s for s in range(5, 40, 5) if s > per_epoch and s % per_epoch)  # mid-way through epoch 1 or later
+    assert per_epoch == 11
+    step = per_epoch + last_batch
     checkpoint = next(tmp_path.glob(f"*-step={step}.ckpt"))
     assert torch.load(checkpoint, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     _, resumed = fit(40, tmp_path / "resumed", ckpt_path=checkpoint)
-    assert len(resumed) == 40 - step
-    assert all(torch.equal(a, b) for a, b in zip(resumed, full[step:], strict=True))
+    same = [torch.equal(a, b) for a, b in zip(resumed, full[step:], strict=True)]
+    assert all(same), f"resumed from step {step}, the run reads other batches (False) than uninterrupted: {same}"
 
 
 def test_distributed_resume_across_epochs_reads_the_uninterrupted_rows(tmp_path):
-    """World 4 at tp=2 x dp_shard=2, two epochs of 3 steps, resumed from the end of epoch 0 and from step 4: every
-    rank reads the rows it read uninterrupted. Tensor-parallel peers read the same rows, the two data-parallel
-    ranks together read every row once per epoch, in an order that changes with the epoch."""
+    """World 4 at tp=2 x dp_shard=2, two epochs: tensor-parallel peers read the same rows, the two data-parallel
+    ranks share out every row once per epoch, in an order that changes with the epoch; resumed from the end of
+    epoch 0 or from mid-way through epoch 1, every rank reads the rows it read uninterrupted."""
     check = partial(check_resume_across_epochs, str(tmp_path), 2)
     ranks = run_checks(4, [check])[check_name(check)]
-    differ = sorted({step for rank in ranks for step, rows in rank["resumed"].items() if rows != rank["whole"][step:]})
-    assert not differ, f"resumed from steps {differ}: other rows than the uninterrupted run"
     by_dp_rank = {}
     for rank in ranks:
-        assert by_dp_rank.setdefault(rank["dp_rank"], rank["whole"]) == rank["whole"], "tp peers read other rows"
-    assert sorted(by_dp_rank) == [0, 1]
+        by_dp_rank.setdefault(rank["dp_rank"], []).append(rank["whole"])
+    assert sorted(by_dp_rank) == [0, 1], "the strategy's data-parallel ranks are not the expected ones"
+    assert all(rows == peers[0] for peers in by_dp_rank.values() for rows in peers), "tp peers read other rows"
     data = DemoDataModule(**DEMO)
     data.setup("fit")
     every_row = sorted(map(tuple, data.datasets["train"].tokens.tolist()))
-    epochs = [[by_dp_rank[dp][start : start + 3] for dp in (0, 1)] for start in (0, 3)]
+    per_epoch = ranks[0]["per_epoch"]
+    epochs = [[peers[0][start : start + per_epoch] for peers in by_dp_rank.values()] for start in (0, per_epoch)]
     for epoch in epochs:
         read = [tuple(row) for steps in epoch for step in steps for row in step]
         assert sorted(read) == every_row, "the dp ranks do not share out the epoch's rows, each row once"
     assert epochs[0] != epochs[1], "the order does not change with the epoch: a replayed epoch would go unseen"
+    differ = sorted({step for rank in ranks for step, rows in rank["resumed"].items() if rows != rank["whole"][step:]})
+    assert not differ, f"resumed from steps {differ}: other rows than the uninterrupted run"

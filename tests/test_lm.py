@@ -6,7 +6,7 @@ from functools import partial
 import lightning as L
 import pytest
 from harness import run_checks
-from lm_checks import check_causal_lm_module, check_lora_checkpoint_exports_merged
+from lm_checks import check_causal_lm_module, check_lora_checkpoint_exports_merged, check_predict_in_step_or_refused
 from models import tiny_config
 
 from lightning_automodel.lm import CausalLMModule, DemoDataModule
@@ -19,9 +19,10 @@ def test_parity_at_tp2_dp2_with_sp():
     print(results)
 
 
-def test_lora_checkpoint_exports_merged():
-    """At tp=2, trained adapters merged into a plain Hugging Face model by `export`: the same logits."""
-    run_checks(2, [partial(check_lora_checkpoint_exports_merged, 2)])
+def test_lora_export_and_predict():
+    """At tp=2, trained adapters merged into a plain Hugging Face model by `export`: the same logits. At dp=2,
+    predict over uneven batches is refused on every rank, and the data module's split predicts every row."""
+    run_checks(2, [partial(check_lora_checkpoint_exports_merged, 2), check_predict_in_step_or_refused])
 
 
 def test_learning_rate_schedule():

@@ -6,9 +6,8 @@ them by one itself) and ``-100`` wherever no loss is wanted (padding).
 
 Loaders are torchdata ``StatefulDataLoader``s: Lightning saves their ``state_dict()`` in checkpoints, so a resumed
 run continues with the very batch it would have seen next. The training order is a pure function of ``seed`` and
-the epoch. On several processes Lightning swaps in its ``DistributedSampler`` (rank and size from the strategy's
-data-parallel mesh, seed from ``seed_everything``); that sampler does not save its epoch and Lightning builds the
-resumed iterator before calling ``set_epoch``, so there a resume is exact only within the first epoch.
+the epoch, and on several processes each data-parallel rank reads its share of it (tensor-parallel peers read the
+same rows), so a resume is exact in any epoch.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from itertools import chain
 
 import lightning as L
 import torch
-from torch.utils.data import Dataset, RandomSampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -181,50 +180,61 @@ def _overlapping_chunks(tokens: list[int], seq_len: int) -> list[list[int]]:
     return [tokens[start : start + seq_len] for start in range(0, max(len(tokens) - 1, 1), seq_len - 1)]
 
 
-class _SeededShuffle(RandomSampler):
-    """A shuffle that is a pure function of (seed, epoch), like DistributedSampler's, and that resumes exactly.
+class _SeededShuffle(DistributedSampler):
+    """This rank's share of a shuffle that is a pure function of (seed, epoch), and that resumes exactly.
 
-    Lightning calls ``set_epoch`` before each epoch, but on resume it builds the loader's iterator before that
-    call, so the iterator saves its own epoch and position and the StatefulDataLoader restores them. Being a
-    RandomSampler, it is replaced by Lightning's DistributedSampler on several processes.
+    The order is DistributedSampler's: a seeded permutation, padded by repeating its start to a multiple of the
+    data-parallel size and dealt out round-robin. Being a DistributedSampler, Lightning keeps it on several
+    processes instead of swapping in its own, which does not save its epoch. Lightning calls ``set_epoch`` before
+    each epoch, but on resume it builds the loader's iterator before that call, so the iterator saves its own epoch
+    and position and the StatefulDataLoader restores them.
     """
 
-    def __init__(self, data_source: Dataset, seed: int) -> None:
-        super().__init__(data_source)
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def __init__(self, data_source: Dataset, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(data_source, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
 
     def __iter__(self) -> _ShuffleIterator:
-        return _ShuffleIterator(len(self.data_source), self.seed, self.epoch)
+        return _ShuffleIterator(self, self.epoch)
+
+    def order(self, epoch: int) -> list[int]:
+        """The indices this rank reads in ``epoch``."""
+        permutation = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+        padded = permutation.tolist() * math.ceil(self.total_size / len(permutation))
+        return padded[self.rank : self.total_size : self.num_replicas]
 
 
 class _ShuffleIterator(Iterator[int]):
-    """One epoch of ``_SeededShuffle``; torchdata's Stateful protocol (state_dict/load_state_dict) saves it."""
+    """One epoch of ``_SeededShuffle``; torchdata's Stateful protocol (state_dict/load_state_dict) saves it.
 
-    def __init__(self, size: int, seed: int, epoch: int) -> None:
-        self.size = size
-        self.seed = seed
+    The position is saved as the rows all data-parallel ranks have read together, so that a resume at another
+    data-parallel size continues at the same place in the epoch's permutation (exactly, when it divides that count).
+    A state saved after an epoch's last row restores the start of the next epoch: resuming from it, Lightning reads
+    the next epoch from the restored iterator (an exhausted one would make that epoch empty and skip its rows).
+    """
+
+    def __init__(self, sampler: _SeededShuffle, epoch: int) -> None:
+        self.sampler = sampler
         self._start(epoch, yielded=0)
 
     def _start(self, epoch: int, yielded: int) -> None:
         self.epoch = epoch
         self.yielded = yielded
-        self.order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        self.order = self.sampler.order(epoch)
 
     def __next__(self) -> int:
-        if self.yielded == self.size:
+        if self.yielded == len(self.order):
             raise StopIteration
         self.yielded += 1
         return self.order[self.yielded - 1]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "yielded": self.yielded}
+        return {"epoch": self.epoch, "rows_read": self.yielded * self.sampler.num_replicas}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._start(state_dict["epoch"], state_dict["yielded"])
+        epoch, yielded = state_dict["epoch"], state_dict["rows_read"] // self.sampler.num_replicas
+        self._start(epoch, yielded)
+        if yielded >= len(self.order):
+            self._start(epoch + 1, yielded=0)
 
 
 # ----------------------------------------------------------------------------------------------------- modules
@@ -313,9 +323,7 @@ class TextDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         rows = self.datasets["train"]
-        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-        kw = self.trainer.distributed_sampler_kwargs
-        return self._loader(rows, sampler=StatefulDistributedSampler(rows, seed=self.seed, num_replicas=kw["num_replicas"], rank=kw["rank"]))
+        return self._loader(rows, sampler=_SeededShuffle(rows, self.seed, **self._data_parallel_place()))
 
     def val_dataloader(self) -> StatefulDataLoader | list:
         rows = self.datasets.get("val")
@@ -325,9 +333,19 @@ class TextDataModule(L.LightningDataModule):
         return self._loader(self.datasets["test"])
 
     def predict_dataloader(self) -> StatefulDataLoader:
-        return self._loader(self.datasets["test"])
+        # Lightning deals predict rows unevenly, and a sharded model needs every rank in every forward pass: a
+        # padded split (up to dp - 1 rows predicted twice, as in validation) keeps the ranks in step.
+        rows, place = self.datasets["test"], self._data_parallel_place()
+        sampler = DistributedSampler(rows, shuffle=False, **place) if place.get("num_replicas", 1) > 1 else None
+        return self._loader(rows, sampler=sampler)
 
-    def _loader(self, rows: TokenRows, sampler: RandomSampler | None = None) -> StatefulDataLoader:
+    def _data_parallel_place(self) -> dict[str, int]:
+        """This rank's data-parallel rank and size, from the strategy: tensor-parallel peers share a place, so they
+        read the same rows (the strategy's world size and global rank would deal them different rows)."""
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        return {"num_replicas": kwargs["num_replicas"], "rank": kwargs["rank"]} if kwargs else {}
+
+    def _loader(self, rows: TokenRows, sampler: Sampler | None = None) -> StatefulDataLoader:
         return StatefulDataLoader(rows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
 
 

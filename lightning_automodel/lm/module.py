@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
@@ -27,7 +27,8 @@ from lightning_automodel.hf.loading import from_pretrained
 from lightning_automodel.lm.flops import flops_per_token
 from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
 from lightning_automodel.lm.summary import TrainingSummary
-from lightning_automodel.mesh import axis_size, reduction_mesh
+from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
+from lightning_automodel.mesh import reduction_mesh
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean, next_token_hits
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
@@ -122,6 +123,7 @@ class CausalLMModule(L.LightningModule):
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities)."""
+        self._batch_shape = tuple(batch["input_ids"].shape)
         logits = self(batch["input_ids"], batch.get("attention_mask"))
         loss_sums, counts = [], []
         for row in range(batch["input_ids"].size(0)):
@@ -174,17 +176,17 @@ class CausalLMModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[Callback]:
-        """Tokens/s and MFU (Lightning's ThroughputMonitor, told each rank's share of the global batch), and a
-        summary at the end of fit."""
+        """Tokens/s and MFU (Lightning's ThroughputMonitor, each model replica counted once), and a summary at the
+        end of fit."""
         return [
-            ThroughputMonitor(batch_size_fn=self._samples_per_rank, length_fn=self._tokens_per_rank, window_size=10),
+            ReplicaThroughputMonitor(batch_size_fn=self._rows, length_fn=self._tokens, window_size=10),
             TrainingSummary(),
         ]
 
     @property
-    def flops_per_batch(self) -> float:
-        """This rank's share of the FLOPs of the global batch (ThroughputMonitor multiplies by the world size)."""
-        return flops_per_token(self.model, self._batch_shape[1], training=self.training) * self._tokens_per_rank(None)
+    def flops_per_batch(self) -> int:
+        """The FLOPs of this rank's batch: its model replica's work (ReplicaThroughputMonitor's device)."""
+        return flops_per_token(self.model, self._batch_shape[1], training=self.training) * self._tokens(None)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # What `lightning-automodel export` needs to write a Hugging Face directory from the checkpoint alone.
@@ -192,16 +194,11 @@ class CausalLMModule(L.LightningModule):
         checkpoint["hf_config"] = config.to_dict()
         checkpoint["tokenizer_files"] = tokenizer_files(self.tokenizer) if self.tokenizer is not None else None
 
-    def _samples_per_rank(self, batch: Any) -> float:
-        return self._batch_shape[0] * self._data_parallel_share()
+    def _rows(self, batch: Any) -> int:
+        return self._batch_shape[0]
 
-    def _tokens_per_rank(self, batch: Any) -> float:
-        return self._batch_shape[0] * self._batch_shape[1] * self._data_parallel_share()
-
-    def _data_parallel_share(self) -> float:
-        """Data-parallel ranks over all ranks: tp peers read the same batch, so each counts for 1/tp of it."""
-        mesh = self.device_mesh
-        return 1.0 if mesh is None else axis_size(mesh, "dp") / mesh.size()
+    def _tokens(self, batch: Any) -> int:
+        return self._batch_shape[0] * self._batch_shape[1]
 
     def _find_tokenizer(self) -> Any:
         datamodule = getattr(self.trainer, "datamodule", None)

@@ -1,0 +1,30 @@
+"""Lightning's ThroughputMonitor, counting a model replica as one device.
+
+Lightning multiplies one rank's samples, tokens and FLOPs by the world size to get the global figures. Under
+tensor (or context, or pipeline) parallelism the ranks of one replica share a batch, so that would count it once
+per rank. Here each replica is a "device": its batch counted once, its FLOPs measured against the peak of all
+its GPUs, and the global figures the replicas' sum.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks import ThroughputMonitor
+
+
+class ReplicaThroughputMonitor(ThroughputMonitor):
+    """``ThroughputMonitor`` whose "device" metrics are one model replica's and whose MFU is over its GPUs."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        replicas = trainer.distributed_sampler_kwargs["num_replicas"] if trainer.distributed_sampler_kwargs else 1
+        ranks_per_replica = trainer.world_size // replicas
+        if ranks_per_replica == 1:
+            return
+        if self.available_flops is not None:
+            self.available_flops *= ranks_per_replica
+        for running_stage in self._throughputs:
+            self._throughputs[running_stage] = Throughput(
+                available_flops=self.available_flops, world_size=replicas, **self.kwargs
+            )

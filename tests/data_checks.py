@@ -1,0 +1,50 @@
+"""The language-model data modules under a real Trainer inside gloo workers (see harness.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_checks import CausalLM, trainer
+from models import VOCAB, tiny_model
+
+from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.lm.data import DemoDataModule
+
+# 28 rows of 16 tokens, 5 per data-parallel rank and step: at dp=2, an epoch is 3 steps (5 + 5 + 4 rows, no padding).
+DEMO = dict(num_documents=3, val_documents=0, seq_len=16, batch_size=5)
+STEPS = 6  # two epochs
+
+
+class RecordRows(CausalLM):
+    """Trains on the demo rows (folded into the tiny vocabulary) and records the rows of every step."""
+
+    def __init__(self) -> None:
+        super().__init__(tiny_model())
+        self.rows: list[list[list[int]]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.rows.append(batch["input_ids"].tolist())
+        tokens = batch["input_ids"] % VOCAB
+        return super().training_step((tokens, tokens), batch_idx)
+
+
+def check_resume_across_epochs(directory: str, tp: int) -> dict:
+    """Two epochs uninterrupted, saving after every step; then resumed from the end of epoch 0 and from mid-way
+    through epoch 1. Returns this rank's data-parallel rank, the steps of an epoch, the rows of each uninterrupted
+    step, and the rows of each resumed run by the step it resumed from (the test compares them across ranks)."""
+
+    def fit(ckpt_path: Path | None = None, callbacks: tuple = ()) -> tuple:
+        module = RecordRows()
+        strategy = AutoModelParallelStrategy(tp=tp)
+        run = trainer(strategy, max_steps=STEPS, callbacks=list(callbacks), enable_checkpointing=bool(callbacks))
+        run.fit(module, DemoDataModule(**DEMO), ckpt_path=ckpt_path)
+        return run, module.rows
+
+    run, whole = fit(callbacks=(ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1),))
+    per_epoch = run.num_training_batches
+    resumed = {
+        step: fit(ckpt_path=next(Path(directory).glob(f"*-step={step}.ckpt")))[1] for step in (per_epoch, per_epoch + 1)
+    }
+    dp_rank = run.strategy.distributed_sampler_kwargs["rank"]
+    return {"dp_rank": dp_rank, "per_epoch": per_epoch, "whole": whole, "resumed": resumed}

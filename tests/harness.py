@@ -93,6 +93,8 @@ def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240
                 failures.append(f"rank {rank}, check {name}:\n{value}")
             collected.setdefault(name, [None] * world_size)[rank] = value
         finished = not failures
+        if failures:
+            failures += _later_failures(results)
     finally:
         # After a failure or a timeout the other ranks may sit in a collective: don't wait for them.
         grace = 60 if finished else 0.5
@@ -101,11 +103,26 @@ def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240
             if process.is_alive():
                 process.kill()
     if failures:
-        pytest.fail("\n".join(failures))
+        exit_codes = [process.exitcode for process in processes]
+        pytest.fail("\n".join(failures) + f"\nexit codes of ranks 0..{world_size - 1}: {exit_codes}")
     crashed = [p.exitcode for p in processes if p.exitcode not in (0, -signal.SIGKILL)]
     if crashed:
         pytest.fail(f"ranks exited with codes {crashed} after reporting their results")
     return collected
+
+
+def _later_failures(results: Any, wait: float = 3.0) -> list[str]:
+    """Failures other ranks report just after the first: the first received is often a peer's "connection closed"
+    rather than the rank that caused it."""
+    failures, deadline = [], time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            rank, name, status, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            break
+        if status == "failed":
+            failures.append(f"rank {rank}, check {name}:\n{value}")
+    return failures
 
 
 def shared_directory() -> Path:

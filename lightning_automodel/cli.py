@@ -2,11 +2,11 @@
 
     lightning-automodel fit --config config.yaml        # validate, test and predict alike (LightningCLI)
     lightning-automodel fit --config config.yaml --print_config
-    lightning-automodel plan --config config.yaml [--world_size 64]
+    lightning-automodel plan --config config.yaml [--world_size 64] [fit's overrides]
     lightning-automodel export CHECKPOINT --output DIR
 
 ``fit``/``validate``/``test``/``predict`` are Lightning's own LightningCLI over :class:`CausalLMModule` and any
-LightningDataModule (``TextDataModule`` and ``DemoDataModule`` by their short names). The Trainer's defaults
+LightningDataModule (``TextDataModule`` and ``DemoDataModule`` also by their short names). The Trainer's defaults
 differ from Lightning's in two ways: the strategy is ``AutoModelParallelStrategy`` (``"automodel"``), and the
 logger a CSVLogger, which the end-of-training summary draws its loss curve from.
 """
@@ -14,16 +14,14 @@ logger a CSVLogger, which the end-of-training summary draws its loss curve from.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Any
 
-import yaml
+import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_automodel.convert import convert
-from lightning_automodel.lm.data import TextDataModule
-from lightning_automodel.lm.module import CausalLMModule
+from lightning_automodel.lm import CausalLMModule  # the package also brings its data modules' short names
 from lightning_automodel.parallel.report import plan_report
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
@@ -43,11 +41,11 @@ def main(argv: list[str] | None = None) -> None:
         cli(argv)
 
 
-def cli(argv: list[str] | None = None, *, run: bool = True) -> LightningCLI:
+def cli(argv: list[str] | None = None, *, run: bool = True, cli_class: type[LightningCLI] = LightningCLI) -> Any:
     """Lightning's CLI over CausalLMModule and any data module, with this package's Trainer defaults."""
-    return LightningCLI(
+    return cli_class(
         CausalLMModule,
-        TextDataModule,
+        L.LightningDataModule,
         subclass_mode_data=True,
         trainer_defaults=TRAINER_DEFAULTS,
         args=argv,
@@ -60,30 +58,40 @@ def plan_command(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-automodel plan",
         description="Print what the config's strategy does to its model (plan, parameters and memory per rank)"
-        " without GPUs or weights: the model is built on the meta device and parallelized in a fake process group.",
+        " without GPUs or weights: the model is built on the meta device and parallelized in a fake process group."
+        " Options after --config are those of `fit` (--trainer.strategy.init_args.tp=8, ...).",
     )
     parser.add_argument("--config", required=True, help="the YAML config given to `lightning-automodel fit`")
     parser.add_argument("--world_size", type=int, help="ranks in all (default: the config's devices x num_nodes)")
-    args = parser.parse_args(argv)
-    print(plan_for_config(args.config, world_size=args.world_size))
+    args, overrides = parser.parse_known_args(argv)
+    print(plan_for_config(args.config, *overrides, world_size=args.world_size))
 
 
-def plan_for_config(path: str, *, world_size: int | None = None) -> Any:
-    """The plan report of a ``lightning-automodel fit`` config: its model on its strategy's mesh."""
-    with open(path) as file:
-        config = yaml.safe_load(file) or {}
-    trainer = config.get("trainer") or {}
-    strategy = _instantiate(trainer.get("strategy", "automodel"), default=AutoModelParallelStrategy)
+class _ConfigOnly(LightningCLI):
+    """Parses and instantiates a `fit` config as `fit` would, but builds no Trainer (whose accelerator this machine
+    may not have): the strategy, model and data are what the plan needs."""
+
+    def instantiate_trainer(self, **kwargs: Any) -> None:
+        return None
+
+
+def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -> Any:
+    """The plan report of a ``lightning-automodel fit`` config (with `fit`'s command-line overrides): its model on
+    its strategy's mesh."""
+    parsed = cli([f"--config={path}", *overrides], run=False, cli_class=_ConfigOnly)  # run=False: no subcommand
+    trainer = parsed.config_init["trainer"]
+    strategy = AutoModelParallelStrategy() if trainer["strategy"] == "automodel" else trainer["strategy"]
     if not isinstance(strategy, AutoModelParallelStrategy):
         raise ValueError(f"`plan` describes AutoModelParallelStrategy layouts; the config's strategy is {strategy!r}.")
     if world_size is None:
-        devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
-        if not isinstance(devices, int):
-            raise ValueError(f"trainer.devices is {devices!r}: pass --world_size, the number of ranks to plan for.")
-        world_size = devices * nodes
-    module = _instantiate(config.get("model") or {}, default=CausalLMModule)
+        if not isinstance(trainer["devices"], int):
+            raise ValueError(
+                f"trainer.devices is {trainer['devices']!r}: pass --world_size, the number of ranks to plan for."
+            )
+        world_size = trainer["devices"] * trainer["num_nodes"]
+    module = parsed.model
     needs_tokenizer = module.hparams.model is None and "vocab_size" not in (module.hparams.config or {})
-    tokenizer = _instantiate(config["data"], default=TextDataModule).tokenizer if needs_tokenizer else None
+    tokenizer = getattr(parsed.datamodule, "tokenizer", None) if needs_tokenizer else None
     model = module.build_model(tokenizer, meta=True)
     return plan_report(model, strategy.parallel_dims.resolve(world_size), sp=strategy.sp, tp_plan=strategy.tp_plan)
 
@@ -107,19 +115,6 @@ def export_command(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     convert(args.checkpoint, args.output, config=args.config, model_class=args.model_class)
     print(f"wrote {args.output}")
-
-
-def _instantiate(spec: Any, *, default: type) -> Any:
-    """An object from a config entry: a registered strategy name, ``{class_path, init_args}``, or the init
-    arguments of ``default``. Short class paths are looked up in this package, as LightningCLI does for
-    subclasses it knows."""
-    if isinstance(spec, str):
-        return default() if spec == "automodel" else spec
-    if "class_path" not in spec:
-        return default(**spec)
-    module_name, _, name = spec["class_path"].rpartition(".")
-    module = importlib.import_module(module_name or "lightning_automodel.lm")
-    return getattr(module, name)(**(spec.get("init_args") or {}))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def convert(
     Args:
         config: a Hugging Face model directory describing the model (its tokenizer is copied too). Not needed for
             checkpoints of :class:`~lightning_automodel.lm.CausalLMModule`, which record their config, tokenizer
-            and LoRA settings; their LoRA adapters are merged into the weights.
+            and LoRA settings. Recorded LoRA adapters are merged into the weights.
         model_class: a transformers class name (default: the config's first architecture).
     """
     import transformers
@@ -57,11 +57,11 @@ def convert(
     cls = getattr(transformers, model_class or (hf_config.architectures or ["AutoModelForCausalLM"])[0])
     with torch.device("meta"):
         model = cls.from_config(hf_config) if cls.__name__.startswith("Auto") else cls(hf_config)
-    lora = None if config is not None else (metadata.get("hyper_parameters") or {}).get("lora")
+    lora = (metadata.get("hyper_parameters") or {}).get("lora")  # recorded by CausalLMModule
     if lora is not None:
-        from peft import LoraConfig, get_peft_model
+        from lightning_automodel.lm.module import with_lora
 
-        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+        model = with_lora(model, lora)
     _load_weights(model, checkpoint)
     if lora is not None:
         model = model.merge_and_unload()
@@ -70,16 +70,16 @@ def convert(
         if config is not None:
             if any((Path(config) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
                 transformers.AutoTokenizer.from_pretrained(config).save_pretrained(staging)
-        for name, text in (metadata.get("tokenizer_files") or {}).items():
-            (Path(staging) / name).write_text(text)
+        for name, content in (metadata.get("tokenizer_files") or {}).items():
+            (Path(staging) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(staging) / name).write_bytes(content)
 
 
 def _metadata(checkpoint: Path) -> dict[str, Any]:
     path = checkpoint / _METADATA
     if not path.is_file():
         raise ValueError(f"{checkpoint} is not a sharded Lightning checkpoint (no {_METADATA} in it).")
-    # A checkpoint this user's own training wrote; it holds Lightning's loop and callback objects.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _load_weights(model: nn.Module, checkpoint: Path) -> None:

@@ -348,22 +348,23 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         return _sync_ddp_if_available(_to_local(tensor), group, reduce_op=reduce_op)
 
     @override
-    def on_predict_start(self) -> None:
+    def process_dataloader(self, dataloader: object) -> object:
         """Every rank must take part in every forward pass of a sharded model, and Lightning deals predict batches
         unevenly (no padding, so that each row is predicted once): a rank with a batch more would wait for its
-        peers forever. Refuse that on every rank, before the first batch."""
+        peers forever. Refuse that on every rank before the first batch (this hook runs before the predict loop
+        could leave a rank without batches)."""
         assert self.lightning_module is not None
-        counts = torch.tensor(self.lightning_module.trainer.num_predict_batches, device=self.root_device)
-        gathered = [torch.zeros_like(counts) for _ in range(self.world_size)]
-        torch.distributed.all_gather(gathered, counts)
-        if any(not torch.equal(other, counts) for other in gathered):
-            raise ValueError(
-                f"predict: the ranks hold different numbers of batches ({[c.tolist() for c in gathered]}), and a"
-                " sharded model needs every rank in every forward pass. Give the predict DataLoader a"
-                " DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=False) from"
-                " trainer.distributed_sampler_kwargs (it pads by repeating rows), or make the number of rows a"
-                " multiple of the data-parallel size times the batch size."
-            )
+        if self.lightning_module.trainer.predicting and self.world_size > 1 and hasattr(dataloader, "__len__"):
+            counts = [0] * self.world_size
+            torch.distributed.all_gather_object(counts, len(dataloader))
+            if len(set(counts)) > 1:
+                raise ValueError(
+                    f"predict: the ranks hold different numbers of batches ({counts}), and a sharded model needs"
+                    " every rank in every forward pass. Give the predict DataLoader a DistributedSampler(dataset,"
+                    " shuffle=False, **trainer.distributed_sampler_kwargs) (it pads by repeating rows), or make the"
+                    " number of rows a multiple of the data-parallel size times the batch size."
+                )
+        return dataloader
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -81,7 +81,7 @@ def reference_metrics(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> 
 def check_causal_lm_module(tp: int, sp: bool) -> dict:
     """3 steps of CausalLMModule (meta init, AdamW with decay groups, warm-up then cosine) on padded rows match a
     single process: the logged loss and accuracy at every step, every gradient, the weights, then validation's
-    loss, perplexity and accuracy over two uneven batches."""
+    loss, perplexity and accuracy over two uneven batches, and predict's per-sequence losses."""
     train = padded_rows(GLOBAL_BATCH, seed=1)  # an epoch of one step: every step sees the same global batch
     val = padded_rows(2 * GLOBAL_BATCH, seed=2)
     dp = dist.get_world_size() // tp
@@ -114,7 +114,20 @@ def check_causal_lm_module(tp: int, sp: bool) -> dict:
     }
     assert val_errors["val_loss"] < TRAINED_LOSS_TOLERANCE and val_errors["val_perplexity"] < TRAINED_LOSS_TOLERANCE
     assert val_errors["val_accuracy"] <= 1 / expected["tokens"].item(), (logged, expected)
-    return {**result, "train_accuracy": max(accuracy_errors), **val_errors, "val_loss_logged": logged["val_loss"]}
+    # predict: each sequence's summed loss and token count, under tp on vocabulary-sharded logits. Lightning deals
+    # rows r, r + dp, ... to data-parallel rank r.
+    outputs = fit.predict(module, val_loader)
+    predicted = torch.cat([output["loss_sum"] for output in outputs])
+    dp_rank = fit.strategy.distributed_sampler_kwargs["rank"]
+    with torch.no_grad():
+        logits = reference(input_ids=val["input_ids"], attention_mask=val["attention_mask"]).logits
+    targets = torch.nn.functional.pad(val["labels"][:, 1:], (0, 1), value=-100)
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    expected_sums = per_token.sum(1)[dp_rank::dp]
+    predict_error = ((predicted - expected_sums).abs().max() / expected_sums.abs().max()).item()
+    assert predict_error < TRAINED_LOSS_TOLERANCE, (predicted, expected_sums)
+    assert torch.equal(torch.cat([output["tokens"] for output in outputs]), (targets != -100).sum(1)[dp_rank::dp])
+    return {**result, "train_accuracy": max(accuracy_errors), **val_errors, "predict": predict_error}
 
 
 def reference_training(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> tuple[list, list, list]:
@@ -178,13 +191,12 @@ def check_predict_in_step_or_refused() -> dict:
 
     module = CausalLMModule(config=tiny_config("llama", vocab_size=320).to_dict())
     predict = trainer(AutoModelParallelStrategy())
-    uneven = DataLoader(Rows(padded_rows(5, seed=3)), batch_size=1)
     try:
-        predict.predict(module, uneven)
+        predict.predict(module, DataLoader(Rows(padded_rows(5, seed=3)), batch_size=1))
         raise AssertionError("uneven predict batches were not refused")
     except ValueError as error:
         message = str(error)
-    assert "different numbers of batches ([[3], [2]])" in message, message
+    assert "different numbers of batches ([3, 2])" in message, message
     data = DemoDataModule(seq_len=16, batch_size=2, num_documents=4, val_documents=3)
     outputs = predict.predict(module, datamodule=data)
     rows = sum(len(output["tokens"]) for output in outputs)

@@ -58,6 +58,14 @@ def test_demo_learns(demo_run):
     output = (demo_run / "output.txt").read_text()
     assert "Training summary" in output and "val_accuracy" in output and "tokens/s" in output, output[-3000:]
     assert (demo_run / "lightning_logs/version_0/loss.png").stat().st_size > 10_000
+    # tp=2 on 2 ranks is one model replica: the throughput monitor reports it as one device, with no global figure
+    # doubling its tokens (Lightning's own would count the batch once per tp rank).
+    throughput = [row for row in rows if row["train/device/items_per_sec"]]
+    assert throughput and "train/items_per_sec" not in rows[0], sorted(rows[0])
+    tokens_per_step = float(throughput[-1]["train/device/items_per_sec"]) / float(
+        throughput[-1]["train/device/batches_per_sec"]
+    )
+    assert abs(tokens_per_step - 16 * 128) < 1e-6, tokens_per_step
 
 
 def test_export_holds_the_trained_weights(demo_run):
@@ -79,18 +87,18 @@ def test_export_holds_the_trained_weights(demo_run):
     assert abs(loss - logged) < 1e-4, (loss, logged)
 
 
-def test_plan_of_a_config():
-    """`plan` reads the same YAML as fit: the 8B example at tp=4 with sp x dp_shard=2, with no GPU."""
+def test_plan_of_a_config(no_pytest_argv):
+    """`plan` reads the same YAML and overrides as fit: the 8B example at tp=4 with sp x dp_shard=2, with no GPU
+    (the config asks for GPUs), then at another world size and tp."""
     report = str(plan_for_config(str(EXAMPLES / "llama_tp_fsdp.yaml")))
     assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=4)" in report
     assert "model.layers.*.mlp.down_proj             RowwiseParallel x32" in report
     assert "8,030,261,248 in all, 1,003,882,496 per rank (12.50%; ideal 1/8)" in report
-    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=8, cp=1, tp=4)" in str(
-        plan_for_config(str(EXAMPLES / "llama_tp_fsdp.yaml"), world_size=32)
-    )
+    other = plan_for_config(str(EXAMPLES / "llama_tp_fsdp.yaml"), "--trainer.strategy.init_args.tp=8", world_size=32)
+    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=8)" in str(other)
 
 
-def test_plan_takes_the_vocabulary_from_the_data(capsys):
+def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):
     """A config without vocab_size gets the tokenizer's, rounded up, as fit would."""
     report = plan_for_config(str(EXAMPLES / "demo.yaml"))
     assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)" in str(report)
@@ -105,25 +113,47 @@ def no_pytest_argv(monkeypatch):
 
 def test_print_config(capsys, no_pytest_argv):
     """Every option of the strategy, model and data is in the printed config, ready to edit."""
-    with pytest.raises(SystemExit):
-        cli(["fit", f"--config={EXAMPLES / 'demo.yaml'}", "--trainer.strategy.init_args.tp=1", "--print_config"])
+    overrides = ["--trainer.strategy.init_args.tp=1", "--trainer.strategy.init_args.sp=false"]
+    with pytest.raises(SystemExit) as exit:
+        cli(["fit", f"--config={EXAMPLES / 'demo.yaml'}", *overrides, "--print_config"])
+    assert exit.value.code == 0
     printed = capsys.readouterr().out
-    for line in (
+    expected = (
         "class_path: lightning_automodel.AutoModelParallelStrategy",
         "tp: 1",
-        "sp: true",
+        "sp: false",
         "activation_checkpointing: false",
         "warmup_steps: 10",
         "class_path: lightning_automodel.lm.DemoDataModule",
-    ):
+    )
+    for line in expected:
         assert line in printed, printed
 
 
 def test_every_example_config_parses(no_pytest_argv):
-    """The example configs name real options (a typo would fail only when someone launches them)."""
+    """The example configs name real options (a typo would fail only when someone launches them), and a typo is
+    caught: parsing exits with an error code."""
     for config in EXAMPLES.glob("*.yaml"):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exit:
             cli(["fit", f"--config={config}", "--print_config"])
+        assert exit.value.code == 0, config
+    with pytest.raises(SystemExit) as exit:
+        cli(["fit", f"--config={EXAMPLES / 'demo.yaml'}", "--trainer.strategy.init_args.tq=2", "--print_config"])
+    assert exit.value.code != 0
+
+
+def test_any_data_module(no_pytest_argv):
+    """The CLI takes any LightningDataModule, not only this package's."""
+    with pytest.raises(SystemExit) as exit:
+        cli(
+            [
+                "fit",
+                f"--config={EXAMPLES / 'demo.yaml'}",
+                "--data=lightning.pytorch.demos.boring_classes.BoringDataModule",
+                "--print_config",
+            ]
+        )
+    assert exit.value.code == 0
 
 
 def commonest_byte_share() -> float:

@@ -26,13 +26,15 @@ def test_lora_export_and_predict():
 
 
 def test_learning_rate_schedule():
-    """Warm-up rises linearly to the peak; cosine and linear decay reach min_lr_ratio at the last step."""
-    factor = dict(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    """Warm-up rises linearly to the peak; cosine and linear decay reach min_lr_ratio at the last step LambdaLR
+    runs (step total_steps - 1)."""
+    factor = dict(warmup_steps=4, total_steps=15, min_lr_ratio=0.1)
     assert [learning_rate_factor(s, schedule="cosine", **factor) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
     assert learning_rate_factor(4, schedule="cosine", **factor) == 1.0
     assert math.isclose(learning_rate_factor(9, schedule="cosine", **factor), 0.55)
     assert math.isclose(learning_rate_factor(9, schedule="linear", **factor), 0.55)
     assert math.isclose(learning_rate_factor(14, schedule="cosine", **factor), 0.1)
+    assert math.isclose(learning_rate_factor(14, schedule="linear", **factor), 0.1)
     assert learning_rate_factor(100, schedule="constant", **factor) == 1.0
 
 

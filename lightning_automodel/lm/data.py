@@ -12,6 +12,7 @@ same rows), so a resume is exact in any epoch.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
@@ -283,8 +284,14 @@ class TextDataModule(L.LightningDataModule):
         self.val_fraction = val_fraction
         self.num_workers = num_workers
         self.seed = seed
-        self.tokenizer = _load_tokenizer(tokenizer)
+        self.tokenizer_path = tokenizer
         self.datasets: dict[str, TokenRows] = {}
+
+    @functools.cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """Loaded at first use, not at construction: a config can be read (``--print_config``, ``plan``) on a
+        machine without the tokenizer's files."""
+        return _load_tokenizer(self.tokenizer_path)
 
     def setup(self, stage: str) -> None:
         for split in _STAGE_SPLITS[stage]:
@@ -323,7 +330,7 @@ class TextDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         rows = self.datasets["train"]
-        return self._loader(rows, sampler=_SeededShuffle(rows, self.seed, **self._data_parallel_place()))
+        return self._loader(rows, sampler=_SeededShuffle(rows, self.seed, **data_parallel_place(self.trainer)))
 
     def val_dataloader(self) -> StatefulDataLoader | list:
         rows = self.datasets.get("val")
@@ -335,18 +342,20 @@ class TextDataModule(L.LightningDataModule):
     def predict_dataloader(self) -> StatefulDataLoader:
         # Lightning deals predict rows unevenly, and a sharded model needs every rank in every forward pass: a
         # padded split (up to dp - 1 rows predicted twice, as in validation) keeps the ranks in step.
-        rows, place = self.datasets["test"], self._data_parallel_place()
+        rows, place = self.datasets["test"], data_parallel_place(self.trainer)
         sampler = DistributedSampler(rows, shuffle=False, **place) if place.get("num_replicas", 1) > 1 else None
         return self._loader(rows, sampler=sampler)
 
-    def _data_parallel_place(self) -> dict[str, int]:
-        """This rank's data-parallel rank and size, from the strategy: tensor-parallel peers share a place, so they
-        read the same rows (the strategy's world size and global rank would deal them different rows)."""
-        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
-        return {"num_replicas": kwargs["num_replicas"], "rank": kwargs["rank"]} if kwargs else {}
-
     def _loader(self, rows: TokenRows, sampler: Sampler | None = None) -> StatefulDataLoader:
         return StatefulDataLoader(rows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
+
+
+def data_parallel_place(trainer: L.Trainer | None) -> dict[str, int]:
+    """This rank's data-parallel ``rank`` and the data-parallel size ``num_replicas``, from the strategy
+    (``{}`` outside a distributed run). Tensor-parallel peers share a place: they read the same rows, and count as
+    one replica (the strategy's world size and global rank would deal them different rows)."""
+    kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
+    return {"num_replicas": kwargs["num_replicas"], "rank": kwargs["rank"]} if kwargs else {}
 
 
 def _load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:

@@ -34,7 +34,7 @@ from lightning_automodel.strategy import AutoModelParallelStrategy
 
 Schedule = Literal["cosine", "linear", "constant"]
 _STAGES = ("train", "val", "test")
-_VOCAB_MULTIPLE = 64  # a vocabulary sized from a tokenizer is rounded up so that any tp up to 64 divides it
+_VOCAB_MULTIPLE = 64  # a vocabulary sized from a tokenizer is rounded up so that tp = 2, 4, ..., 64 divide it
 
 
 class CausalLMModule(L.LightningModule):
@@ -53,7 +53,7 @@ class CausalLMModule(L.LightningModule):
             ``Trainer(precision=...)``'s.
         learning_rate, weight_decay, betas: AdamW's; weight decay applies to matrices only, not to norms and
             biases.
-        warmup_steps: steps of linear warm-up from 0 to ``learning_rate``.
+        warmup_steps: steps of linear warm-up to ``learning_rate``.
         schedule: the decay after warm-up, to ``min_lr_ratio * learning_rate`` at the last step
             (``Trainer(max_steps=...)`` or the epochs' steps).
     """
@@ -103,8 +103,8 @@ class CausalLMModule(L.LightningModule):
         # Metrics reduce over the data-parallel ranks: tp peers hold the same numbers and must count once.
         mesh = self.device_mesh
         group = reduction_mesh(mesh).get_group() if mesh is not None else None
-        for stage in _STAGES:
-            metrics = getattr(self, f"{stage}_metrics").to(self.trainer.strategy.root_device)
+        for split in _STAGES:
+            metrics = getattr(self, f"{split}_metrics").to(self.trainer.strategy.root_device)
             for metric in metrics.values():
                 metric.process_group = group
 
@@ -239,31 +239,35 @@ class CausalLMModule(L.LightningModule):
                 overrides["vocab_size"] = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
             with torch.device("meta") if meta else nullcontext():
                 model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**overrides))
-        return _with_lora(model, hparams.lora) if hparams.lora is not None else model
+        return with_lora(model, hparams.lora) if hparams.lora is not None else model
 
 
 def learning_rate_factor(
     step: int, *, warmup_steps: int, total_steps: int, schedule: Schedule, min_lr_ratio: float
 ) -> float:
-    """The learning rate at ``step`` as a fraction of the peak: linear warm-up, then the schedule's decay."""
+    """The learning rate of optimizer step ``step`` (0 to ``total_steps - 1``, as LambdaLR counts them) as a
+    fraction of the peak: ``1 / (warmup_steps + 1)``, ..., rising linearly to 1 at step ``warmup_steps``, then the
+    schedule's decay, reaching ``min_lr_ratio`` at the last step."""
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps))
     decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
     return min_lr_ratio + (1 - min_lr_ratio) * decay
 
 
-def tokenizer_files(tokenizer: Any) -> dict[str, str]:
-    """The files ``save_pretrained`` writes for ``tokenizer``, as text: plain data, kept in a checkpoint's
-    metadata and written out again beside an export."""
+def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
+    """The files ``save_pretrained`` writes for ``tokenizer`` (relative path -> bytes): plain data, kept in a
+    checkpoint's metadata and written out again beside an export."""
     with tempfile.TemporaryDirectory() as directory:
         tokenizer.save_pretrained(directory)
-        return {path.name: path.read_text() for path in Path(directory).iterdir() if path.is_file()}
+        root = Path(directory)
+        return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*") if path.is_file()}
 
 
-def _with_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
+def with_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
+    """``model`` wrapped by PEFT with a causal-LM LoRA of these ``LoraConfig`` arguments."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as error:
@@ -272,4 +276,5 @@ def _with_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
 
 
 def _plain(tensor: Tensor) -> Tensor:
+    """A loss summed on vocabulary-sharded logits is a (replicated) DTensor; metrics take plain tensors."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -12,13 +12,15 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from lightning_automodel.lm.data import data_parallel_place
+
 _SHOWN = ("train_loss", "val_loss", "val_perplexity", "val_accuracy")
 
 
 class TrainingSummary(Callback):
     """At the end of ``fit``, on rank 0: final losses, perplexity and accuracy, tokens per second over the whole
-    run (every data-parallel rank's tokens, measured from the first step to the last), the checkpoints, and
-    ``loss.png`` beside the CSV logs (with matplotlib installed)."""
+    run (every data-parallel rank's tokens, from the first step to the end of fit, validation and checkpoint saves
+    included), the checkpoints, and ``loss.png`` beside the CSV logs (with matplotlib installed)."""
 
     def __init__(self) -> None:
         self._start: float | None = None
@@ -29,8 +31,7 @@ class TrainingSummary(Callback):
             self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1) if trainer.world_size > 1 else 1
-        self._tokens += batch["input_ids"].numel() * replicas
+        self._tokens += batch["input_ids"].numel() * data_parallel_place(trainer).get("num_replicas", 1)
 
     @rank_zero_only
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -12,16 +12,20 @@ import lightning as L
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
 
+from lightning_automodel.lm.data import data_parallel_place
+
 
 class ReplicaThroughputMonitor(ThroughputMonitor):
     """``ThroughputMonitor`` whose "device" metrics are one model replica's and whose MFU is over its GPUs."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        replicas = trainer.distributed_sampler_kwargs["num_replicas"] if trainer.distributed_sampler_kwargs else 1
+        replicas = data_parallel_place(trainer).get("num_replicas", 1)
         ranks_per_replica = trainer.world_size // replicas
         if ranks_per_replica == 1:
             return
+        if not isinstance(getattr(self, "_throughputs", None), dict):  # Lightning's, private: fail loudly if it moves
+            raise RuntimeError("ReplicaThroughputMonitor does not know this Lightning version's ThroughputMonitor.")
         if self.available_flops is not None:
             self.available_flops *= ranks_per_replica
         for running_stage in self._throughputs:

@@ -27,14 +27,18 @@ def global_token_mean(loss_sum: Tensor, num_tokens: Tensor | int, device_mesh: D
     result is ``loss_sum / global_tokens * dp``, where ``dp`` is the number of ranks FSDP averages gradients over
     (dp_replicate x dp_shard x cp): the averaged gradients are those of the global mean, and the mean of the
     results over those ranks is the global mean loss, which ``self.log(..., sync_dist=True)`` reports.
-    Without a mesh (one process, or a strategy that builds none) it is the mean over this rank's tokens.
+    Without a mesh (a strategy that builds none, such as DDP) every rank is a data-parallel rank; in one process
+    it is the mean over this process's tokens.
     """
-    if device_mesh is None:
-        return loss_sum / torch.as_tensor(num_tokens, device=loss_sum.device).clamp_min(1)
-    mesh = reduction_mesh(device_mesh)
-    total = torch.as_tensor(num_tokens, dtype=torch.float32, device=device_mesh.device_type).detach().clone()
-    dist.all_reduce(total, group=mesh.get_group())
-    return loss_sum * (mesh.size() / total.clamp_min(1))
+    total = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device).detach().clone()
+    if device_mesh is not None:
+        group, size = reduction_mesh(device_mesh).get_group(), reduction_mesh(device_mesh).size()
+    elif dist.is_available() and dist.is_initialized():
+        group, size = None, dist.get_world_size()
+    else:
+        return loss_sum / total.clamp_min(1)
+    dist.all_reduce(total, group=group)
+    return loss_sum * (size / total.clamp_min(1))
 
 
 def causal_lm_loss(

@@ -16,16 +16,15 @@ from transformers import AutoTokenizer
 
 from lightning_automodel.lm.data import (
     IGNORE_INDEX,
-    DemoDataModule,
     TextDataModule,
-    _SeededShuffle,
-    demo_documents,
     expand_files,
     pack_rows,
     pad_rows,
     read_documents,
     split_documents,
 )
+from lightning_automodel.lm.demo import DemoDataModule, demo_documents
+from lightning_automodel.lm.sampler import ResumableShuffle
 from lightning_automodel.lm.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokenizer
 
 TEXTS = ["hello world", "héllo wörld, 日本語 🎉", "  leading spaces\n\ttabs\r\n", "\x00\x7f\xff", "a<eos>b", ""]
@@ -292,7 +291,7 @@ def test_shuffle_depends_on_seed_and_epoch_only():
 def test_shuffle_deals_each_rank_what_a_distributed_sampler_would(size, num_replicas):
     """Same seed and epoch, same rows per rank as torch's DistributedSampler, padding included."""
     for rank in range(num_replicas):
-        ours = _SeededShuffle(range(size), seed=3, num_replicas=num_replicas, rank=rank)
+        ours = ResumableShuffle(range(size), seed=3, num_replicas=num_replicas, rank=rank)
         torchs = DistributedSampler(range(size), num_replicas=num_replicas, rank=rank, seed=3)
         ours.set_epoch(2)
         torchs.set_epoch(2)
@@ -302,9 +301,11 @@ def test_shuffle_deals_each_rank_what_a_distributed_sampler_would(size, num_repl
 @pytest.mark.parametrize("num_replicas", [1, 3])
 def test_shuffle_resumed_at_another_data_parallel_size_reads_the_rest_of_the_epoch(num_replicas):
     """Saved after 3 rows on each of 2 ranks (6 rows read together), resumed on 1 or 3 ranks."""
-    saved = [iter(_SeededShuffle(range(12), seed=0, num_replicas=2, rank=rank)) for rank in (0, 1)]
+    saved = [iter(ResumableShuffle(range(12), seed=0, num_replicas=2, rank=rank)) for rank in (0, 1)]
     read = [next(iterator) for _ in range(3) for iterator in saved]
-    resumed = [iter(_SeededShuffle(range(12), seed=0, num_replicas=num_replicas, rank=r)) for r in range(num_replicas)]
+    resumed = [
+        iter(ResumableShuffle(range(12), seed=0, num_replicas=num_replicas, rank=r)) for r in range(num_replicas)
+    ]
     for iterator in resumed:
         iterator.load_state_dict(saved[0].state_dict())
     assert sorted(read + [row for iterator in resumed for row in iterator]) == list(range(12))

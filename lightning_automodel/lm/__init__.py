@@ -1,6 +1,7 @@
 """The ready-made product over the strategy: a LightningModule for causal LMs, data modules, a byte tokenizer."""
 
-from lightning_automodel.lm.data import DemoDataModule, TextDataModule
+from lightning_automodel.lm.data import TextDataModule
+from lightning_automodel.lm.demo import DemoDataModule
 from lightning_automodel.lm.module import CausalLMModule
 from lightning_automodel.lm.summary import TrainingSummary, plot_losses
 from lightning_automodel.lm.tokenizer import byte_tokenizer

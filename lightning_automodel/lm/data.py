@@ -17,7 +17,6 @@ import glob
 import json
 import math
 import os
-import random
 import re
 from collections.abc import Iterator, Sequence
 from itertools import chain
@@ -28,6 +27,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lightning_automodel.lm.sampler import ResumableShuffle
 from lightning_automodel.lm.tokenizer import byte_tokenizer
 
 IGNORE_INDEX = -100
@@ -181,63 +181,6 @@ def _overlapping_chunks(tokens: list[int], seq_len: int) -> list[list[int]]:
     return [tokens[start : start + seq_len] for start in range(0, max(len(tokens) - 1, 1), seq_len - 1)]
 
 
-class _SeededShuffle(DistributedSampler):
-    """This rank's share of a shuffle that is a pure function of (seed, epoch), and that resumes exactly.
-
-    The order is DistributedSampler's: a seeded permutation, padded by repeating its start to a multiple of the
-    data-parallel size and dealt out round-robin. Being a DistributedSampler, Lightning keeps it on several
-    processes instead of swapping in its own, which does not save its epoch. Lightning calls ``set_epoch`` before
-    each epoch, but on resume it builds the loader's iterator before that call, so the iterator saves its own epoch
-    and position and the StatefulDataLoader restores them.
-    """
-
-    def __init__(self, data_source: Dataset, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
-        super().__init__(data_source, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-
-    def __iter__(self) -> _ShuffleIterator:
-        return _ShuffleIterator(self, self.epoch)
-
-    def order(self, epoch: int) -> list[int]:
-        """The indices this rank reads in ``epoch``."""
-        permutation = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
-        padded = permutation.tolist() * math.ceil(self.total_size / len(permutation))
-        return padded[self.rank : self.total_size : self.num_replicas]
-
-
-class _ShuffleIterator(Iterator[int]):
-    """One epoch of ``_SeededShuffle``; torchdata's Stateful protocol (state_dict/load_state_dict) saves it.
-
-    The position is saved as the rows all data-parallel ranks have read together, so that a resume at another
-    data-parallel size continues at the same place in the epoch's permutation (exactly, when it divides that count).
-    A state saved after an epoch's last row restores the start of the next epoch: resuming from it, Lightning reads
-    the next epoch from the restored iterator (an exhausted one would make that epoch empty and skip its rows).
-    """
-
-    def __init__(self, sampler: _SeededShuffle, epoch: int) -> None:
-        self.sampler = sampler
-        self._start(epoch, yielded=0)
-
-    def _start(self, epoch: int, yielded: int) -> None:
-        self.epoch = epoch
-        self.yielded = yielded
-        self.order = self.sampler.order(epoch)
-
-    def __next__(self) -> int:
-        if self.yielded == len(self.order):
-            raise StopIteration
-        self.yielded += 1
-        return self.order[self.yielded - 1]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "rows_read": self.yielded * self.sampler.num_replicas}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        epoch, yielded = state_dict["epoch"], state_dict["rows_read"] // self.sampler.num_replicas
-        self._start(epoch, yielded)
-        if yielded >= len(self.order):
-            self._start(epoch + 1, yielded=0)
-
-
 # ----------------------------------------------------------------------------------------------------- modules
 
 
@@ -330,7 +273,7 @@ class TextDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> StatefulDataLoader:
         rows = self.datasets["train"]
-        return self._loader(rows, sampler=_SeededShuffle(rows, self.seed, **data_parallel_place(self.trainer)))
+        return self._loader(rows, sampler=ResumableShuffle(rows, self.seed, **data_parallel_place(self.trainer)))
 
     def val_dataloader(self) -> StatefulDataLoader | list:
         rows = self.datasets.get("val")
@@ -368,89 +311,3 @@ def _load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:
         # Padding is masked out of the loss and the attention, so any id would do; EOS is the usual stand-in.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-# ----------------------------------------------------------------------------------------------------- demo
-
-
-class DemoDataModule(TextDataModule):
-    """A small synthetic corpus generated in code (no files, no downloads), deterministic in ``seed``.
-
-    The documents are fables from one story template ("Once upon a time, a brown fox lived by the river. ..."),
-    counting in words, additions, and the days of the week or months of the year from a random start. Most bytes
-    are predictable from context (word endings, the template, names repeated within a story, the next number or
-    day) while some are not (which animal, which food), so learning is visible within a few dozen steps.
-    Measured: a tiny Llama (hidden 128, 2 layers, byte vocabulary; AdamW, lr 3e-3, cosine) trained for 150 steps
-    of 16 x 128 tokens goes from loss 5.6 to 0.7 and predicts 78% of the validation bytes (always guessing the
-    commonest byte, a space, gets 20%), in about 10 s on 2 idle CPU cores.
-    """
-
-    def __init__(
-        self,
-        seq_len: int = 128,
-        batch_size: int = 16,
-        pack: bool = True,
-        num_documents: int = 4000,
-        val_documents: int = 200,
-        num_workers: int = 0,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(
-            train_files=[], seq_len=seq_len, batch_size=batch_size, pack=pack, num_workers=num_workers, seed=seed
-        )
-        self.num_documents = num_documents
-        self.val_documents = val_documents
-
-    def documents(self, split: str) -> list[str]:
-        documents = demo_documents(self.num_documents + self.val_documents, self.seed)
-        return documents[: self.num_documents] if split == "train" else documents[self.num_documents :]
-
-
-_NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()
-_NUMBERS += "sixteen seventeen eighteen nineteen twenty".split()
-_DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
-_MONTHS = "January February March April May June July August September October November December".split()
-_ANIMALS = "fox owl cat dog bear frog duck mouse rabbit goat".split()
-_ADJECTIVES = "red brown grey white black green little big".split()
-_PLACES = ["the river", "the old barn", "the green hill", "the dark forest", "the pond", "the sea"]
-_FOODS = "apples bread fish honey seeds berries cheese".split()
-
-
-def demo_documents(count: int, seed: int) -> list[str]:
-    """``count`` demo documents drawn with ``random.Random(seed)``: the same seed always gives the same text."""
-    rng = random.Random(seed)
-    kinds = [_fable] * 5 + [_counting] * 2 + [_additions] * 2 + [_calendar]
-    return [rng.choice(kinds)(rng) for _ in range(count)]
-
-
-def _fable(rng: random.Random) -> str:
-    hero, friend = rng.sample(_ANIMALS, 2)
-    hero_adjective, friend_adjective = rng.sample(_ADJECTIVES, 2)
-    place, food = rng.choice(_PLACES), rng.choice(_FOODS)
-    return (
-        f"Once upon a time, a {hero_adjective} {hero} lived by {place}. Every day the {hero} ate {food}. "
-        f'One day the {hero} met a {friend_adjective} {friend}. The {friend} said: "Hello, {hero}! '
-        f'May I have some {food}?" The {hero} gave the {friend} some {food}, and the {hero} and the {friend} '
-        "became friends. The end."
-    )
-
-
-def _counting(rng: random.Random) -> str:
-    start = rng.randrange(0, 12)
-    stop = rng.randrange(start + 4, len(_NUMBERS))
-    return f"Let us count from {_NUMBERS[start]} to {_NUMBERS[stop]}: {', '.join(_NUMBERS[start : stop + 1])}."
-
-
-def _additions(rng: random.Random) -> str:
-    sums = []
-    for _ in range(rng.randrange(3, 7)):
-        a, b = rng.randrange(10), rng.randrange(10)
-        sums.append(f"{a} + {b} = {a + b}.")
-    return "Sums: " + " ".join(sums)
-
-
-def _calendar(rng: random.Random) -> str:
-    names, unit = rng.choice([(_DAYS, "day"), (_MONTHS, "month")])
-    start = rng.randrange(len(names))
-    run = [names[(start + i) % len(names)] for i in range(rng.randrange(4, len(names) + 1))]
-    return f"After {run[0]} comes {run[1]}. Every {unit} in order: {', '.join(run)}."

@@ -1,0 +1,66 @@
+"""The training order: a seeded shuffle dealt over the data-parallel ranks that a checkpoint resumes exactly."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+
+class ResumableShuffle(DistributedSampler):
+    """This rank's share of a shuffle that is a pure function of (seed, epoch), and that resumes exactly.
+
+    The order is DistributedSampler's: a seeded permutation, padded by repeating its start to a multiple of the
+    data-parallel size and dealt out round-robin. Being a DistributedSampler, Lightning keeps it on several
+    processes instead of swapping in its own, which does not save its epoch. Lightning calls ``set_epoch`` before
+    each epoch, but on resume it builds the loader's iterator before that call, so the iterator saves its own epoch
+    and position and the StatefulDataLoader restores them.
+    """
+
+    def __init__(self, data_source: Dataset, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(data_source, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+
+    def __iter__(self) -> _ShuffleIterator:
+        return _ShuffleIterator(self, self.epoch)
+
+    def order(self, epoch: int) -> list[int]:
+        """The indices this rank reads in ``epoch``."""
+        permutation = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+        padded = permutation.tolist() * math.ceil(self.total_size / len(permutation))
+        return padded[self.rank : self.total_size : self.num_replicas]
+
+
+class _ShuffleIterator(Iterator[int]):
+    """One epoch of ``ResumableShuffle``; torchdata's Stateful protocol (state_dict/load_state_dict) saves it.
+
+    The position is saved as the rows all data-parallel ranks have read together, so that a resume at another
+    data-parallel size continues at the same place in the epoch's permutation (exactly, when it divides that count).
+    A state saved after an epoch's last row restores the start of the next epoch: resuming from it, Lightning reads
+    the next epoch from the restored iterator (an exhausted one would make that epoch empty and skip its rows).
+    """
+
+    def __init__(self, sampler: ResumableShuffle, epoch: int) -> None:
+        self.sampler = sampler
+        self._start(epoch, yielded=0)
+
+    def _start(self, epoch: int, yielded: int) -> None:
+        self.epoch = epoch
+        self.yielded = yielded
+        self.order = self.sampler.order(epoch)
+
+    def __next__(self) -> int:
+        if self.yielded == len(self.order):
+            raise StopIteration
+        self.yielded += 1
+        return self.order[self.yielded - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "rows_read": self.yielded * self.sampler.num_replicas}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        epoch, yielded = state_dict["epoch"], state_dict["rows_read"] // self.sampler.num_replicas
+        self._start(epoch, yielded)
+        if yielded >= len(self.order):
+            self._start(epoch + 1, yielded=0)

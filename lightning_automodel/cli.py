@@ -78,7 +78,10 @@ class _ConfigOnly(LightningCLI):
 def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -> Any:
     """The plan report of a ``lightning-automodel fit`` config (with `fit`'s command-line overrides): its model on
     its strategy's mesh."""
-    parsed = cli([f"--config={path}", *overrides], run=False, cli_class=_ConfigOnly)  # run=False: no subcommand
+    # run=False: no subcommand. No seeding: seed_everything would seed this process and export PL_GLOBAL_SEED,
+    # which every later Trainer (and the processes it starts) would then re-seed from.
+    arguments = [f"--config={path}", *overrides, "--seed_everything=false"]
+    parsed = cli(arguments, run=False, cli_class=_ConfigOnly)
     trainer = parsed.config_init["trainer"]
     strategy = AutoModelParallelStrategy() if trainer["strategy"] == "automodel" else trainer["strategy"]
     if not isinstance(strategy, AutoModelParallelStrategy):

@@ -32,6 +32,10 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], results: Any, pg_timeout: float) -> None:
+    # A LightningCLI run in the pytest process (seed_everything) exports a global seed that every Trainer here would
+    # re-seed from, overriding the seeds the checks set: the workers start without it.
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        os.environ.pop(name, None)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",

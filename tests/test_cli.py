@@ -96,6 +96,8 @@ def test_plan_of_a_config(no_pytest_argv):
     assert "8,030,261,248 in all, 1,003,882,496 per rank (12.50%; ideal 1/8)" in report
     other = plan_for_config(str(EXAMPLES / "llama_tp_fsdp.yaml"), "--trainer.strategy.init_args.tp=8", world_size=32)
     assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=8)" in str(other)
+    # The config's seed_everything must not seed this process: Lightning would re-seed every later run from it.
+    assert "PL_GLOBAL_SEED" not in os.environ
 
 
 def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):

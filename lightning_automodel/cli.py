@@ -22,7 +22,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_automodel.convert import convert
 from lightning_automodel.lm import CausalLMModule  # the package also brings its data modules' short names
-from lightning_automodel.parallel.report import plan_report
+from lightning_automodel.parallel.report import PlanReport, plan_report
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
 TRAINER_DEFAULTS = {
@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
         cli(argv)
 
 
-def cli(argv: list[str] | None = None, *, run: bool = True, cli_class: type[LightningCLI] = LightningCLI) -> Any:
+def cli(
+    argv: list[str] | None = None, *, run: bool = True, cli_class: type[LightningCLI] = LightningCLI
+) -> LightningCLI:
     """Lightning's CLI over CausalLMModule and any data module, with this package's Trainer defaults."""
     return cli_class(
         CausalLMModule,
@@ -75,7 +77,7 @@ class _ConfigOnly(LightningCLI):
         return None
 
 
-def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -> Any:
+def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -> PlanReport:
     """The plan report of a ``lightning-automodel fit`` config (with `fit`'s command-line overrides): its model on
     its strategy's mesh."""
     # run=False: no subcommand. No seeding: seed_everything would seed this process and export PL_GLOBAL_SEED,

@@ -67,9 +67,9 @@ def convert(
         model = model.merge_and_unload()
     with atomic_directory(output) as staging:
         model.save_pretrained(staging)
-        if config is not None:
-            if any((Path(config) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-                transformers.AutoTokenizer.from_pretrained(config).save_pretrained(staging)
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
+        if config is not None and any((Path(config) / name).is_file() for name in tokenizer_files):
+            transformers.AutoTokenizer.from_pretrained(config).save_pretrained(staging)
         for name, content in (metadata.get("tokenizer_files") or {}).items():
             (Path(staging) / name).parent.mkdir(parents=True, exist_ok=True)
             (Path(staging) / name).write_bytes(content)

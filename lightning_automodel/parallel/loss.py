@@ -32,7 +32,8 @@ def global_token_mean(loss_sum: Tensor, num_tokens: Tensor | int, device_mesh: D
     """
     total = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device).detach().clone()
     if device_mesh is not None:
-        group, size = reduction_mesh(device_mesh).get_group(), reduction_mesh(device_mesh).size()
+        mesh = reduction_mesh(device_mesh)
+        group, size = mesh.get_group(), mesh.size()
     elif dist.is_available() and dist.is_initialized():
         group, size = None, dist.get_world_size()
     else:

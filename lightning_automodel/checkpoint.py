@@ -8,6 +8,7 @@ vision tower in text-only training), so its saved state lacks entries that a fre
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,28 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_automodel.atomic_directory import unowned_entries
 from lightning_automodel.hf.initialization import copy_shard
 from lightning_automodel.parallel.styles import is_packed, packed_block_keys, packed_blocks
+
+
+def not_checkpoint_files(path: Path) -> list[str]:
+    """What stands at ``path`` that is not a Lightning checkpoint, so a save there must not replace it: anything
+    but a sharded checkpoint's files (``meta.pt``, ``.metadata``, ``*.distcp``) or a single-file checkpoint."""
+    if path.is_file() and not path.is_symlink():
+        return [] if _is_torch_save(path) else [path.name]
+    return unowned_entries(path, owned=lambda entry: entry.name in _SHARDED_FILES or entry.suffix == ".distcp")
+
+
+_SHARDED_FILES = (_METADATA_FILENAME, ".metadata")
+
+
+def _is_torch_save(path: Path) -> bool:
+    """Whether ``path`` is a file written by ``torch.save`` (a zip archive holding a ``data.pkl``)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/data.pkl") for name in archive.namelist())
 
 
 def split_packed(tree: Any) -> Any:

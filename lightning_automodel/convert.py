@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_automodel.atomic_directory import atomic_directory
+from lightning_automodel.hf.export import not_model_files
 from lightning_automodel.parallel.styles import packed_block_keys
 
 _WEIGHTS = "state_dict."
@@ -65,7 +66,7 @@ def convert(
     _load_weights(model, checkpoint)
     if lora is not None:
         model = model.merge_and_unload()
-    with atomic_directory(output) as staging:
+    with atomic_directory(output, unowned=not_model_files) as staging:
         model.save_pretrained(staging)
         tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
         if config is not None and any((Path(config) / name).is_file() for name in tokenizer_files):

@@ -8,6 +8,10 @@ consumers that span several axes:
 - "dp_shard_cp" = (dp_shard, cp): the FSDP shard group.
 - "dp_cp" = (dp_replicate, dp_shard, cp): loss, token-count and metric reduction.
 
+Two more carry the names Lightning's ModelParallelStrategy gives its 2D mesh, so that a LightningModule written for
+it, which parallelizes itself with ``self.device_mesh["data_parallel"]`` and ``["tensor_parallel"]``, runs
+unchanged: "data_parallel" = (dp_replicate, dp_shard), "tensor_parallel" = (tp,).
+
 Validation is a pure function of the sizes and the world size, so every rank raises the same error before any
 process group exists: a bad configuration can never leave one rank waiting in a collective.
 """
@@ -28,6 +32,8 @@ FLATTENED_AXES = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "data_parallel": ("dp_replicate", "dp_shard"),
+    "tensor_parallel": ("tp",),
 }
 
 Size = int | Literal["auto"]

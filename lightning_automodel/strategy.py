@@ -6,6 +6,7 @@ Hugging Face models inside the LightningModule and parallelizes them before any 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -35,13 +36,18 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_automodel.atomic_directory import atomic_directory
-from lightning_automodel.checkpoint import load_sharded_checkpoint, only_trainable, split_packed
+from lightning_automodel.atomic_directory import atomic_directory, check_save_path
+from lightning_automodel.checkpoint import (
+    load_sharded_checkpoint,
+    not_checkpoint_files,
+    only_trainable,
+    split_packed,
+)
 from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.hf.loading import materialize_pretrained, pretrained_checkpoint
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
-from lightning_automodel.parallel.checkpointing import ACMode
+from lightning_automodel.parallel.checkpointing import ACMode, validate_ac_mode
 from lightning_automodel.parallel.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.fsdp import validate_prefetch
 from lightning_automodel.parallel.grad_norm import clip_grad_norm_
@@ -97,6 +103,12 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             loop state; resuming takes the frozen rest from the model as built (its pretrained weights or seed).
         save_distributed_checkpoint, process_group_backend, timeout: as in Lightning's ModelParallelStrategy.
             ``timeout`` also bounds every sub-group of the mesh.
+        data_parallel_size, tensor_parallel_size: Lightning's ModelParallelStrategy names for ``dp_shard`` and
+            ``tp``, so that its configurations run unchanged (``tensor_parallel_size="auto"``: the devices of one
+            node, as there); giving both names with different values is an error.
+
+    Every argument but ``tp`` is keyword-only: ``AutoModelParallelStrategy(2, 2)`` would otherwise read as
+    Lightning's ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` yet mean something else.
     """
 
     strategy_name = "automodel"
@@ -104,6 +116,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
     def __init__(
         self,
         tp: int = 1,
+        *,
         sp: bool = False,
         dp_replicate: int = 1,
         dp_shard: int | Literal["auto"] = "auto",
@@ -121,18 +134,32 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        data_parallel_size: int | Literal["auto"] | None = None,
+        tensor_parallel_size: int | Literal["auto"] | None = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.parallel_dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+        _require_bools(
+            sp=sp,
+            allow_unsharded_linears=allow_unsharded_linears,
+            cpu_offload=cpu_offload,
+            save_trainable_only=save_trainable_only,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+        )
+        tp = _parent_size("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=1)
+        dp_shard = _parent_size("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset="auto")
+        self._tp_per_node = tensor_parallel_size == "auto"  # as in the parent: the devices of one node
+        self.parallel_dims = ParallelDims(
+            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=1 if self._tp_per_node else tp
+        )
         for name, size, issue in (("cp", cp, "context"), ("pp", pp, "pipeline")):
             if size > 1:
                 raise ValueError(f"{name}={size}: {issue} parallelism is not supported yet; set {name}=1.")
-        if sp and tp == 1:
-            raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
+        _require_tp_for_sp(sp=sp, tp=tp)
+        validate_ac_mode(activation_checkpointing)
         validate_prefetch(forward_prefetch, backward_prefetch)
         if save_trainable_only and not save_distributed_checkpoint:
             raise ValueError(
@@ -156,6 +183,9 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # Resolve and validate the sizes and precision before the first collective, identically on every rank.
+        if self._tp_per_node:
+            self.parallel_dims = dataclasses.replace(self.parallel_dims, tp=self.num_processes)
+            _require_tp_for_sp(sp=self.sp, tp=self.num_processes)
         self.parallel_dims = self.parallel_dims.resolve(self.num_nodes * self.num_processes)
         self._mixed_precision_policy()
         self._setup_distributed()
@@ -176,6 +206,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         # ModelParallelStrategy.setup, less its demand that configure_model parallelizes the model itself.
         assert self.model is not None
         assert self.accelerator is not None
+        _refuse_fsdp1(self.model)
         self.accelerator.setup(trainer)
 
         # "bf16-true"/"16-true" cast the module: do it before sharding, so FSDP shards and gathers the low-precision
@@ -278,10 +309,15 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Sharded checkpoints are written beside their path and swapped in once every rank has written its part:
-        a save that fails midway (a full disk, a killed job) leaves the previous checkpoint at that path whole."""
+        a save that fails midway (a full disk, a killed job) leaves the previous checkpoint at that path whole.
+
+        A save replaces a previous checkpoint at its path and nothing else: a path holding other files (a user's
+        folder, a dataset) is refused on every rank, where the parent would delete them or write among them."""
+        path = Path(self.broadcast(filepath))
         if not self._save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        with atomic_directory(self.broadcast(filepath)) as staging:
+            check_save_path(path, unowned=not_checkpoint_files)
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        with atomic_directory(path, unowned=not_checkpoint_files) as staging:
             super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
 
     @override
@@ -343,7 +379,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         """
         if not isinstance(tensor, Tensor):
             return tensor
-        if group is None:
+        if group is None and self._device_mesh is not None:  # before setup, as the parent: the world, if any
             group = reduction_mesh(self.device_mesh).get_group()
         return _sync_ddp_if_available(_to_local(tensor), group, reduce_op=reduce_op)
 
@@ -386,6 +422,30 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         )
 
 
+def _require_bools(**flags: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r}: {name} is a flag, True or False.")
+
+
+def _require_tp_for_sp(*, sp: bool, tp: int | Literal["auto"]) -> None:
+    if sp and tp == 1:
+        raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
+
+
+def _parent_size(parent_name: str, parent_value: Any, name: str, value: Any, *, unset: Any) -> Any:
+    """The size a user gave under Lightning's ModelParallelStrategy's name (``parent_name``) or ours (``name``);
+    giving both with different values is an error, not a guess. ``unset`` is our argument's default."""
+    if parent_value is None:
+        return value
+    if value != unset and value != parent_value:
+        raise ValueError(
+            f"{name}={value!r} and {parent_name}={parent_value!r} disagree: {parent_name} is Lightning's"
+            f" ModelParallelStrategy name for {name}. Give one of them."
+        )
+    return parent_value
+
+
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
     """The FSDP2 policy for a ``Trainer(precision=...)`` flag; an unsupported flag is an error that says what to use."""
     if precision not in _PRECISION_POLICIES:
@@ -405,6 +465,19 @@ def find_hf_models(module: nn.Module) -> list[nn.Module]:
         else:
             found.extend(find_hf_models(child))
     return found
+
+
+def _refuse_fsdp1(module: nn.Module) -> None:
+    """FSDP1 (``FullyShardedDataParallel``) wraps parameters in flat buffers that tensor parallel and FSDP2 cannot
+    shard underneath; refused as Lightning's ModelParallelStrategy refuses it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(child, FullyShardedDataParallel) for child in module.modules()):
+        raise TypeError(
+            f"{type(module).__name__} holds modules wrapped in torch.distributed.fsdp.FullyShardedDataParallel"
+            " (FSDP1). AutoModelParallelStrategy shards with FSDP2 itself: remove the wrapper and set dp_shard /"
+            " dp_replicate on the strategy, or apply FSDP2's fully_shard in configure_model yourself."
+        )
 
 
 def _is_parallelized(module: nn.Module) -> bool:

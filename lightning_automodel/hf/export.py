@@ -18,7 +18,36 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.atomic_directory import atomic_directory
+from lightning_automodel.atomic_directory import atomic_directory, unowned_entries
+
+# Files of a Hugging Face model directory besides the weights: what save_pretrained writes for a model, its
+# generation config, a PEFT adapter (with its model card) and the common tokenizers.
+_MODEL_DIRECTORY_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "adapter_config.json",
+        "README.md",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "tokenizer.model",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+
+
+def not_model_files(path: Path) -> list[str]:
+    """What stands at ``path`` that is not a Hugging Face model directory's, so an export there must not replace it."""
+    return unowned_entries(
+        path, owned=lambda entry: entry.name in _MODEL_DIRECTORY_FILES or entry.name.endswith(_WEIGHT_SUFFIXES)
+    )
 
 
 def export_peft_adapter(model: nn.Module, directory: str | os.PathLike) -> None:
@@ -30,8 +59,8 @@ def export_peft_adapter(model: nn.Module, directory: str | os.PathLike) -> None:
     """
     _require_peft(model)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    state = gather_full_state_dict(model, keys=lambda name: name in trainable or "lora_" in name)
-    with atomic_directory(directory) as staging:
+    with atomic_directory(directory, unowned=not_model_files) as staging:
+        state = gather_full_state_dict(model, keys=lambda name: name in trainable or "lora_" in name)
         if _is_writer():
             model.save_pretrained(staging, state_dict=state)
 
@@ -46,8 +75,8 @@ def export_merged(model: nn.Module, directory: str | os.PathLike) -> None:
     from peft import get_peft_model
 
     _require_peft(model)
-    state = gather_full_state_dict(model)
-    with atomic_directory(directory) as staging:
+    with atomic_directory(directory, unowned=not_model_files) as staging:
+        state = gather_full_state_dict(model)
         if not _is_writer():
             return
         base = model.get_base_model()
@@ -77,7 +106,7 @@ def export_hf(
     if hasattr(model, "peft_config"):
         raise TypeError("A PEFT model is exported with export_merged (one model) or export_peft_adapter (adapters).")
     names = checkpoint_names(model)
-    with atomic_directory(directory) as staging:
+    with atomic_directory(directory, unowned=not_model_files) as staging:
         shards = _ShardWriter(staging, max_shard_size) if _is_writer() else None
         failure = None
         for name, full in _full_tensors(model, select=names.__contains__):

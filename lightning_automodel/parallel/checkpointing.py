@@ -36,11 +36,15 @@ _ATTENTION_OPS = {
 _MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
+def validate_ac_mode(mode: ACMode | bool) -> None:
+    if mode not in (False, True, "full", "selective", "submodule") or not isinstance(mode, (bool, str)):
+        raise ValueError(f'activation_checkpointing={mode!r}: use False, True/"full", "selective" or "submodule".')
+
+
 def apply_activation_checkpointing(model: nn.Module, layers: Sequence[nn.Module], mode: ACMode | bool = "full") -> None:
     """Checkpoint each decoder layer in ``layers`` with ``mode`` (True means "full")."""
+    validate_ac_mode(mode)
     mode = "full" if mode is True else mode
-    if mode not in ("full", "selective", "submodule"):
-        raise ValueError(f'activation_checkpointing={mode!r}: use True/"full", "selective" or "submodule".')
     if not layers:
         raise ValueError(
             f"activation_checkpointing found no decoder layers in {type(model).__name__}: it needs a ModuleList of"

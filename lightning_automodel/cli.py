@@ -97,7 +97,7 @@ def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -
     module = parsed.model
     needs_tokenizer = module.hparams.model is None and "vocab_size" not in (module.hparams.config or {})
     tokenizer = getattr(parsed.datamodule, "tokenizer", None) if needs_tokenizer else None
-    model = module.build_model(tokenizer, meta=True)
+    model = module.build_model(tokenizer, meta=True, seq_len=getattr(parsed.datamodule, "seq_len", None))
     return plan_report(model, strategy.parallel_dims.resolve(world_size), sp=strategy.sp, tp_plan=strategy.tp_plan)
 
 

@@ -107,6 +107,11 @@ def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):
     assert report.total_parameters == 2 * 320 * 128 + 2 * (4 * 128 * 128 + 3 * 128 * 256 + 2 * 128) + 128
 
 
+def test_plan_refuses_rows_longer_than_the_positions(no_pytest_argv):
+    with pytest.raises(ValueError, match="seq_len=256 is longer than the model's max_position_embeddings=128"):
+        plan_for_config(str(EXAMPLES / "demo.yaml"), "--data.init_args.seq_len=256")
+
+
 @pytest.fixture
 def no_pytest_argv(monkeypatch):
     """LightningCLI warns when it is given args while sys.argv holds pytest's."""

@@ -8,6 +8,8 @@ import lightning as L
 import pytest
 import torch
 from harness import check_name, run_checks
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lm_checks import (
     check_bad_data_refused_on_every_rank,
     check_causal_lm_module,
@@ -18,7 +20,7 @@ from models import tiny_config
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
 
-from lightning_automodel.lm import CausalLMModule, DemoDataModule, byte_tokenizer
+from lightning_automodel.lm import CausalLMModule, DemoDataModule, StepProgressBar, byte_tokenizer
 from lightning_automodel.lm.limits import check_batch, check_seq_len
 from lightning_automodel.lm.module import learning_rate_factor
 
@@ -163,3 +165,29 @@ def test_batches_outside_the_vocabulary_are_refused_with_the_element(tmp_path):
     with pytest.raises(ValueError, match=r"input_ids\[1, 5\] is 200, outside the model's vocabulary"):
         trainer.fit(module, DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=2))
     assert trainer.global_step == 6
+
+
+class RecordTrainingBar(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int]] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        task = trainer.progress_bar_callback.train_progress_bar
+        self.seen.append((task.description.strip(), int(task.completed), int(task.total)))
+
+
+def test_step_progress_bar_counts_optimizer_steps_across_epochs(tmp_path):
+    """4 batches an epoch, 2 per optimizer step, max_steps=3: the bar reads "Step k/3", k the optimizer steps
+    taken, through both epochs (Lightning's reads "Epoch 0/-2" and counts each epoch's batches: 4 of 3, then 2
+    of 1). A run bounded by epochs keeps Lightning's bar."""
+    options = dict(limit_train_batches=4, limit_val_batches=0, enable_progress_bar=True, enable_checkpointing=False)
+    record = RecordTrainingBar()
+    trainer = small_trainer(
+        tmp_path, max_steps=3, accumulate_grad_batches=2, callbacks=[StepProgressBar(), record], **options
+    )
+    trainer.fit(BoringModel())
+    assert record.seen == [("Step", steps, 3) for steps in (0, 1, 1, 2, 2, 3)]
+    record = RecordTrainingBar()
+    trainer = small_trainer(tmp_path, max_steps=-1, max_epochs=1, callbacks=[StepProgressBar(), record], **options)
+    trainer.fit(BoringModel())
+    assert record.seen == [("Epoch 0/0", 1, 4), ("Epoch 0/0", 2, 4), ("Epoch 0/0", 3, 4), ("Epoch 0/0", 4, 4)]

@@ -19,9 +19,11 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -327,7 +329,18 @@ class TextDataModule(L.LightningDataModule):
         return self._loader(rows, sampler=sampler)
 
     def _loader(self, rows: TokenRows, sampler: Sampler | None = None) -> StatefulDataLoader:
-        return StatefulDataLoader(rows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
+        return QuietStatefulDataLoader(rows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
+
+
+class QuietStatefulDataLoader(StatefulDataLoader):
+    """torchdata's ``StatefulDataLoader`` without the warning its constructor causes: it calls ``torch.set_vital``,
+    which torch deprecated, a warning per process that only torchdata can act on. A class rather than a filter
+    around our call: Lightning rebuilds loaders to insert its distributed sampler, and it rebuilds this class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning, r"torchdata\.")
+            super().__init__(*args, **kwargs)
 
 
 def data_parallel_place(trainer: L.Trainer | None) -> dict[str, int]:

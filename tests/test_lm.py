@@ -176,18 +176,24 @@ class RecordTrainingBar(Callback):
         self.seen.append((task.description.strip(), int(task.completed), int(task.total)))
 
 
-def test_step_progress_bar_counts_optimizer_steps_across_epochs(tmp_path):
+def test_step_progress_bar_counts_optimizer_steps_across_epochs_and_resumes(tmp_path):
     """4 batches an epoch, 2 per optimizer step, max_steps=3: the bar reads "Step k/3", k the optimizer steps
     taken, through both epochs (Lightning's reads "Epoch 0/-2" and counts each epoch's batches: 4 of 3, then 2
-    of 1). A run bounded by epochs keeps Lightning's bar."""
-    options = dict(limit_train_batches=4, limit_val_batches=0, enable_progress_bar=True, enable_checkpointing=False)
-    record = RecordTrainingBar()
-    trainer = small_trainer(
-        tmp_path, max_steps=3, accumulate_grad_batches=2, callbacks=[StepProgressBar(), record], **options
-    )
-    trainer.fit(BoringModel())
-    assert record.seen == [("Step", steps, 3) for steps in (0, 1, 1, 2, 2, 3)]
-    record = RecordTrainingBar()
-    trainer = small_trainer(tmp_path, max_steps=-1, max_epochs=1, callbacks=[StepProgressBar(), record], **options)
-    trainer.fit(BoringModel())
-    assert record.seen == [("Epoch 0/0", 1, 4), ("Epoch 0/0", 2, 4), ("Epoch 0/0", 3, 4), ("Epoch 0/0", 4, 4)]
+    of 1). Resumed after step 2 of 4 one batch a step, it goes on at 3/4 (Lightning's: 3 of 2). A run bounded by
+    epochs keeps Lightning's bar."""
+    options = dict(limit_train_batches=4, limit_val_batches=0, enable_progress_bar=True)
+
+    def bar_of(ckpt_path=None, **kwargs):
+        record = RecordTrainingBar()
+        trainer = small_trainer(tmp_path, callbacks=[StepProgressBar(), record], **options, **kwargs)
+        trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+        return trainer, record.seen
+
+    _, seen = bar_of(max_steps=3, accumulate_grad_batches=2)
+    assert seen == [("Step", steps, 3) for steps in (0, 1, 1, 2, 2, 3)]
+    trainer, _ = bar_of(max_steps=2)
+    trainer.save_checkpoint(tmp_path / "step-2.ckpt")
+    _, seen = bar_of(tmp_path / "step-2.ckpt", max_steps=4)
+    assert seen == [("Step", 3, 4), ("Step", 4, 4)]
+    _, seen = bar_of(max_steps=-1, max_epochs=1)
+    assert seen == [("Epoch 0/0", 1, 4), ("Epoch 0/0", 2, 4), ("Epoch 0/0", 3, 4), ("Epoch 0/0", 4, 4)]

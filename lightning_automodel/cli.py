@@ -7,21 +7,25 @@
 
 ``fit``/``validate``/``test``/``predict`` are Lightning's own LightningCLI over :class:`CausalLMModule` and any
 LightningDataModule (``TextDataModule`` and ``DemoDataModule`` also by their short names). The Trainer's defaults
-differ from Lightning's in two ways: the strategy is ``AutoModelParallelStrategy`` (``"automodel"``), and the
-logger a CSVLogger, which the end-of-training summary draws its loss curve from.
+differ from Lightning's in three ways: the strategy is ``AutoModelParallelStrategy`` (``"automodel"``), the
+logger a CSVLogger, which the end-of-training summary draws its loss curve from, and the progress bar counts a
+``max_steps`` run in steps (:class:`StepProgressBar`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_automodel.convert import convert
 from lightning_automodel.lm import CausalLMModule  # the package also brings its data modules' short names
+from lightning_automodel.lm.progress import StepProgressBar
 from lightning_automodel.parallel.report import PlanReport, plan_report
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
@@ -35,14 +39,41 @@ def main(argv: list[str] | None = None) -> None:
     """``argv`` defaults to the command line (which LightningCLI then reads itself, as it prefers)."""
     given = sys.argv[1:] if argv is None else argv
     commands = {"plan": plan_command, "export": export_command}
+    _ignore_lightning_deprecations()
     if given and given[0] in commands:
         commands[given[0]](given[1:])
     else:
         cli(argv)
 
 
+def _ignore_lightning_deprecations() -> None:
+    """Lightning 2.6's data loop builds torch's deprecated ``LeafSpec``: a FutureWarning per process that only
+    Lightning can act on. The command owns its processes (those Lightning's launcher starts run this function too),
+    so it ignores that warning, matched by message, category and module, and no other."""
+    warnings.filterwarnings(
+        "ignore",
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        FutureWarning,
+        r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
+class AutomodelCLI(LightningCLI):
+    """LightningCLI whose Trainer gets a :class:`StepProgressBar` unless the config brings a progress bar of its own
+    or turns the bar off."""
+
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        section = self.config_init.get(str(self.subcommand), self.config_init)
+        trainer = {**section.get("trainer", {}), **kwargs}
+        callbacks = trainer.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
+
 def cli(
-    argv: list[str] | None = None, *, run: bool = True, cli_class: type[LightningCLI] = LightningCLI
+    argv: list[str] | None = None, *, run: bool = True, cli_class: type[LightningCLI] = AutomodelCLI
 ) -> LightningCLI:
     """Lightning's CLI over CausalLMModule and any data module, with this package's Trainer defaults."""
     return cli_class(
@@ -69,9 +100,14 @@ def plan_command(argv: list[str]) -> None:
     print(plan_for_config(args.config, *overrides, world_size=args.world_size))
 
 
-class _ConfigOnly(LightningCLI):
+class _ConfigOnly(AutomodelCLI):
     """Parses and instantiates a `fit` config as `fit` would, but builds no Trainer (whose accelerator this machine
     may not have): the strategy, model and data are what the plan needs."""
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: list[str]) -> None:
+        # The arguments are the ones `plan` builds, while sys.argv holds the `plan` command line: Lightning's warning
+        # against giving both guards a CLI that could have meant to read sys.argv, which this one never does.
+        self.config = parser.parse_args(args)
 
     def instantiate_trainer(self, **kwargs: Any) -> None:
         return None
@@ -97,7 +133,7 @@ def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -
     module = parsed.model
     needs_tokenizer = module.hparams.model is None and "vocab_size" not in (module.hparams.config or {})
     tokenizer = getattr(parsed.datamodule, "tokenizer", None) if needs_tokenizer else None
-    model = module.build_model(tokenizer, meta=True)
+    model = module.build_model(tokenizer, meta=True, seq_len=getattr(parsed.datamodule, "seq_len", None))
     return plan_report(model, strategy.parallel_dims.resolve(world_size), sp=strategy.sp, tp_plan=strategy.tp_plan)
 
 

@@ -206,3 +206,34 @@ def check_predict_in_step_or_refused() -> dict:
     loops = (predict.validate_loop, predict.test_loop, predict.predict_loop)
     assert not any(loop.inference_mode for loop in loops)
     return {"refused": message[:60], "rows_predicted_here": rows}
+
+
+def check_bad_data_refused_on_every_rank(tp: int) -> dict:
+    """Data the model cannot take, refused before the first step: a tokenizer larger than the vocabulary, rows
+    longer than the positions, a validation file that is not UTF-8. Every rank must raise (one raising alone would
+    leave the others waiting in a collective); returns each refusal's message, with DIR for this rank's files."""
+    import tempfile
+    from pathlib import Path
+
+    from lightning_automodel.lm import DemoDataModule, TextDataModule
+
+    directory = Path(tempfile.mkdtemp(prefix="lam-bad-data-"))  # each rank writes the same files for itself
+    (directory / "train.txt").write_text("some text\n\nmore text\n")
+    (directory / "val.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    bytes_vocab = tiny_config("llama", vocab_size=320).to_dict()  # max_position_embeddings 64
+    cases = {
+        "vocabulary": (tiny_config("llama").to_dict(), DemoDataModule(seq_len=16, num_documents=8)),  # 128 < 258
+        "positions": (bytes_vocab, DemoDataModule(seq_len=128, num_documents=8)),
+        "file": (bytes_vocab, TextDataModule(str(directory / "train.txt"), str(directory / "val.txt"), seq_len=16)),
+    }
+    refused = {}
+    for case, (config, data) in cases.items():
+        module = CausalLMModule(config=config)
+        run = trainer(AutoModelParallelStrategy(tp=tp))
+        try:
+            run.fit(module, datamodule=data)
+            raise AssertionError(f"{case}: not refused")
+        except ValueError as error:
+            refused[case] = str(error).replace(str(directory), "DIR")
+        assert run.global_step == 0, case
+    return refused

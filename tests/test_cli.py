@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ProgressBar
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_automodel.cli import cli, plan_for_config
+from lightning_automodel.cli import cli, main, plan_for_config
 from lightning_automodel.lm import DemoDataModule
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -68,6 +71,16 @@ def test_demo_learns(demo_run):
     assert abs(tokens_per_step - 16 * 128) < 1e-6, tokens_per_step
 
 
+def test_demo_is_quiet_and_counts_steps(demo_run):
+    """A first run prints no warning its user cannot act on (torchdata's set_vital and Lightning's LeafSpec
+    deprecations were printed once per process), and its progress bar counts steps to max_steps (Lightning's read
+    "Epoch 0/-2")."""
+    output = (demo_run / "output.txt").read_text()
+    for noise in ("set_vital", "LeafSpec", "deprecated", "Warning", "Epoch 0/-2"):
+        assert noise not in output, f"{noise!r} in:\n{output[-6000:]}"
+    assert re.search(rf"Step +━+ {DEMO_STEPS}/{DEMO_STEPS} ", output), output[-3000:]
+
+
 def test_export_holds_the_trained_weights(demo_run):
     """`export` writes a directory that from_pretrained loads (with the byte tokenizer); its loss over the
     validation documents is the val_loss logged at the last step, whose weights the checkpoint holds."""
@@ -105,6 +118,40 @@ def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):
     report = plan_for_config(str(EXAMPLES / "demo.yaml"))
     assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)" in str(report)
     assert report.total_parameters == 2 * 320 * 128 + 2 * (4 * 128 * 128 + 3 * 128 * 256 + 2 * 128) + 128
+
+
+def test_plan_command_prints_no_warning(capsys, monkeypatch):
+    """`plan` as run from the shell, sys.argv holding its command line: LightningCLI's warning against giving it
+    both arguments and a command line was printed on every run."""
+    command = ["plan", f"--config={EXAMPLES / 'demo.yaml'}"]
+    monkeypatch.setattr(sys, "argv", ["lightning-automodel", *command])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(command)
+    # What Python shows by default: DeprecationWarnings raised outside __main__ (jsonargparse's, here) are not.
+    shown = [str(warning.message) for warning in caught if not issubclass(warning.category, DeprecationWarning)]
+    assert shown == []
+    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)" in capsys.readouterr().out
+
+
+def test_plan_refuses_rows_longer_than_the_positions(no_pytest_argv):
+    with pytest.raises(ValueError, match="seq_len=256 is longer than the model's max_position_embeddings=128"):
+        plan_for_config(str(EXAMPLES / "demo.yaml"), "--data.init_args.seq_len=256")
+
+
+def test_the_progress_bar_counts_steps_unless_the_config_says_otherwise(no_pytest_argv):
+    """The command's Trainer gets the step-counting bar, unless the config turns the bar off or brings its own."""
+    configs = {
+        "default": [],
+        "off": ["--trainer.enable_progress_bar=false"],
+        "own": ["--trainer.callbacks=lightning.pytorch.callbacks.TQDMProgressBar"],
+    }
+    bars = {}
+    for name, overrides in configs.items():
+        arguments = [f"--config={EXAMPLES / 'demo.yaml'}", "--trainer.devices=1", "--seed_everything=false"]
+        trainer = cli([*arguments, *overrides], run=False).trainer
+        bars[name] = [type(callback).__name__ for callback in trainer.callbacks if isinstance(callback, ProgressBar)]
+    assert bars == {"default": ["StepProgressBar"], "off": [], "own": ["TQDMProgressBar"]}
 
 
 @pytest.fixture

@@ -113,8 +113,11 @@ def test_pad_rows_never_makes_a_row_without_a_target():
 def test_txt_paragraphs_are_documents(tmp_path):
     paragraphs = write(tmp_path / "a.txt", "first line\nsame doc\n\nsecond\n \t\n\n\nthird  \n")
     single = write(tmp_path / "b.txt", "one document\nwithout blank lines\n")
+    windows = tmp_path / "c.txt"
+    windows.write_bytes(b"first\r\nsame doc\r\n\r\nsecond\r\n")
     assert read_documents(paragraphs) == ["first line\nsame doc", "second", "third  "]
     assert read_documents(single) == ["one document\nwithout blank lines"]
+    assert read_documents(str(windows)) == ["first\nsame doc", "second"]  # newlines translated as open() does
 
 
 def test_jsonl_reads_the_text_field_and_skips_blank_lines(tmp_path):
@@ -142,6 +145,38 @@ def test_unknown_extension_and_unmatched_pattern_are_errors(tmp_path):
         read_documents(csv)
     with pytest.raises(ValueError, match=r"No file matches '.*nothing\*\.txt'"):
         read_documents(str(tmp_path / "nothing*.txt"))
+
+
+def test_empty_files_and_files_without_text_are_errors(tmp_path):
+    """A file that adds nothing is more likely a broken export than meant: named, with what it lacks."""
+    cases = {
+        "empty.txt": ("", r"empty\.txt is empty: fill it, or leave it out"),
+        "blank.txt": ("\n \t\n\n", r"blank\.txt is empty"),
+        "empty.jsonl": ("\n\n", r"empty\.jsonl is empty"),
+        "blank.jsonl": ('{"text": ""}\n{"text": " "}\n', r"blank\.jsonl has no text: the 'text' of every line is"),
+    }
+    good = write(tmp_path / "good.txt", "some text")
+    for name, (text, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            read_documents([good, write(tmp_path / name, text)])
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_line_and_byte(tmp_path):
+    latin1 = "first line\nsecond été\n".encode("latin-1")  # é is 0xe9 in Latin-1, not valid UTF-8 there
+    for name, data in (("a.txt", latin1), ("b.jsonl", b'{"text": "ok"}\n' + b'{"text": "caf\xe9"}\n')):
+        path = tmp_path / name
+        path.write_bytes(data)
+        line, byte = (2, 18) if name == "a.txt" else (2, 28)
+        with pytest.raises(ValueError, match=rf"{name}, line {line} \(byte {byte}\): not UTF-8 .*iconv -f LATIN1"):
+            read_documents(str(path))
+
+
+def test_no_files_and_a_directory_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="No files given"):
+        read_documents([])
+    write(tmp_path / "data" / "a.jsonl", '{"text": "x"}\n')
+    with pytest.raises(ValueError, match=r"No file matches '.*data': it is a directory; name its files, e\.g\."):
+        read_documents(str(tmp_path / "data"))
 
 
 def test_glob_patterns_expand_sorted_without_duplicates(tmp_path):
@@ -228,6 +263,21 @@ def test_val_test_and_predict_sources(tmp_path):
         TextDataModule(train_files=train).setup("validate")
     with pytest.raises(ValueError, match="choose one source"):
         TextDataModule(train_files=train, val_files=val, val_fraction=0.1)
+
+
+def test_an_empty_validation_set_is_an_error_not_a_skip(tmp_path):
+    """Validation data asked for and empty stops setup (Lightning would skip validation without a word); a
+    val_fraction too small for the corpus still holds out one document; no validation source is no validation."""
+    train = write(tmp_path / "train.txt", "\n\n".join(f"train {i}" for i in range(10)))
+    empty = write(tmp_path / "val.jsonl", '{"text": ""}\n')
+    with pytest.raises(ValueError, match=r"val\.jsonl has no text"):
+        TextDataModule(train_files=train, val_files=empty).setup("fit")
+    module = TextDataModule(train_files=train, val_fraction=0.001, seq_len=64)
+    module.setup("fit")
+    assert len(module.val_dataloader()) == 1
+    module = TextDataModule(train_files=train, seq_len=64)
+    module.setup("fit")
+    assert module.val_dataloader() == []
 
 
 def test_demo_documents_are_deterministic_in_the_seed():

@@ -1,15 +1,27 @@
 """CausalLMModule: parity with a single process under tp x dp, its schedule, and its use without our strategy."""
 
 import math
+import re
 from functools import partial
 
 import lightning as L
 import pytest
-from harness import run_checks
-from lm_checks import check_causal_lm_module, check_lora_checkpoint_exports_merged, check_predict_in_step_or_refused
+import torch
+from harness import check_name, run_checks
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lm_checks import (
+    check_bad_data_refused_on_every_rank,
+    check_causal_lm_module,
+    check_lora_checkpoint_exports_merged,
+    check_predict_in_step_or_refused,
+)
 from models import tiny_config
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
 
-from lightning_automodel.lm import CausalLMModule, DemoDataModule
+from lightning_automodel.lm import CausalLMModule, DemoDataModule, StepProgressBar, byte_tokenizer
+from lightning_automodel.lm.limits import check_batch, check_seq_len
 from lightning_automodel.lm.module import learning_rate_factor
 
 
@@ -19,10 +31,20 @@ def test_parity_at_tp2_dp2_with_sp():
     print(results)
 
 
-def test_lora_export_and_predict():
+def test_lora_export_predict_and_refusals():
     """At tp=2, trained adapters merged into a plain Hugging Face model by `export`: the same logits. At dp=2,
-    predict over uneven batches is refused on every rank, and the data module's split predicts every row."""
-    run_checks(2, [partial(check_lora_checkpoint_exports_merged, 2), check_predict_in_step_or_refused])
+    predict over uneven batches is refused on every rank, and the data module's split predicts every row. At tp=2,
+    data the model cannot take is refused on both ranks before the first step, with the numbers and the file."""
+    checks = [
+        partial(check_lora_checkpoint_exports_merged, 2),
+        check_predict_in_step_or_refused,
+        partial(check_bad_data_refused_on_every_rank, 2),
+    ]
+    refused = run_checks(2, checks)[check_name(checks[-1])]
+    assert refused[0] == refused[1], refused
+    assert "has 258 tokens but the model's vocab_size is 128" in refused[0]["vocabulary"], refused
+    assert "seq_len=128 is longer than the model's max_position_embeddings=64" in refused[0]["positions"], refused
+    assert "DIR/val.txt, line 1 (byte 3): not UTF-8" in refused[0]["file"], refused
 
 
 def test_learning_rate_schedule():
@@ -83,3 +105,95 @@ def test_flops_per_token():
     lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     adapters = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert flops_per_token(lora, 16) == 6 * adapters + 4 * weights + attention
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    """Before any weight is read, naming both sizes and the fix: the config key for a new model, the model's own
+    tokenizer for a pretrained one (whose checkpoint fixes the vocabulary)."""
+    new_model = CausalLMModule(config=tiny_config("llama").to_dict())  # vocab_size 128, the byte tokenizer has 258
+    expected = r"The tokenizer \(built in code\) has 258 tokens but the model's vocab_size is 128: ids from 128 up"
+    with pytest.raises(ValueError, match=expected + r".*\(model\.config\.vocab_size\) to at least 258"):
+        new_model.build_model(byte_tokenizer(), meta=True)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    expected = re.escape(f"The tokenizer '{tmp_path / 'tokenizer'}' has 258 tokens but the model's vocab_size is 128")
+    fix = re.escape(f"Use the model's own tokenizer (data tokenizer: {tmp_path / 'model'})")
+    with pytest.raises(ValueError, match=f"{expected}.*{fix}"):
+        CausalLMModule(model=str(tmp_path / "model")).build_model(tokenizer, meta=True)
+
+
+def small_trainer(tmp_path, **kwargs):
+    options = dict(accelerator="cpu", devices=1, max_steps=1, default_root_dir=tmp_path, enable_progress_bar=False)
+    return L.Trainer(**{**options, "enable_model_summary": False, "logger": False, **kwargs})
+
+
+def test_rows_longer_than_the_positions_are_refused_before_the_first_step(tmp_path):
+    """The data module's seq_len against the model's max_position_embeddings, when the model is built; a model
+    without such a limit takes any length."""
+    module = CausalLMModule(config=tiny_config("llama", vocab_size=320).to_dict())  # max_position_embeddings 64
+    trainer = small_trainer(tmp_path)
+    expected = r"seq_len=128 is longer than the model's max_position_embeddings=64: .* seq_len to at most 64"
+    with pytest.raises(ValueError, match=expected):
+        trainer.fit(module, DemoDataModule(seq_len=128, num_documents=8, val_documents=0))
+    assert trainer.global_step == 0 and module.model is None
+    check_seq_len(10**6, MambaConfig())
+
+
+def test_batches_outside_the_vocabulary_are_refused_with_the_element(tmp_path):
+    """Any data module's batches: ids and labels (other than -100) outside the vocabulary, and rows longer than
+    the positions, are a ValueError naming the element, in the step (the embedding would raise a bare IndexError
+    on CPU, a device-side assert on a GPU)."""
+    config = tiny_config("llama")  # vocab_size 128, max_position_embeddings 64
+    check_batch({"input_ids": torch.tensor([[1, 127]]), "labels": torch.tensor([[-100, 127]])}, config)
+    bad = {
+        r"input_ids\[1, 0\] is 128, outside the model's vocabulary \(0\.\.127; vocab_size=128\)": (
+            {"input_ids": torch.tensor([[1, 2], [128, 3]])}
+        ),
+        r"labels\[0, 1\] is -5, outside the model's vocabulary \(0\.\.127 or -100;": (
+            {"input_ids": torch.tensor([[1, 2]]), "labels": torch.tensor([[-100, -5]])}
+        ),
+        r"seq_len=65 is longer than the model's max_position_embeddings=64": {"input_ids": torch.ones(1, 65).long()},
+    }
+    for message, batch in bad.items():
+        with pytest.raises(ValueError, match=message):
+            check_batch(batch, config)
+    ids = torch.randint(0, 128, (20, 8), generator=torch.Generator().manual_seed(0))
+    ids[13, 5] = 200  # the second row of the seventh batch
+    module = CausalLMModule(config=config.to_dict())
+    trainer = small_trainer(tmp_path, max_steps=20)
+    with pytest.raises(ValueError, match=r"input_ids\[1, 5\] is 200, outside the model's vocabulary"):
+        trainer.fit(module, DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=2))
+    assert trainer.global_step == 6
+
+
+class RecordTrainingBar(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int]] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        task = trainer.progress_bar_callback.train_progress_bar
+        self.seen.append((task.description.strip(), int(task.completed), int(task.total)))
+
+
+def test_step_progress_bar_counts_optimizer_steps_across_epochs_and_resumes(tmp_path):
+    """4 batches an epoch, 2 per optimizer step, max_steps=3: the bar reads "Step k/3", k the optimizer steps
+    taken, through both epochs (Lightning's reads "Epoch 0/-2" and counts each epoch's batches: 4 of 3, then 2
+    of 1). Resumed after step 2 of 4 one batch a step, it goes on at 3/4 (Lightning's: 3 of 2). A run bounded by
+    epochs keeps Lightning's bar."""
+    options = dict(limit_train_batches=4, limit_val_batches=0, enable_progress_bar=True)
+
+    def bar_of(ckpt_path=None, **kwargs):
+        record = RecordTrainingBar()
+        trainer = small_trainer(tmp_path, callbacks=[StepProgressBar(), record], **options, **kwargs)
+        trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+        return trainer, record.seen
+
+    _, seen = bar_of(max_steps=3, accumulate_grad_batches=2)
+    assert seen == [("Step", steps, 3) for steps in (0, 1, 1, 2, 2, 3)]
+    trainer, _ = bar_of(max_steps=2)
+    trainer.save_checkpoint(tmp_path / "step-2.ckpt")
+    _, seen = bar_of(tmp_path / "step-2.ckpt", max_steps=4)
+    assert seen == [("Step", 3, 4), ("Step", 4, 4)]
+    _, seen = bar_of(max_steps=-1, max_epochs=1)
+    assert seen == [("Epoch 0/0", 1, 4), ("Epoch 0/0", 2, 4), ("Epoch 0/0", 3, 4), ("Epoch 0/0", 4, 4)]

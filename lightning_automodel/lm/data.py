@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import functools
 import glob
+import io
 import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from itertools import chain
+from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -46,15 +50,24 @@ def expand_files(patterns: Sequence[str] | str) -> list[str]:
 
     Each pattern must match something: a typo should fail loudly rather than train on less data.
     """
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not patterns:
+        raise ValueError("No files given (an empty list): pass paths or glob patterns of .txt/.jsonl files.")
     files: dict[str, None] = {}
-    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+    for pattern in patterns:
         matches = sorted(
             path for path in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(path)
         )
         if not matches:
-            raise ValueError(f"No file matches {pattern!r}: check the path, or quote the glob pattern in the shell.")
+            raise ValueError(f"No file matches {pattern!r}: {_unmatched_hint(pattern)}")
         files.update(dict.fromkeys(matches))
     return list(files)
+
+
+def _unmatched_hint(pattern: str) -> str:
+    if os.path.isdir(os.path.expanduser(pattern)):
+        return f"it is a directory; name its files, e.g. {os.path.join(pattern, '*.jsonl')!r}."
+    return "check the path, or quote the glob pattern in the shell."
 
 
 def read_documents(patterns: Sequence[str] | str, text_field: str = "text") -> list[str]:
@@ -62,30 +75,56 @@ def read_documents(patterns: Sequence[str] | str, text_field: str = "text") -> l
 
     ``.txt``: paragraphs separated by blank lines are documents (a file without a blank line is one document).
     ``.jsonl``/``.json``: one JSON object per line, its ``text_field`` is a document; blank lines are skipped.
-    Empty documents are dropped: they would only add stray end-of-sequence tokens.
+    Empty documents are dropped: they would only add stray end-of-sequence tokens. A file must be UTF-8 and hold at
+    least one document: an empty or undecodable file is more likely a broken export than meant, and is an error
+    naming it.
     """
-    documents: list[str] = []
-    for path in expand_files(patterns):
-        if path.endswith(TEXT_SUFFIXES):
-            documents.extend(_read_text(path))
-        elif path.endswith(JSONL_SUFFIXES):
-            documents.extend(_read_jsonl(path, text_field))
-        else:
-            supported = ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES)
-            raise ValueError(f"Cannot read {path!r}: supported file types are {supported}. Rename or convert it.")
-    return [document for document in documents if document.strip()]
+    return [document for path in expand_files(patterns) for document in _file_documents(path, text_field)]
 
 
-def _read_text(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as file:
-        return [paragraph.strip("\n") for paragraph in _BLANK_LINES.split(file.read())]
+def _file_documents(path: str, text_field: str) -> list[str]:
+    if not path.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES):
+        supported = ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES)
+        raise ValueError(f"Cannot read {path!r}: supported file types are {supported}. Rename or convert it.")
+    text = _read_utf8(path)
+    if not text.strip():
+        raise ValueError(f"{path} is empty: fill it, or leave it out of the files.")
+    if path.endswith(TEXT_SUFFIXES):
+        documents = _text_documents(text)
+    else:
+        documents = list(_jsonl_documents(path, text, text_field))
+    documents = [document for document in documents if document.strip()]
+    if not documents:  # only JSONL gets here: a text file with a non-blank character has a document
+        raise ValueError(
+            f"{path} has no text: the {text_field!r} of every line is blank. Set text_field to the field with the"
+            " text, or leave the file out."
+        )
+    return documents
 
 
-def _read_jsonl(path: str, text_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if line.strip():
-                yield _text_of(_json_line(path, number, line), text_field, f"{path}, line {number}")
+def _read_utf8(path: str) -> str:
+    """The file's text, newlines translated as ``open`` does; a file that is not UTF-8 is an error naming the line
+    and byte where decoding fails (``open`` would name neither the file nor the line)."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(
+            f"{path}, line {line} (byte {error.start}): not UTF-8 ({error.reason}: {data[error.start : error.end]!r})."
+            f" Convert the file to UTF-8, e.g. `iconv -f LATIN1 -t UTF-8 {path} > {path}.utf8` for a Latin-1 file."
+        ) from error
+    return io.StringIO(text, newline=None).read()
+
+
+def _text_documents(text: str) -> list[str]:
+    return [paragraph.strip("\n") for paragraph in _BLANK_LINES.split(text)]
+
+
+def _jsonl_documents(path: str, text: str, text_field: str) -> Iterator[str]:
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            yield _text_of(_json_line(path, number, line), text_field, f"{path}, line {number}")
 
 
 def _json_line(path: str, number: int, line: str) -> object:
@@ -290,7 +329,18 @@ class TextDataModule(L.LightningDataModule):
         return self._loader(rows, sampler=sampler)
 
     def _loader(self, rows: TokenRows, sampler: Sampler | None = None) -> StatefulDataLoader:
-        return StatefulDataLoader(rows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
+        return QuietStatefulDataLoader(rows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
+
+
+class QuietStatefulDataLoader(StatefulDataLoader):
+    """torchdata's ``StatefulDataLoader`` without the warning its constructor causes: it calls ``torch.set_vital``,
+    which torch deprecated, a warning per process that only torchdata can act on. A class rather than a filter
+    around our call: Lightning rebuilds loaders to insert its distributed sampler, and it rebuilds this class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning, r"torchdata\.")
+            super().__init__(*args, **kwargs)
 
 
 def data_parallel_place(trainer: L.Trainer | None) -> dict[str, int]:

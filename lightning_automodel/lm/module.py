@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_automodel.hf.loading import from_pretrained
 from lightning_automodel.lm.flops import flops_per_token
+from lightning_automodel.lm.limits import check_batch, check_seq_len, check_tokenizer
 from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
 from lightning_automodel.lm.summary import TrainingSummary
 from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
@@ -97,7 +98,8 @@ class CausalLMModule(L.LightningModule):
             return
         self.tokenizer = self._find_tokenizer()
         ours = isinstance(self.trainer.strategy, AutoModelParallelStrategy)
-        self.model = self.build_model(self.tokenizer, meta=ours)
+        seq_len = getattr(self.trainer.datamodule, "seq_len", None)
+        self.model = self.build_model(self.tokenizer, meta=ours, seq_len=seq_len)
 
     def setup(self, stage: str) -> None:
         # Metrics reduce over the data-parallel ranks: tp peers hold the same numbers and must count once.
@@ -123,6 +125,7 @@ class CausalLMModule(L.LightningModule):
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities)."""
+        check_batch(batch, self.hf_config)
         self._batch_shape = tuple(batch["input_ids"].shape)
         logits = self(batch["input_ids"], batch.get("attention_mask"))
         loss_sums, counts = [], []
@@ -133,6 +136,7 @@ class CausalLMModule(L.LightningModule):
         return {"loss_sum": torch.stack(loss_sums), "tokens": torch.stack(counts)}
 
     def _step(self, stage: str, batch: dict[str, Tensor]) -> Tensor:
+        check_batch(batch, self.hf_config)
         input_ids, labels = batch["input_ids"], batch["labels"]
         self._batch_shape = tuple(input_ids.shape)
         logits = self(input_ids, batch.get("attention_mask"))
@@ -184,14 +188,18 @@ class CausalLMModule(L.LightningModule):
         ]
 
     @property
+    def hf_config(self) -> Any:
+        """The built model's Hugging Face config (the base model's, under LoRA)."""
+        return (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).config
+
+    @property
     def flops_per_batch(self) -> int:
         """The FLOPs of this rank's batch: its model replica's work (ReplicaThroughputMonitor's device)."""
         return flops_per_token(self.model, self._batch_shape[1], training=self.training) * self._tokens(None)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # What `lightning-automodel export` needs to write a Hugging Face directory from the checkpoint alone.
-        config = (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).config
-        checkpoint["hf_config"] = config.to_dict()
+        checkpoint["hf_config"] = self.hf_config.to_dict()
         checkpoint["tokenizer_files"] = tokenizer_files(self.tokenizer) if self.tokenizer is not None else None
 
     def _rows(self, batch: Any) -> int:
@@ -213,16 +221,23 @@ class CausalLMModule(L.LightningModule):
                 return None
         return None
 
-    def build_model(self, tokenizer: Any = None, *, meta: bool) -> nn.Module:
+    def build_model(self, tokenizer: Any = None, *, meta: bool, seq_len: int | None = None) -> nn.Module:
         """The Hugging Face model these hyperparameters describe, with its LoRA adapters.
 
         ``meta=True`` builds it on the meta device, for ``AutoModelParallelStrategy`` (which allocates each rank's
         shards and fills them from the checkpoint, or initialises them as transformers would the whole model) or
-        for a plan report; ``meta=False`` has transformers load or initialise it whole.
+        for a plan report; ``meta=False`` has transformers load or initialise it whole. A ``tokenizer`` larger than
+        the model's vocabulary, or rows of ``seq_len`` longer than its positions, are refused before any weight is
+        read.
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         hparams = self.hparams
+        config = self.model_config(tokenizer)
+        if tokenizer is not None:
+            check_tokenizer(tokenizer, config, pretrained=hparams.model)
+        if seq_len is not None:
+            check_seq_len(seq_len, config)
         overrides = dict(hparams.config or {})
         dtype = hparams.dtype if hparams.dtype == "auto" else getattr(torch, hparams.dtype)
         if hparams.model is not None and meta:
@@ -230,16 +245,27 @@ class CausalLMModule(L.LightningModule):
         elif hparams.model is not None:
             model = AutoModelForCausalLM.from_pretrained(hparams.model, dtype=dtype, **overrides)
         else:
-            if "vocab_size" not in overrides:
-                if tokenizer is None:
-                    raise ValueError(
-                        "The config has no vocab_size and there is no tokenizer to take it from: set"
-                        " config.vocab_size, or use a data module with a `tokenizer` attribute."
-                    )
-                overrides["vocab_size"] = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
             with torch.device("meta") if meta else nullcontext():
-                model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**overrides))
+                model = AutoModelForCausalLM.from_config(config)
         return with_lora(model, hparams.lora) if hparams.lora is not None else model
+
+    def model_config(self, tokenizer: Any = None) -> Any:
+        """The Hugging Face config of the model: ``model``'s with the ``config`` overrides, or ``config`` whole,
+        whose missing ``vocab_size`` is the tokenizer's rounded up to a multiple of 64. No weights are read."""
+        from transformers import AutoConfig
+
+        hparams = self.hparams
+        overrides = dict(hparams.config or {})
+        if hparams.model is not None:
+            return AutoConfig.from_pretrained(hparams.model, **overrides)
+        if "vocab_size" not in overrides:
+            if tokenizer is None:
+                raise ValueError(
+                    "The config has no vocab_size and there is no tokenizer to take it from: set"
+                    " config.vocab_size, or use a data module with a `tokenizer` attribute."
+                )
+            overrides["vocab_size"] = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+        return AutoConfig.for_model(**overrides)
 
 
 def learning_rate_factor(

@@ -8,6 +8,7 @@ weights (only those: optimizer state is left on disk), and writes them with the 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -114,5 +115,7 @@ def _weights_for(model: torch.nn.Module, checkpoint: Path) -> dict[str, torch.Te
         for keys in parts.values()
         for key in keys
     }
-    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    with warnings.catch_warnings():  # torch warns that it loads in one process even when told to: it is the intent
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     return {name: torch.cat([state[_WEIGHTS + key] for key in keys]) for name, keys in parts.items() if keys}

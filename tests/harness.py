@@ -31,7 +31,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], results: Any, pg_timeout: float) -> None:
+def init_worker(rank: int, world_size: int, port: int, pg_timeout: float) -> None:
+    """Make this spawned process rank ``rank`` of a gloo world, with one thread, whose collectives time out."""
     # A LightningCLI run in the pytest process (seed_everything) exports a global seed that every Trainer here would
     # re-seed from, overriding the seeds the checks set: the workers start without it.
     for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
@@ -52,6 +53,12 @@ def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], resu
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+
+
+def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], results: Any, pg_timeout: float) -> None:
+    import torch.distributed as dist
+
+    init_worker(rank, world_size, port, pg_timeout)
     try:
         for check in checks:
             name = check_name(check)

@@ -7,6 +7,8 @@ tensors). Errors are relative to the largest reference magnitude of each tensor;
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,10 +44,11 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def relative_error(actual: torch.Tensor, expected: torch.Tensor, *, floor: float = 1e-12) -> float:
+    """Largest difference relative to the largest expected value, or to ``floor`` if that is smaller."""
     actual, expected = full(actual).float(), full(expected).float()
     assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(floor)).item()
 
 
 def dims_for(world_size: int, tp: int, dp_replicate: int = 1) -> ParallelDims:
@@ -61,34 +64,79 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) 
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
 
 
-def forward_backward_errors(model, reference, dp: DeviceMesh | None, *, batch_size: int = 4) -> dict[str, float]:
-    """Max relative errors of the dp-averaged loss, this rank's logits and every gradient.
+@dataclass
+class Outputs:
+    """What one forward and backward pass produced: the loss, the logits and every gradient, as full tensors."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+def single_process_outputs(reference: torch.nn.Module, *, batch_size: int = 4) -> Outputs:
+    """The reference's loss, logits and gradients on the whole batch (gradients accumulate over calls)."""
+    tokens, labels = batch(batch_size)
+    loss, logits = loss_of(reference, tokens, labels)
+    loss.backward()
+    return Outputs(loss, logits, {name: p.grad for name, p in reference.named_parameters() if p.grad is not None})
+
+
+def parallel_outputs(model: torch.nn.Module, dp: DeviceMesh | None, *, batch_size: int = 4) -> Outputs:
+    """This rank's logits (of its slice of the batch), the loss averaged over ``dp`` and every gradient, gathered.
 
     ``dp`` is the data-parallel mesh: each of its ranks gets a contiguous slice of the batch. None: no split.
     """
     tokens, labels = batch(batch_size)
-    ref_loss, ref_logits = loss_of(reference, tokens, labels)
-    ref_loss.backward()
-
-    dp_rank, dp_size = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
-    rank_slice = slice(dp_rank * batch_size // dp_size, (dp_rank + 1) * batch_size // dp_size)
+    rank_slice = dp_slice(dp, batch_size)
     with loss_parallel():
         loss, logits = loss_of(model, tokens[rank_slice], labels[rank_slice])
         loss.backward()
     loss = full(loss).detach().clone()
     if dp is not None:
         dist.all_reduce(loss, group=dp.get_group())
-    errors = {
-        "loss": relative_error(loss / dp_size, ref_loss),
-        "logits": relative_error(logits, ref_logits[rank_slice]),
-    }
-    ref_grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
-    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-    assert grads.keys() == ref_grads.keys(), (
-        f"gradients differ in which parameters get one: {grads.keys() ^ ref_grads.keys()}"
+        loss /= dp.size()
+    grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    return Outputs(loss, full(logits), grads)
+
+
+def dp_slice(dp: DeviceMesh | None, batch_size: int) -> slice:
+    """The rows of the batch this data-parallel rank reads."""
+    dp_rank, dp_size = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
+    return slice(dp_rank * batch_size // dp_size, (dp_rank + 1) * batch_size // dp_size)
+
+
+def gradient_errors(outputs: Outputs, expected: Outputs, *, floor: float = 0.0) -> dict[str, float]:
+    """Relative error of every parameter's gradient; the same parameters must get one.
+
+    ``floor``: a share of the largest gradient of the model below which a gradient counts as zero. A gradient that
+    is zero in exact arithmetic (a key bias before a softmax without rotary embeddings) holds rounding noise only,
+    which relative to itself is of order 1 whatever the layout.
+    """
+    assert outputs.grads.keys() == expected.grads.keys(), (
+        f"gradients differ in which parameters get one: {sorted(outputs.grads.keys() ^ expected.grads.keys())}"
     )
-    errors["grad"] = max(relative_error(grads[name], ref_grads[name]) for name in grads)
-    return errors
+    smallest = floor * max((g.abs().max().item() for g in expected.grads.values()), default=0.0)
+    return {
+        name: relative_error(grad, expected.grads[name], floor=max(smallest, 1e-12))
+        for name, grad in outputs.grads.items()
+    }
+
+
+def output_errors(outputs: Outputs, expected: Outputs, rank_slice: slice) -> dict[str, float]:
+    """Max relative errors of the loss, this rank's logits and every gradient."""
+    return {
+        "loss": relative_error(outputs.loss, expected.loss),
+        "logits": relative_error(outputs.logits, expected.logits[rank_slice]),
+        "grad": max(gradient_errors(outputs, expected).values()),
+    }
+
+
+def forward_backward_errors(model, reference, dp: DeviceMesh | None, *, batch_size: int = 4) -> dict[str, float]:
+    """Max relative errors of the dp-averaged loss, this rank's logits and every gradient against ``reference``,
+    which runs the whole batch."""
+    expected = single_process_outputs(reference, batch_size=batch_size)
+    outputs = parallel_outputs(model, dp, batch_size=batch_size)
+    return output_errors(outputs, expected, dp_slice(dp, batch_size))
 
 
 def weight_error(model: torch.nn.Module, reference: torch.nn.Module) -> float:

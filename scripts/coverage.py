@@ -1,0 +1,260 @@
+"""Coverage report: every decoder-only model type of the installed transformers, trained one step at tp=2, tp=2 with
+sequence parallel and dp_shard=2 on 2 gloo processes, against a single process (see tests/coverage_checks.py).
+
+    .venv/bin/python scripts/coverage.py                                  # what docs/coverage.json lacks, then the page
+    .venv/bin/python scripts/coverage.py --fresh                          # measure everything again
+    .venv/bin/python scripts/coverage.py --types llama,gpt2 --layouts tp2 # a subset (results merge into the file)
+    .venv/bin/python scripts/coverage.py --page-only                      # rewrite docs/coverage.md from the results
+
+Results go to a JSON file after every check, so an interrupted sweep resumes where it stopped; results of other
+torch or transformers versions are measured again. Checks run in launches of two processes that take one check
+after another; a check that hangs, crashes one rank, or leaves the process group unusable ends its launch, and the
+next launch starts at the following check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from coverage_checks import (  # noqa: E402
+    COLLECTIVE_TIMEOUT,
+    LAYOUTS,
+    PASS,
+    REFUSAL,
+    VERDICTS,
+    WRONG,
+    Job,
+    measure,
+)
+
+SKIPPED = "skipped"
+# Not decoder-only text models, though the causal-LM mapping lists them.
+SKIP_REASONS = {
+    "musicgen": "an audio-codebook decoder: input_ids are (batch x codebooks, length) audio codes",
+    "musicgen_melody": "an audio-codebook decoder: input_ids are (batch x codebooks, length) audio codes",
+}
+LAYOUT_TITLES = {"tp2": "tp=2", "tp2_sp": "tp=2 + sp", "dp_shard2": "dp_shard=2"}
+
+
+def main() -> None:
+    args = parse_args()
+    store = ResultStore(args.results, fresh=args.fresh)
+    if not args.page_only:
+        jobs = [(t, layout) for t in select_types(args.types) for layout in args.layouts]
+        sweep(jobs, store, job_timeout=args.job_timeout, command=" ".join(["scripts/coverage.py", *sys.argv[1:]]))
+    args.page.write_text(render_page(store))
+    print(f"wrote {args.page} ({len(store.results)} results in {args.results})")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", help="comma-separated model types (default: every causal-LM type)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("--results", type=Path, default=ROOT / "docs" / "coverage.json")
+    parser.add_argument("--page", type=Path, default=ROOT / "docs" / "coverage.md")
+    parser.add_argument("--fresh", action="store_true", help="forget the stored results and measure everything")
+    parser.add_argument("--page-only", action="store_true", help="only rewrite the page from the stored results")
+    parser.add_argument("--job-timeout", type=float, default=4 * COLLECTIVE_TIMEOUT.total_seconds())
+    args = parser.parse_args()
+    args.layouts = args.layouts.split(",")
+    unknown = set(args.layouts) - set(LAYOUTS)
+    if unknown:
+        parser.error(f"unknown layouts {sorted(unknown)}; choose from {list(LAYOUTS)}")
+    return args
+
+
+def causal_lm_types() -> dict[str, str]:
+    """Every model type of the installed transformers' causal-LM mapping, with the class it builds."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+
+
+def select_types(types: str | None) -> list[str]:
+    known = causal_lm_types()
+    chosen = types.split(",") if types else list(known)
+    unknown = [t for t in chosen if t not in known]
+    if unknown:
+        raise SystemExit(f"not in transformers' causal-LM mapping: {unknown}")
+    return chosen
+
+
+class ResultStore:
+    """Verdicts by "type/layout", kept in a JSON file that every new verdict rewrites (an interrupted sweep keeps
+    what it measured). Results measured with other torch or transformers versions are dropped."""
+
+    def __init__(self, path: Path, *, fresh: bool) -> None:
+        self.path = path
+        self.versions = versions()
+        stored = json.loads(path.read_text()) if path.exists() and not fresh else {}
+        same = stored.get("versions") == self.versions
+        self.results: dict[str, dict[str, Any]] = stored.get("results", {}) if same else {}
+        self.runs: list[dict[str, Any]] = stored.get("runs", []) if same else []
+
+    def __contains__(self, job: Job) -> bool:
+        return key(job) in self.results
+
+    def record(self, job: Job, verdict: dict[str, Any]) -> None:
+        self.results[key(job)] = verdict
+        self.save()
+
+    def save(self) -> None:
+        data = {"versions": self.versions, "runs": self.runs, "results": dict(sorted(self.results.items()))}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.path.with_suffix(".tmp")
+        staging.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(staging, self.path)
+
+
+def key(job: Job) -> str:
+    return "/".join(job)
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def sweep(jobs: Sequence[Job], store: ResultStore, *, job_timeout: float, command: str) -> None:
+    """Measure every job the store lacks, and note the run's wall time and launches in the store."""
+    pending = [job for job in jobs if job not in store]
+    for job in [job for job in pending if job[0] in SKIP_REASONS]:
+        store.record(job, {"verdict": SKIPPED, "detail": SKIP_REASONS[job[0]]})
+    pending = [job for job in pending if job[0] not in SKIP_REASONS]
+    if not pending:
+        return
+    started, launches = time.monotonic(), 0
+    for launches, job, verdict in measure(pending, job_timeout=job_timeout):
+        store.record(job, verdict)
+        print(f"launch {launches}  {key(job):40s} {verdict['verdict']:14s} {verdict['detail'][:100]}", flush=True)
+    run = {"date": datetime.date.today().isoformat(), "command": command, "checks": len(pending)}
+    run["lightning_automodel"] = library_revision()
+    store.runs.append({**run, "launches": launches, "seconds": round(time.monotonic() - started)})
+    store.save()
+
+
+def render_page(store: ResultStore) -> str:
+    """docs/coverage.md: how it was measured, counts per layout and verdict, one row per model type."""
+    types = causal_lm_types()
+    layouts = [layout for layout in LAYOUTS if any(key((t, layout)) in store.results for t in types)]
+    lines = [
+        "# Coverage of Hugging Face causal LMs",
+        "",
+        "Generated by `scripts/coverage.py`: do not edit. " + _provenance(store),
+        "",
+        METHOD,
+        "",
+        "## Counts",
+        "",
+        *_counts_table(store, types, layouts),
+        "",
+        "## Every model type",
+        "",
+        "| type | class | " + " | ".join(LAYOUT_TITLES[layout] for layout in layouts) + " |",
+        "|---|---|" + "---|" * len(layouts),
+    ]
+    for model_type, class_name in types.items():
+        cells = [_cell(store.results.get(key((model_type, layout))), layout) for layout in layouts]
+        if any(cell != "not measured" for cell in cells):
+            lines.append(f"| {model_type} | {class_name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+METHOD = """\
+Every model type of the installed transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built from a tiny config
+derived from its own config class (`tests/tiny_configs.py`: hidden size 64, 4 heads, vocabulary 128, one layer of
+each kind, dropout off) and trained one step on 2 gloo processes, as `AutoModelParallelStrategy` does it: built on
+the meta device, `parallelize(model, mesh, sp=...)` with the strategy's defaults, `materialize_hf_model`, then the
+single-process model's weights loaded shard by shard. Loss, logits and every gradient (full tensors) are compared
+with the single-process run of the same batch (4 rows of 16 tokens, padded), within the tests' fp32 tolerance
+(2e-5 relative to each tensor's largest value).
+
+- **pass**: within tolerance. The percentage is the share of the decoder blocks' weight elements (those a
+  text-only step trains) that tensor parallelism splits over the two ranks; `E`/`H` mark a vocabulary-sharded
+  embedding / lm_head, then where the plan came from. A pass at 0% runs, with every block whole on every rank.
+- **wrong**: it runs, and some number differs (the largest relative errors; the worst gradient is named).
+- **refusal**: a ValueError, TypeError or NotImplementedError raised by lightning_automodel itself, with the same
+  message on every rank; **late** when a collective had run before it (a refusal should come before any, so that
+  no rank can be left waiting in one).
+- **crash**: any other exception, or one raised on some ranks only.
+- **hang**: no result within the time limit, or every rank timed out in a collective.
+- **no tiny config**: the type's config or model cannot be built, or a single-process step fails, in transformers
+  itself: not our failure, and not measured.
+- **skipped**: not a decoder-only text model (the reason is given).
+
+A **note** says that a buffer of the meta-device build, after `materialize_hf_model`, differs from what
+transformers computes (the numbers above are taken with the reference's buffers copied in): a model built on the
+meta device would train with those values."""
+
+
+def library_revision() -> str:
+    """The commit of the code measured, marked when lightning_automodel/ has uncommitted changes."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "lightning_automodel")
+    return git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if dirty else "")
+
+
+def _provenance(store: ResultStore) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in store.versions.items())
+    runs = "; ".join(
+        f"{run['date']}, lightning_automodel at {run['lightning_automodel']}: `{run['command']}`, {run['checks']}"
+        f" checks in {run['seconds']} s wall time on 2 CPU cores ({run['launches']} launches)"
+        for run in store.runs
+    )
+    return f"Measured with {versions}. Runs: {runs or 'none'}."
+
+
+def _counts_table(store: ResultStore, types: dict[str, str], layouts: Sequence[str]) -> list[str]:
+    columns = [PASS, "of which 0% sharded", WRONG, REFUSAL, "of which late", *VERDICTS[3:], SKIPPED, "buffer notes"]
+    lines = ["| layout | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    for layout in layouts:
+        results = [r for r in (store.results.get(key((t, layout))) for t in types) if r is not None]
+        counts = Counter(r["verdict"] for r in results)
+        whole = sum(r["verdict"] == PASS and r.get("sharded") == 0 for r in results)
+        counts["of which 0% sharded"] = whole if LAYOUTS[layout]["tp"] > 1 else "-"
+        counts["of which late"] = sum(r["verdict"] == REFUSAL and r["after_collectives"] for r in results)
+        counts["buffer notes"] = sum("note" in r for r in results)
+        lines.append(f"| {LAYOUT_TITLES[layout]} | " + " | ".join(str(counts[c]) for c in columns) + " |")
+    return lines
+
+
+def _cell(result: dict[str, Any] | None, layout: str) -> str:
+    if result is None:
+        return "not measured"
+    note = f"; note: {_short(result['note'], 80)}" if "note" in result else ""
+    if result["verdict"] != PASS:
+        late = " (late)" if result.get("after_collectives") else ""
+        return f"**{result['verdict']}**{late}: {_short(result['detail'])}{note}"
+    if LAYOUTS[layout]["tp"] == 1:
+        return f"pass{note}"
+    marks = "".join(mark for mark, flag in (("E", "embedding_sharded"), ("H", "lm_head_sharded")) if result[flag])
+    share = f"{result['sharded']:.0%}" if result.get("sharded") is not None else "no blocks"
+    plan = (result.get("plan") or "").split(" of ")[0].split(" for ")[0]  # "Hugging Face plan", "family plan", ...
+    return f"pass {share} {marks}".rstrip() + f" ({plan}){note}"
+
+
+def _short(text: str, limit: int = 140) -> str:
+    text = text.replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+if __name__ == "__main__":
+    main()

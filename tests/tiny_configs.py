@@ -1,0 +1,283 @@
+"""A tiny config of any model type of the installed transformers, derived from the type's own config class.
+
+The class's defaults describe a full-size model. Every size field is shrunk to a few dozen (hidden 64, 4 heads,
+vocabulary 128, 4 experts), and per-layer lists keep the first layer of each kind, so that the model still holds
+every kind of block its architecture has. The shape of the architecture stays as the defaults say: a model with
+as many KV heads as heads keeps as many, one with a single KV head (multi-query) keeps one. Types that need more
+than these generic rules have an entry in ``OVERRIDES``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models import VOCAB
+
+HIDDEN = 64
+HEADS = 4
+GROUPED_KV_HEADS = 2
+
+# Size fields, by the names config classes give them, and the tiny value each gets (never raised).
+_SIZES: tuple[tuple[int, tuple[str, ...]], ...] = (
+    (
+        HIDDEN,
+        (
+            "hidden_size", "d_model", "n_embd", "n_embed", "dim", "embed_dim", "model_dim", "hidden_dim",
+            "word_embed_proj_dim", "embedding_size", "embedding_dim", "input_embedding_size", "output_embedding_size",
+            "lru_width", "attention_hidden_size", "backbone_hidden_size", "mamba_d_ssm", "emb_dim",
+        ),
+    ),
+    (
+        2 * HIDDEN,
+        (
+            "intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "dim_ff", "ffn_hidden_size", "decoder_ffn_dim",
+            "encoder_ffn_dim", "feed_forward_size", "intermediate_size_mlp", "dense_intermediate_size", "d_inner",
+        ),
+    ),
+    (
+        HIDDEN // 2,
+        (
+            "moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
+            "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size", "expert_ffn_hidden_size",
+            "kv_lora_rank", "q_lora_rank", "o_lora_rank",
+        ),
+    ),
+    (
+        HIDDEN // HEADS,
+        (
+            "head_dim", "attention_head_dim", "attention_head_size", "kv_channels", "dim_head", "d_head",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_head_dim", "swa_head_dim", "index_head_dim", "mamba_d_state", "ssm_state_size", "state_size",
+            "mamba_headdim", "mamba_d_head", "mamba_dt_rank", "time_step_rank", "hidden_size_per_layer_input",
+        ),
+    ),
+    (8, ("rotary_dim", "sliding_window", "chunk_size", "mamba_chunk_size", "attention_chunk_size")),
+    (
+        HEADS,
+        (
+            "num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
+            "encoder_attention_heads", "linear_num_heads", "mamba_n_heads", "mamba_num_heads", "n_mamba_heads",
+            "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+        ),
+    ),
+    (
+        2,
+        (
+            "num_experts_per_tok", "num_experts_per_token", "top_k_experts", "moe_k", "moe_topk",
+            "linear_num_key_heads", "linear_num_value_heads", "num_kv_shared_layers",
+        ),
+    ),
+    (
+        1,
+        (
+            "n_group", "num_expert_group", "topk_group", "n_groups", "mamba_n_groups", "mamba_ngroups",
+            "n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "expand", "mamba_expand",
+        ),
+    ),
+    (
+        VOCAB,
+        (
+            "vocab_size", "vocab_size_per_layer_input", "decoder_vocab_size", "pronunciation_vocab_size",
+            "shape_vocab_size", "encoder_hash_byte_group_vocab",
+        ),
+    ),
+    (
+        64,
+        (
+            "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions",
+            "max_source_positions", "context_length",
+        ),
+    ),
+)  # fmt: skip
+TINY_SIZES = {name: size for size, names in _SIZES for name in names}
+# Head sizes some config classes leave None although their models need a value.
+REQUIRED_SIZES = ("head_dim",)
+HEAD_COUNTS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv", "num_query_groups")
+LAYER_COUNTS = (
+    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_blocks", "decoder_layers", "encoder_layers",
+    "num_decoder_layers", "num_encoder_layers",
+)  # fmt: skip
+# Token ids: padding is 0, as models.batch pads; bos and eos move into the vocabulary when outside it.
+PAD_TOKEN_ID = 0
+TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
+MIN_LAYERS = 2
+# Probabilities of random training-time behaviour (dropout, layer drop, router jitter): zero, so that a parallel
+# run and a single-process one compute the same function.
+RANDOMNESS = ("dropout", "pdrop", "drop_prob", "layerdrop", "jitter")
+
+QWEN4_INDEXER = {  # None by default
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": HIDDEN // HEADS,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 2,
+}
+# Types the generic rules do not fit: keyword arguments of their config class, applied last.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "bamba": {"attn_layer_indices": [1]},  # by default no layer of the first two has attention
+    "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
+    # head_dim must be qk_nope_head_dim + qk_rope_head_dim.
+    "dots3_note": {"text_config": {"head_dim": 2 * HIDDEN // HEADS}},
+    "dots3_note_text": {"head_dim": 2 * HIDDEN // HEADS},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # None by default
+    "falcon_h1": {"mamba_d_head": HIDDEN // HEADS},  # mamba heads x head size = hidden size x expand (1)
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["mamba", "attention"]},  # by default no attention
+    "hrm_text": {"num_layers_per_stack": None},  # derived from num_hidden_layers, which it then rewrites
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "lfm2_moe": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "qwen4_exp": {"text_config": QWEN4_INDEXER},
+    "qwen4_exp_text": QWEN4_INDEXER,
+    "recurrent_gemma": {"num_hidden_layers": 3},  # blocks cycle recurrent, recurrent, attention
+    "reformer": {  # a decoder needs is_decoder; axial position embeddings tile max_position_embeddings
+        "is_decoder": True,
+        "axial_pos_shape": [4, 4],
+        "axial_pos_embds_dim": [HIDDEN // 4, 3 * HIDDEN // 4],
+        "max_position_embeddings": 16,
+        "local_attn_chunk_length": 8,
+        "lsh_attn_chunk_length": 8,
+    },
+    "xmod": {"default_language": "en_XX"},  # without it, forward needs lang_ids
+    # Zamba's shared attention runs on [hidden states; embeddings], twice the hidden size; Zamba ties the shared
+    # block of every hybrid layer to the first's, so it needs two of them.
+    "zamba": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+        "attention_hidden_size": 2 * HIDDEN,
+        "attention_head_dim": 2 * HIDDEN // HEADS,
+    },
+    "zamba2": {"attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS},
+}
+
+
+def tiny_config(model_type: str):
+    """The type's config class, its size fields shrunk and one layer of each kind kept."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    overrides = OVERRIDES.get(model_type, {})
+    return config_class(**merged(shrink(config_class().to_dict()), overrides))
+
+
+def shrink(values: dict[str, Any]) -> dict[str, Any]:
+    """The config dict with every size field tiny; sub-configs (text, vision, audio) shrunk alike."""
+    tiny = dict(values)
+    for name, value in values.items():
+        if isinstance(value, dict) and "model_type" in value:
+            tiny[name] = shrink(value)
+        elif name in TINY_SIZES:
+            tiny[name] = (
+                TINY_SIZES[name] if value is None and name in REQUIRED_SIZES else _smaller(value, TINY_SIZES[name])
+            )
+        elif any(word in name for word in RANDOMNESS) and isinstance(value, float):
+            tiny[name] = 0.0
+        elif name == "pad_token_id":
+            tiny[name] = PAD_TOKEN_ID
+        elif name in TOKEN_IDS and _out_of_vocabulary(value):
+            tiny[name] = TOKEN_IDS[name]
+    tiny.update(_kv_heads(values))
+    if "qk_head_dim" in values:  # derived, and passed back explicitly: keep it the sum of its parts
+        tiny["qk_head_dim"] = tiny["qk_nope_head_dim"] + tiny["qk_rope_head_dim"]
+    tiny.update(_fewer_layers(tiny))
+    return tiny
+
+
+def merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with ``overrides`` applied, sub-config by sub-config."""
+    result = dict(values)
+    for name, value in overrides.items():
+        nested = isinstance(value, dict) and isinstance(values.get(name), dict)
+        result[name] = merged(values[name], value) if nested else value
+    return result
+
+
+def _smaller(value: Any, tiny: int) -> Any:
+    if isinstance(value, list):
+        return [_smaller(item, tiny) for item in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value > tiny:
+        return tiny
+    return value
+
+
+def _out_of_vocabulary(value: Any) -> bool:
+    values = value if isinstance(value, list) else [value]
+    return any(isinstance(v, int) and v >= VOCAB for v in values)
+
+
+def _kv_heads(values: dict[str, Any]) -> dict[str, int]:
+    """KV head counts keep their relation to the heads: as many (None: as many), one, or grouped."""
+    heads = next((values[name] for name in HEAD_COUNTS if isinstance(values.get(name), int)), None)
+    tiny = {}
+    for name in KV_HEAD_COUNTS:
+        if name not in values:
+            continue
+        kv_heads = values[name]
+        if kv_heads is None or kv_heads == heads:
+            tiny[name] = HEADS
+        else:
+            tiny[name] = 1 if kv_heads == 1 else GROUPED_KV_HEADS
+    return tiny
+
+
+def _fewer_layers(values: dict[str, Any]) -> dict[str, Any]:
+    """Keep the first layer of each kind, at least ``MIN_LAYERS``.
+
+    A layer's kind is its entry in every per-layer list (``layer_types``, ``mlp_layer_types``, ...), whether lists
+    of layer indices (``full_attn_idxs``, ``hybrid_layer_ids``, ...) hold it, and its entry in dicts keyed by layer
+    index (``per_layer_config``). Those lists and dicts are cut to the kept layers and renumbered.
+    """
+    count_name = next((name for name in LAYER_COUNTS if isinstance(values.get(name), int)), None)
+    if count_name is None:
+        return {}
+    count = values[count_name]
+    index_lists = {name: value for name, value in values.items() if _is_layer_index_list(name, value, count)}
+    per_layer = {
+        name: value
+        for name, value in values.items()
+        if isinstance(value, list) and len(value) == count and name not in index_lists
+    }
+    by_layer = {name: value for name, value in values.items() if _is_keyed_by_layer(value, count)}
+
+    def kind(layer: int) -> tuple:
+        return (
+            *(str(value[layer]) for value in per_layer.values()),
+            *(layer in value for value in index_lists.values()),
+            *(str(_entry(value, layer)) for value in by_layer.values()),
+        )
+
+    kept: list[int] = []
+    for layer in range(count):
+        if kind(layer) not in {kind(k) for k in kept}:
+            kept.append(layer)
+    kept = sorted(kept + [layer for layer in range(count) if layer not in kept][: max(MIN_LAYERS - len(kept), 0)])
+    changed: dict[str, Any] = {name: len(kept) for name in LAYER_COUNTS if isinstance(values.get(name), int)}
+    changed.update({name: [value[layer] for layer in kept] for name, value in per_layer.items()})
+    changed.update(
+        {name: [kept.index(layer) for layer in value if layer in kept] for name, value in index_lists.items()}
+    )
+    changed.update(
+        {
+            name: {str(new): _entry(value, old) for new, old in enumerate(kept) if _entry(value, old) is not None}
+            for name, value in by_layer.items()
+        }
+    )
+    return changed
+
+
+def _is_layer_index_list(name: str, value: Any, count: int) -> bool:
+    return (
+        name.endswith(("_idxs", "_ids", "_indices", "_layers"))
+        and isinstance(value, list)
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < count for v in value)
+        and value == sorted(set(value))
+    )
+
+
+def _is_keyed_by_layer(value: Any, count: int) -> bool:
+    return isinstance(value, dict) and bool(value) and all(str(k).isdigit() and int(k) < count for k in value)
+
+
+def _entry(by_layer: dict, layer: int) -> Any:
+    """The entry of ``layer`` in a dict keyed by layer index (as int, or as a string, possibly zero-padded)."""
+    entry = next((v for k, v in by_layer.items() if int(k) == layer), None)
+    return shrink(entry) if isinstance(entry, dict) else entry

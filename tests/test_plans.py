@@ -245,7 +245,7 @@ def test_activation_checkpointing_modes_are_checked():
     from lightning_automodel.parallel.checkpointing import apply_activation_checkpointing
 
     model = tiny_model()
-    with pytest.raises(ValueError, match='activation_checkpointing=\'partial\': use True/"full", "selective"'):
+    with pytest.raises(ValueError, match='activation_checkpointing=\'partial\': use False, True/"full", "selective"'):
         apply_activation_checkpointing(model, decoder_layers(model), mode="partial")
     with pytest.raises(ValueError, match='"submodule" found no attention or MLP block in Linear'):
         apply_activation_checkpointing(model, [torch.nn.Linear(2, 2)], mode="submodule")

@@ -36,7 +36,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_automodel.atomic_directory import atomic_directory
-from lightning_automodel.checkpoint import load_sharded_checkpoint, only_trainable, split_packed
+from lightning_automodel.checkpoint import (
+    check_checkpoint,
+    explain_save_failure,
+    load_sharded_checkpoint,
+    only_trainable,
+    split_packed,
+)
+from lightning_automodel.faults import (
+    FaultMonitor,
+    notify_sigterm_locally,
+    report_failure,
+    stop_watching,
+    watch_stage,
+)
 from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.hf.loading import materialize_pretrained, pretrained_checkpoint
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
@@ -152,6 +165,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         self.save_trainable_only = save_trainable_only
         self._loss_parallel = ExitStack()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._fault_monitor: FaultMonitor | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -163,6 +177,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, timeout=self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        self._fault_monitor = watch_stage(self)
 
     @property
     @override
@@ -177,6 +192,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        notify_sigterm_locally(trainer, self._fault_monitor)
 
         # "bf16-true"/"16-true" cast the module: do it before sharding, so FSDP shards and gathers the low-precision
         # weights it will compute with (and materializes them directly in that dtype). What a model pins to fp32
@@ -281,12 +297,14 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         a save that fails midway (a full disk, a killed job) leaves the previous checkpoint at that path whole."""
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        with atomic_directory(self.broadcast(filepath)) as staging:
+        path = self.broadcast(filepath)
+        with atomic_directory(path) as staging, explain_save_failure(Path(path)):
             super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
+        check_checkpoint(path)
         if not self.save_trainable_only and not _is_sharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
@@ -374,7 +392,12 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         return bool(count == self.world_size) if all else bool(count)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        report_failure(self._fault_monitor, exception)
+
+    @override
     def teardown(self) -> None:
+        stop_watching(self._fault_monitor)
         self._loss_parallel.close()
         super().teardown()
 

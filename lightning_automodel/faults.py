@@ -47,6 +47,7 @@ EXIT_CODE = 1
 # failures, a rank that vanished explains the collectives that broke, and signals explain why ranks left.
 ERROR, GONE, FROZEN, SIGNAL, COLLECTIVE, DONE = "error", "gone", "frozen", "signal", "collective", "done"
 _ORDER = (ERROR, GONE, FROZEN, SIGNAL, COLLECTIVE)
+_STOPS = (ERROR, GONE, FROZEN, COLLECTIVE)  # notes that stop the stage for all at once
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,9 @@ class FaultMonitor:
         # A connection of its own, so that the main thread's use of the store never waits for this one's.
         store = dist.distributed_c10d._get_default_store().clone()
         self._store = dist.PrefixStore(f"lightning_automodel/faults/{generation}/", store)
-        self._pending: list[Note] = []  # notes of this rank not yet published (a signal handler may add one)
+        self._pending: list[Note] = []  # notes not yet published (a signal handler may add one)
         self._handling = False  # the main thread is reporting a failure of its own: never end the process
+        self._signalled = False  # this rank received a signal: it stops at the end of its step, on its own
         self._stopping_since: float | None = None
         self._verdict: str | None = None
         self._verdict_ready = threading.Event()
@@ -89,16 +91,21 @@ class FaultMonitor:
         self._thread.join(timeout=2 * INTERVAL)
 
     def note_signal(self, name: str) -> None:
-        """Record that this rank received signal ``name``; safe in a signal handler (it only appends)."""
+        """Record that this rank received signal ``name``; safe in a signal handler (it only appends). Peers go on:
+        Lightning stops this rank at the end of its step, and every rank at once when rank 0 was signalled (which
+        lets ``on_exception`` callbacks save a checkpoint together); the stage stops for all when this rank leaves."""
+        self._signalled = True
         self._pending.append(Note(self.rank, SIGNAL, name))
 
-    def report(self, kind: str, text: str) -> None:
-        """Record how the stage failed on this rank, wait (bounded) until it is known which ranks failed, and print
-        that. Nothing once the stage has ended (a later stage that fails before it is set up)."""
+    def report(self, kind: str | None, text: str = "") -> None:
+        """Record how the stage failed on this rank (``kind`` None: it stops because another rank did, or after a
+        signal already noted), wait (bounded) until it is known which ranks failed, and print that. Nothing once
+        the stage has ended (a later stage that fails before it is set up)."""
         if self._stopped.is_set():
             return
         self._handling = True
-        self._pending.append(Note(self.rank, kind, text))
+        if kind is not None:
+            self._pending.append(Note(self.rank, kind, text))
         self._wake.set()
         if not self._verdict_ready.wait(timeout=GONE_AFTER + 2 * INTERVAL):
             self._announce(
@@ -139,7 +146,7 @@ class FaultMonitor:
         self._store.add(f"beat/{self.rank}", 1)
         self._identity(0)  # known beforehand, in case the store goes with rank 0
         if self._stopping_since is None:
-            if self._store.add("stop", 0) > 0:
+            if self._handling or self._store.add("stop", 0) > 0:
                 self._stopping_since = time.monotonic()
             elif self.world_size > 1:
                 self._watch((self.rank + 1) % self.world_size)
@@ -151,19 +158,26 @@ class FaultMonitor:
             self._end_if_blocked()
 
     def _publish(self) -> None:
+        """Publish the pending notes; stop the stage for all on a failure, or when a rank that failed or was
+        signalled leaves."""
         while self._pending:
             note = self._pending.pop(0)
             self._store.append("notes", f"{note.rank}\t{note.kind}\t{' '.join(note.text.split())}\n")
-            if note.kind != DONE:
+            if note.kind in _STOPS or (note.kind == DONE and (self._handling or self._signalled)):
                 self._store.add("stop", 1)
 
     def _watch(self, rank: int) -> None:
         """Stop the stage, saying why, if ``rank`` is gone or silent without having said that it is done."""
         quiet = self._quiet(rank, time.monotonic())
         gone = self._process_state(rank) == GONE
-        if (gone or quiet >= self.silent_after) and rank not in self._notes():
+        if not gone and quiet < self.silent_after:
+            return
+        note = self._notes().get(rank)
+        if note is None:
             self._pending.append(Note(rank, GONE, "") if gone else _silent(rank, quiet))
             self._publish()
+        elif note.kind != DONE:  # it said why, then left
+            self._store.add("stop", 1)
 
     def _end_if_blocked(self) -> None:
         """End this process if its main thread has not reached a failure of its own ``GRACE`` seconds after the
@@ -212,7 +226,7 @@ class FaultMonitor:
         for note in found:
             if note.kind == kind:
                 texts.setdefault(note.text, []).append(note.rank)
-        return "; ".join(self._explain(kind, text, ranks) for text, ranks in list(texts.items())[:3]) + "."
+        return "; ".join(self._explain(kind, text, ranks) for text, ranks in list(texts.items())[:3]).rstrip(".") + "."
 
     def _explain(self, kind: str, text: str, ranks: list[int]) -> str:
         who = self._name(ranks)
@@ -372,9 +386,12 @@ def report_failure(monitor: FaultMonitor | None, exception: BaseException) -> No
     2.6 does (2.6 exits with 0, as if the run had finished)."""
     if isinstance(exception, SIGTERMException) and not exception.code:
         exception.code = 128 + signal.SIGTERM
-    if monitor is not None:
-        kind = (SIGNAL, "SIGTERM") if isinstance(exception, SIGTERMException) else exception_kind(exception)
-        monitor.report(*kind)
+    if monitor is None:
+        return
+    if isinstance(exception, SIGTERMException):  # on the signalled rank (noted already) and those stopped with it
+        monitor.report(None)
+    else:
+        monitor.report(*exception_kind(exception))
 
 
 def stop_watching(monitor: FaultMonitor | None) -> None:

@@ -72,7 +72,8 @@ def disk_full(*, ranks: tuple[int, ...], room: int | None):
 
 def check_full_disk(directory: str, ranks: tuple[int, ...], room: int | None) -> str:
     """The disk fills up on ``ranks`` during a second save to the same path: inside torch.save, which hides the OS
-    error (``room`` bytes into a shard), or at the flush of a shard (``room`` None). Every rank raises an OSError
+    error (``room`` bytes into a shard, past its few non-tensor bytes), or at the flush of a shard (``room`` None).
+    Every rank raises an OSError
     that names the checkpoint, the ranks that failed and the error; the first save stays byte for byte, and
     nothing is left beside it."""
     path = Path(directory) / f"full-on-{len(ranks)}.ckpt"

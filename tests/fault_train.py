@@ -6,7 +6,7 @@ running this script again) or under torchrun. Each rank writes ``OUT_DIR/rank<r>
 and see what every rank printed.
 
 Usage: fault_train.py OUT_DIR [--devices N] [--nodes N] [--timeout SECONDS] [--steps N] [--save-every N]
-    [--in-save RANK] [--nan-rank RANK [--nan-step STEP]] [--detect-anomaly]
+    [--in-save RANK] [--nan-rank RANK [--nan-step STEP]] [--detect-anomaly] [--save-on-exception]
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ def main() -> None:
     parser.add_argument("--nan-rank", type=int, default=None, help="this rank's loss turns NaN at --nan-step")
     parser.add_argument("--nan-step", type=int, default=3)
     parser.add_argument("--detect-anomaly", action="store_true", help="Trainer(detect_anomaly=True)")
+    parser.add_argument("--save-on-exception", action="store_true", help="OnExceptionCheckpoint into OUT_DIR/ckpt")
     args = parser.parse_args()
     redirect_output(args.out_dir)
 
     import lightning as L
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
     from lightning_checks import CausalLM, data
     from models import tiny_model
 
@@ -74,6 +75,8 @@ def main() -> None:
             args.out_dir / "ckpt", every_n_train_steps=args.save_every, save_top_k=0, save_last=True
         )
         callbacks.append(every)
+    if args.save_on_exception:
+        callbacks.append(OnExceptionCheckpoint(args.out_dir / "ckpt"))
     if args.in_save is not None and global_rank() == args.in_save:
         kill_midway_through_second_save()
 
@@ -86,7 +89,7 @@ def main() -> None:
         strategy=strategy,
         max_steps=args.steps,
         logger=False,
-        enable_checkpointing=bool(args.save_every),
+        enable_checkpointing=bool(args.save_every) or args.save_on_exception,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,

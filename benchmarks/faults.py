@@ -76,20 +76,23 @@ def main() -> None:
         for name in args.cases:
             launcher, nodes, fault, options, failed = CASES[name]
             with tempfile.TemporaryDirectory(prefix="lam-faults-") as directory:
-                outcome = launch(
-                    Path(directory),
-                    fault,
-                    launcher=launcher,
-                    nodes=nodes,
-                    timeout=None if timeout == "default" else float(timeout),
-                    wait=args.wait,
-                    args=options,
-                )
-                disk = ""
-                if "--in-save=1" in options:
-                    checkpoints = sorted(p.name for p in (Path(directory) / "ckpt").iterdir())
-                    disk = f" | left in ckpt/: {checkpoints}"
-            print(f"{name:38} timeout {timeout:>7} | {summary(outcome, failed)}{disk}", flush=True)
+                try:
+                    outcome = launch(
+                        Path(directory),
+                        fault,
+                        launcher=launcher,
+                        nodes=nodes,
+                        timeout=None if timeout == "default" else float(timeout),
+                        wait=args.wait,
+                        args=options,
+                    )
+                except RuntimeError as error:  # the run failed before the fault (an older checkout)
+                    result = f"failed before the fault: {str(error).strip().splitlines()[-1][:200]}"
+                else:
+                    result = summary(outcome, failed)
+                if "--in-save=1" in options and (Path(directory) / "ckpt").is_dir():
+                    result += f" | left in ckpt/: {sorted(p.name for p in (Path(directory) / 'ckpt').iterdir())}"
+            print(f"{name:38} timeout {timeout:>7} | {result}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """How every rank ends when one fails: exit codes, seconds from the fault to each survivor's exit, what it printed.
 
-    .venv/bin/python benchmarks/faults.py                      # every fault, default and 30 s timeouts (~25 min)
+    .venv/bin/python benchmarks/faults.py                      # every fault, default and 30 s timeouts (~20 min)
     .venv/bin/python benchmarks/faults.py --timeouts 30 --cases "SIGKILL rank 1" "SIGTERM rank 1"
 
 Each case launches tests/fault_train.py as users do (Lightning's launcher, or torchrun with one or two agents),
@@ -32,6 +32,7 @@ CASES = {
     "SIGTERM launcher": ("lightning", 1, Fault(TERM, "launcher"), (), 0),
     "Ctrl-C": ("lightning", 1, Fault(INT, "group"), (), 0),
     "SIGSTOP rank 1 (frozen)": ("lightning", 1, Fault(STOP, 1), (), 1),
+    "SIGSTOP rank 0 (frozen store host)": ("lightning", 1, Fault(STOP, 0), (), 0),
     "NaN on rank 1, detect_anomaly": ("lightning", 1, None, ("--nan-rank=1", "--detect-anomaly"), 1),
     "SIGKILL rank 1 mid-save": ("lightning", 1, None, ("--save-every=2", "--in-save=1"), 1),
     "torchrun: SIGKILL rank 1": ("torchrun", 1, Fault(KILL, 1), (), 1),

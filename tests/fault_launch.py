@@ -69,7 +69,7 @@ def launch(
     launcher: str = "lightning",
     world: int = 4,
     nodes: int = 1,
-    timeout: float | None = 10.0,
+    timeout: float | None = 30.0,
     after_step: int = 2,
     wait: float = 60.0,
     args: tuple[str, ...] = (),
@@ -77,10 +77,11 @@ def launch(
     """Start a run of ``world`` ranks on ``nodes`` launchers, inject ``fault`` once every rank has finished
     ``after_step`` steps (None: none; the run ends by itself), and wait up to ``wait`` seconds for every rank to
     exit (but one that ``fault`` stopped). ``timeout``: the strategy's (None: its default)."""
-    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     out_dir.mkdir(parents=True, exist_ok=True)
     options = [str(out_dir), f"--devices={world // nodes}", f"--nodes={nodes}", *args]
     options += [] if timeout is None else [f"--timeout={timeout}"]
+    libc = ctypes.CDLL(None)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     processes = _start(out_dir, launcher, world, nodes, options)
     try:
         pids = _wait_for_training(out_dir, processes, world, after_step)
@@ -95,6 +96,7 @@ def launch(
         ended = _watch(watched, processes, begin, wait)
     finally:
         _stop(processes, out_dir, world)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
     launchers = [(out_dir / f"launcher{i}.log").read_text(errors="replace") for i in range(len(processes))]
     codes = _torchrun_codes("\n".join(launchers))
     ranks = {}

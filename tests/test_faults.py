@@ -68,7 +68,7 @@ def test_sigterm_to_one_rank(tmp_path):
 
 
 def test_sigterm_to_the_launcher(tmp_path):
-    """SIGTERM to Lightning's launcher, which forwards it: every rank stops at the end of the same step, the
+    """SIGTERM to Lightning's launcher, which forwards it: the ranks stop at the end of a step together, the
     ``OnExceptionCheckpoint`` callback writes a whole checkpoint, and every rank exits with 143 (Lightning 2.6: 0)."""
     outcome = launch(
         tmp_path, Fault(signal.SIGTERM, "launcher"), world=2, timeout=TIMEOUT, args=("--save-on-exception",)
@@ -100,7 +100,7 @@ def test_ctrl_c(tmp_path):
 
 
 def test_torchrun_node_loses_a_rank(tmp_path):
-    """Two torchrun agents as two nodes of 2: rank 3 is SIGKILLed; its agent stops rank 2, and the first node's
-    ranks exit on their own, naming rank 3."""
+    """Two torchrun agents as two nodes of 2: rank 3 is SIGKILLed; its agent stops the other rank it started, and
+    the other node's ranks exit on their own, naming rank 3."""
     outcome = launch(tmp_path, Fault(signal.SIGKILL, 3), launcher="torchrun", nodes=2, timeout=TIMEOUT)
     assert_named(outcome, 3, GONE)

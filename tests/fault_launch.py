@@ -47,10 +47,6 @@ class Outcome:
     ranks: dict[int, RankEnd]
     launchers: list[str] = field(default_factory=list)
 
-    def survivors(self) -> dict[int, RankEnd]:
-        target = self.fault.target if self.fault else None
-        return {rank: end for rank, end in self.ranks.items() if rank != target}
-
     def describe(self) -> str:
         lines = [f"fault {self.fault}:"]
         for rank, end in sorted(self.ranks.items()):

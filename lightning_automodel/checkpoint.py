@@ -8,16 +8,25 @@ vision tower in text-only training), so its saved state lacks entries that a fre
 
 from __future__ import annotations
 
+import shutil
 import zipfile
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultLoadPlanner,
+    FileSystemReader,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -73,9 +82,7 @@ def _load(state: dict[str, Any], path: Path, stored: dict[str, Any], *, strict: 
         for chunk, block in zip(target.to_local().chunk(len(blocks)), blocks.values(), strict=True):
             chunk.copy_(block.to_local())
     for keys, target in mismatched:
-        if not keys:
-            if strict:
-                raise ValueError(f"{path} lacks a tensor this model needs ({tuple(target.shape)}).")
+        if not keys:  # not in the checkpoint: refused beforehand when strict (see _misfit)
             continue
         whole = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype) for key in keys}
         dcp.load(whole, checkpoint_id=path)
@@ -132,6 +139,7 @@ def load_sharded_checkpoint(
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
     model_state = get_model_state_dict(module)
     model_state = only_trainable(model_state, module) if trainable_only else model_state
+    raise_everywhere(_misfit(path, model_state, stored, strict=strict))
     _load({"state_dict": model_state}, path, stored, strict=strict)
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict and not trainable_only))
     for index, optimizer in enumerate(optimizers):
@@ -140,3 +148,125 @@ def load_sharded_checkpoint(
         options = StateDictOptions(cpu_offload=True)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state, options=options)
     return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def check_checkpoint(path: Path) -> None:
+    """Raise on every rank, naming the file, if ``path`` is missing or a sharded checkpoint there is incomplete or
+    damaged (a shard missing or shorter than the checkpoint's index says); collective. Without it, a rank that
+    cannot read its shard fails inside torch's loader, with the file's name deep in a traceback or not at all."""
+    raise_everywhere(_damage(path))
+
+
+def raise_everywhere(problem: Exception | None) -> None:
+    """Raise the first rank's ``problem`` on every rank; collective. A rank that raised alone would leave the others
+    waiting in the next collective (shared file systems can show ranks different files)."""
+    problems = [problem]
+    if dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    found = next((found for found in problems if found is not None), None)
+    if found is not None:
+        raise found
+
+
+def _damage(path: Path) -> Exception | None:
+    if not path.exists():
+        old = path.with_name(f".{path.name}.old")
+        hint = f" An interrupted save left the previous one at {old}: rename it back." if old.exists() else ""
+        return FileNotFoundError(f"No checkpoint at {path}.{hint}")
+    if not path.is_dir():
+        return None  # a single-file checkpoint: torch.load names it if it is damaged
+    parts = [path / _METADATA_FILENAME, path / ".metadata"]
+    if not any(part.exists() for part in parts) and not any(path.glob("*.distcp")):
+        return None  # not a sharded checkpoint at all: Lightning says so
+    missing = [part.name for part in parts if not part.is_file()]
+    if missing:
+        return FileNotFoundError(
+            f"{path} is an incomplete sharded checkpoint: {' and '.join(missing)} missing. Resume from an earlier"
+            " checkpoint."
+        )
+    if not zipfile.is_zipfile(parts[0]):
+        return ValueError(f"{parts[0]} is damaged (not a file torch.save wrote). Resume from an earlier checkpoint.")
+    try:
+        index = FileSystemReader(path).read_metadata().storage_data
+    except Exception as error:
+        return ValueError(f"{parts[1]} cannot be read ({error}). Resume from an earlier checkpoint.")
+    needed: dict[str, int] = {}
+    for item in index.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return FileNotFoundError(f"{shard} is missing from the checkpoint. Resume from an earlier checkpoint.")
+        if shard.stat().st_size < size:
+            return ValueError(
+                f"{shard} is truncated: {shard.stat().st_size} bytes, where the checkpoint's index needs {size}."
+                " Resume from an earlier checkpoint."
+            )
+    return None
+
+
+def _misfit(path: Path, model_state: dict[str, Any], stored: dict[str, Any], *, strict: bool) -> Exception | None:
+    """The model's tensors that ``path`` holds in another shape, or (``strict``) lacks: a checkpoint of another
+    model. Packed weights stored in blocks are compared by their blocks' total size."""
+    blocks_of = packed_block_keys(stored)
+    wrong, absent = [], []
+    for name, tensor in model_state.items():
+        key = f"state_dict.{name}"
+        if key in stored and isinstance(stored[key], TensorStorageMetadata):
+            if tuple(stored[key].size) != tuple(tensor.shape):
+                wrong.append(f"{name} is {tuple(stored[key].size)} there, {tuple(tensor.shape)} here")
+        elif key in blocks_of:
+            size = sum(stored[block].size.numel() for block in blocks_of[key])
+            if size != tensor.numel():
+                wrong.append(f"{name} holds {size} values there, {tensor.numel()} here")
+        elif strict:
+            absent.append(name)
+    if wrong:
+        return ValueError(
+            f"{path} does not fit this model: {'; '.join(wrong[:3])}"
+            + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
+            + ". It is a checkpoint of another model or configuration."
+        )
+    if absent:
+        return ValueError(
+            f"{path} lacks {len(absent)} of this model's {len(model_state)} tensors ({', '.join(absent[:3])}"
+            + (", ..." if len(absent) > 3 else "")
+            + "): a checkpoint of another model? Set strict_loading = False on the LightningModule to load what"
+            " it holds."
+        )
+    return None
+
+
+@contextmanager
+def explain_save_failure(target: Path) -> Generator[None, None, None]:
+    """Raise an ``OSError`` that says which ranks could not write the checkpoint ``target`` and why, in place of
+    what torch raises: torch.save reports a write the OS refused (ENOSPC on a full disk) as "unexpected pos",
+    and torch's distributed checkpoint hands every rank the failures without the exception chain that held the
+    OS error. The free space left on the file system says the rest."""
+    try:
+        yield
+    except CheckpointException as error:
+        raise OSError(
+            _save_failure(target, {rank: failure for rank, (failure, _) in error.failures.items()})
+        ) from error
+    except RuntimeError as error:  # torch.save of Lightning's meta.pt, on rank 0
+        if "unexpected pos" not in str(error):
+            raise
+        raise OSError(_save_failure(target, {dist.get_rank() if dist.is_initialized() else 0: error})) from error
+
+
+def _save_failure(target: Path, failures: dict[int, BaseException]) -> str:
+    ranks = sorted(failures)
+    first = failures[ranks[0]]
+    reason = f"{type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''}"
+    if "unexpected pos" in reason:
+        reason += ", torch.save's report of a write that failed"
+    try:
+        free = f"; {shutil.disk_usage(target.parent).free / 2**30:.2f} GiB are free on its file system"
+    except OSError:
+        free = ""
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return (
+        f"Could not save the checkpoint {target}: {who} failed to write ({reason}){free}. {target} was left as it was."
+    )

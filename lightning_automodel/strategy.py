@@ -38,10 +38,19 @@ from typing_extensions import override
 
 from lightning_automodel.atomic_directory import atomic_directory, check_save_path
 from lightning_automodel.checkpoint import (
+    check_checkpoint,
+    explain_save_failure,
     load_sharded_checkpoint,
     not_checkpoint_files,
     only_trainable,
     split_packed,
+)
+from lightning_automodel.faults import (
+    FaultMonitor,
+    notify_sigterm_locally,
+    report_failure,
+    stop_watching,
+    watch_stage,
 )
 from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.hf.loading import materialize_pretrained, pretrained_checkpoint
@@ -179,6 +188,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         self.save_trainable_only = save_trainable_only
         self._loss_parallel = ExitStack()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._fault_monitor: FaultMonitor | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -193,6 +203,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type, timeout=self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        self._fault_monitor = watch_stage(self)
 
     @property
     @override
@@ -208,6 +219,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         assert self.accelerator is not None
         _refuse_fsdp1(self.model)
         self.accelerator.setup(trainer)
+        notify_sigterm_locally(trainer, self._fault_monitor)
 
         # "bf16-true"/"16-true" cast the module: do it before sharding, so FSDP shards and gathers the low-precision
         # weights it will compute with (and materializes them directly in that dtype). What a model pins to fp32
@@ -317,12 +329,13 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         if not self._save_distributed_checkpoint:
             check_save_path(path, unowned=not_checkpoint_files)
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-        with atomic_directory(path, unowned=not_checkpoint_files) as staging:
+        with atomic_directory(path, unowned=not_checkpoint_files) as staging, explain_save_failure(path):
             super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
+        check_checkpoint(path)
         if not self.save_trainable_only and not _is_sharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
@@ -410,7 +423,12 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         return bool(count == self.world_size) if all else bool(count)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        report_failure(self._fault_monitor, exception)
+
+    @override
     def teardown(self) -> None:
+        stop_watching(self._fault_monitor)
         self._loss_parallel.close()
         super().teardown()
 

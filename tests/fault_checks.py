@@ -1,0 +1,184 @@
+"""Faults of checkpoints and losses inside gloo workers (see harness.py): a disk that fills up during a save, a
+resume from a damaged, foreign or missing checkpoint, a resume after a job killed in the middle of a save, and
+NaN losses under Lightning's own options."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from checkpoint_checks import _assert_continues, _contents, fit
+from lightning.pytorch.callbacks import EarlyStopping
+from lightning_checks import CausalLM, data, trainer
+from models import tiny_model
+from parity import full
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from lightning_automodel import AutoModelParallelStrategy
+
+TP = 2
+
+
+class _FullDisk:
+    """A file on a disk that fills up: ``room`` bytes go through and the next write fails with ENOSPC; with ``room``
+    None, writes fit in the buffer and its flush at close() fails."""
+
+    def __init__(self, stream, path: Path, room: int | None) -> None:
+        self._stream, self._path, self._room = stream, path, room
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self._room is not None and len(view) > self._room:
+            self._stream.write(view[: self._room])
+            self._fail()
+        self._room = None if self._room is None else self._room - len(view)
+        return self._stream.write(view)
+
+    def close(self) -> None:
+        self._stream.close()
+        if self._room is None:
+            self._fail()
+
+    def _fail(self) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self._path))
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def disk_full(*, ranks: tuple[int, ...], room: int | None):
+    """On ``ranks``, the files torch's distributed checkpoint writes meet a full disk (see ``_FullDisk``)."""
+    real = FileSystem.create_stream
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield _FullDisk(stream, Path(path), room) if "w" in mode else stream
+
+    if dist.get_rank() in ranks:
+        FileSystem.create_stream = create_stream
+    try:
+        yield
+    finally:
+        FileSystem.create_stream = real
+
+
+def check_full_disk(directory: str, ranks: tuple[int, ...], room: int | None) -> str:
+    """The disk fills up on ``ranks`` during a second save to the same path: inside torch.save, which hides the OS
+    error (``room`` bytes into a shard, past its few non-tensor bytes), or at the flush of a shard (``room`` None).
+    Every rank raises an OSError
+    that names the checkpoint, the ranks that failed and the error; the first save stays byte for byte, and
+    nothing is left beside it."""
+    path = Path(directory) / f"full-on-{len(ranks)}.ckpt"
+    run = fit(CausalLM(tiny_model()), TP, 1)
+    run.save_checkpoint(path)
+    saved = _contents(path)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    reason = "No space left on device" if room is None else "torch.save's report of a write that failed"
+    with disk_full(ranks=ranks, room=room), pytest.raises(OSError) as error:
+        run.save_checkpoint(path)
+    message = str(error.value)
+    assert message.startswith(f"Could not save the checkpoint {path}: {who} failed to write"), message
+    assert reason in message, message
+    assert _contents(path) == saved, "a failed save changed the previous checkpoint"
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}")] == [], "staging left"
+    return message
+
+
+def check_damaged_checkpoints(directory: str) -> dict[str, str]:
+    """Resumes from a checkpoint with a truncated shard, a missing shard, no ``meta.pt``, no ``.metadata``, from
+    another model's checkpoint and from a path that does not exist: every rank raises, before any collective of
+    the load, an error that names the file."""
+    root = Path(directory)
+    good = root / "good.ckpt"
+    fit(CausalLM(tiny_model()), TP, 1).save_checkpoint(good)
+    fit(CausalLM(tiny_model(hidden_size=32, intermediate_size=64)), TP, 1).save_checkpoint(root / "other.ckpt")
+    shard = "__1_0.distcp"
+    damage = {
+        "truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), shard, r"truncated"),
+        "missing": (Path.unlink, shard, r"missing"),
+        "no-meta": (Path.unlink, "meta.pt", r"incomplete .* meta\.pt missing"),
+        "no-index": (Path.unlink, ".metadata", r"incomplete .* \.metadata missing"),
+    }
+    if dist.get_rank() == 0:
+        for name, (harm, file, _) in damage.items():
+            shutil.copytree(good, root / f"{name}.ckpt")
+            harm(root / f"{name}.ckpt" / file)
+        shutil.copytree(good, root / ".swapped.ckpt.old")  # as a save killed between its two renames leaves it
+    dist.barrier()
+    expected = {name: (str(root / f"{name}.ckpt" / file), pattern) for name, (_, file, pattern) in damage.items()}
+    expected["other"] = (str(root / "other.ckpt"), r"does not fit this model: .* \(128, 32\) there, \(128, 64\) here")
+    expected["absent"] = (str(root / "absent.ckpt"), "No checkpoint at")
+    expected["swapped"] = (str(root / "swapped.ckpt"), r"previous one at .*\.swapped\.ckpt\.old: rename it back")
+    messages = {}
+    for name, (file, pattern) in expected.items():
+        checkpoint = root / f"{name}.ckpt"
+        with pytest.raises((OSError, ValueError), match=pattern) as error:
+            fit(CausalLM(tiny_model(seed=3)), TP, 2, ckpt_path=checkpoint)
+        assert file in str(error.value) or str(checkpoint) in str(error.value), (file, str(error.value))
+        messages[name] = f"{type(error.value).__name__}: {error.value}"
+    return messages
+
+
+def check_resume_after_killed_save(directory: str) -> dict:
+    """fault_train.py ran with a rank SIGKILLed halfway through its second save of last.ckpt (at step 4): last.ckpt
+    is still the save of step 2, and 2 steps resumed from it equal steps 3 and 4 of an uninterrupted run, losses
+    and weights."""
+    checkpoints = Path(directory) / "ckpt"
+    last = checkpoints / "last.ckpt"
+    whole = CausalLM(tiny_model())
+    fit(whole, TP, 4)
+    resumed = CausalLM(tiny_model(seed=5 + dist.get_rank()))
+    fit(resumed, TP, 4, ckpt_path=last)
+    result = _assert_continues(resumed, whole.losses, dict(whole.model.named_parameters()))
+    left = sorted(p.name for p in checkpoints.iterdir() if p.name != "last.ckpt")
+    assert len(left) == 1 and left[0].startswith(".last.ckpt."), f"expected the killed save's staging only: {left}"
+    return result
+
+
+class NaNProbe(CausalLM):
+    """Logs, unsynced, a copy of the loss that is NaN on rank 1 alone at step 1: one rank's EarlyStopping sees it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        nan = dist.get_rank() == 1 and self.global_step == 1
+        self.log("probe", loss.detach() * float("nan") if nan else loss.detach())
+        return loss
+
+
+class NaNLoss(CausalLM):
+    """The loss itself turns NaN on rank 1 alone at step 1."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if dist.get_rank() == 1 and self.global_step == 1 else loss
+
+
+def check_nan_stops_every_rank() -> dict:
+    """``EarlyStopping(check_finite=True)`` that sees a NaN on one rank stops every rank at the same step (the
+    strategy agrees on the decision over all ranks); nobody waits for a rank that has left."""
+    stopping = EarlyStopping(monitor="probe", check_finite=True, check_on_train_epoch_end=True)
+    run = trainer(AutoModelParallelStrategy(tp=TP), max_steps=6, callbacks=[stopping])
+    run.fit(NaNProbe(tiny_model()), data(dist.get_world_size() // TP))
+    steps = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, run.global_step)
+    assert steps == [2] * len(steps) and run.should_stop, steps
+    return {"stopped_at": steps}
+
+
+def check_nan_loss_trains_on() -> dict:
+    """What Lightning does with a NaN loss and no option set: FSDP's gradient reduction spreads one rank's NaN to
+    every rank's weights, and every rank trains on to ``max_steps`` with NaN losses, no error and no hang."""
+    module = NaNLoss(tiny_model())
+    trainer(AutoModelParallelStrategy(tp=TP), max_steps=4).fit(module, data(dist.get_world_size() // TP))
+    finite = [torch.isfinite(torch.tensor(loss)).item() for loss in module.losses]
+    weights_finite = all(torch.isfinite(full(p)).all() for p in module.model.parameters())
+    assert finite == [True, True, False, False] and not weights_finite, (finite, weights_finite)
+    return {"finite_losses": finite}

@@ -1,0 +1,120 @@
+"""One rank of the fault tests: the tiny Llama trains at tp=2 x dp_shard=2 until a fault stops it.
+
+Launched as users launch: ``python fault_train.py OUT_DIR ...`` (Lightning's own launcher starts the other ranks by
+running this script again) or under torchrun. Each rank writes ``OUT_DIR/rank<r>.log`` (its stdout and stderr),
+``rank<r>.pid`` once training runs, and ``rank<r>.step`` at every step, so that a driver can inject a fault mid-step
+and see what every rank printed.
+
+Usage: fault_train.py OUT_DIR [--devices N] [--nodes N] [--timeout SECONDS] [--steps N] [--save-every N]
+    [--in-save RANK] [--nan-rank RANK [--nan-step STEP]] [--detect-anomaly] [--save-on-exception]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+
+def global_rank() -> int:
+    """Torchrun sets RANK; Lightning's launcher sets LOCAL_RANK in the processes it starts (one node here)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+def redirect_output(out_dir: Path) -> None:
+    """This rank's stdout and stderr (Python's and native code's) to its own file, line by line."""
+    log = os.open(out_dir / f"rank{global_rank()}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (1, 2):
+        os.dup2(log, stream)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--devices", type=int, default=4, help="processes per node")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=None, help="the strategy's timeout; default: its own")
+    parser.add_argument("--steps", type=int, default=100_000)
+    parser.add_argument("--save-every", type=int, default=0, help="last.ckpt every N steps, in OUT_DIR/ckpt")
+    parser.add_argument("--in-save", type=int, default=None, help="this rank kills itself midway through a save")
+    parser.add_argument("--nan-rank", type=int, default=None, help="this rank's loss turns NaN at --nan-step")
+    parser.add_argument("--nan-step", type=int, default=3)
+    parser.add_argument("--detect-anomaly", action="store_true", help="Trainer(detect_anomaly=True)")
+    parser.add_argument("--save-on-exception", action="store_true", help="OnExceptionCheckpoint into OUT_DIR/ckpt")
+    args = parser.parse_args()
+    redirect_output(args.out_dir)
+
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+    from lightning_checks import CausalLM, data
+    from models import tiny_model
+
+    from lightning_automodel import AutoModelParallelStrategy
+
+    class Progress(Callback):
+        def on_train_start(self, trainer, pl_module):
+            (args.out_dir / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            (args.out_dir / f"rank{trainer.global_rank}.step").write_text(str(trainer.global_step))
+
+    class NaNLoss(CausalLM):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            nan = self.global_rank == args.nan_rank and self.global_step == args.nan_step
+            return loss * float("nan") if nan else loss
+
+    callbacks = [Progress()]
+    if args.save_every:
+        every = ModelCheckpoint(
+            args.out_dir / "ckpt", every_n_train_steps=args.save_every, save_top_k=0, save_last=True
+        )
+        callbacks.append(every)
+    if args.save_on_exception:
+        callbacks.append(OnExceptionCheckpoint(args.out_dir / "ckpt"))
+    if args.in_save is not None and global_rank() == args.in_save:
+        kill_midway_through_second_save()
+
+    options = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
+    strategy = AutoModelParallelStrategy(tp=2, **options)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.nodes,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=bool(args.save_every) or args.save_on_exception,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        detect_anomaly=args.detect_anomaly,
+    )
+    trainer.fit(NaNLoss(tiny_model()), data(args.devices * args.nodes // 2))
+
+
+def kill_midway_through_second_save() -> None:
+    """SIGKILL this process once it has written the first of its files of the second checkpoint save: a job killed
+    in the middle of a save (the first save stays whole; the second finds it in place)."""
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    write = filesystem._write_files_from_queue
+    saves = []
+
+    def write_then_die(*args, **kwargs):
+        saves.append(None)
+        result = write(*args, **kwargs)
+        if len(saves) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    filesystem._write_files_from_queue = write_then_die
+
+
+if __name__ == "__main__":
+    main()

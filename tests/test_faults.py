@@ -1,0 +1,106 @@
+"""Faults, measured: a rank killed, stopped or signalled mid-step under Lightning's launcher and under torchrun,
+a job killed in the middle of a checkpoint save, a full disk, damaged checkpoints, NaN losses.
+
+Every surviving rank must exit non-zero within the strategy's timeout and say which rank failed. Runs here use a
+30 s timeout: shorter ones do not leave 2 busy cores time to start 4 processes (the timeout also bounds the
+rendezvous). benchmarks/faults.py measures the same faults with the default timeout too.
+"""
+
+from __future__ import annotations
+
+import signal
+from functools import partial
+
+from fault_checks import (
+    check_damaged_checkpoints,
+    check_full_disk,
+    check_nan_loss_trains_on,
+    check_nan_stops_every_rank,
+    check_resume_after_killed_save,
+)
+from fault_launch import Fault, Outcome, launch
+from harness import run_checks
+
+from lightning_automodel.checkpoint import check_checkpoint
+
+TIMEOUT = 30.0
+GONE = "exited without reporting an error"
+
+
+def assert_named(outcome: Outcome, failed: int, reason: str, *, since: float = 0.0) -> None:
+    """Every rank but ``failed`` exited non-zero within the timeout of ``since`` (seconds after the fault), and
+    printed that ``failed`` stopped the run for ``reason``."""
+    for rank, end in outcome.ranks.items():
+        if rank == failed:
+            continue
+        assert end.seconds is not None and end.seconds - since <= TIMEOUT, outcome.describe()
+        assert end.code not in (0, None), outcome.describe()
+        said = [line for line in end.output.splitlines() if f"[rank {rank}] lightning-automodel:" in line]
+        assert said and f"rank {failed} (" in said[0] and reason in said[0], outcome.describe()
+
+
+def test_rank_killed_mid_save_then_checkpoint_faults(tmp_path):
+    """Rank 1 SIGKILLs itself halfway through writing its shard of the second last.ckpt (tp=2 under Lightning's
+    launcher): rank 0 exits naming it. Then, in one gloo launch: the resume from the last.ckpt it left equals the
+    uninterrupted run; a full disk on one rank and on both; damaged, foreign and missing checkpoints; NaN losses."""
+    killed = launch(tmp_path / "run", None, world=2, timeout=TIMEOUT, args=("--save-every=2", "--in-save=1"))
+    assert killed.ranks[1].code == -signal.SIGKILL, killed.describe()
+    assert_named(killed, 1, GONE, since=killed.ranks[1].seconds)
+    checks = [
+        partial(check_resume_after_killed_save, str(tmp_path / "run")),
+        partial(check_full_disk, str(tmp_path), (1,), 100_000),
+        partial(check_full_disk, str(tmp_path), (0, 1), None),
+        partial(check_damaged_checkpoints, str(tmp_path)),
+        check_nan_stops_every_rank,
+        check_nan_loss_trains_on,
+    ]
+    for name, results in run_checks(2, checks).items():
+        print(name, results[0])
+
+
+def test_sigterm_to_one_rank(tmp_path):
+    """Lightning's SIGTERM handler broadcasts from inside the handler, which on rank 1 met another collective of
+    rank 0's: every rank waited until the timeout. Now rank 1 stops at the end of its step with 143, and the
+    others exit naming it."""
+    outcome = launch(tmp_path, Fault(signal.SIGTERM, 1), world=2, timeout=TIMEOUT)
+    assert outcome.ranks[1].code == 128 + signal.SIGTERM, outcome.describe()
+    assert_named(outcome, 1, "received SIGTERM")
+
+
+def test_sigterm_to_the_launcher(tmp_path):
+    """SIGTERM to Lightning's launcher, which forwards it: the ranks stop at the end of a step together, the
+    ``OnExceptionCheckpoint`` callback writes a whole checkpoint, and every rank exits with 143 (Lightning 2.6: 0)."""
+    outcome = launch(
+        tmp_path, Fault(signal.SIGTERM, "launcher"), world=2, timeout=TIMEOUT, args=("--save-on-exception",)
+    )
+    assert [end.code for end in outcome.ranks.values()] == [128 + signal.SIGTERM] * 2, outcome.describe()
+    assert all("received SIGTERM" in end.output for end in outcome.ranks.values()), outcome.describe()
+    check_checkpoint(tmp_path / "ckpt" / "on_exception.ckpt")
+
+
+def test_frozen_rank(tmp_path):
+    """A rank that stops responding (SIGSTOP: what a hung host or a dead nccl peer looks like to the others): its
+    heartbeat goes silent, and the others exit naming it within half the timeout (plus a 5 s grace)."""
+    outcome = launch(tmp_path, Fault(signal.SIGSTOP, 1), world=2, timeout=TIMEOUT)
+    assert_named(outcome, 1, "stopped responding")
+
+
+def test_nan_under_detect_anomaly(tmp_path):
+    """``Trainer(detect_anomaly=True)``: rank 1's loss turns NaN, its backward raises, the others name its error."""
+    outcome = launch(tmp_path, None, world=2, timeout=TIMEOUT, args=("--nan-rank=1", "--detect-anomaly"))
+    assert outcome.ranks[1].code == 1, outcome.describe()
+    assert_named(outcome, 1, "returned nan values", since=outcome.ranks[1].seconds)
+
+
+def test_ctrl_c(tmp_path):
+    """Ctrl-C in the launcher's terminal (SIGINT to its process group): every rank exits non-zero."""
+    outcome = launch(tmp_path, Fault(signal.SIGINT, "group"), world=2, timeout=TIMEOUT)
+    assert all(end.code not in (0, None) for end in outcome.ranks.values()), outcome.describe()
+    assert "received Ctrl-C (SIGINT)" in outcome.ranks[0].output, outcome.describe()
+
+
+def test_torchrun_node_loses_a_rank(tmp_path):
+    """Two torchrun agents as two nodes of one rank each: rank 1 is SIGKILLed, and rank 0, which only its own
+    agent watches, exits on its own, naming rank 1 (benchmarks/faults.py runs 2 nodes of 2)."""
+    outcome = launch(tmp_path, Fault(signal.SIGKILL, 1), launcher="torchrun", world=2, nodes=2, timeout=TIMEOUT)
+    assert_named(outcome, 1, GONE)

@@ -7,6 +7,7 @@ is refused on every rank before anything is written, and a failed save leaves th
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
@@ -88,10 +89,14 @@ def refuse_unowned(target: Path, *, unowned: Unowned) -> None:
 
 
 def _make_staging(target: Path, *, unowned: Unowned) -> str:
-    """A fresh directory beside ``target``, with the permissions a plain ``mkdir`` would give it."""
+    """A fresh directory beside ``target``, with the permissions a plain ``mkdir`` would give it. What a save killed
+    midway left there (its staging directory) is removed first."""
     refuse_unowned(target, unowned=unowned)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent)
+    prefix = f".{target.name}.staging-"
+    for leftover in target.parent.glob(f"{glob.escape(prefix)}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging = tempfile.mkdtemp(prefix=prefix, dir=target.parent)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)

@@ -185,7 +185,7 @@ def _damage(path: Path) -> Exception | None:
             f"{path} is an incomplete sharded checkpoint: {' and '.join(missing)} missing. Resume from an earlier"
             " checkpoint."
         )
-    if not zipfile.is_zipfile(parts[0]):
+    if not _is_torch_save(parts[0]):
         return ValueError(f"{parts[0]} is damaged (not a file torch.save wrote). Resume from an earlier checkpoint.")
     try:
         index = FileSystemReader(path).read_metadata().storage_data

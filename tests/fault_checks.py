@@ -136,10 +136,12 @@ def check_resume_after_killed_save(directory: str) -> dict:
     whole = CausalLM(tiny_model())
     fit(whole, TP, 4)
     resumed = CausalLM(tiny_model(seed=5 + dist.get_rank()))
-    fit(resumed, TP, 4, ckpt_path=last)
+    run = fit(resumed, TP, 4, ckpt_path=last)
     result = _assert_continues(resumed, whole.losses, dict(whole.model.named_parameters()))
     left = sorted(p.name for p in checkpoints.iterdir() if p.name != "last.ckpt")
-    assert len(left) == 1 and left[0].startswith(".last.ckpt."), f"expected the killed save's staging only: {left}"
+    assert len(left) == 1 and left[0].startswith(".last.ckpt.staging-"), f"expected the killed save's staging: {left}"
+    run.save_checkpoint(last)  # the next save there removes what the killed one left
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
     return result
 
 

@@ -351,7 +351,7 @@ def exception_kind(exception: BaseException) -> tuple[str, str]:
 
 def watch_stage(strategy: ModelParallelStrategy) -> FaultMonitor | None:
     """Start a monitor for the stage that ``strategy`` sets up (collective: the ranks agree on a fresh key space)."""
-    if strategy.world_size == 1:
+    if strategy.world_size == 1 or not dist.is_initialized():  # nothing to watch, or no store to watch it with
         return None
     monitor = FaultMonitor(
         rank=strategy.global_rank,

@@ -290,7 +290,7 @@ def _plan_log() -> Iterator[dict[str, Any]]:
             elif record.msg.startswith("Tensor-parallel plan patterns that match no module"):
                 found["unmatched"] = list(record.args[1])
 
-    logger = logging.getLogger("lightning_automodel.parallel.parallelizer")
+    logger = logging.getLogger("lightning_automodel.parallel.tensor_parallel")
     handler, level = Collect(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

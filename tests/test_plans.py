@@ -349,7 +349,7 @@ def test_a_block_checkpointed_by_hugging_face_is_no_recomputation_outside_its_ca
     autograd recording in forward, where FSDP2's hooks hold its weights gathered for the recomputation."""
     with torch.device("meta"):
         model = tiny_model()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model.train()
     trace = probe_unsharded(model, tp=1)
     assert "model.layers.0.mlp" in trace.called_in_backward

@@ -134,7 +134,13 @@ def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -
     needs_tokenizer = module.hparams.model is None and "vocab_size" not in (module.hparams.config or {})
     tokenizer = getattr(parsed.datamodule, "tokenizer", None) if needs_tokenizer else None
     model = module.build_model(tokenizer, meta=True, seq_len=getattr(parsed.datamodule, "seq_len", None))
-    return plan_report(model, strategy.parallel_dims.resolve(world_size), sp=strategy.sp, tp_plan=strategy.tp_plan)
+    return plan_report(
+        model,
+        strategy.parallel_dims.resolve(world_size),
+        sp=strategy.sp,
+        tp_plan=strategy.tp_plan,
+        allow_unsharded_linears=strategy.allow_unsharded_linears,
+    )
 
 
 def export_command(argv: list[str]) -> None:

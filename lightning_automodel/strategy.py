@@ -97,8 +97,10 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         cp: context-parallel size (not available yet: must be 1).
         pp: pipeline-parallel size (not available yet: must be 1).
         tp_plan: a dict of module pattern -> ParallelStyle, an import path to one, or a function
-            ``(model, sp) -> dict``; default: the family's registered plan, else the model's Hugging Face plan.
-        allow_unsharded_linears: accept a plan that leaves large Linears of the blocks it shards whole.
+            ``(model, sp) -> dict``; default: the first of the family's registered plan, the model's Hugging Face
+            plan and the default Llama-style plan that shards every decoder block.
+        allow_unsharded_linears: accept a plan that leaves large weights of the decoder blocks whole on every tp
+            rank (the candidate sharding the largest share of them then wins).
         activation_checkpointing: recompute activations in backward: True or "full" (whole decoder layers),
             "selective" (keep attention and every other matmul output) or "submodule" (attention and MLP apart).
         mp_policy: FSDP2 MixedPrecisionPolicy; default: derived from ``Trainer(precision=...)``.

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import lightning_automodel
 from lightning_automodel import ParallelDims, parallelize
@@ -254,14 +255,17 @@ def _first_line(error: BaseException) -> str:
 
 class CollectiveCount(TorchDispatchMode):
     """Counts the collectives dispatched while active: a refusal should come before any, so that no rank can be
-    left waiting in one."""
+    left waiting in one. Collectives on meta tensors (the probe's, see lightning_automodel.parallel.probe) only
+    propagate shapes, communicate nothing, and do not count."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.namespace in ("c10d", "_c10d_functional")
+        if func.namespace in ("c10d", "_c10d_functional"):
+            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            self.count += not all(t.device.type == "meta" for t in tensors)
         return func(*args, **(kwargs or {}))
 
 
@@ -286,7 +290,7 @@ def _plan_log() -> Iterator[dict[str, Any]]:
             elif record.msg.startswith("Tensor-parallel plan patterns that match no module"):
                 found["unmatched"] = list(record.args[1])
 
-    logger = logging.getLogger("lightning_automodel.parallel.parallelizer")
+    logger = logging.getLogger("lightning_automodel.parallel.tensor_parallel")
     handler, level = Collect(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -360,6 +364,8 @@ def _verdicts(jobs: list[Job], readers, workers, *, job_timeout: float) -> Itera
             readers = [reader for reader in readers if reader is not ready[0]]
             continue
         if payload is None:  # this rank's process groups no longer answer
+            if not all(outcomes[job]):  # a peer died or hangs: judge the job now, or every launch would retry it
+                yield job, _stalled(outcomes[job], workers, job_timeout)
             return
         outcomes[job][rank] = payload
         if all(outcomes[job]):

@@ -245,14 +245,67 @@ def check_naive_plan_is_wrong(family: str, replace: dict[str, object]) -> dict[s
 
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = tiny_model(family), tiny_model(family)
-    plan, _ = select_tp_plan(model, sp=False)
-    for pattern, style in replace.items():
-        if style is None:
-            del plan[pattern]
-        else:
-            plan[pattern] = style
+    plan = select_tp_plan(model, sp=False).plan
+    plan.update(replace)
     parallelize(model, mesh, tp_plan=plan)
     return forward_backward_errors(model, reference, data_mesh(mesh))
+
+
+def check_plan_alone_is_wrong(model_type: str, plan: str) -> dict[str, float]:
+    """A plan applied by torch's ``parallelize_module`` alone, as the reference applies it: per-head norms and other
+    modules computing on sharded activations stay plain. It runs; the test asserts how wrong it is, so that the
+    probe's styles (what ``parallelize`` adds) are what makes these models right."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_automodel.mesh import tp_mesh
+    from lightning_automodel.parallel.plans import select_tp_plan
+
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    reference, model = any_model(model_type), any_model(model_type)
+    styles = LLAMA_NAMES_PLAN if plan == "llama names" else select_tp_plan(model, sp=False).plan
+    parallelize_module(model, tp_mesh(mesh), styles)
+    return forward_backward_errors(model, reference, data_mesh(mesh))
+
+
+def check_plan_of_any_model(model_type: str, plan: str, sp: bool = False) -> dict[str, float]:
+    """fp32 parity of a model type of the coverage report (tiny_configs.py) at tp=2 with ``plan``: "chosen" (what
+    parallelize picks) or "llama names" (a user plan naming the Llama projections and nothing else)."""
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    reference, model = any_model(model_type), any_model(model_type, seed=dist.get_rank())
+    parallelize(model, mesh, sp=sp, tp_plan=LLAMA_NAMES_PLAN if plan == "llama names" else None)
+    errors = forward_backward_errors(model, reference, data_mesh(mesh))
+    assert max(errors.values()) < FP32_TOLERANCE, errors
+    return errors
+
+
+def any_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """A model of any type of the coverage report, from its tiny config, with the sdpa attention the tests use."""
+    from tiny_configs import tiny_config as coverage_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(coverage_config(model_type), attn_implementation="sdpa")
+
+
+def check_refusal_before_any_collective() -> dict[str, int]:
+    """A model with real weights and a plan that leaves its MLPs whole: refused on every rank before any collective
+    (the broadcast that makes real weights identical comes after every check)."""
+    from coverage_checks import CollectiveCount
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    model = tiny_model(seed=dist.get_rank())
+    attention_only = {f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+    counter = CollectiveCount()
+    try:
+        with counter:
+            parallelize(model, mesh, tp_plan=attention_only)
+    except ValueError as error:
+        assert "leaves large weights of LlamaForCausalLM's decoder blocks unsharded" in str(error), error
+    else:
+        raise AssertionError("the plan was not refused")
+    assert counter.count == 0, f"{counter.count} collectives ran before the refusal"
+    return {"collectives": counter.count}
 
 
 def user_plan(model: torch.nn.Module, sp: bool) -> dict:
@@ -270,6 +323,9 @@ def user_plan(model: torch.nn.Module, sp: bool) -> dict:
 
 
 USER_PLAN = user_plan(None, False)
+# The Llama projections by name, and nothing else: per-head norms under other names (HunYuan's query_layernorm) are
+# left to the probe.
+LLAMA_NAMES_PLAN = {pattern: style for pattern, style in USER_PLAN.items() if "layers" in pattern}
 
 
 def check_user_plan(spec: str) -> dict[str, float]:
@@ -320,7 +376,7 @@ def check_phi3_attention_kept_whole() -> dict[str, float]:
 
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = tiny_model("phi3_gqa"), tiny_model("phi3_gqa")
-    plan, _ = select_tp_plan(model, sp=False)
+    plan = select_tp_plan(model, sp=False).plan
     del plan["model.layers.*.self_attn.qkv_proj"], plan["model.layers.*.self_attn.o_proj"]
     parallelize(model, mesh, tp_plan=plan, allow_unsharded_linears=True)
     errors = forward_backward_errors(model, reference, data_mesh(mesh))

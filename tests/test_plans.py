@@ -3,6 +3,7 @@
 import pytest
 import torch
 from models import tiny_config, tiny_model
+from tiny_configs import tiny_config as coverage_config
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -13,16 +14,29 @@ from lightning_automodel.parallel import (
     parallelize,
     register_parallelization_strategy,
 )
+from lightning_automodel.parallel.blocks import layers_sharing_parameters, named_decoder_layers
 from lightning_automodel.parallel.hf_plan import hf_style_strings, translate_style
 from lightning_automodel.parallel.parallelizer import (
-    apply_tensor_parallel,
-    check_plan_coverage,
     is_meta,
     parallelization_strategy_for,
+    probe_unsharded,
+    refuse_blocks_recomputed_outside_calls,
 )
-from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns, unsharded_linears
-from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel, RegroupedColwiseParallel
+from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns
+from lightning_automodel.parallel.styles import PackedColwiseParallel, RegroupedColwiseParallel
 from lightning_automodel.parallel.validation import validate_tp_sizes
+
+
+def coverage_model(model_type, **overrides):
+    """A model of any type, from the coverage report's tiny config (see tiny_configs.py)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = coverage_config(model_type)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return AutoModelForCausalLM.from_config(config)
+
 
 USER_PLAN = {"model.layers.*.mlp.up_proj": ColwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel()}
 
@@ -33,9 +47,10 @@ def user_plan_function(model, sp):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_registered_family_plan(family):
-    plan, source = select_tp_plan(tiny_model(family), sp=True)
-    assert source == f"family plan for {type(tiny_model(family)).__name__}"
-    assert unmatched_patterns(tiny_model(family), plan) == []
+    choice = select_tp_plan(tiny_model(family), sp=True)
+    assert choice.source == f"family plan for {type(tiny_model(family)).__name__}"
+    assert choice.reason == "it shards every decoder block"
+    assert choice.unmatched == [] and choice.unsharded_weights == []
 
 
 @pytest.mark.parametrize(
@@ -48,21 +63,57 @@ def test_registered_family_plan(family):
     ],
 )
 def test_user_plan_wins(spec, expected):
-    plan, source = select_tp_plan(tiny_model(), sp=False, tp_plan=spec)
-    assert (plan, source) == (expected, "user plan")
+    choice = select_tp_plan(tiny_model(), sp=False, tp_plan=spec, allow_unsharded_linears=True)
+    assert (choice.plan, choice.source) == (expected, "user plan")
 
 
 def test_unregistered_model_uses_its_hugging_face_plan():
-    plan, source = select_tp_plan(tiny_model("granite"), sp=False)
-    assert source == "Hugging Face plan of GraniteForCausalLM"
+    choice = select_tp_plan(tiny_model("granite"), sp=False)
+    plan = choice.plan
+    assert choice.source == "Hugging Face plan of GraniteForCausalLM"
     assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
     assert plan["lm_head"].output_layouts == (Shard(-1),), "lm_head must leave the logits vocab-sharded"
     assert unmatched_patterns(tiny_model("granite"), plan) == []
 
 
-def test_hugging_face_plans_have_no_sequence_parallel_layout():
-    with pytest.raises(ValueError, match="sp=True: GraniteForCausalLM has no registered plan"):
-        select_tp_plan(tiny_model("granite"), sp=True)
+def test_with_sp_the_default_plan_stands_in_for_a_hugging_face_plan():
+    """Hugging Face plans have no sequence-parallel layout; the default plan has one and shards Granite's blocks."""
+    choice = select_tp_plan(tiny_model("granite"), sp=True)
+    assert choice.source == "default Llama-style plan"
+    assert "Hugging Face plan of GraniteForCausalLM cannot be used: sp=True" in choice.reason
+
+
+def test_a_plan_covering_lm_head_only_loses_to_one_that_shards_the_blocks():
+    """HunYuan's Hugging Face plan names lm_head only; the default plan shards every block, so it wins."""
+    model = coverage_model("hunyuan_v1_dense")
+    choice = select_tp_plan(model, sp=False)
+    assert choice.source == "default Llama-style plan", choice
+    assert "the Hugging Face plan of HunYuanDenseV1ForCausalLM leaves model.layers.0.self_attn.q_proj" in choice.reason
+    assert choice.unsharded_weights == []
+
+
+def test_no_plan_that_leaves_the_blocks_whole_is_accepted():
+    """GPT-2's blocks are Conv1D modules no candidate names: refused with what each candidate lacks and the fix."""
+    with pytest.raises(ValueError) as error:
+        select_tp_plan(coverage_model("gpt2"), sp=False)
+    message = str(error.value)
+    for fragment in (
+        "No tensor-parallel plan shards every decoder block of GPT2LMHeadModel",
+        "the default Llama-style plan leaves transformer.h.0.attn.c_attn, transformer.h.0.attn.c_proj",
+        "no family plan is registered for GPT2LMHeadModel",
+        "allow_unsharded_linears=True",
+    ):
+        assert fragment in message, message
+
+
+def test_a_style_given_a_module_it_cannot_shard_makes_its_plan_unusable():
+    """RoBERTa's lm_head is a head of three modules, not a Linear: named, before torch fails halfway."""
+    with pytest.raises(ValueError) as error:
+        select_tp_plan(coverage_model("roberta"), sp=False, allow_unsharded_linears=True)
+    assert (
+        "ColwiseParallel shards nn.Linear and nn.Embedding only, and this module is a RobertaLMHead (lm_head)"
+        in str(error.value)
+    )
 
 
 def test_a_model_without_any_plan_gets_the_default_plan():
@@ -74,8 +125,8 @@ def test_a_model_without_any_plan_gets_the_default_plan():
     model = PlanlessLlama(config)
     model._tp_plan = None
     model.model._tp_plan = None
-    plan, source = select_tp_plan(model, sp=False)
-    assert source == "default Llama-style plan" and "lm_head" in plan
+    choice = select_tp_plan(model, sp=False)
+    assert choice.source == "default Llama-style plan" and "lm_head" in choice.plan
 
 
 @pytest.mark.parametrize(
@@ -93,7 +144,7 @@ def test_bad_user_plans_are_explained(spec, error, fragment):
 
 def test_a_plan_that_matches_nothing_is_an_error():
     with pytest.raises(ValueError, match="matches no module of LlamaForCausalLM"):
-        apply_tensor_parallel(tiny_model(), mesh=None, sp=False, tp_plan={"decoder.*.fc1": ColwiseParallel()})
+        select_tp_plan(tiny_model(), sp=False, tp_plan={"decoder.*.fc1": ColwiseParallel()})
 
 
 def test_unmatched_patterns_are_reported():
@@ -154,12 +205,17 @@ def test_every_hugging_face_style_string_is_understood():
         ("rowwise_split_input", RowwiseParallel),
         ("embedding_rowwise", RowwiseParallel),
         ("sequence_parallel", SequenceParallel),
-        ("replicated_with_grad_allreduce", HeadShardedNorm),
         ("packed_colwise", PackedColwiseParallel),
     ],
 )
 def test_style_translations(style, expected):
     assert isinstance(translate_style(style, "x"), expected)
+
+
+def test_per_head_norm_styles_are_left_to_the_probe():
+    """Hugging Face's 'replicated_with_grad_allreduce' marks q/k norms on sharded heads: nothing to shard, and the
+    probe finds every such module, under any name (parallel/activations.py)."""
+    assert translate_style("replicated_with_grad_allreduce", "x") is None
 
 
 def test_replicated_gather_styles_gather():
@@ -175,16 +231,50 @@ def test_an_unknown_style_names_itself_and_its_module():
 def test_a_plan_that_leaves_the_mlp_whole_is_refused_unless_allowed():
     attention_only = {f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
     model = tiny_model()
-    with pytest.raises(ValueError, match="leaves large Linear layers of the blocks it shards unsharded") as error:
-        check_plan_coverage(model, attention_only, source="user plan")
+    with pytest.raises(
+        ValueError, match="leaves large weights of LlamaForCausalLM's decoder blocks unsharded"
+    ) as error:
+        select_tp_plan(model, sp=False, tp_plan=attention_only)
     assert "model.layers.0.mlp.gate_proj" in str(error.value) and "allow_unsharded_linears=True" in str(error.value)
-    check_plan_coverage(model, attention_only, source="user plan", allow_unsharded_linears=True)
+    choice = select_tp_plan(model, sp=False, tp_plan=attention_only, allow_unsharded_linears=True)
+    assert "model.layers.1.self_attn.o_proj" in choice.unsharded_weights
 
 
 def test_the_vision_tower_of_a_multimodal_model_is_not_flagged():
-    model = tiny_model("gemma3_vlm")
-    plan, source = select_tp_plan(model, sp=False)
-    assert unsharded_linears(model, plan) == []
+    """The blocks a plan must shard are those a text-only step runs, as the probe finds them."""
+    with torch.device("meta"):
+        model = tiny_model("gemma3_vlm")
+    trace = probe_unsharded(model, tp=2)
+    blocks = [(name, block) for name, block in named_decoder_layers(model) if trace.called(name)]
+    assert [name for name, _ in blocks] == ["model.language_model.layers.0", "model.language_model.layers.1"]
+    choice = select_tp_plan(model, sp=False, blocks=blocks)
+    assert choice.source == "family plan for Gemma3ForConditionalGeneration" and choice.unsharded_weights == []
+
+
+def test_decoder_layers_are_the_items_of_the_outermost_lists():
+    """StableLM's per-head norms sit in a ModuleList inside each block: part of the block, not blocks."""
+    model = coverage_model("stablelm", qk_layernorm=True)
+    assert isinstance(model.model.layers[0].self_attn.q_layernorm.norms, torch.nn.ModuleList)
+    layers = range(model.config.num_hidden_layers)
+    assert [name for name, _ in named_decoder_layers(model)] == [f"model.layers.{i}" for i in layers]
+
+
+def test_layers_sharing_parameters_are_found():
+    """Zamba ties the shared attention of every hybrid layer to the first one's: those layers cannot be FSDP units
+    of their own; its Mamba layer can."""
+    model = coverage_model("zamba")
+    layers = decoder_layers(model)
+    assert [type(layer).__name__ for layer in layers_sharing_parameters(model, layers)] == ["ZambaHybridLayer"] * 2
+    assert layers_sharing_parameters(tiny_model(), decoder_layers(tiny_model())) == []
+
+
+def test_a_block_recomputed_outside_its_call_is_refused():
+    """Reformer's reversible layers run without autograd in forward and are recomputed in backward by hand."""
+    with torch.device("meta"):
+        model = coverage_model("reformer")
+    with pytest.raises(ValueError, match="runs reformer.encoder.layers.0 without autograd"):
+        refuse_blocks_recomputed_outside_calls(model, probe_unsharded(model, tp=1))
+    refuse_blocks_recomputed_outside_calls(tiny_model(), probe_unsharded(tiny_model(), tp=1))
 
 
 def test_a_registered_parallelization_strategy_takes_over_the_flow():
@@ -207,18 +297,21 @@ def test_a_registered_parallelization_strategy_takes_over_the_flow():
 
 
 def test_user_plans_may_use_hugging_face_style_strings():
-    plan, _ = select_tp_plan(
-        tiny_model(), sp=False, tp_plan={"a.b": "colwise", "c.d": "rowwise_split_input", "e": "replicate"}
-    )
-    assert isinstance(plan["a.b"], ColwiseParallel) and plan["c.d"].input_layouts == (Replicate(),)
+    plan = select_tp_plan(
+        tiny_model(),
+        sp=False,
+        tp_plan={"a.b": "colwise", "model.embed_tokens": "rowwise_split_input", "e": "replicate"},
+        allow_unsharded_linears=True,
+    ).plan
+    assert isinstance(plan["a.b"], ColwiseParallel) and plan["model.embed_tokens"].input_layouts == (Replicate(),)
     assert "e" not in plan
     with pytest.raises(ValueError, match="Unknown Hugging Face tensor-parallel style 'sideways' for module 'a.b'"):
         select_tp_plan(tiny_model(), sp=False, tp_plan={"a.b": "sideways"})
 
 
 def test_phi3_fused_projections_are_split_block_by_block():
-    equal, _ = select_tp_plan(tiny_model("phi3"), sp=False)
-    grouped, _ = select_tp_plan(tiny_model("phi3_gqa"), sp=False)
+    equal = select_tp_plan(tiny_model("phi3"), sp=False).plan
+    grouped = select_tp_plan(tiny_model("phi3_gqa"), sp=False).plan
     qkv, gate_up = "model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.gate_up_proj"
     assert equal[qkv].parts == 3 and equal[gate_up].parts == 2
     assert isinstance(grouped[qkv], RegroupedColwiseParallel) and grouped[qkv].block_sizes == (64, 32, 32)
@@ -249,3 +342,15 @@ def test_activation_checkpointing_modes_are_checked():
         apply_activation_checkpointing(model, decoder_layers(model), mode="partial")
     with pytest.raises(ValueError, match='"submodule" found no attention or MLP block in Linear'):
         apply_activation_checkpointing(model, [torch.nn.Linear(2, 2)], mode="submodule")
+
+
+def test_a_block_checkpointed_by_hugging_face_is_no_recomputation_outside_its_call():
+    """Hugging Face's activation checkpointing recomputes each layer's modules in backward too, but runs the layer with
+    autograd recording in forward, where FSDP2's hooks hold its weights gathered for the recomputation."""
+    with torch.device("meta"):
+        model = tiny_model()
+    model.activation_checkpointing_enable()
+    model.train()
+    trace = probe_unsharded(model, tp=1)
+    assert "model.layers.0.mlp" in trace.called_in_backward
+    refuse_blocks_recomputed_outside_calls(model, trace)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 from models import tiny_config
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from lightning_automodel import ParallelDims, plan_report
 
@@ -44,13 +45,17 @@ def test_an_8b_model_on_32_ranks():
 
 def test_unmatched_patterns_and_whole_linears_are_reported():
     plan = {
-        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(),
         "model.layers.*.self_attn.qkv": ColwiseParallel(),
     }
-    report = plan_report(on_meta(tiny_config()), ParallelDims(tp=2).resolve(4), tp_plan=plan)
+    report = plan_report(
+        on_meta(tiny_config()), ParallelDims(tp=2).resolve(4), tp_plan=plan, allow_unsharded_linears=True
+    )
     assert report.plan_source == "user plan"
     assert report.unmatched_patterns == ["model.layers.*.self_attn.qkv"]
-    assert "model.layers.0.mlp.down_proj" in report.unsharded_linears
+    assert "model.layers.0.self_attn.o_proj" in report.unsharded_weights
     assert "patterns matching no module: model.layers.*.self_attn.qkv" in str(report)
 
 
@@ -65,3 +70,25 @@ def test_fsdp_only():
 def test_a_model_with_weights_is_refused():
     with pytest.raises(ValueError, match="needs a model on the meta device"):
         plan_report(AutoModelForCausalLM.from_config(tiny_config()), ParallelDims().resolve(2))
+
+
+class ScaledMLP(LlamaMLP):
+    """An MLP whose own code scales the sharded hidden units by a parameter of its own: the module receives the whole
+    hidden states, so no style of it can sum that parameter's partial gradients."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.down_proj(self.scale * self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_parameter_on_sharded_activations_in_its_modules_own_code_is_refused():
+    model = on_meta(tiny_config())
+    with torch.device("meta"):
+        for layer in model.model.layers:
+            layer.mlp = ScaledMLP(model.config)
+    with pytest.raises(ValueError) as error:
+        plan_report(model, ParallelDims(tp=2).resolve(2))
+    assert "model.layers.0.mlp.scale" in str(error.value) and "no style of that module can sum it" in str(error.value)

@@ -5,11 +5,16 @@ independently per rank. Instead each module is initialised by the model's own ``
 tensors, with the same random state on every rank, and each rank keeps its own slice. Modules are visited in
 the order ``PreTrainedModel.initialize_weights`` uses, so the result equals a single-process
 ``to_empty()`` + ``initialize_weights()`` from the same random state.
+
+Two things a single process gets and a meta-device build loses are restored: the parameters of submodules that a
+module's own ``_init_weights`` sets (Mamba's mixer initialises its ``dt_proj`` and ``out_proj``), and the buffers
+that ``_init_weights`` leaves alone, whose values only the model's constructor computes (xIELU's ``beta``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import copy
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from lightning_automodel.parallel.lora import is_lora_layer
 
@@ -32,10 +40,12 @@ def materialize_hf_model(model: nn.Module, device: torch.device, *, skip: Collec
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"materialize_hf_model expects a transformers PreTrainedModel, got {type(model).__name__}.")
     model.to_empty(device=device)
+    _mark_unset(model)
     _share_random_state_of_rank0()
     with torch.no_grad():
         context = _Context(device=device, skip=set(skip), peft_config=getattr(model, "peft_config", {}))
         _init_post_order(model, owner=model, prefix="", context=context)
+        _fill_from_constructor(model, _unset_buffers(model))
 
 
 def _share_random_state_of_rank0() -> None:
@@ -65,11 +75,11 @@ def _init_post_order(module: nn.Module, *, owner: nn.Module, prefix: str, contex
     _materialize_tensor_attributes(module, context.device)
     own = [f"{prefix}{name}" for name, _ in module.named_parameters(recurse=False)]
     if own and all(name in context.skip for name in own):
-        owner._init_weights(_full_size_stand_in(module, device="meta"))  # its buffers only (Gemma's embed_scale)
+        owner._init_weights(_stand_in(module, device="meta"))  # its buffers only (Gemma's embed_scale)
         return
     if is_lora_layer(module):
         _init_lora_adapters(module, context.peft_config, done=context.done)
-    _init_module(module, owner=owner, done=context.done)
+    _init_module(module, owner=owner, prefix=prefix, context=context)
 
 
 def _materialize_tensor_attributes(module: nn.Module, device: torch.device) -> None:
@@ -79,18 +89,57 @@ def _materialize_tensor_attributes(module: nn.Module, device: torch.device) -> N
             setattr(module, name, torch.empty_like(value, device=device))
 
 
-def _init_module(module: nn.Module, *, owner: nn.Module, done: set[int]) -> None:
-    """Initialise ``module``'s own parameters; a tied parameter keeps the values of its first module.
+def _init_module(module: nn.Module, *, owner: nn.Module, prefix: str, context: _Context) -> None:
+    """Initialise ``module``'s own parameters and the submodules' parameters its ``_init_weights`` sets too; a tied
+    parameter keeps the values of its first module.
 
     Hugging Face initialises tied modules separately and ties afterwards, so the embedding's values win and
-    lm_head's draw is discarded; drawing it here too keeps the random stream identical.
+    lm_head's draw is discarded; drawing it here too keeps the random stream identical. A submodule's parameter the
+    module's init sets (after the submodule's own init, as in Hugging Face) is handed over with its current values.
     """
-    if not any(True for _ in module.parameters(recurse=False)):
-        owner._init_weights(module)  # buffers only (rotary): they are not sharded, initialise in place
-        return
-    stand_in = _full_size_stand_in(module)  # same class and attributes, so _init_weights picks the same branch
+    reaches = [  # in one order on every rank: handing a sharded parameter over gathers it (a collective)
+        (path, name)
+        for path, name in sorted(_submodule_parameters_initialised(module, owner))
+        if f"{prefix}{path}.{name}" not in context.skip
+    ]
+    stand_in = _stand_in(module, reaching=reaches)  # same class and attributes: _init_weights picks the same branch
     owner._init_weights(stand_in)
-    _copy_shards(module, stand_in, done)
+    _copy_shards(module, stand_in, context.done)
+    for path, name in reaches:
+        copy_shard(module.get_submodule(path).get_parameter(name), stand_in.get_submodule(path).get_parameter(name))
+
+
+def _submodule_parameters_initialised(module: nn.Module, owner: nn.Module) -> set[tuple[str, str]]:
+    """(submodule path, parameter name) of the submodules' parameters ``owner._init_weights(module)`` uses, found by
+    running it on a meta-device stand-in, where it computes nothing and draws no random number."""
+    inside = {
+        id(param): (path, name)
+        for path, sub in module.named_modules()
+        if path
+        for name, param in sub.named_parameters(recurse=False)
+    }
+    if not inside:
+        return set()
+    stand_in = _stand_in(module, device="meta", reaching=set(inside.values()))
+    stand_in._buffers = {
+        name: torch.empty_like(b, device="meta") for name, b in module._buffers.items() if b is not None
+    }
+    meta_ids = {id(stand_in.get_submodule(path).get_parameter(name)): (path, name) for path, name in inside.values()}
+    with _TensorUses() as used:
+        owner._init_weights(stand_in)
+    return {meta_ids[tensor_id] for tensor_id in used.ids if tensor_id in meta_ids}
+
+
+class _TensorUses(TorchFunctionMode):
+    """Records the identity of every tensor a torch function is called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.ids.update(id(leaf) for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor))
+        return func(*args, **(kwargs or {}))
 
 
 def _init_lora_adapters(module: nn.Module, peft_config: dict, *, done: set[int]) -> None:
@@ -107,7 +156,7 @@ def _init_lora_adapters(module: nn.Module, peft_config: dict, *, done: set[int])
                 " or build the model with real weights."
             )
         pair = {"lora_A": module.lora_A[adapter], "lora_B": module.lora_B[adapter]}
-        stand_ins = {which: _full_size_stand_in(layer) for which, layer in pair.items()}
+        stand_ins = {which: _stand_in(layer) for which, layer in pair.items()}
         stand_in = unsharded_view(module)
         stand_in._modules = {
             **module._modules,
@@ -119,15 +168,61 @@ def _init_lora_adapters(module: nn.Module, peft_config: dict, *, done: set[int])
             _copy_shards(layer, stand_ins[which], done)
 
 
-def _full_size_stand_in(module: nn.Module, device: str = "cpu") -> nn.Module:
+def _stand_in(module: nn.Module, device: str = "cpu", reaching: Collection[tuple[str, str]] = ()) -> nn.Module:
     """``module`` with its own parameters replaced by full-size, unsharded tensors to initialise (on the meta
-    device: initialising them does nothing, while the module's buffers, shared, are initialised in place)."""
+    device: initialising them does nothing); its own sharded buffers by their full values, and its plain buffers
+    shared, so that they are initialised in place.
+
+    ``reaching``: (submodule path, parameter name) of submodules' parameters the module's init sets too: those
+    submodules get stand-ins holding those parameters' full current values.
+    """
     stand_in = unsharded_view(module)
     stand_in._parameters = {  # keep entries registered as None (bias=False)
         name: None if value is None else nn.Parameter(torch.empty(value.shape, dtype=value.dtype, device=device), False)
         for name, value in module._parameters.items()
     }
+    stand_in._buffers = {
+        name: _full_value(value, device) if isinstance(value, DTensor) else value
+        for name, value in module._buffers.items()
+    }
+    if reaching:
+        stand_in._modules = _children_holding_full(module, reaching, device)
     return stand_in
+
+
+def _children_holding_full(
+    module: nn.Module, reaching: Collection[tuple[str, str]], device: str
+) -> dict[str, nn.Module | None]:
+    """``module``'s children, those holding a listed parameter as views whose listed parameters hold their full
+    current values (on the meta device: empty)."""
+    by_child: dict[str, list[tuple[str, str]]] = {}
+    for path, name in sorted(reaching):
+        child, _, rest = path.partition(".")
+        by_child.setdefault(child, []).append((rest, name))
+    children = dict(module._modules)
+    for child_name, listed in by_child.items():
+        view = unsharded_view(children[child_name])
+        own = {name for path, name in listed if not path}
+        view._parameters = {
+            name: _full_copy(value, device) if name in own and value is not None else value
+            for name, value in view._parameters.items()
+        }
+        deeper = [(path, name) for path, name in listed if path]
+        if deeper:
+            view._modules = _children_holding_full(children[child_name], deeper, device)
+        children[child_name] = view
+    return children
+
+
+def _full_copy(param: torch.Tensor, device: str) -> nn.Parameter:
+    return nn.Parameter(_full_value(param, device), False)
+
+
+def _full_value(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """A copy of ``tensor``'s whole value (gathered, for a DTensor: a collective), or an empty one on meta."""
+    if device == "meta":
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
 
 
 def _copy_shards(module: nn.Module, stand_in: nn.Module, done: set[int]) -> None:
@@ -135,6 +230,67 @@ def _copy_shards(module: nn.Module, stand_in: nn.Module, done: set[int]) -> None
         if id(param) not in done:
             copy_shard(param, stand_in._parameters[name])
             done.add(id(param))
+    for name, buffer in module.named_buffers(recurse=False):
+        if isinstance(buffer, DTensor):
+            copy_shard(buffer, stand_in._buffers[name])
+
+
+def _mark_unset(model: nn.Module) -> None:
+    """Fill every buffer with a value no initialisation writes (NaN, the integer maximum), to find the ones
+    ``_init_weights`` leaves alone (see :func:`_unset_buffers`)."""
+    for buffer in model.buffers():
+        local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+        if local.dtype.is_floating_point:
+            local.fill_(float("nan"))
+        elif local.dtype != torch.bool:
+            local.fill_(torch.iinfo(local.dtype).max)
+
+
+def _unset_buffers(model: nn.Module) -> list[str]:
+    """Buffers still holding the mark of :func:`_mark_unset` (boolean ones cannot hold one: all of them)."""
+    unset = []
+    for name, buffer in model.named_buffers():
+        local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+        if local.dtype == torch.bool:
+            unset.append(name)
+        elif local.numel() and bool(
+            local.isnan().all() if local.dtype.is_floating_point else (local == torch.iinfo(local.dtype).max).all()
+        ):
+            unset.append(name)
+    return unset
+
+
+def _fill_from_constructor(model: nn.Module, names: Sequence[str]) -> None:
+    """Give buffers ``_init_weights`` left alone the values the model's constructor computes, read from a second
+    construction of the model whose parameters are created on the meta device (its buffers only cost memory)."""
+    if not names:
+        return
+    fresh = dict(_constructed_with_meta_parameters(model).named_buffers())
+    missing = [name for name in names if name not in fresh]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__}'s buffers {missing} are neither initialised by its _init_weights nor made by its"
+            " constructor: a model built on the meta device cannot compute them. Build the model with real weights."
+        )
+    for name in names:
+        buffer = model.get_buffer(name)
+        copy_shard(buffer, fresh[name].to(buffer.dtype))
+
+
+def _constructed_with_meta_parameters(model: nn.Module) -> nn.Module:
+    """A fresh model of ``model``'s class and config whose parameters are on the meta device and buffers real."""
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.is_meta:
+            return None
+        return nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(to_meta)
+    try:
+        return cls._from_config(copy.deepcopy(model.config))
+    finally:
+        handle.remove()
 
 
 def unsharded_view(module: nn.Module) -> nn.Module:

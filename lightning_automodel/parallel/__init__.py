@@ -1,13 +1,13 @@
 """Parallelization of Hugging Face models with torch's own DTensor, tensor parallel and FSDP2 (no Lightning)."""
 
 from lightning_automodel.parallel import anomaly  # noqa: F401  (registers a DTensor rule anomaly mode needs)
+from lightning_automodel.parallel.blocks import decoder_layers
 from lightning_automodel.parallel.dtypes import iter_maximal_uniform_dtype_subtrees
 from lightning_automodel.parallel.fsdp import fully_shard_by_dtype
 from lightning_automodel.parallel.loss import causal_lm_loss, global_token_mean
 from lightning_automodel.parallel.parallelizer import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
-    decoder_layers,
     parallelize,
     register_parallelization_strategy,
 )

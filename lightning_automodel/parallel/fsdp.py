@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -13,7 +14,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_automodel.parallel.blocks import layers_sharing_parameters
 from lightning_automodel.parallel.dtypes import compute_dtype_resolver, iter_maximal_uniform_dtype_subtrees
+
+log = logging.getLogger(__name__)
 
 
 def apply_fsdp(
@@ -28,7 +32,9 @@ def apply_fsdp(
     backward_prefetch: int = 1,
     fp32_compute_module_names: Iterable[str] = (),
 ) -> None:
-    """Shard each decoder layer, then the root, with :func:`fully_shard_by_dtype`.
+    """Shard each decoder layer, then the root, with :func:`fully_shard_by_dtype`. A layer sharing a parameter with
+    another layer or the rest of the model (see :func:`~lightning_automodel.parallel.blocks.layers_sharing_parameters`)
+    is no unit of its own: the root holds it.
 
     ``reshard_after_forward``: None, the default, reshards every layer but the last, whose parameters the backward
     needs again at once, and not the root (embeddings, final norm, lm_head), which backward also starts with;
@@ -40,6 +46,10 @@ def apply_fsdp(
     unsharded layers at once.
     """
     validate_prefetch(forward_prefetch, backward_prefetch)
+    shared = layers_sharing_parameters(model, layers)
+    if shared:
+        log.info("%d decoder layers share parameters with other layers: the unit around them holds them", len(shared))
+    layers = [layer for layer in layers if not any(layer is s for s in shared)]
     options = dict(
         mesh=mesh,
         mp_policy=mp_policy,

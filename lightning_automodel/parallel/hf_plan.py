@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_automodel.parallel.styles import HeadShardedNorm, PackedColwiseParallel
+from lightning_automodel.parallel.styles import PackedColwiseParallel
 
 # Hugging Face style string -> the torch style with the same layout. Covers transformers 4.4x to 5.x.
 _TRANSLATIONS: dict[str, Callable[[], ParallelStyle | None]] = {
@@ -29,8 +29,9 @@ _TRANSLATIONS: dict[str, Callable[[], ParallelStyle | None]] = {
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_colwise": lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
-    # Hugging Face uses it for q/k/v norms over head_dim, which see only this rank's heads.
-    "replicated_with_grad_allreduce": HeadShardedNorm,
+    # Hugging Face uses it for q/k norms over head_dim, which see only this rank's heads. Nothing to shard: the probe
+    # finds every module computing on sharded activations and sums its gradients (parallel/activations.py).
+    "replicated_with_grad_allreduce": lambda: None,
     "packed_colwise": lambda: PackedColwiseParallel(parts=2),
     # Kept whole on every rank: nothing to shard.
     "replicate": lambda: None,
@@ -103,10 +104,7 @@ def hf_tp_plan(model: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     if not strings:
         raise ValueError(f"{type(model).__name__} has no Hugging Face tensor-parallel plan (_tp_plan).")
     if sp:
-        raise ValueError(
-            f"sp=True: {type(model).__name__} has no registered plan, and its Hugging Face plan has no"
-            " sequence-parallel layout. Use sp=False, or pass tp_plan= with sequence-parallel styles."
-        )
+        raise ValueError("sp=True: Hugging Face plans have no sequence-parallel layout")
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in strings.items():
         if pattern.rpartition(".")[2] == "lm_head" and style in _VOCAB_PARALLEL_STYLES:

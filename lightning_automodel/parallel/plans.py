@@ -3,13 +3,17 @@
 A plan maps fully qualified module names (``*`` matches one path component) to ``ParallelStyle`` objects, as
 ``torch.distributed.tensor.parallel.parallelize_module`` expects. Every plan here leaves the logits sharded on
 the vocabulary as a DTensor, so the loss runs under ``loss_parallel`` and the full logits are never gathered.
+
+A plan is chosen by what it covers: of the family plan, the model's own Hugging Face plan and the default
+Llama-style plan, the first that shards every decoder block (see :func:`select_tp_plan`, :func:`coverage`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -21,9 +25,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.hf_plan import hf_style_strings, hf_tp_plan, translate_style
+from lightning_automodel.parallel.lora import LoraParallel, is_lora_layer
 from lightning_automodel.parallel.styles import (
-    HeadShardedNorm,
     PackedColwiseParallel,
     RegroupedColwiseParallel,
     SequenceParallelAllGather,
@@ -54,7 +59,6 @@ def _decoder_plan(
     sp: bool,
     gathering_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm"),
     stream_norms: tuple[str, ...] = (),
-    qk_norm: bool = False,
     lm_head: bool = True,
 ) -> TPPlan:
     """The Llama-architecture plan: attention and MLP Megatron-style, vocab-parallel embedding and lm_head.
@@ -75,9 +79,6 @@ def _decoder_plan(
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": RowwiseParallel(),
     }
-    if qk_norm:
-        plan[f"{layer}.self_attn.q_norm"] = HeadShardedNorm()
-        plan[f"{layer}.self_attn.k_norm"] = HeadShardedNorm()
     if lm_head:
         plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if sp:
@@ -105,14 +106,15 @@ def llama_plan(model: nn.Module, sp: bool) -> TPPlan:
 
 @register_tp_plan("Qwen3ForCausalLM")
 def qwen3_plan(model: nn.Module, sp: bool) -> TPPlan:
-    """Llama plus per-head q_norm/k_norm, whose weights see only this rank's heads."""
-    return _decoder_plan("model", sp=sp, qk_norm=True)
+    """The Llama layout. Its per-head q_norm/k_norm, which see only this rank's heads, need no entry: the probe
+    finds them (see :mod:`lightning_automodel.parallel.activations`)."""
+    return _decoder_plan("model", sp=sp)
 
 
 @register_tp_plan("Qwen3ForSequenceClassification")
 def qwen3_classification_plan(model: nn.Module, sp: bool) -> TPPlan:
     """The Qwen3 body; the small ``score`` head stays replicated and, with sp, gets the full sequence back."""
-    plan = _decoder_plan("model", sp=sp, qk_norm=True, lm_head=False)
+    plan = _decoder_plan("model", sp=sp, lm_head=False)
     if sp:
         plan["score"] = PrepareModuleInput(
             input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
@@ -122,15 +124,14 @@ def qwen3_classification_plan(model: nn.Module, sp: bool) -> TPPlan:
 
 @register_tp_plan("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 def gemma3_plan(model: nn.Module, sp: bool) -> TPPlan:
-    """Per-head q_norm/k_norm, sandwich norms around each block; the vision tower of the multimodal model is
-    left to FSDP."""
+    """Sandwich norms around each block (per-head q_norm/k_norm as Qwen3); the vision tower of the multimodal model
+    is left to FSDP."""
     prefix = "model.language_model" if type(model).__name__ == "Gemma3ForConditionalGeneration" else "model"
     return _decoder_plan(
         prefix,
         sp=sp,
         gathering_norms=("input_layernorm", "pre_feedforward_layernorm"),
         stream_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
-        qk_norm=True,
     )
 
 
@@ -185,55 +186,200 @@ def _resolve_user_plan(spec: PlanSpec, model: nn.Module, sp: bool) -> TPPlan:
     return plan
 
 
-def select_tp_plan(model: nn.Module, *, sp: bool, tp_plan: PlanSpec | None = None) -> tuple[TPPlan, str]:
-    """Pick the plan for ``model`` and say where it came from, in this priority: the user's ``tp_plan``, the
-    family plan registered for its class, the model's own Hugging Face plan, the default Llama-style plan."""
+@dataclass
+class PlanChoice:
+    """The plan a model gets, where it came from, why it won, and what it leaves whole."""
+
+    plan: TPPlan
+    source: str  # "user plan", "family plan for X", "Hugging Face plan of X", "default Llama-style plan"
+    reason: str
+    unsharded_weights: list[str] = field(default_factory=list)  # large block weights left whole on every tp rank
+    unmatched: list[str] = field(default_factory=list)  # patterns naming no module
+
+
+@dataclass
+class Coverage:
+    """What a plan does to the decoder blocks: the large weights it leaves whole, the share of their elements it
+    shards, or why it cannot be applied at all."""
+
+    unsharded: list[str]
+    sharded_share: float
+    unusable: str | None = None
+    matches_any: bool = True
+
+
+def select_tp_plan(
+    model: nn.Module,
+    *,
+    sp: bool,
+    tp_plan: PlanSpec | None = None,
+    allow_unsharded_linears: bool = False,
+    blocks: Sequence[tuple[str, nn.Module]] | None = None,
+) -> PlanChoice:
+    """The plan for ``model``: the user's ``tp_plan`` if given, else the first of the family plan registered for its
+    class, its own Hugging Face plan and the default Llama-style plan that shards every decoder block.
+
+    ``blocks``: the decoder blocks a text-only step runs (by default every block, see
+    :func:`~lightning_automodel.parallel.blocks.named_decoder_layers`). A plan that leaves a large weight of a block
+    whole is refused unless ``allow_unsharded_linears``; then the candidate sharding the largest share of the blocks'
+    weights wins. Raises a ValueError naming what each candidate lacks.
+    """
+    blocks = named_decoder_layers(model) if blocks is None else blocks
     if tp_plan is not None:
-        return _resolve_user_plan(tp_plan, model, sp), "user plan"
-    family = _FAMILY_PLANS.get(type(model).__name__)
+        plan = _resolve_user_plan(tp_plan, model, sp)
+        found = coverage(model, plan, blocks)
+        _refuse_if_incomplete(model, "user plan", plan, found, allow=allow_unsharded_linears)
+        return _choice(model, plan, "user plan", "it was given (tp_plan=)", found)
+    verdicts: list[tuple[str, TPPlan | None, Coverage]] = []
+    for source, build in _candidates(model):
+        try:
+            plan = build(sp)
+        except ValueError as error:  # a Hugging Face plan with styles we cannot apply, or no sequence-parallel layout
+            verdicts.append((source, None, Coverage([], 0.0, unusable=str(error))))
+            continue
+        verdicts.append((source, plan, coverage(model, plan, blocks)))
+    complete = [(source, plan, found) for source, plan, found in verdicts if _complete(found)]
+    if complete:
+        source, plan, found = complete[0]
+        return _choice(model, plan, source, _why(source, verdicts, "it shards every decoder block"), found)
+    usable = [(source, plan, found) for source, plan, found in verdicts if found.unusable is None and found.matches_any]
+    if allow_unsharded_linears and usable:
+        source, plan, found = max(usable, key=lambda verdict: verdict[2].sharded_share)  # the first of equals
+        reason = f"it shards the largest share of the decoder blocks' weights ({found.sharded_share:.0%})"
+        return _choice(model, plan, source, _why(source, verdicts, reason), found)
+    raise ValueError(_no_plan_message(model, verdicts, allow=allow_unsharded_linears))
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, Callable[[bool], TPPlan]]]:
+    name = type(model).__name__
+    candidates = []
+    family = _FAMILY_PLANS.get(name)
     if family is not None:
-        return dict(family(model, sp)), f"family plan for {type(model).__name__}"
+        candidates.append((f"family plan for {name}", lambda sp: dict(family(model, sp))))
     if hf_style_strings(model):
-        return hf_tp_plan(model, sp), f"Hugging Face plan of {type(model).__name__}"
-    return llama_plan(model, sp), "default Llama-style plan"  # the layout many decoder-only families share
+        candidates.append((f"Hugging Face plan of {name}", lambda sp: hf_tp_plan(model, sp)))
+    # The layout many decoder-only families share, under the names Llama gives it.
+    candidates.append(("default Llama-style plan", lambda sp: llama_plan(model, sp)))
+    return candidates
+
+
+def _complete(found: Coverage) -> bool:
+    return found.unusable is None and found.matches_any and not found.unsharded
+
+
+def _choice(model: nn.Module, plan: TPPlan, source: str, reason: str, found: Coverage) -> PlanChoice:
+    return PlanChoice(plan, source, reason, found.unsharded, unmatched_patterns(model, plan))
+
+
+def _why(chosen: str, verdicts: Sequence[tuple[str, TPPlan | None, Coverage]], because: str) -> str:
+    before = [source for source, _, _ in verdicts].index(chosen)
+    passed_over = [f"the {source} {_shortcoming(found)}" for source, _, found in verdicts[:before]]
+    return because + (f" ({'; '.join(passed_over)})" if passed_over else "")
+
+
+def _shortcoming(found: Coverage) -> str:
+    if found.unusable is not None:
+        return f"cannot be used: {found.unusable}"
+    if not found.matches_any:
+        return "matches no module"
+    return f"leaves {_listed(found.unsharded)} whole"
+
+
+def _refuse_if_incomplete(model: nn.Module, source: str, plan: TPPlan, found: Coverage, *, allow: bool) -> None:
+    if found.unusable is not None:
+        raise ValueError(f"The {source} cannot be applied to {type(model).__name__}: {found.unusable}")
+    if not found.matches_any:
+        raise ValueError(
+            f"The {source} matches no module of {type(model).__name__}: {sorted(plan)}. Pass tp_plan= with"
+            " patterns over the names in model.named_modules()."
+        )
+    if found.unsharded and not allow:
+        raise ValueError(
+            f"The {source} leaves large weights of {type(model).__name__}'s decoder blocks unsharded:"
+            f" {_listed(found.unsharded)}. Every tp rank would hold and compute them in full. Add them to tp_plan=,"
+            " or pass allow_unsharded_linears=True if that is intended."
+        )
+
+
+def _no_plan_message(model: nn.Module, verdicts: Sequence[tuple[str, TPPlan | None, Coverage]], *, allow: bool) -> str:
+    name = type(model).__name__
+    found = "; ".join(f"the {source} {_shortcoming(coverage)}" for source, _, coverage in verdicts)
+    absent = [f"no family plan is registered for {name}"] if name not in _FAMILY_PLANS else []
+    absent += [f"{name} has no Hugging Face plan"] if not hf_style_strings(model) else []
+    if allow:
+        return (
+            f"No tensor-parallel plan applies to {name}: {found}"
+            + (f" ({'; '.join(absent)})" if absent else "")
+            + ". Pass tp_plan= with styles for its modules (names as in model.named_modules()), or use tp=1."
+        )
+    return (
+        f"No tensor-parallel plan shards every decoder block of {name}, so every tp rank would hold and compute them"
+        f" whole: {found}" + (f" ({'; '.join(absent)})" if absent else "") + ". Pass tp_plan= with styles for those"
+        " modules (names as in model.named_modules()), allow_unsharded_linears=True to train with them whole, or"
+        " tp=1."
+    )
+
+
+def _listed(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def coverage(model: nn.Module, plan: Mapping[str, ParallelStyle], blocks: Sequence[tuple[str, nn.Module]]) -> Coverage:
+    """What ``plan`` does to the large weights of ``blocks``, judged from its styles without applying it.
+
+    Large: at least an eighth of the block's largest weight (tensors of two or more dimensions). A weight counts as
+    sharded when a style that splits weights (column-, row-wise, packed, and their LoRA forms) matches its module or
+    a module around it. A style matched to a module it cannot shard makes the plan unusable.
+    """
+    modules = dict(model.named_modules())
+    matched = [(name, style) for pattern, style in plan.items() for name in modules if pattern_matches(pattern, name)]
+    for name, style in matched:
+        problem = unsupported_target(style, modules[name])
+        if problem is not None:
+            return Coverage([], 0.0, unusable=f"{problem} ({name})", matches_any=True)
+    sharding = [name for name, style in matched if isinstance(style, _WEIGHT_SHARDING_STYLES)]
+    sharded = {id(p) for name in sharding for p in modules[name].parameters()}
+    unsharded, total, split = [], 0, 0
+    for block_name, block in blocks:
+        weights = {id(p): (name, p) for name, p in block.named_parameters() if p.ndim >= 2}
+        largest = max((p.numel() for _, p in weights.values()), default=0)
+        for pid, (name, param) in weights.items():
+            if param.numel() * 8 < largest:
+                continue
+            total += param.numel()
+            if pid in sharded:
+                split += param.numel()
+            else:
+                unsharded.append(f"{block_name}.{name.rpartition('.')[0] or name}")
+    unique = list(dict.fromkeys(unsharded))
+    return Coverage(unique, split / total if total else 1.0, matches_any=bool(matched))
+
+
+# Styles that split the weights of the module they are given (the rest prepare inputs and outputs, or replicate).
+_WEIGHT_SHARDING_STYLES = (ColwiseParallel, RowwiseParallel, PackedColwiseParallel, LoraParallel)
+# What torch's column- and row-wise styles can shard; our packed and regrouped ones take Linears only.
+_SHARDABLE = {ColwiseParallel: (nn.Linear, nn.Embedding), RowwiseParallel: (nn.Linear, nn.Embedding)}
+
+
+def unsupported_target(style: ParallelStyle, module: nn.Module) -> str | None:
+    """Why ``style`` cannot shard ``module`` (torch's styles raise mid-way through sharding), or None."""
+    base = module.base_layer if is_lora_layer(module) else module
+    inner = style.style if isinstance(style, LoraParallel) else style
+    if isinstance(inner, PackedColwiseParallel | RegroupedColwiseParallel):
+        supported: tuple[type, ...] = (nn.Linear,)
+    else:
+        supported = next((types for cls, types in _SHARDABLE.items() if isinstance(inner, cls)), ())
+    if not supported or isinstance(base, supported):
+        return None
+    kinds = " and ".join(f"nn.{t.__name__}" for t in supported)
+    return f"{type(inner).__name__} shards {kinds} only, and this module is a {type(base).__name__}"
 
 
 def unmatched_patterns(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[str]:
     """Plan keys that name no module of ``model`` (``parallelize_module`` skips them silently)."""
     names = [name for name, _ in model.named_modules()]
     return [pattern for pattern in plan if not any(pattern_matches(pattern, name) for name in names)]
-
-
-def unsharded_linears(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[str]:
-    """Large Linears that the plan leaves whole inside the blocks it shards: a plan that misses them (an MLP
-    named differently, say) runs, but every rank then holds and computes those weights in full.
-
-    Large: at least an eighth of the largest Linear the plan shards. Blocks: the items of ModuleLists.
-    """
-    modules = dict(model.named_modules())
-    matched = {name for name in modules if any(pattern_matches(pattern, name) for pattern in plan)}
-
-    def covered(name: str) -> bool:  # a matched module, or inside one (a LoRA layer's base_layer and adapters)
-        return any(name == m or name.startswith(f"{m}.") for m in matched)
-
-    linears = {name: m for name, m in modules.items() if isinstance(m, nn.Linear)}
-    sharded = [m.weight.numel() for name, m in linears.items() if covered(name)]
-    if not sharded:
-        return []
-    blocks = {
-        f"{name}.{index}"
-        for name, module in modules.items()
-        if isinstance(module, nn.ModuleList)
-        for index in range(len(module))
-    }
-    touched = {block for block in blocks if any(name.startswith(f"{block}.") for name in matched)}
-    return [
-        name
-        for name, module in linears.items()
-        if not covered(name)
-        and module.weight.numel() * 8 >= max(sharded)
-        and any(name.startswith(f"{block}.") for block in touched)
-    ]
 
 
 def pattern_matches(pattern: str, name: str) -> bool:

@@ -8,6 +8,8 @@ drift from the code. An 8B-parameter config takes seconds.
 from __future__ import annotations
 
 import contextlib
+import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -15,15 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.mesh import ParallelDims
-from lightning_automodel.parallel.parallelizer import parallelize
-from lightning_automodel.parallel.plans import (
-    PlanSpec,
-    pattern_matches,
-    select_tp_plan,
-    unmatched_patterns,
-    unsharded_linears,
-)
+from lightning_automodel.mesh import ParallelDims, tp_mesh
+from lightning_automodel.parallel.parallelizer import parallelize, probe_unsharded
+from lightning_automodel.parallel.plans import PlanSpec, pattern_matches
+from lightning_automodel.parallel.tensor_parallel import plan_tensor_parallel
 
 # Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and
 # exp_avg_sq (all in the parameter's dtype). Activations come on top and depend on the batch.
@@ -35,9 +32,11 @@ class PlanReport:
     model_name: str
     dims: ParallelDims
     plan_source: str
+    plan_reason: str = ""
     styles: dict[str, tuple[str, int]] = field(default_factory=dict)  # pattern -> (style, modules matched)
     unmatched_patterns: list[str] = field(default_factory=list)
-    unsharded_linears: list[str] = field(default_factory=list)
+    unsharded_weights: list[str] = field(default_factory=list)
+    replicated: dict[str, int] = field(default_factory=dict)  # modules on sharded activations, as patterns -> count
     total_parameters: int = 0
     parameters_per_rank: int = 0
     parameter_bytes_per_rank: int = 0
@@ -50,14 +49,17 @@ class PlanReport:
     def __str__(self) -> str:
         lines = [
             f"{self.model_name} on {self.dims}",
-            f"tensor-parallel plan: {self.plan_source}" if self.dims.tp > 1 else "tensor parallel: off (tp=1)",
+            f"tensor-parallel plan: {self.plan_source} ({self.plan_reason})"
+            if self.dims.tp > 1
+            else "tensor parallel: off (tp=1)",
         ]
-        width = max((len(pattern) for pattern in self.styles), default=0)
+        width = max((len(pattern) for pattern in [*self.styles, *self.replicated]), default=0)
         lines += [f"  {p:<{width}}  {style} x{count}" for p, (style, count) in self.styles.items()]
+        lines += [f"  {p:<{width}}  ReplicateOnShardedInput x{count}" for p, count in self.replicated.items()]
         if self.unmatched_patterns:
             lines.append(f"patterns matching no module: {', '.join(self.unmatched_patterns)}")
-        if self.unsharded_linears:
-            lines.append(f"large Linears left whole on every tp rank: {', '.join(self.unsharded_linears)}")
+        if self.unsharded_weights:
+            lines.append(f"large block weights left whole on every tp rank: {', '.join(self.unsharded_weights)}")
         share = self.parameters_per_rank / max(self.total_parameters, 1)
         lines += [
             f"parameters: {self.total_parameters:,} in all, {self.parameters_per_rank:,} per rank"
@@ -69,26 +71,43 @@ class PlanReport:
 
 
 def plan_report(
-    model: nn.Module, dims: ParallelDims, *, sp: bool = False, tp_plan: PlanSpec | None = None, rank: int = 0
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    sp: bool = False,
+    tp_plan: PlanSpec | None = None,
+    allow_unsharded_linears: bool = False,
+    rank: int = 0,
 ) -> PlanReport:
     """Parallelize ``model`` (on the meta device) as ``rank`` of a fake world of ``dims`` and describe the result.
 
-    ``dims`` must be resolved (a world size is needed). Must be called outside any real process group.
+    ``dims`` must be resolved (a world size is needed). Must be called outside any real process group. A plan that
+    training would refuse is refused here too, with the same message.
     """
     if not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
     report = PlanReport(type(model).__name__, dims, plan_source="")
     report.total_parameters = sum(p.numel() for p in model.parameters())
-    if dims.tp > 1:
-        plan, report.plan_source = select_tp_plan(model, sp=sp, tp_plan=tp_plan)
-        names = [name for name, _ in model.named_modules()]
-        for pattern, style in plan.items():
-            report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
-        report.unmatched_patterns = unmatched_patterns(model, plan)
-        report.unsharded_linears = unsharded_linears(model, plan)
-        tp_plan = plan
     with _fake_world(dims.world_size, rank):
-        parallelize(model, dims.build_mesh("cpu"), sp=sp, tp_plan=tp_plan, allow_unsharded_linears=True)
+        mesh = dims.build_mesh("cpu")
+        if dims.tp > 1:
+            planned = plan_tensor_parallel(
+                model,
+                tp_mesh(mesh),
+                sp=sp,
+                tp_plan=tp_plan,
+                allow_unsharded_linears=allow_unsharded_linears,
+                unsharded=probe_unsharded(model, tp=dims.tp),
+            )
+            choice = planned.choice
+            report.plan_source, report.plan_reason = choice.source, choice.reason
+            names = [name for name, _ in model.named_modules()]
+            for pattern, style in choice.plan.items():
+                report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
+            report.unmatched_patterns = choice.unmatched
+            report.unsharded_weights = choice.unsharded_weights
+            report.replicated = dict(Counter(re.sub(r"\.\d+\.", ".*.", name) for name in planned.replicated))
+        parallelize(model, mesh, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     report.parameters_per_rank = sum(t.numel() for t in local)
     report.parameter_bytes_per_rank = sum(t.numel() * t.element_size() for t in local)

@@ -5,7 +5,7 @@ Each style is a small subclass of a torch ``ParallelStyle`` that changes only th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import partial
 from types import MethodType
 
@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._pytree import tree_map
 
 
 class SequenceParallelAllGather(SequenceParallel):
@@ -36,16 +37,50 @@ class SequenceParallelAllGather(SequenceParallel):
         return SequenceParallel._prepare_output_fn(use_local_output, mod, outputs, device_mesh)
 
 
-class HeadShardedNorm(SequenceParallel):
-    """A norm over ``head_dim`` (Qwen3, Gemma3 q_norm/k_norm) applied to this rank's heads only.
+class ReplicateOnShardedInput(ParallelStyle):
+    """A module whose parameters every rank needs whole while it computes on activations tensor parallel splits: a
+    per-head norm over head_dim (Qwen3's q_norm), an activation function's learned scalars (xIELU), a norm over a
+    hidden size the plan splits (BitNet's sub-norms).
 
-    Its weight is shared by all heads, so each rank computes only part of its gradient. Run as a replicated
-    DTensor on input sharded on the heads dim, autograd sums the partial gradients over tp. Left as a plain
-    module (what the reference does), each rank would keep and apply its own partial gradient.
+    Left as it is, each rank would compute its parameters' gradient from its own shard of the activations and keep
+    it: a wrong gradient, silently. Here its parameters and buffers (its submodules' too) become replicated DTensors
+    and its plain tensor inputs DTensors of the layout they have: ``input_layouts`` gives a placement per argument
+    position or keyword (``Shard(d)`` for one split on dim d; an argument it does not name is whole). DTensor then
+    computes the module on the global activation: it sums the parameters' partial gradients over tp, and reduces
+    across a split dimension where the module reduces (a norm's mean). With ``use_local_output`` the outputs go back
+    to this rank's local tensors; a module given DTensors (the sequence-parallel residual stream) keeps DTensors.
     """
 
-    def __init__(self, *, head_dim: int = 2) -> None:
-        super().__init__(sequence_dim=head_dim, use_local_output=True)
+    def __init__(self, *, input_layouts: Mapping[int | str, Placement], use_local_output: bool = True) -> None:
+        super().__init__()
+        self.input_layouts = dict(input_layouts)
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh)  # replicates every parameter and buffer not a DTensor already
+        module.register_forward_pre_hook(partial(self._prepare_inputs, device_mesh), with_kwargs=True)
+        if self.use_local_output:
+            module.register_forward_hook(lambda module, args, output: tree_map(_local_part, output))
+        return module
+
+    def _prepare_inputs(self, device_mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        def convert(key: int | str, value: object) -> object:
+            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                return value
+            placement = self.input_layouts.get(key, Replicate())
+            return DTensor.from_local(value, device_mesh, [placement], run_check=False)
+
+        args = tuple(convert(index, value) for index, value in enumerate(args))
+        return args, {key: convert(key, value) for key, value in kwargs.items()}
+
+
+def _local_part(value: object) -> object:
+    """This rank's part of a DTensor output (a partial sum is summed first); anything else as it is."""
+    if not isinstance(value, DTensor):
+        return value
+    if any(p.is_partial() for p in value.placements):
+        value = value.redistribute(placements=[Replicate() if p.is_partial() else p for p in value.placements])
+    return value.to_local()
 
 
 class PackedColwiseParallel(ParallelStyle):

@@ -1,0 +1,57 @@
+"""The decoder blocks of a model: what tensor parallel must shard, activation checkpointing recomputes and FSDP2
+gathers one at a time."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import nn
+
+
+def named_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``model`` with their names, in registration order: the items of its outermost ModuleLists that
+    hold parameters (``model.layers.*``, and a vision tower's encoder layers in a multimodal model).
+
+    Lists inside a block (per-head norms, a block's own sub-layers) belong to the block; the items of a list of lists
+    are blocks. A block listed twice (one module shared by two lists) appears once, under its first name.
+    """
+    found: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, nn.ModuleList):
+                take_items(path, child)
+            else:
+                visit(f"{path}.", child)
+
+    def take_items(path: str, items: nn.ModuleList) -> None:
+        for index, block in items.named_children():
+            if isinstance(block, nn.ModuleList):
+                take_items(f"{path}.{index}", block)
+            elif id(block) not in seen and any(True for _ in block.parameters()):
+                seen.add(id(block))
+                found.append((f"{path}.{index}", block))
+
+    visit("", model)
+    return found
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The blocks of ``model`` (see :func:`named_decoder_layers`)."""
+    return [block for _, block in named_decoder_layers(model)]
+
+
+def layers_sharing_parameters(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The layers holding a parameter that another layer or the rest of the model holds too (Zamba ties the shared
+    attention block of every hybrid layer to the first one's).
+
+    Such a parameter can live in one FSDP unit only: a layer holding it cannot be a unit of its own, and leaves it to
+    the unit around it.
+    """
+    everywhere = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    in_layers = Counter(id(p) for layer in layers for _, p in layer.named_parameters(remove_duplicate=False))
+    layers_holding = Counter(id(p) for layer in layers for p in layer.parameters())
+    shared = {pid for pid, count in layers_holding.items() if count > 1 or everywhere[pid] > in_layers[pid]}
+    return [layer for layer in layers if any(id(p) in shared for p in layer.parameters())]

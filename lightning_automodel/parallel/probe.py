@@ -1,0 +1,237 @@
+"""The shape probe: one training step of a model on the meta device, recording what every module receives.
+
+On meta tensors kernels only propagate shapes, and so do collectives: the probe computes nothing and communicates
+nothing, so every rank can run it before any collective, whatever it finds. Run on a copy of the model before and
+after tensor parallel, it shows which modules a text-only step calls and with what, where a plan's layouts do not
+fit the model (a module that reads a global size, a style that takes the whole sequence for a shard), and which
+modules compute on activations tensor parallel shards (see :mod:`lightning_automodel.parallel.activations`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Rows and tokens of the probe's batch: small, odd and unlike any model size, so that a dimension a plan splits
+# cannot be mistaken for another one of the same size. The sequence is a multiple of tp (sequence parallel splits it).
+PROBE_ROWS = 3
+PROBE_TOKENS_PER_RANK = 5
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor a module received: the shape its code sees and, for a DTensor, the global shape it stands for."""
+
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...] | None = None
+
+
+@dataclass
+class Call:
+    """One call of a module: its tensor arguments by position or keyword, and whether autograd was recording."""
+
+    inputs: dict[int | str, TensorArg]
+    grad_enabled: bool
+
+
+@dataclass
+class Trace:
+    """Every module call of a probe, by module name, in order; the model's own forward recorded with autograd on.
+
+    ``uses``: for every plain parameter, in order, the shape each operation of the forward produced from it and the
+    activations (the data a step computes from its tokens): where it meets them, and how much of them.
+    """
+
+    tokens: int  # the sequence length of the probe's batch
+    calls: dict[str, list[Call]] = field(default_factory=dict)  # in the forward
+    uses: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    called_in_backward: set[str] = field(default_factory=set)  # modules run again in backward (checkpointing)
+
+    def called(self, name: str) -> bool:
+        return name in self.calls
+
+
+class ProbeError(Exception):
+    """The probe step failed: ``running`` are the modules running when it did, outermost first (none in backward),
+    ``module`` the innermost of them ("" for the backward)."""
+
+    def __init__(self, running: list[str], error: BaseException, trace: Trace) -> None:
+        self.running = running
+        self.module = running[-1] if running else ""
+        self.error = error
+        self.trace = trace
+        self.detail = f"{type(error).__name__}: {_first_line(error)}"
+        super().__init__(f"{self.module or 'backward'}: {self.detail}")
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every parameter and buffer on the meta device; no weight is copied.
+
+    Ties survive (a shared tensor maps to one meta tensor), and so does which parameters train.
+    """
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def sequence_lengths(model: nn.Module, *, tp: int) -> list[int]:
+    """The probe's sequence lengths to try, each a multiple of ``tp``: a short one, then, for a model that refuses
+    it (some take only lengths their chunks or position tables tile, as Reformer), the model's longest."""
+    lengths = [PROBE_TOKENS_PER_RANK * tp]
+    longest = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(longest, int) and longest % tp == 0 and longest not in lengths:
+        lengths.append(longest)
+    return lengths
+
+
+def refuses_length(error: ProbeError) -> bool:
+    """Whether the model rejected the probe's batch itself (a ValueError of its own code, as input checks raise),
+    rather than failing in a computation: only then is another length worth a try."""
+    return isinstance(error.error, ValueError)
+
+
+def probe(model: nn.Module, *, tokens: int) -> Trace:
+    """Run one forward and backward pass of ``model`` (on the meta device) on a batch of ``tokens`` token ids per
+    row; record every module call. Raises :class:`ProbeError` naming the module that failed.
+
+    Data-dependent questions the model's code asks of its tensors (``if mask.any():``) are answered with zero: meta
+    tensors hold no values.
+    """
+    names = {id(module): name for name, module in model.named_modules()}
+    trace, running, in_backward = Trace(tokens), [], []
+    flow = _ParameterUses(model, trace)
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name = names[id(module)]
+        running.append(name)
+        if in_backward:
+            trace.called_in_backward.add(name)
+            return
+        inputs = {**dict(enumerate(args)), **kwargs}
+        tensors = {key: _describe(value) for key, value in inputs.items() if isinstance(value, torch.Tensor)}
+        trace.calls.setdefault(name, []).append(Call(tensors, grad_enabled=torch.is_grad_enabled()))
+        flow.mark_activations((args, kwargs))
+
+    def after(module: nn.Module, args: tuple, output: Any) -> None:
+        running.pop()
+        flow.mark_activations(output)  # outputs a style turned back into local tensors, outside any recorded op
+
+    token_ids = torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")
+    with _hooks(model, before, after), _AnswerDataQuestions():
+        with flow:
+            try:
+                output = model(input_ids=token_ids, **_no_cache(model))
+            except Exception as error:  # noqa: BLE001 - any failure of the model's code is what the probe reports
+                raise ProbeError(list(running), error, trace) from error
+        running.clear()
+        in_backward.append(True)
+        try:
+            _backward(output)
+        except Exception as error:  # noqa: BLE001
+            raise ProbeError([], error, trace) from error
+    return trace
+
+
+@contextmanager
+def _hooks(model: nn.Module, before, after) -> Iterator[None]:
+    """Hooks on every module, registered last: they see the inputs a parallel style has already converted."""
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(module.register_forward_hook(after))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _no_cache(model: nn.Module) -> dict[str, bool]:
+    """Training steps build no key/value cache; ask the model not to, where its forward takes the flag."""
+    config = getattr(model, "config", None)
+    return {"use_cache": False} if getattr(config, "use_cache", None) is not None else {}
+
+
+def _backward(output: Any) -> None:
+    logits = getattr(output, "logits", None)
+    if logits is None:
+        leaves, _ = tree_flatten(output)
+        logits = next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
+    if logits is None or not logits.requires_grad:
+        return
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    local.float().sum().backward()
+
+
+def _describe(tensor: torch.Tensor) -> TensorArg:
+    if isinstance(tensor, DTensor):
+        return TensorArg(tuple(tensor.to_local().shape), tuple(tensor.shape))
+    return TensorArg(tuple(tensor.shape))
+
+
+class _AnswerDataQuestions(TorchDispatchMode):
+    """``tensor.item()`` and ``bool(tensor)`` of a meta tensor return zero (False) instead of raising: both runs of
+    the probe take the same branch of code that asks about values (padding checks, mask shortcuts)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            return _zero_of(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+class _ParameterUses(TorchDispatchMode):
+    """Follows the forward's data: tensors computed from the activations, tensors computed from plain parameters
+    alone (``softplus(alpha)``, ``A_log.exp()``), and every operation where the two meet, whose output shape it
+    records for each parameter involved (see :attr:`Trace.uses`)."""
+
+    def __init__(self, model: nn.Module, trace: Trace) -> None:
+        super().__init__()
+        self.trace = trace
+        self.activations = WeakIdKeyDictionary()
+        self.from_parameters = WeakIdKeyDictionary()  # tensor -> names of the parameters it was computed from
+        for name, param in model.named_parameters():
+            if not isinstance(param, DTensor):
+                self.from_parameters[param] = frozenset({name})
+
+    def mark_activations(self, values: Any) -> None:
+        for leaf in tree_flatten(values)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.activations[leaf] = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        inputs = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        parameters = frozenset().union(*(self.from_parameters.get(t, frozenset()) for t in inputs))
+        outputs = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)]
+        if any(t in self.activations for t in inputs):
+            for tensor in outputs:
+                self.activations[tensor] = True
+            for name in parameters:
+                self.trace.uses.setdefault(name, []).append(tuple(outputs[0].shape) if outputs else ())
+        elif parameters:
+            for tensor in outputs:
+                self.from_parameters[tensor] = parameters
+        return output
+
+
+def _zero_of(dtype: torch.dtype) -> bool | int | float:
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else ""

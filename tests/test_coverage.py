@@ -34,7 +34,12 @@ EXPECTED = {
     ("gpt2", "tp2"): (REFUSAL, f"{NO_PLAN} GPT2LMHeadModel", None),  # Conv1D (was: a misleading tied-weight message)
     ("gpt2", "dp_shard2"): (PASS, "", None),
     ("apertus", "tp2"): (PASS, "Hugging Face plan", 1.0),  # xIELU's scalars see half the MLP (was: wrong)
-    ("granite", "tp2_sp"): (PASS, "default Llama-style plan", 1.0),  # its Hugging Face plan has no sp layout
+    # Its Hugging Face plan, with a sequence-parallel layout derived for it (was: the default plan stood in).
+    ("granite", "tp2_sp"): (PASS, "Hugging Face plan", 1.0),
+    # Parallel attention and MLP reading two norms of one stream, embed_in (was: refused, no sp layout).
+    ("gpt_neox", "tp2_sp"): (PASS, "Hugging Face plan", 0.99),
+    # The model adds recurrent states of its own to the stream: sp refused before any collective.
+    ("hrm_text", "tp2_sp"): (REFUSAL, "breaks HrmTextForCausalLM", None),
     ("doge", "tp2"): (REFUSAL, "breaks DogeForCausalLM", None),  # a per-head parameter in attention (was: a crash)
     ("roberta", "tp2"): (REFUSAL, "shards nn.Linear and nn.Embedding only", None),  # lm_head is a head (was: a crash)
     ("zamba2", "dp_shard2"): (PASS, "", None),  # blocks shared by two layers (was: a crash)

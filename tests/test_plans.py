@@ -23,7 +23,11 @@ from lightning_automodel.parallel.parallelizer import (
     refuse_blocks_recomputed_outside_calls,
 )
 from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns
-from lightning_automodel.parallel.styles import PackedColwiseParallel, RegroupedColwiseParallel
+from lightning_automodel.parallel.styles import (
+    PackedColwiseParallel,
+    RegroupedColwiseParallel,
+    SequenceParallelAllGather,
+)
 from lightning_automodel.parallel.validation import validate_tp_sizes
 
 
@@ -76,11 +80,43 @@ def test_unregistered_model_uses_its_hugging_face_plan():
     assert unmatched_patterns(tiny_model("granite"), plan) == []
 
 
-def test_with_sp_the_default_plan_stands_in_for_a_hugging_face_plan():
-    """Hugging Face plans have no sequence-parallel layout; the default plan has one and shards Granite's blocks."""
-    choice = select_tp_plan(tiny_model("granite"), sp=True)
-    assert choice.source == "default Llama-style plan"
-    assert "Hugging Face plan of GraniteForCausalLM cannot be used: sp=True" in choice.reason
+def test_with_sp_a_hugging_face_plan_gets_a_sequence_parallel_layout():
+    """Hugging Face plans carry no sequence-parallel layout; one is derived with the probe's help. The embedding and
+    the row-parallel projections reduce-scatter into the sequence-sharded stream, the norms that open a block gather
+    once for its projections, the final norm stays sharded and lm_head gathers the sequence itself."""
+    model = tiny_model("granite")
+    choice = select_tp_plan(model, sp=True, trace=probe_unsharded(model, tp=2))
+    plan = choice.plan
+    assert choice.source == "Hugging Face plan of GraniteForCausalLM"
+    assert plan["model.embed_tokens"].output_layouts == (Shard(1),)
+    assert plan["model.layers.*.self_attn.o_proj"].output_layouts == (Shard(1),)
+    assert plan["model.layers.*.mlp.down_proj"].output_layouts == (Shard(1),)
+    assert type(plan["model.layers.*.input_layernorm"]) is SequenceParallelAllGather
+    assert type(plan["model.layers.*.post_attention_layernorm"]) is SequenceParallelAllGather
+    assert type(plan["model.norm"]) is SequenceParallel
+    assert plan["lm_head"].input_layouts == (Shard(1),)
+    assert plan["lm_head"].output_layouts == (Shard(-1),), "the logits stay vocab-sharded"
+    # Without a probe the norms are unknown: the default plan, whose layout is written out, stands in.
+    without_probe = select_tp_plan(model, sp=True)
+    assert without_probe.source == "default Llama-style plan"
+    assert "sp=True: deriving a sequence-parallel layout needs a probe step of the model" in without_probe.reason
+
+
+def test_the_derived_sequence_parallel_layout_follows_the_data():
+    """OLMo 2 norms q and k over all heads (the hidden size, as the stream's norms) after q_proj/k_proj: not stream
+    norms. Its own norms close the attention and MLP before the residual add (post-norms): they act on the stream
+    and stay sharded. GPT-NeoX's parallel blocks read two norms of one stream, and its embedding is embed_in."""
+    olmo2 = coverage_model("olmo2")
+    plan = select_tp_plan(olmo2, sp=True, trace=probe_unsharded(olmo2, tp=2)).plan
+    assert not any("q_norm" in key or "k_norm" in key for key in plan)
+    assert type(plan["model.layers.*.post_attention_layernorm"]) is SequenceParallel
+    assert type(plan["model.layers.*.post_feedforward_layernorm"]) is SequenceParallel
+    neox = coverage_model("gpt_neox")
+    plan = select_tp_plan(neox, sp=True, trace=probe_unsharded(neox, tp=2)).plan
+    assert plan["gpt_neox.embed_in"].output_layouts == (Shard(1),)
+    assert type(plan["gpt_neox.layers.*.input_layernorm"]) is SequenceParallelAllGather
+    assert type(plan["gpt_neox.layers.*.post_attention_layernorm"]) is SequenceParallelAllGather
+    assert type(plan["gpt_neox.final_layer_norm"]) is SequenceParallel
 
 
 def test_a_plan_covering_lm_head_only_loses_to_one_that_shards_the_blocks():

@@ -94,17 +94,15 @@ def hf_style_strings(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def hf_tp_plan(model: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The model's Hugging Face plan as torch styles, with a vocab-parallel embedding and lm_head.
 
-    Raises a ValueError if the model has no plan, or for ``sp=True``: Hugging Face plans carry no
-    sequence-parallel layout for the residual stream.
+    Raises a ValueError if the model has no plan. Hugging Face plans carry no sequence-parallel layout for the
+    residual stream (see :mod:`lightning_automodel.parallel.sequence_parallel`).
     """
     strings = hf_style_strings(model)
     if not strings:
         raise ValueError(f"{type(model).__name__} has no Hugging Face tensor-parallel plan (_tp_plan).")
-    if sp:
-        raise ValueError("sp=True: Hugging Face plans have no sequence-parallel layout")
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in strings.items():
         if pattern.rpartition(".")[2] == "lm_head" and style in _VOCAB_PARALLEL_STYLES:
@@ -113,7 +111,8 @@ def hf_tp_plan(model: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         translated = translate_style(style, pattern)
         if translated is not None:
             plan[pattern] = translated
+    embedding = model.get_input_embeddings()
     for name, module in model.named_modules():
-        if name.endswith("embed_tokens") and isinstance(module, nn.Embedding) and name not in strings:
+        if module is embedding and isinstance(module, nn.Embedding) and name not in strings:
             plan[name] = RowwiseParallel(input_layouts=Replicate())  # vocab-parallel: saves vocab x hidden
     return plan

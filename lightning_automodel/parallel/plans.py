@@ -10,7 +10,6 @@ Llama-style plan, the first that shards every decoder block (see :func:`select_t
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,9 @@ from torch.distributed.tensor.parallel import (
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.hf_plan import hf_style_strings, hf_tp_plan, translate_style
 from lightning_automodel.parallel.lora import LoraParallel, is_lora_layer
+from lightning_automodel.parallel.patterns import pattern_matches
+from lightning_automodel.parallel.probe import Trace
+from lightning_automodel.parallel.sequence_parallel import with_sequence_parallel
 from lightning_automodel.parallel.styles import (
     PackedColwiseParallel,
     RegroupedColwiseParallel,
@@ -215,6 +217,7 @@ def select_tp_plan(
     tp_plan: PlanSpec | None = None,
     allow_unsharded_linears: bool = False,
     blocks: Sequence[tuple[str, nn.Module]] | None = None,
+    trace: Trace | None = None,
 ) -> PlanChoice:
     """The plan for ``model``: the user's ``tp_plan`` if given, else the first of the family plan registered for its
     class, its own Hugging Face plan and the default Llama-style plan that shards every decoder block.
@@ -223,6 +226,10 @@ def select_tp_plan(
     :func:`~lightning_automodel.parallel.blocks.named_decoder_layers`). A plan that leaves a large weight of a block
     whole is refused unless ``allow_unsharded_linears``; then the candidate sharding the largest share of the blocks'
     weights wins. Raises a ValueError naming what each candidate lacks.
+
+    ``trace``: a probe step of the model (see :mod:`~lightning_automodel.parallel.probe`), from which a candidate
+    without a sequence-parallel layout of its own gets one with ``sp`` (see
+    :mod:`~lightning_automodel.parallel.sequence_parallel`).
     """
     blocks = named_decoder_layers(model) if blocks is None else blocks
     if tp_plan is not None:
@@ -231,7 +238,7 @@ def select_tp_plan(
         _refuse_if_incomplete(model, "user plan", plan, found, allow=allow_unsharded_linears)
         return _choice(model, plan, "user plan", "it was given (tp_plan=)", found)
     verdicts: list[tuple[str, TPPlan | None, Coverage]] = []
-    for source, build in _candidates(model):
+    for source, build in _candidates(model, trace=trace):
         try:
             plan = build(sp)
         except ValueError as error:  # a Hugging Face plan with styles we cannot apply, or no sequence-parallel layout
@@ -250,17 +257,23 @@ def select_tp_plan(
     raise ValueError(_no_plan_message(model, verdicts, allow=allow_unsharded_linears))
 
 
-def _candidates(model: nn.Module) -> list[tuple[str, Callable[[bool], TPPlan]]]:
+def _candidates(model: nn.Module, *, trace: Trace | None) -> list[tuple[str, Callable[[bool], TPPlan]]]:
     name = type(model).__name__
     candidates = []
     family = _FAMILY_PLANS.get(name)
     if family is not None:
         candidates.append((f"family plan for {name}", lambda sp: dict(family(model, sp))))
     if hf_style_strings(model):
-        candidates.append((f"Hugging Face plan of {name}", lambda sp: hf_tp_plan(model, sp)))
+        candidates.append((f"Hugging Face plan of {name}", lambda sp: _hf_plan(model, sp=sp, trace=trace)))
     # The layout many decoder-only families share, under the names Llama gives it.
     candidates.append(("default Llama-style plan", lambda sp: llama_plan(model, sp)))
     return candidates
+
+
+def _hf_plan(model: nn.Module, *, sp: bool, trace: Trace | None) -> TPPlan:
+    """The model's Hugging Face plan; with ``sp``, the sequence-parallel layout derived for it (they carry none)."""
+    plan = hf_tp_plan(model)
+    return with_sequence_parallel(model, plan, trace=trace) if sp else plan
 
 
 def _complete(found: Coverage) -> bool:
@@ -380,11 +393,3 @@ def unmatched_patterns(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> l
     """Plan keys that name no module of ``model`` (``parallelize_module`` skips them silently)."""
     names = [name for name, _ in model.named_modules()]
     return [pattern for pattern in plan if not any(pattern_matches(pattern, name) for name in names)]
-
-
-def pattern_matches(pattern: str, name: str) -> bool:
-    """Whether module ``name`` matches plan key ``pattern`` (``*`` stands for one path component)."""
-    parts, name_parts = pattern.split("."), name.split(".")
-    if len(parts) != len(name_parts):
-        return False
-    return all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, name_parts, strict=True))

@@ -38,10 +38,15 @@ class TensorArg:
 
 @dataclass
 class Call:
-    """One call of a module: its tensor arguments by position or keyword, and whether autograd was recording."""
+    """One call of a module: its tensor arguments by position or keyword, and whether autograd was recording.
+
+    ``sources``: for each tensor argument that a module's call returned as it is, the innermost such module (a norm
+    whose output a projection reads); the others are absent.
+    """
 
     inputs: dict[int | str, TensorArg]
     grad_enabled: bool
+    sources: dict[int | str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +117,7 @@ def probe(model: nn.Module, *, tokens: int) -> Trace:
     names = {id(module): name for name, module in model.named_modules()}
     trace, running, in_backward = Trace(tokens), [], []
     flow = _ParameterUses(model, trace)
+    returned_by = WeakIdKeyDictionary()  # tensor -> the innermost module whose call returned it
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = names[id(module)]
@@ -119,14 +125,18 @@ def probe(model: nn.Module, *, tokens: int) -> Trace:
         if in_backward:
             trace.called_in_backward.add(name)
             return
-        inputs = {**dict(enumerate(args)), **kwargs}
-        tensors = {key: _describe(value) for key, value in inputs.items() if isinstance(value, torch.Tensor)}
-        trace.calls.setdefault(name, []).append(Call(tensors, grad_enabled=torch.is_grad_enabled()))
+        inputs = {key: value for key, value in {**dict(enumerate(args)), **kwargs}.items() if _is_tensor(value)}
+        tensors = {key: _describe(value) for key, value in inputs.items()}
+        sources = {key: returned_by[value] for key, value in inputs.items() if value in returned_by}
+        trace.calls.setdefault(name, []).append(Call(tensors, torch.is_grad_enabled(), sources))
         flow.mark_activations((args, kwargs))
 
     def after(module: nn.Module, args: tuple, output: Any) -> None:
-        running.pop()
+        name = running.pop()
         flow.mark_activations(output)  # outputs a style turned back into local tensors, outside any recorded op
+        for leaf in tree_flatten(output)[0]:
+            if _is_tensor(leaf) and leaf not in returned_by:
+                returned_by[leaf] = name
 
     token_ids = torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")
     with _hooks(model, before, after), _AnswerDataQuestions():
@@ -173,6 +183,10 @@ def _backward(output: Any) -> None:
         return
     local = logits.to_local() if isinstance(logits, DTensor) else logits
     local.float().sum().backward()
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _describe(tensor: torch.Tensor) -> TensorArg:

@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.mesh import ParallelDims, tp_mesh
 from lightning_automodel.parallel.parallelizer import parallelize, probe_unsharded
-from lightning_automodel.parallel.plans import PlanSpec, pattern_matches
+from lightning_automodel.parallel.patterns import pattern_matches
+from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.tensor_parallel import plan_tensor_parallel
 
 # Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and

@@ -24,7 +24,8 @@ from lightning_automodel.parallel.activations import LayoutMismatch, find_sharde
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.heads import localize_head_counts, splits_outputs
 from lightning_automodel.parallel.lora import lora_aware
-from lightning_automodel.parallel.plans import PlanChoice, PlanSpec, pattern_matches, select_tp_plan
+from lightning_automodel.parallel.patterns import pattern_matches
+from lightning_automodel.parallel.plans import PlanChoice, PlanSpec, select_tp_plan
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ def plan_tensor_parallel(
     blocks = named_decoder_layers(model)
     if isinstance(unsharded, Trace):
         blocks = [(name, block) for name, block in blocks if unsharded.called(name)]
+    trace = unsharded if isinstance(unsharded, Trace) else None
     choice = select_tp_plan(
-        model, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears, blocks=blocks
+        model, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears, blocks=blocks, trace=trace
     )
     if isinstance(unsharded, ProbeError):
         raise ValueError(
@@ -150,17 +152,23 @@ def _probe_sharded(copy: nn.Module, mesh: DeviceMesh, planned: TensorParallelPla
         if found.unfixable:
             raise ValueError(_unfixable_message(copy, source, found.unfixable))
         if failure is not None:
-            raise ValueError(_failure_message(copy, source, failure))
+            raise ValueError(_failure_message(copy, source, failure, sp=sp))
         if found.mismatches:
             raise ValueError(_mismatch_message(copy, source, found.mismatches, sp=sp))
         return
 
 
-def _failure_message(model: nn.Module, source: str, failure: ProbeError) -> str:
+def _failure_message(model: nn.Module, source: str, failure: ProbeError, *, sp: bool) -> str:
     where = f"in {failure.module}" if failure.module else "in backward"
+    broken = f"The {source} breaks {type(model).__name__}: one step of the sharded model on the meta device fails {where}"
+    if sp and "mixed torch.Tensor and DTensor" in failure.detail:
+        return (
+            f"{broken} ({failure.detail}). With sp=True the residual stream is split along the sequence (a DTensor),"
+            f" and {failure.module or 'the model'} combines it with a whole tensor (a state of its own, or the output"
+            " of a layer the plan leaves whole): this model has no sequence-parallel layout here. Use sp=False."
+        )
     return (
-        f"The {source} breaks {type(model).__name__}: one step of the sharded model on the meta device fails {where}"
-        f" ({failure.detail}). That module computes with sizes the plan"
+        f"{broken} ({failure.detail}). That module computes with sizes the plan"
         " splits (a count or width read in its code, a parameter per head or per hidden unit). Pass tp_plan= that"
         f" leaves {failure.module or 'it'} and the projections around it whole (with allow_unsharded_linears=True),"
         " or use tp=1."

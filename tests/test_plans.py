@@ -218,6 +218,16 @@ def test_a_half_meta_model_is_refused():
         assert is_meta(tiny_model())
 
 
+def test_tensors_torch_makes_real_under_the_meta_device_join_the_rest():
+    """torch.normal(mean, std, size) with float arguments ignores the default device: DiffLlama built on the meta
+    device holds real lambda vectors. They move to meta, and its init gives them their values."""
+    with torch.device("meta"):
+        model = coverage_model("diffllama")
+    assert not model.model.layers[0].self_attn.lambda_q1.is_meta
+    assert is_meta(model)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
 def test_every_hugging_face_style_string_is_understood():
     """Each style of the installed transformers is translated, or refused as needing transformers' runtime."""
     import transformers.distributed.expert_parallel  # noqa: F401  (registers the expert-parallel styles)
@@ -390,3 +400,24 @@ def test_a_block_checkpointed_by_hugging_face_is_no_recomputation_outside_its_ca
     trace = probe_unsharded(model, tp=1)
     assert "model.layers.0.mlp" in trace.called_in_backward
     refuse_blocks_recomputed_outside_calls(model, trace)
+
+
+def test_parameters_no_init_sets_get_their_constructors_values():
+    """A parameter its model's _init_weights never writes gets the value its module's constructor gives it, as in
+    one process (xIELU's learned scalars; a parameter of our own here), instead of whatever the allocation held.
+    One that neither sets is refused, named."""
+    from lightning_automodel.hf.initialization import materialize_hf_model
+
+    with torch.device("meta"):
+        model = tiny_model()
+        model.model.layers[0].self_attn.register_parameter("scale", torch.nn.Parameter(torch.full((4,), 0.5)))
+    with pytest.raises(ValueError, match=r"\['model\.layers\.0\.self_attn\.scale'\] are neither initialised"):
+        materialize_hf_model(model, torch.device("cpu"))  # the constructor of LlamaAttention makes no such parameter
+    apertus = coverage_model("apertus")
+    with torch.device("meta"):
+        meta_apertus = type(apertus)(apertus.config)
+    materialize_hf_model(meta_apertus, torch.device("cpu"))
+    for name, param in apertus.named_parameters():
+        if "act_fn" in name:
+            assert torch.equal(meta_apertus.get_parameter(name), param), name
+    assert not any(p.isnan().any() for p in meta_apertus.parameters())

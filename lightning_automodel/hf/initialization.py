@@ -45,7 +45,7 @@ def materialize_hf_model(model: nn.Module, device: torch.device, *, skip: Collec
     with torch.no_grad():
         context = _Context(device=device, skip=set(skip), peft_config=getattr(model, "peft_config", {}))
         _init_post_order(model, owner=model, prefix="", context=context)
-        _fill_from_constructor(model, _unset_buffers(model))
+        _fill_from_constructor(model, buffers=_unset_buffers(model), parameters=sorted(context.unset))
 
 
 def _share_random_state_of_rank0() -> None:
@@ -63,6 +63,7 @@ class _Context:
     skip: set[str]  # parameter names filled afterwards (from a checkpoint)
     peft_config: dict  # the root model's: nested sub-models do not carry it
     done: set[int] = field(default_factory=set)  # parameters initialised (a tied one keeps its first values)
+    unset: set[str] = field(default_factory=set)  # parameters no _init_weights has written so far
 
 
 def _init_post_order(module: nn.Module, *, owner: nn.Module, prefix: str, context: _Context) -> None:
@@ -78,7 +79,7 @@ def _init_post_order(module: nn.Module, *, owner: nn.Module, prefix: str, contex
         owner._init_weights(_stand_in(module, device="meta"))  # its buffers only (Gemma's embed_scale)
         return
     if is_lora_layer(module):
-        _init_lora_adapters(module, context.peft_config, done=context.done)
+        _init_lora_adapters(module, context, prefix=prefix)
     _init_module(module, owner=owner, prefix=prefix, context=context)
 
 
@@ -104,9 +105,11 @@ def _init_module(module: nn.Module, *, owner: nn.Module, prefix: str, context: _
     ]
     stand_in = _stand_in(module, reaching=reaches)  # same class and attributes: _init_weights picks the same branch
     owner._init_weights(stand_in)
-    _copy_shards(module, stand_in, context.done)
+    _copy_shards(module, stand_in, context, prefix=prefix)
     for path, name in reaches:
-        copy_shard(module.get_submodule(path).get_parameter(name), stand_in.get_submodule(path).get_parameter(name))
+        value = stand_in.get_submodule(path).get_parameter(name)
+        copy_shard(module.get_submodule(path).get_parameter(name), value)
+        _note_unset(context.unset, f"{prefix}{path}.{name}", value)
 
 
 def _submodule_parameters_initialised(module: nn.Module, owner: nn.Module) -> set[tuple[str, str]]:
@@ -142,7 +145,7 @@ class _TensorUses(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _init_lora_adapters(module: nn.Module, peft_config: dict, *, done: set[int]) -> None:
+def _init_lora_adapters(module: nn.Module, context: _Context, *, prefix: str) -> None:
     """Initialise a LoRA layer's adapters as PEFT does (``reset_lora_parameters``), after transformers' init
     has visited them as the plain Linears they are."""
     for adapter in module.lora_A:
@@ -164,8 +167,9 @@ def _init_lora_adapters(module: nn.Module, peft_config: dict, *, done: set[int])
         }
         stand_in.reset_lora_parameters(adapter, init)
         for which, layer in pair.items():
-            done.difference_update(id(p) for p in layer.parameters(recurse=False))  # transformers' draw is replaced
-            _copy_shards(layer, stand_ins[which], done)
+            # transformers' draw is replaced
+            context.done.difference_update(id(p) for p in layer.parameters(recurse=False))
+            _copy_shards(layer, stand_ins[which], context, prefix=f"{prefix}{which}.{adapter}.")
 
 
 def _stand_in(module: nn.Module, device: str = "cpu", reaching: Collection[tuple[str, str]] = ()) -> nn.Module:
@@ -178,7 +182,7 @@ def _stand_in(module: nn.Module, device: str = "cpu", reaching: Collection[tuple
     """
     stand_in = unsharded_view(module)
     stand_in._parameters = {  # keep entries registered as None (bias=False)
-        name: None if value is None else nn.Parameter(torch.empty(value.shape, dtype=value.dtype, device=device), False)
+        name: None if value is None else nn.Parameter(_unset(value, device), False)
         for name, value in module._parameters.items()
     }
     stand_in._buffers = {
@@ -225,14 +229,33 @@ def _full_value(tensor: torch.Tensor, device: str) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
 
 
-def _copy_shards(module: nn.Module, stand_in: nn.Module, done: set[int]) -> None:
+def _unset(param: torch.Tensor, device: str) -> torch.Tensor:
+    """A full-size tensor for ``param``'s initial values, filled with a mark no initialisation writes (NaN)."""
+    if param.dtype.is_floating_point:
+        return torch.full(param.shape, float("nan"), dtype=param.dtype, device=device)
+    return torch.empty(param.shape, dtype=param.dtype, device=device)
+
+
+def _copy_shards(module: nn.Module, stand_in: nn.Module, context: _Context, *, prefix: str) -> None:
     for name, param in module.named_parameters(recurse=False):
-        if id(param) not in done:
+        if id(param) not in context.done:
             copy_shard(param, stand_in._parameters[name])
-            done.add(id(param))
+            _note_unset(context.unset, f"{prefix}{name}", stand_in._parameters[name])
+            context.done.add(id(param))
     for name, buffer in module.named_buffers(recurse=False):
         if isinstance(buffer, DTensor):
             copy_shard(buffer, stand_in._buffers[name])
+
+
+def _note_unset(unset: set[str], name: str, initial: torch.Tensor) -> None:
+    """Keep track of the parameters whose full initial values still hold the mark of :func:`_unset` (every rank
+    sees the same full values)."""
+    if initial.is_meta or not initial.dtype.is_floating_point or not initial.numel():
+        return
+    if bool(initial.isnan().all()):
+        unset.add(name)
+    else:
+        unset.discard(name)
 
 
 def _mark_unset(model: nn.Module) -> None:
@@ -260,29 +283,39 @@ def _unset_buffers(model: nn.Module) -> list[str]:
     return unset
 
 
-def _fill_from_constructor(model: nn.Module, names: Sequence[str]) -> None:
-    """Give buffers ``_init_weights`` left alone the values the model's constructor computes, read from a second
-    construction of the model whose parameters are created on the meta device (its buffers only cost memory)."""
-    if not names:
+def _fill_from_constructor(model: nn.Module, *, buffers: Sequence[str], parameters: Sequence[str]) -> None:
+    """Give the buffers and parameters ``_init_weights`` leaves alone the values the model's constructor gives them
+    (xIELU's learned scalars, Conv1D's weights in models whose init skips them), read from a second construction of
+    the model in which only those parameters are made real (its buffers only cost memory)."""
+    if not buffers and not parameters:
         return
-    fresh = dict(_constructed_with_meta_parameters(model).named_buffers())
-    missing = [name for name in names if name not in fresh]
+    owners = [name.rpartition(".") for name in parameters]
+    kinds = {(_unsharded_class(model.get_submodule(path)), leaf) for path, _, leaf in owners}
+    fresh = _constructed_with_meta_parameters(model, real=kinds)
+    values = {**dict(fresh.named_buffers()), **{n: p for n, p in fresh.named_parameters() if not p.is_meta}}
+    missing = [name for name in [*buffers, *parameters] if name not in values]
     if missing:
         raise ValueError(
-            f"{type(model).__name__}'s buffers {missing} are neither initialised by its _init_weights nor made by its"
+            f"{type(model).__name__}'s {missing} are neither initialised by its _init_weights nor made by its"
             " constructor: a model built on the meta device cannot compute them. Build the model with real weights."
         )
-    for name in names:
-        buffer = model.get_buffer(name)
-        copy_shard(buffer, fresh[name].to(buffer.dtype))
+    for name in [*buffers, *parameters]:
+        tensor = model.get_buffer(name) if name in buffers else model.get_parameter(name)
+        copy_shard(tensor, values[name].detach().to(tensor.dtype))
 
 
-def _constructed_with_meta_parameters(model: nn.Module) -> nn.Module:
-    """A fresh model of ``model``'s class and config whose parameters are on the meta device and buffers real."""
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+def _unsharded_class(module: nn.Module) -> type:
+    """``module``'s own class, not the ``FSDP<class>`` that ``fully_shard`` swapped in."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _constructed_with_meta_parameters(model: nn.Module, *, real: Collection[tuple[type, str]] = ()) -> nn.Module:
+    """A fresh model of ``model``'s class and config whose parameters are on the meta device, except those of the
+    ``real`` (module class, parameter name) kinds, and whose buffers are real."""
+    cls = _unsharded_class(model)
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-        if param is None or param.is_meta:
+        if param is None or param.is_meta or (type(module), name) in real:
             return None
         return nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
 
@@ -298,7 +331,7 @@ def unsharded_view(module: nn.Module) -> nn.Module:
     attributes (submodules and parameters shared, nothing copied), no FSDP hooks. Code that dispatches on the
     class (transformers' init and checkpoint mappings) sees the model's own class; ``copy.copy`` of an FSDP
     module would fail in FSDP's ``__new__``."""
-    view = object.__new__(next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule)))
+    view = object.__new__(_unsharded_class(module))
     view.__dict__.update(module.__dict__)
     return view
 

@@ -187,15 +187,26 @@ def fp32_pinned_names(model: nn.Module) -> tuple[str, ...]:
 def is_meta(model: nn.Module) -> bool:
     """Whether ``model`` was built on the meta device; a model only partly on meta is refused.
 
-    Materializing re-allocates every tensor, so the real weights of a half-meta model would be lost.
+    Materializing re-allocates every tensor, so the real weights of a half-meta model would be lost. A model built
+    under ``torch.device("meta")`` can still hold a few real tensors: torch makes ``torch.normal(mean, std, size)``
+    with float arguments on the CPU whatever the default device (DiffLlama's lambda vectors). When the input
+    embedding is on meta, such stray tensors are moved there: the model's own init gives them their values with
+    the rest, and :func:`~lightning_automodel.hf.initialization.materialize_hf_model` refuses any it leaves unset.
     """
-    on_meta = [t.is_meta for t in _tensors(model)]
-    if any(on_meta) and not all(on_meta):
+    tensors = _tensors(model)
+    on_meta = [t.is_meta for t in tensors]
+    if all(on_meta) or not any(on_meta):
+        return any(on_meta)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None or not embedding.weight.is_meta:
         raise ValueError(
             f"{type(model).__name__} has tensors both on the meta device and real ones. Build the whole model"
             " under `with torch.device('meta'):`, or build it with real weights."
         )
-    return any(on_meta)
+    stray = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
+    log.info("Moved to the meta device with the rest of %s (built there, except): %s", type(model).__name__, stray)
+    model.to("meta")
+    return True
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:

@@ -314,6 +314,16 @@ def user_plan(model: torch.nn.Module, sp: bool) -> dict:
     return plan
 
 
+def naive_fused_plan(model: torch.nn.Module, sp: bool) -> dict:
+    """Phi3's family plan with its fused gate_up_proj split by torch's plain ColwiseParallel, which gives each rank
+    gate or up rather than half of each: it runs, and trains wrong (what verify_plan must catch)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_automodel.parallel.plans import select_tp_plan
+
+    return {**select_tp_plan(model, sp=sp).plan, "model.layers.*.mlp.gate_up_proj": ColwiseParallel()}
+
+
 USER_PLAN = user_plan(None, False)
 # The Llama projections by name, and nothing else: per-head norms under other names (HunYuan's query_layernorm) are
 # left to the probe.

@@ -152,6 +152,8 @@ def verify_plan(
     """
     from lightning_automodel.hf.shrink import heads_for, shrunk_config
 
+    if tp < 2:
+        raise ValueError(f"verify_plan checks a tensor-parallel plan: tp={tp} has none; pass tp=2 or more.")
     model_class, config = _class_and_config(model_or_config)
     job = dict(
         model_class=model_class,

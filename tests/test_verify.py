@@ -69,3 +69,17 @@ def test_the_replica_has_heads_every_tp_rank_can_split():
     assert type(config) is LlamaConfig
     assert (config.num_attention_heads, config.num_key_value_heads, config.hidden_size) == (8, 4, 128)
     assert config.vocab_size == 128 and config.num_hidden_layers <= 3  # one of each kind (id2label reads as one)
+
+
+def test_a_per_head_norm_left_plain_is_caught_by_its_gradient(monkeypatch):
+    """Qwen3's q_norm and k_norm act per head on the heads the plan splits. Left plain (the probe that finds them
+    switched off), the forward is still right, but each rank holds only its heads' part of their gradient: the
+    logits pass and the gradients of exactly those norms fail."""
+    from lightning_automodel.parallel import tensor_parallel
+    from lightning_automodel.parallel.activations import ShardedActivations
+
+    monkeypatch.setattr(tensor_parallel, "find_sharded_activations", lambda *a, **k: ShardedActivations({}, [], []))
+    verification = verify_plan(Qwen3Config(), raise_on_failure=False)
+    assert verification.logits_error < FP32_TOLERANCE and verification.loss_error < FP32_TOLERANCE
+    assert not verification.passed
+    assert {name.rsplit(".", 2)[-2] for name in verification.wrong_gradients} == {"q_norm", "k_norm"}

@@ -83,3 +83,27 @@ def test_a_per_head_norm_left_plain_is_caught_by_its_gradient(monkeypatch):
     assert verification.logits_error < FP32_TOLERANCE and verification.loss_error < FP32_TOLERANCE
     assert not verification.passed
     assert {name.rsplit(".", 2)[-2] for name in verification.wrong_gradients} == {"q_norm", "k_norm"}
+
+
+def gptj_plan(model, sp):
+    """README's "Adding a plan" example: GPT-J, whose projections no family or Hugging Face plan names."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    layer = "transformer.h.*"
+    plan = {f"{layer}.attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+    plan |= {f"{layer}.attn.out_proj": RowwiseParallel(), f"{layer}.mlp.fc_in": ColwiseParallel()}
+    plan |= {f"{layer}.mlp.fc_out": RowwiseParallel()}
+    plan |= {"transformer.wte": RowwiseParallel(input_layouts=Replicate())}
+    plan |= {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    return plan
+
+
+def test_adding_a_plan_as_the_readme_shows(monkeypatch):
+    from transformers import GPTJConfig
+
+    from lightning_automodel.parallel import plans
+
+    monkeypatch.setitem(plans._FAMILY_PLANS, "GPTJForCausalLM", gptj_plan)  # register_tp_plan, undone after the test
+    verification = verify_plan(GPTJConfig())
+    assert verification.passed and verification.plan_source == "family plan for GPTJForCausalLM", verification

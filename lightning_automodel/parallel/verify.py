@@ -181,19 +181,19 @@ def verify_replica(
     """One step of a model built from ``config`` (already small) in one process and over ``tp`` simulated ranks."""
     start = time.perf_counter()
     build = _builder(model_class, config)
-    torch.manual_seed(0)
-    reference = build()
-    tokens, labels = token_batch(reference.get_input_embeddings().num_embeddings)
-    expected_loss, expected_logits = loss_and_logits(reference, tokens, labels)
-    expected_loss.backward()
     with torch.device("meta"):
         model = build()
     with fake_world(tp):
         mesh = ParallelDims(tp=tp).resolve(tp).build_mesh("cpu")
-        # The checks only propagate shapes on the meta device, as in training: seen from rank 0 is enough.
+        # Refusals first, as in training. The checks only propagate shapes on the meta device: rank 0's view serves.
         planned = check_before_collectives(
             model, mesh, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears
         )
+        torch.manual_seed(0)
+        reference = build()
+        tokens, labels = token_batch(_vocabulary(reference))
+        expected_loss, expected_logits = loss_and_logits(reference, tokens, labels)
+        expected_loss.backward()
         with simulated_ranks(tp):
             apply_tensor_parallel(model, tp_mesh(mesh), planned)
             load_weights(model, reference)
@@ -307,6 +307,12 @@ def _builder(model_class: type[nn.Module] | None, config: Any) -> Callable[[], n
         return model_class._from_config(config, dtype=torch.float32)
 
     return build
+
+
+def _vocabulary(model: nn.Module) -> int:
+    """Token ids the model can both read and predict (CPM-Ant's embedding also holds prompt positions)."""
+    rows = model.get_input_embeddings().num_embeddings
+    return min(rows, getattr(model.config.get_text_config(), "vocab_size", None) or rows)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import pickle
 import subprocess
 import sys
@@ -150,6 +151,8 @@ def verify_plan(
 
     A plan ``parallelize`` refuses is refused here with the same error. ``raise_on_failure``: raise a ValueError
     naming the worst parameters and the fix when the numbers differ; otherwise return the verification either way.
+    Inside a process group the job goes to a child process: ``tp_plan`` must then pickle (a dict of styles, an
+    import path, or a function importable by its module's name).
     """
     from lightning_automodel.hf.shrink import heads_for, shrunk_config
 
@@ -343,15 +346,21 @@ def _in_child_process(job: dict[str, Any]) -> PlanVerification:
         job_file, outcome_file = Path(directory, "job.pickle"), Path(directory, "outcome.pickle")
         job_file.write_bytes(pickle.dumps(job))
         code = "import sys; from lightning_automodel.parallel.verify import _serve; _serve(*sys.argv[1:])"
-        done = subprocess.run(
-            [sys.executable, "-c", code, str(job_file), str(outcome_file)], capture_output=True, check=False
-        )
+        command = [sys.executable, "-c", code, str(job_file), str(outcome_file)]
+        done = subprocess.run(command, env=_child_environment(), capture_output=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"verify_plan's child process failed:\n{done.stderr.decode(errors='replace')[-4000:]}")
         outcome = pickle.loads(outcome_file.read_bytes())
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
+
+
+def _child_environment() -> dict[str, str]:
+    """This process's environment, with this copy of the package first on the path: the child must run the code
+    (and unpickle the classes) this process runs, wherever it was imported from."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
 
 
 def _serve(job_file: str, outcome_file: str) -> None:

@@ -5,8 +5,9 @@ tp, a fused projection split across its parts. Nothing crashes; the loss just go
 is the numbers, so :func:`verify_plan` builds a replica of the same class from a shrunk config
 (:mod:`lightning_automodel.hf.shrink`: hidden 16 per head, a few heads divisible by tp, one layer of each kind,
 vocabulary 128, dropout off), runs one fp32 step of it in one process and one tensor-parallel step through the
-strategy's own flow (built on the meta device, the checks and plan of ``parallelize``, materialized, then the
-reference's weights loaded), and compares loss, logits and every parameter's gradient as full tensors.
+strategy's own flow (built on the meta device, the checks, plan and probe of ``parallelize``, then allocated and
+given the reference's weights shard by shard), and compares loss, logits and every parameter's gradient as full
+tensors.
 
 The tensor-parallel ranks are simulated in this process (:mod:`.simulation`): no port, no process group. FSDP2 is
 left out: torch's simulation cannot run it, and it shards each rank's copy only to gather it back whole, changing no

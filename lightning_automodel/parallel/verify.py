@@ -358,10 +358,10 @@ def _in_child_process(job: dict[str, Any]) -> PlanVerification:
 
 
 def _child_environment() -> dict[str, str]:
-    """This process's environment, with this copy of the package first on the path: the child must run the code
-    (and unpickle the classes) this process runs, wherever it was imported from."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    """This process's environment, with its import path: the child must import the code this process runs (this
+    copy of the package, the module a ``tp_plan`` import path names) from where this process found it."""
+    path = [str(Path(entry).resolve()) for entry in sys.path if entry]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def _serve(job_file: str, outcome_file: str) -> None:

@@ -12,6 +12,7 @@ from lightning_automodel.parallel import (
     plan_report,
     register_parallelization_strategy,
     register_tp_plan,
+    verify_plan,
 )
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
@@ -30,4 +31,5 @@ __all__ = [
     "plan_report",
     "register_parallelization_strategy",
     "register_tp_plan",
+    "verify_plan",
 ]

@@ -2,7 +2,7 @@
 
     lightning-automodel fit --config config.yaml        # validate, test and predict alike (LightningCLI)
     lightning-automodel fit --config config.yaml --print_config
-    lightning-automodel plan --config config.yaml [--world_size 64] [fit's overrides]
+    lightning-automodel plan --config config.yaml [--world_size 64] [--verify] [fit's overrides]
     lightning-automodel export CHECKPOINT --output DIR
 
 ``fit``/``validate``/``test``/``predict`` are Lightning's own LightningCLI over :class:`CausalLMModule` and any
@@ -22,11 +22,14 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from torch import nn
 
 from lightning_automodel.convert import convert
 from lightning_automodel.lm import CausalLMModule  # the package also brings its data modules' short names
 from lightning_automodel.lm.progress import StepProgressBar
+from lightning_automodel.mesh import ParallelDims
 from lightning_automodel.parallel.report import PlanReport, plan_report
+from lightning_automodel.parallel.verify import verify_plan
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
 TRAINER_DEFAULTS = {
@@ -96,8 +99,29 @@ def plan_command(argv: list[str]) -> None:
     )
     parser.add_argument("--config", required=True, help="the YAML config given to `lightning-automodel fit`")
     parser.add_argument("--world_size", type=int, help="ranks in all (default: the config's devices x num_nodes)")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="also verify the tensor-parallel plan: one step of a shrunk replica of the model, the tp ranks simulated"
+        " on CPU, against one process (loss, logits, every gradient); exit with 1 if they differ",
+    )
     args, overrides = parser.parse_known_args(argv)
-    print(plan_for_config(args.config, *overrides, world_size=args.world_size))
+    model, strategy, dims = configured(args.config, *overrides, world_size=args.world_size)
+    print(_plan_of(model, strategy, dims))
+    if args.verify and dims.tp == 1:
+        print("--verify: tp=1, no tensor-parallel plan to verify (FSDP2 alone needs none)")
+    elif args.verify:
+        verification = verify_plan(
+            model,
+            tp=dims.tp,
+            sp=strategy.sp,
+            tp_plan=strategy.tp_plan,
+            allow_unsharded_linears=strategy.allow_unsharded_linears,
+            raise_on_failure=False,
+        )
+        print(verification)
+        if not verification.passed:
+            sys.exit(1)
 
 
 class _ConfigOnly(AutomodelCLI):
@@ -116,6 +140,14 @@ class _ConfigOnly(AutomodelCLI):
 def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -> PlanReport:
     """The plan report of a ``lightning-automodel fit`` config (with `fit`'s command-line overrides): its model on
     its strategy's mesh."""
+    return _plan_of(*configured(path, *overrides, world_size=world_size))
+
+
+def configured(
+    path: str, *overrides: str, world_size: int | None = None
+) -> tuple[nn.Module, AutoModelParallelStrategy, ParallelDims]:
+    """What a ``lightning-automodel fit`` config (with `fit`'s command-line overrides) trains, and how: its model on
+    the meta device, its strategy, and the strategy's sizes resolved for the world."""
     # run=False: no subcommand. No seeding: seed_everything would seed this process and export PL_GLOBAL_SEED,
     # which every later Trainer (and the processes it starts) would then re-seed from.
     arguments = [f"--config={path}", *overrides, "--seed_everything=false"]
@@ -134,12 +166,12 @@ def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -
     needs_tokenizer = module.hparams.model is None and "vocab_size" not in (module.hparams.config or {})
     tokenizer = getattr(parsed.datamodule, "tokenizer", None) if needs_tokenizer else None
     model = module.build_model(tokenizer, meta=True, seq_len=getattr(parsed.datamodule, "seq_len", None))
+    return model, strategy, strategy.parallel_dims.resolve(world_size)
+
+
+def _plan_of(model: nn.Module, strategy: AutoModelParallelStrategy, dims: ParallelDims) -> PlanReport:
     return plan_report(
-        model,
-        strategy.parallel_dims.resolve(world_size),
-        sp=strategy.sp,
-        tp_plan=strategy.tp_plan,
-        allow_unsharded_linears=strategy.allow_unsharded_linears,
+        model, dims, sp=strategy.sp, tp_plan=strategy.tp_plan, allow_unsharded_linears=strategy.allow_unsharded_linears
     )
 
 

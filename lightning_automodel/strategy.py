@@ -27,7 +27,7 @@ from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
@@ -62,6 +62,7 @@ from lightning_automodel.parallel.fsdp import validate_prefetch
 from lightning_automodel.parallel.grad_norm import clip_grad_norm_
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names, is_meta
 from lightning_automodel.parallel.plans import PlanSpec
+from lightning_automodel.parallel.verify import plan_unregistered, verify_plan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -101,6 +102,10 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             plan and the default Llama-style plan that shards every decoder block.
         allow_unsharded_linears: accept a plan that leaves large weights of the decoder blocks whole on every tp
             rank (the candidate sharding the largest share of them then wins).
+        verify_plans: before parallelizing a model whose class no family plan is registered for (or with
+            ``tp_plan`` given), verify its plan once per class with :func:`~lightning_automodel.verify_plan`: one
+            step of a shrunk replica, tp simulated on CPU, against one process. A plan that trains wrong raises on
+            every rank before any collective. Costs seconds per class (a child process on every rank).
         activation_checkpointing: recompute activations in backward: True or "full" (whole decoder layers),
             "selective" (keep attention and every other matmul output) or "submodule" (attention and MLP apart).
         mp_policy: FSDP2 MixedPrecisionPolicy; default: derived from ``Trainer(precision=...)``.
@@ -135,6 +140,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         pp: int = 1,
         tp_plan: PlanSpec | None = None,
         allow_unsharded_linears: bool = False,
+        verify_plans: bool = False,
         activation_checkpointing: bool | ACMode = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         cpu_offload: bool = False,
@@ -156,6 +162,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         _require_bools(
             sp=sp,
             allow_unsharded_linears=allow_unsharded_linears,
+            verify_plans=verify_plans,
             cpu_offload=cpu_offload,
             save_trainable_only=save_trainable_only,
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -179,6 +186,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         self.sp = sp
         self.tp_plan = tp_plan
         self.allow_unsharded_linears = allow_unsharded_linears
+        self.verify_plans = verify_plans
+        self._verified_classes: set[type] = set()
         self.activation_checkpointing = activation_checkpointing
         self.mp_policy = mp_policy
         self.cpu_offload = cpu_offload
@@ -282,6 +291,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
 
     def _parallelize(self, model: nn.Module) -> None:
         meta = is_meta(model)
+        if self.verify_plans:
+            self._verify_plan_once(model)
         parallelize(
             model,
             self.device_mesh,
@@ -299,6 +310,25 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
                 materialize_pretrained(model, device)
             else:
                 materialize_hf_model(model, device)
+
+    def _verify_plan_once(self, model: nn.Module) -> None:
+        """Verify the plan of a class met for the first time whose plan no family registered (``verify_plans``).
+
+        Every rank verifies on its own, in a child process (verify_plan's simulation needs a process group of its
+        own), and none waits on another: the step is seeded and deterministic, so every rank reaches the same
+        verdict and a wrong plan raises the same error on all of them, before parallelize's first collective.
+        Verifying on rank 0 only would need a broadcast of the verdict, which a rank 0 failing in the child would
+        leave the other ranks waiting on.
+        """
+        hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        tp = axis_size(self.device_mesh, "tp")
+        if tp == 1 or type(hf_model) in self._verified_classes or not plan_unregistered(hf_model, self.tp_plan):
+            return
+        verification = verify_plan(
+            hf_model, tp=tp, sp=self.sp, tp_plan=self.tp_plan, allow_unsharded_linears=self.allow_unsharded_linears
+        )
+        self._verified_classes.add(type(hf_model))
+        rank_zero_info(f"The plan of {type(hf_model).__name__} is verified:\n{verification}")
 
     @override
     def model_to_device(self) -> None:

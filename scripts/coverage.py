@@ -177,11 +177,11 @@ def render_page(store: ResultStore) -> str:
 
 METHOD = """\
 Every model type of the installed transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built from a tiny config
-derived from its own config class (`tests/tiny_configs.py`: hidden size 64, 4 heads, vocabulary 128, one layer of
-each kind, dropout off) and trained one step on 2 gloo processes, as `AutoModelParallelStrategy` does it: built on
-the meta device, `parallelize(model, mesh, sp=...)` with the strategy's defaults, `materialize_hf_model`, then the
-single-process model's weights loaded shard by shard. Loss, logits and every gradient (full tensors) are compared
-with the single-process run of the same batch (4 rows of 16 tokens, padded), within the tests' fp32 tolerance
+derived from its own config class (`lightning_automodel/hf/shrink.py`: hidden size 64, 4 heads, vocabulary 128, one
+layer of each kind, dropout off) and trained one step on 2 gloo processes, as `AutoModelParallelStrategy` does it:
+built on the meta device, `parallelize(model, mesh, sp=...)` with the strategy's defaults, `materialize_hf_model`,
+then the single-process model's weights loaded shard by shard. Loss, logits and every gradient (full tensors) are
+compared with the single-process run of the same batch (4 rows of 16 tokens, padded), within the tests' fp32 tolerance
 (2e-5 relative to each tensor's largest value).
 
 - **pass**: within tolerance. The percentage is the share of the decoder blocks' weight elements (those a

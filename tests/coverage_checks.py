@@ -1,11 +1,11 @@
 """Coverage: any model type of transformers, parallelized on one layout as the strategy does it, against one process.
 
-A check builds the type's tiny config (``tiny_configs``), a single-process reference from it, and the same model
-on the meta device, which it parallelizes and materializes as ``AutoModelParallelStrategy`` does (``parallelize``
-with the strategy's defaults, then ``materialize_hf_model``); it then loads the reference's weights shard by shard
-and compares loss, logits and every gradient. A check never raises: it returns what happened on its rank, and
-:func:`classify` turns the outcomes of every rank into one verdict. ``scripts/coverage.py`` runs every type this
-way; ``test_coverage.py`` runs a representative few.
+A check builds the type's tiny config (:mod:`lightning_automodel.hf.shrink`), a single-process reference from it, and
+the same model on the meta device, which it parallelizes and materializes as ``AutoModelParallelStrategy`` does
+(``parallelize`` with the strategy's defaults, then ``materialize_hf_model``); it then loads the reference's weights
+shard by shard and compares loss, logits and every gradient. A check never raises: it returns what happened on its
+rank, and :func:`classify` turns the outcomes of every rank into one verdict. ``scripts/coverage.py`` runs every type
+this way; ``test_coverage.py`` runs a representative few.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from parity import (
     relative_error,
     single_process_outputs,
 )
-from tiny_configs import tiny_config
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -47,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 import lightning_automodel
 from lightning_automodel import ParallelDims, parallelize
 from lightning_automodel.hf.initialization import copy_shard, materialize_hf_model
+from lightning_automodel.hf.shrink import tiny_config
 from lightning_automodel.mesh import data_mesh
 from lightning_automodel.parallel import decoder_layers
 

@@ -285,6 +285,20 @@ def check_invalid_size_raises_everywhere() -> str:
     raise AssertionError("tp=3 on 2 ranks did not raise")
 
 
+def check_verify_plans_refuses_a_wrong_plan_everywhere() -> str:
+    """verify_plans=True with a plan that trains Phi3 wrong: the same ValueError on every rank, before parallelize
+    (in the worker's process group, verify_plan runs in a child process)."""
+    strategy = AutoModelParallelStrategy(tp=2, verify_plans=True, tp_plan="parity.naive_fused_plan")
+    module = CausalLM(tiny_model("phi3"))
+    try:
+        trainer(strategy).fit(module, data(1))
+    except ValueError as error:
+        assert "The user plan trains Phi3ForCausalLM wrong at tp=2" in str(error), error
+        assert not any(isinstance(p, DTensor) for p in module.parameters()), "refused after parallelize"
+        return str(error).splitlines()[0]
+    raise AssertionError("verify_plans did not refuse a plan that trains wrong")
+
+
 def check_no_hf_model_is_an_error() -> str:
     class NoModel(CausalLM):
         def __init__(self) -> None:

@@ -18,8 +18,11 @@ from transformers import (
     Qwen3Config,
 )
 
-VOCAB = 128
-SEQ = 16
+from lightning_automodel.hf import shrink
+from lightning_automodel.parallel.verify import SEQ_LEN, token_batch
+
+VOCAB = shrink.VOCAB  # that of every tiny model, the coverage report's too
+SEQ = SEQ_LEN
 
 
 CONFIGS = {
@@ -99,14 +102,9 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Mo
 
 
 def batch(batch_size: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and next-token labels. The last two labels of every sequence are ignored (-100), as padding
-    would be; every sequence ignores as many, so a mean over any split of the batch equals the global mean."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, VOCAB, (batch_size, SEQ + 1), generator=generator)
-    labels = tokens[:, 1:].clone()
-    labels[:, -2:] = -100
-    tokens[:, -2:] = 0  # pad tokens in the input too: the vocab-parallel embedding must keep padding_idx right
-    return tokens[:, :-1], labels
+    """Token ids and next-token labels of the tiny vocabulary, padded as ``verify_plan``'s batch is: the last two
+    labels of every sequence are ignored (-100), so a mean over any split of the batch equals the global mean."""
+    return token_batch(VOCAB, batch_size=batch_size, seed=seed)
 
 
 def tiny_tokenizer():

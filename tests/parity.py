@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from models import batch, tiny_model
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -20,6 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_automodel import ParallelDims, parallelize
 from lightning_automodel.mesh import data_mesh
+from lightning_automodel.parallel.verify import loss_and_logits as loss_of  # verify_plan's loss is the checks' too
 
 # fp32: TP and FSDP change only the order of reductions; measured errors are ~1e-6 (see the closing notes).
 FP32_TOLERANCE = 2e-5
@@ -53,15 +53,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, *, floor: float
 
 def dims_for(world_size: int, tp: int, dp_replicate: int = 1) -> ParallelDims:
     return ParallelDims(tp=tp, dp_replicate=dp_replicate).resolve(world_size)
-
-
-def loss_of(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy with a padding mask, so the mask path of attention runs under every layout too. In fp32: a
-    bf16 loss would be rounded to 8 mantissa bits, and a mean of per-rank bf16 losses rounded differently."""
-    logits = model(tokens, attention_mask=(tokens != 0).long()).logits.float()  # as transformers' own losses do
-    if logits.dim() == 2:  # sequence classification: one label per sequence
-        return F.cross_entropy(logits, labels[:, 0] % logits.shape[-1]), logits
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
 
 
 @dataclass
@@ -268,8 +259,8 @@ def check_plan_alone_is_wrong(model_type: str, plan: str) -> dict[str, float]:
 
 
 def check_plan_of_any_model(model_type: str, plan: str, sp: bool = False) -> dict[str, float]:
-    """fp32 parity of a model type of the coverage report (tiny_configs.py) at tp=2 with ``plan``: "chosen" (what
-    parallelize picks) or "llama names" (a user plan naming the Llama projections and nothing else)."""
+    """fp32 parity of a model type of the coverage report (tiny config: lightning_automodel.hf.shrink) at tp=2 with
+    ``plan``: "chosen" (what parallelize picks) or "llama names" (a user plan naming the Llama projections only)."""
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = any_model(model_type), any_model(model_type, seed=dist.get_rank())
     parallelize(model, mesh, sp=sp, tp_plan=LLAMA_NAMES_PLAN if plan == "llama names" else None)
@@ -280,8 +271,9 @@ def check_plan_of_any_model(model_type: str, plan: str, sp: bool = False) -> dic
 
 def any_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A model of any type of the coverage report, from its tiny config, with the sdpa attention the tests use."""
-    from tiny_configs import tiny_config as coverage_config
     from transformers import AutoModelForCausalLM
+
+    from lightning_automodel.hf.shrink import tiny_config as coverage_config
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(coverage_config(model_type), attn_implementation="sdpa")
@@ -320,6 +312,16 @@ def user_plan(model: torch.nn.Module, sp: bool) -> dict:
     plan |= {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate())}
     plan |= {"lm_head": ColwiseParallel(output_layouts=Replicate())}
     return plan
+
+
+def naive_fused_plan(model: torch.nn.Module, sp: bool) -> dict:
+    """Phi3's family plan with its fused gate_up_proj split by torch's plain ColwiseParallel, which gives each rank
+    gate or up rather than half of each: it runs, and trains wrong (what verify_plan must catch)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_automodel.parallel.plans import select_tp_plan
+
+    return {**select_tp_plan(model, sp=sp).plan, "model.layers.*.mlp.gate_up_proj": ColwiseParallel()}
 
 
 USER_PLAN = user_plan(None, False)

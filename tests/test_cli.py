@@ -135,6 +135,28 @@ def test_plan_command_prints_no_warning(capsys, monkeypatch):
     assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)" in capsys.readouterr().out
 
 
+# The demo's model as a Phi3, whose fused gate_up_proj a plan can split wrong.
+DEMO_AS_PHI3 = (
+    '--model.config={"model_type": "phi3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,'
+    ' "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 128, "pad_token_id": 0}'
+)
+
+
+def test_plan_verify_passes_on_the_demo_and_fails_on_a_wrong_plan(capsys, no_pytest_argv):
+    """`plan --verify` prints the plan and its verification; a plan that trains wrong exits with 1."""
+    main(["plan", f"--config={EXAMPLES / 'demo.yaml'}", "--verify"])
+    out = capsys.readouterr().out
+    assert "verify_plan: LlamaForCausalLM at tp=2, sp=True, with the family plan for LlamaForCausalLM" in out
+    assert "PASSED" in out
+    wrong = ["--trainer.strategy.init_args.tp_plan=parity.naive_fused_plan", DEMO_AS_PHI3]
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", f"--config={EXAMPLES / 'demo.yaml'}", "--verify", *wrong])
+    assert exited.value.code == 1
+    out = capsys.readouterr().out
+    assert re.search(r"model\.layers\.0\.mlp\.gate_up_proj\.weight +1\.\de\+00  WRONG", out), out
+    assert "FAILED" in out
+
+
 def test_plan_refuses_rows_longer_than_the_positions(no_pytest_argv):
     with pytest.raises(ValueError, match="seq_len=256 is longer than the model's max_position_embeddings=128"):
         plan_for_config(str(EXAMPLES / "demo.yaml"), "--data.init_args.seq_len=256")

@@ -3,10 +3,10 @@
 import pytest
 import torch
 from models import tiny_config, tiny_model
-from tiny_configs import tiny_config as coverage_config
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+from lightning_automodel.hf.shrink import tiny_config as coverage_config
 from lightning_automodel.parallel import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
@@ -32,7 +32,7 @@ from lightning_automodel.parallel.validation import validate_tp_sizes
 
 
 def coverage_model(model_type, **overrides):
-    """A model of any type, from the coverage report's tiny config (see tiny_configs.py)."""
+    """A model of any type, from the coverage report's tiny config (see lightning_automodel/hf/shrink.py)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)

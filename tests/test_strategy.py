@@ -17,6 +17,7 @@ from lightning_checks import (
     check_self_parallelized_module_left_alone,
     check_trainer_gradient_clipping,
     check_trainer_parity,
+    check_verify_plans_refuses_a_wrong_plan_everywhere,
 )
 
 import lightning_automodel
@@ -40,8 +41,11 @@ def test_trainer_on_two_ranks():
         partial(check_manual_optimization_and_predict, 2),
         check_no_hf_model_is_an_error,
         check_invalid_size_raises_everywhere,
+        check_verify_plans_refuses_a_wrong_plan_everywhere,
     ]
     results = run_checks(2, checks)
+    refusals = results["check_verify_plans_refuses_a_wrong_plan_everywhere()"]
+    assert refusals[0] == refusals[1], refusals
     for message in results["check_invalid_size_raises_everywhere()"]:
         assert "tp=3" in message and "valid tp sizes are [1, 2]" in message
 

@@ -13,11 +13,13 @@ from lightning_automodel.parallel.parallelizer import (
 )
 from lightning_automodel.parallel.plans import register_tp_plan, select_tp_plan
 from lightning_automodel.parallel.report import PlanReport, plan_report
+from lightning_automodel.parallel.verify import PlanVerification, verify_plan
 
 __all__ = [
     "DefaultParallelizationStrategy",
     "ParallelizationStrategy",
     "PlanReport",
+    "PlanVerification",
     "causal_lm_loss",
     "decoder_layers",
     "fully_shard_by_dtype",
@@ -28,4 +30,5 @@ __all__ = [
     "register_parallelization_strategy",
     "register_tp_plan",
     "select_tp_plan",
+    "verify_plan",
 ]

@@ -23,7 +23,11 @@ from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_
 from lightning_automodel.parallel.fsdp import apply_fsdp
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
-from lightning_automodel.parallel.tensor_parallel import apply_tensor_parallel, plan_tensor_parallel
+from lightning_automodel.parallel.tensor_parallel import (
+    TensorParallelPlan,
+    apply_tensor_parallel,
+    plan_tensor_parallel,
+)
 from lightning_automodel.parallel.validation import validate_tp_sizes
 
 log = logging.getLogger(__name__)
@@ -100,26 +104,11 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         initialised replicas would otherwise mix silently. A model on the meta device is left for the caller to
         materialize after this returns.
         """
-        tp = axis_size(device_mesh, "tp")
-        if sp and tp == 1:
-            raise ValueError("sp=True (sequence parallel) shards activations over the tp axis; it needs tp > 1.")
         meta = is_meta(model)
-        if tp > 1:
-            validate_tp_sizes(model, tp)
-        unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
+        planned = check_before_collectives(
+            model, device_mesh, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears
+        )
         layers = decoder_layers(model)
-        if isinstance(unsharded, Trace):
-            refuse_blocks_recomputed_outside_calls(model, unsharded)
-        planned = None
-        if tp > 1:
-            planned = plan_tensor_parallel(
-                model,
-                tp_mesh(device_mesh),
-                sp=sp,
-                tp_plan=tp_plan,
-                allow_unsharded_linears=allow_unsharded_linears,
-                unsharded=unsharded,
-            )
         if not meta:
             model.to(device_mesh.device_type)
             broadcast_from_rank0(model)
@@ -139,6 +128,38 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             fp32_compute_module_names=fp32_pinned_names(model),
         )
         return model
+
+
+def check_before_collectives(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    sp: bool = False,
+    tp_plan: PlanSpec | None = None,
+    allow_unsharded_linears: bool = False,
+) -> TensorParallelPlan | None:
+    """Every check of :meth:`DefaultParallelizationStrategy.parallelize` that can refuse, run without a collective:
+    sizes, a probe step of the model on the meta device, and at tp > 1 the tensor-parallel plan it then applies
+    (None at tp = 1). :func:`~lightning_automodel.parallel.verify.verify_plan` shares it, so that what it verifies
+    is the plan training gets."""
+    tp = axis_size(device_mesh, "tp")
+    if sp and tp == 1:
+        raise ValueError("sp=True (sequence parallel) shards activations over the tp axis; it needs tp > 1.")
+    if tp > 1:
+        validate_tp_sizes(model, tp)
+    unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
+    if isinstance(unsharded, Trace):
+        refuse_blocks_recomputed_outside_calls(model, unsharded)
+    if tp == 1:
+        return None
+    return plan_tensor_parallel(
+        model,
+        tp_mesh(device_mesh),
+        sp=sp,
+        tp_plan=tp_plan,
+        allow_unsharded_linears=allow_unsharded_linears,
+        unsharded=unsharded,
+    )
 
 
 def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:

@@ -7,21 +7,18 @@ drift from the code. An 8B-parameter config takes seconds.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.mesh import ParallelDims, tp_mesh
-from lightning_automodel.parallel.parallelizer import parallelize, probe_unsharded
+from lightning_automodel.mesh import ParallelDims
+from lightning_automodel.parallel.parallelizer import check_before_collectives, parallelize
 from lightning_automodel.parallel.patterns import pattern_matches
 from lightning_automodel.parallel.plans import PlanSpec
-from lightning_automodel.parallel.tensor_parallel import plan_tensor_parallel
+from lightning_automodel.parallel.simulation import fake_world
 
 # Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and
 # exp_avg_sq (all in the parameter's dtype). Activations come on top and depend on the batch.
@@ -89,17 +86,12 @@ def plan_report(
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
     report = PlanReport(type(model).__name__, dims, plan_source="")
     report.total_parameters = sum(p.numel() for p in model.parameters())
-    with _fake_world(dims.world_size, rank):
+    with fake_world(dims.world_size, rank=rank):
         mesh = dims.build_mesh("cpu")
-        if dims.tp > 1:
-            planned = plan_tensor_parallel(
-                model,
-                tp_mesh(mesh),
-                sp=sp,
-                tp_plan=tp_plan,
-                allow_unsharded_linears=allow_unsharded_linears,
-                unsharded=probe_unsharded(model, tp=dims.tp),
-            )
+        planned = check_before_collectives(
+            model, mesh, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears
+        )
+        if planned is not None:
             choice = planned.choice
             report.plan_source, report.plan_reason = choice.source, choice.reason
             names = [name for name, _ in model.named_modules()]
@@ -113,20 +105,6 @@ def plan_report(
     report.parameters_per_rank = sum(t.numel() for t in local)
     report.parameter_bytes_per_rank = sum(t.numel() * t.element_size() for t in local)
     return report
-
-
-@contextlib.contextmanager
-def _fake_world(world_size: int, rank: int) -> Iterator[None]:
-    """A process group whose collectives do nothing: shapes and placements, no communication."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("plan_report runs in a fake process group; call it outside distributed training.")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _gib(size: int) -> str:

@@ -1,26 +1,34 @@
-"""A tiny config of any model type of the installed transformers, derived from the type's own config class.
+"""A tiny config of any model type of transformers, or of any config: the same architecture, a few dozen wide.
 
-The class's defaults describe a full-size model. Every size field is shrunk to a few dozen (hidden 64, 4 heads,
-vocabulary 128, 4 experts), and per-layer lists keep the first layer of each kind, so that the model still holds
-every kind of block its architecture has. The shape of the architecture stays as the defaults say: a model with
-as many KV heads as heads keeps as many, one with a single KV head (multi-query) keeps one. Types that need more
-than these generic rules have an entry in ``OVERRIDES``.
+The config's values (a type's defaults, or a real model's) describe a full-size model. Every size field is shrunk
+to a few dozen (hidden 64, 4 heads, vocabulary 128, 4 experts), and per-layer lists keep the first layer of each kind,
+so that the model still holds every kind of block its architecture has. The shape of the architecture stays as the
+values say: a model with as many KV heads as heads keeps as many, one with a single KV head (multi-query) keeps one.
+Types that need more than these generic rules have an entry in :func:`overrides`.
+
+It lives in the package, not the tests, because :func:`~lightning_automodel.parallel.verify.verify_plan` shrinks the
+config of the model it is asked about at run time; the coverage report and the tests shrink with the same rules.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from models import VOCAB
+HEAD_SIZE = 16
+HEADS = 4  # a tensor-parallel size that does not divide it gets more: see heads_for
+VOCAB = 128
 
-HIDDEN = 64
-HEADS = 4
-GROUPED_KV_HEADS = 2
 
-# Size fields, by the names config classes give them, and the tiny value each gets (never raised).
-_SIZES: tuple[tuple[int, tuple[str, ...]], ...] = (
+def heads_for(tp: int) -> int:
+    """The head count of a tiny model that ``tp`` ranks split evenly, KV heads (half as many) included."""
+    return max(HEADS, 2 * tp)
+
+
+# Size fields, by the names config classes give them, under the size each gets (see tiny_sizes; never raised).
+_SIZE_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
-        HIDDEN,
+        "hidden",
         (
             "hidden_size", "d_model", "n_embd", "n_embed", "dim", "embed_dim", "model_dim", "hidden_dim",
             "word_embed_proj_dim", "embedding_size", "embedding_dim", "input_embedding_size", "output_embedding_size",
@@ -28,14 +36,14 @@ _SIZES: tuple[tuple[int, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        2 * HIDDEN,
+        "intermediate",
         (
             "intermediate_size", "n_inner", "ffn_dim", "d_ff", "dff", "dim_ff", "ffn_hidden_size", "decoder_ffn_dim",
             "encoder_ffn_dim", "feed_forward_size", "intermediate_size_mlp", "dense_intermediate_size", "d_inner",
         ),
     ),
     (
-        HIDDEN // 2,
+        "half hidden",
         (
             "moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
             "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size", "expert_ffn_hidden_size",
@@ -43,7 +51,7 @@ _SIZES: tuple[tuple[int, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        HIDDEN // HEADS,
+        "head size",
         (
             "head_dim", "attention_head_dim", "attention_head_size", "kv_channels", "dim_head", "d_head",
             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "linear_key_head_dim", "linear_value_head_dim",
@@ -51,9 +59,9 @@ _SIZES: tuple[tuple[int, tuple[str, ...]], ...] = (
             "mamba_headdim", "mamba_d_head", "mamba_dt_rank", "time_step_rank", "hidden_size_per_layer_input",
         ),
     ),
-    (8, ("rotary_dim", "sliding_window", "chunk_size", "mamba_chunk_size", "attention_chunk_size")),
+    ("window", ("rotary_dim", "sliding_window", "chunk_size", "mamba_chunk_size", "attention_chunk_size")),
     (
-        HEADS,
+        "heads",
         (
             "num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
             "encoder_attention_heads", "linear_num_heads", "mamba_n_heads", "mamba_num_heads", "n_mamba_heads",
@@ -61,35 +69,55 @@ _SIZES: tuple[tuple[int, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        2,
+        "pair",
         (
             "num_experts_per_tok", "num_experts_per_token", "top_k_experts", "moe_k", "moe_topk",
             "linear_num_key_heads", "linear_num_value_heads", "num_kv_shared_layers",
         ),
     ),
     (
-        1,
+        "one",
         (
             "n_group", "num_expert_group", "topk_group", "n_groups", "mamba_n_groups", "mamba_ngroups",
             "n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "expand", "mamba_expand",
         ),
     ),
     (
-        VOCAB,
+        "vocab",
         (
             "vocab_size", "vocab_size_per_layer_input", "decoder_vocab_size", "pronunciation_vocab_size",
             "shape_vocab_size", "encoder_hash_byte_group_vocab",
         ),
     ),
     (
-        64,
+        "positions",
         (
             "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions",
             "max_source_positions", "context_length",
         ),
     ),
 )  # fmt: skip
-TINY_SIZES = {name: size for size, names in _SIZES for name in names}
+
+
+@functools.cache
+def tiny_sizes(heads: int = HEADS) -> dict[str, int]:
+    """The tiny value of every size field of ``_SIZE_NAMES``, for a model of ``heads`` heads."""
+    hidden = HEAD_SIZE * heads
+    size = {
+        "hidden": hidden,
+        "intermediate": 2 * hidden,
+        "half hidden": hidden // 2,
+        "head size": HEAD_SIZE,
+        "window": 8,
+        "heads": heads,
+        "pair": 2,
+        "one": 1,
+        "vocab": VOCAB,
+        "positions": 64,
+    }
+    return {name: size[kind] for kind, names in _SIZE_NAMES for name in names}
+
+
 # Head sizes some config classes leave None although their models need a value.
 REQUIRED_SIZES = ("head_dim",)
 HEAD_COUNTS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
@@ -98,7 +126,7 @@ LAYER_COUNTS = (
     "num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_blocks", "decoder_layers", "encoder_layers",
     "num_decoder_layers", "num_encoder_layers",
 )  # fmt: skip
-# Token ids: padding is 0, as models.batch pads; bos and eos move into the vocabulary when outside it.
+# Token ids: padding is 0, as the verification batch pads; bos and eos move into the vocabulary when outside it.
 PAD_TOKEN_ID = 0
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
 MIN_LAYERS = 2
@@ -106,79 +134,88 @@ MIN_LAYERS = 2
 # run and a single-process one compute the same function.
 RANDOMNESS = ("dropout", "pdrop", "drop_prob", "layerdrop", "jitter")
 
-QWEN4_INDEXER = {  # None by default
-    "indexer_n_heads": 2,
-    "indexer_kv_heads": 1,
-    "indexer_head_dim": HIDDEN // HEADS,
-    "indexer_budget": 8,
-    "indexer_compress_ratio": 2,
-}
-# Types the generic rules do not fit: keyword arguments of their config class, applied last.
-OVERRIDES: dict[str, dict[str, Any]] = {
-    "bamba": {"attn_layer_indices": [1]},  # by default no layer of the first two has attention
-    "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
-    # head_dim must be qk_nope_head_dim + qk_rope_head_dim.
-    "dots3_note": {"text_config": {"head_dim": 2 * HIDDEN // HEADS}},
-    "dots3_note_text": {"head_dim": 2 * HIDDEN // HEADS},
-    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # None by default
-    "falcon_h1": {"mamba_d_head": HIDDEN // HEADS},  # mamba heads x head size = hidden size x expand (1)
-    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["mamba", "attention"]},  # by default no attention
-    "hrm_text": {"num_layers_per_stack": None},  # derived from num_hidden_layers, which it then rewrites
-    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
-    "lfm2_moe": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
-    "qwen4_exp": {"text_config": QWEN4_INDEXER},
-    "qwen4_exp_text": QWEN4_INDEXER,
-    "recurrent_gemma": {"num_hidden_layers": 3},  # blocks cycle recurrent, recurrent, attention
-    "reformer": {  # a decoder needs is_decoder; axial position embeddings tile max_position_embeddings
-        "is_decoder": True,
-        "axial_pos_shape": [4, 4],
-        "axial_pos_embds_dim": [HIDDEN // 4, 3 * HIDDEN // 4],
-        "max_position_embeddings": 16,
-        "local_attn_chunk_length": 8,
-        "lsh_attn_chunk_length": 8,
-    },
-    "xmod": {"default_language": "en_XX"},  # without it, forward needs lang_ids
-    # Zamba's shared attention runs on [hidden states; embeddings], twice the hidden size; Zamba ties the shared
-    # block of every hybrid layer to the first's, so it needs two of them.
-    "zamba": {
-        "num_hidden_layers": 3,
-        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
-        "attention_hidden_size": 2 * HIDDEN,
-        "attention_head_dim": 2 * HIDDEN // HEADS,
-    },
-    "zamba2": {"attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS},
-}
+
+def overrides(model_type: str, *, heads: int = HEADS) -> dict[str, Any]:
+    """Keyword arguments of the config class of the types the generic rules do not fit, applied last."""
+    hidden = HEAD_SIZE * heads
+    qwen4_indexer = {  # None by default
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": HEAD_SIZE,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 2,
+    }
+    # Zamba's shared attention runs on [hidden states; embeddings], twice the hidden size.
+    wide_attention = {"attention_hidden_size": 2 * hidden, "attention_head_dim": 2 * HEAD_SIZE}
+    by_type: dict[str, dict[str, Any]] = {
+        "bamba": {"attn_layer_indices": [1]},  # by default no layer of the first two has attention
+        "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
+        # head_dim must be qk_nope_head_dim + qk_rope_head_dim.
+        "dots3_note": {"text_config": {"head_dim": 2 * HEAD_SIZE}},
+        "dots3_note_text": {"head_dim": 2 * HEAD_SIZE},
+        "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # None by default
+        "falcon_h1": {"mamba_d_head": HEAD_SIZE},  # mamba heads x head size = hidden size x expand (1)
+        "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["mamba", "attention"]},  # by default none
+        "hrm_text": {"num_layers_per_stack": None},  # derived from num_hidden_layers, which it then rewrites
+        "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+        "lfm2_moe": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+        "qwen4_exp": {"text_config": qwen4_indexer},
+        "qwen4_exp_text": qwen4_indexer,
+        "recurrent_gemma": {"num_hidden_layers": 3},  # blocks cycle recurrent, recurrent, attention
+        "reformer": {  # a decoder needs is_decoder; axial position embeddings tile max_position_embeddings
+            "is_decoder": True,
+            "axial_pos_shape": [4, 4],
+            "axial_pos_embds_dim": [hidden // 4, 3 * hidden // 4],
+            "max_position_embeddings": 16,
+            "local_attn_chunk_length": 8,
+            "lsh_attn_chunk_length": 8,
+        },
+        "xmod": {"default_language": "en_XX"},  # without it, forward needs lang_ids
+        # Zamba ties the shared block of every hybrid layer to the first's, so it needs two of them.
+        "zamba": {
+            "num_hidden_layers": 3,
+            "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+            **wide_attention,
+        },
+        "zamba2": wide_attention,
+    }
+    return by_type.get(model_type, {})
 
 
-def tiny_config(model_type: str):
-    """The type's config class, its size fields shrunk and one layer of each kind kept."""
+def tiny_config(model_type: str, *, heads: int = HEADS):
+    """The type's config class, its defaults shrunk and one layer of each kind kept."""
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    overrides = OVERRIDES.get(model_type, {})
-    return config_class(**merged(shrink(config_class().to_dict()), overrides))
+    return config_class(**merged(shrink(config_class().to_dict(), heads=heads), overrides(model_type, heads=heads)))
 
 
-def shrink(values: dict[str, Any]) -> dict[str, Any]:
+def shrunk_config(config, *, heads: int = HEADS):
+    """A config of the same class as ``config`` (a real model's, say), its values shrunk and one layer of each kind
+    kept; what the generic rules leave of a real config's architecture is the same as for the type's defaults."""
+    values = merged(shrink(config.to_dict(), heads=heads), overrides(config.model_type, heads=heads))
+    return type(config)(**values)
+
+
+def shrink(values: dict[str, Any], *, heads: int = HEADS) -> dict[str, Any]:
     """The config dict with every size field tiny; sub-configs (text, vision, audio) shrunk alike."""
+    sizes = tiny_sizes(heads)
     tiny = dict(values)
     for name, value in values.items():
         if isinstance(value, dict) and "model_type" in value:
-            tiny[name] = shrink(value)
-        elif name in TINY_SIZES:
-            tiny[name] = (
-                TINY_SIZES[name] if value is None and name in REQUIRED_SIZES else _smaller(value, TINY_SIZES[name])
-            )
+            tiny[name] = shrink(value, heads=heads)
+        elif name in sizes:
+            tiny[name] = sizes[name] if value is None and name in REQUIRED_SIZES else _smaller(value, sizes[name])
         elif any(word in name for word in RANDOMNESS) and isinstance(value, float):
             tiny[name] = 0.0
         elif name == "pad_token_id":
             tiny[name] = PAD_TOKEN_ID
         elif name in TOKEN_IDS and _out_of_vocabulary(value):
             tiny[name] = TOKEN_IDS[name]
-    tiny.update(_kv_heads(values))
+    tiny.update(_kv_heads(values, heads=heads))
     if "qk_head_dim" in values:  # derived, and passed back explicitly: keep it the sum of its parts
         tiny["qk_head_dim"] = tiny["qk_nope_head_dim"] + tiny["qk_rope_head_dim"]
-    tiny.update(_fewer_layers(tiny))
+    tiny.update(_fewer_layers(tiny, heads=heads))
     return tiny
 
 
@@ -204,22 +241,22 @@ def _out_of_vocabulary(value: Any) -> bool:
     return any(isinstance(v, int) and v >= VOCAB for v in values)
 
 
-def _kv_heads(values: dict[str, Any]) -> dict[str, int]:
-    """KV head counts keep their relation to the heads: as many (None: as many), one, or grouped."""
-    heads = next((values[name] for name in HEAD_COUNTS if isinstance(values.get(name), int)), None)
+def _kv_heads(values: dict[str, Any], *, heads: int) -> dict[str, int]:
+    """KV head counts keep their relation to the heads: as many (None: as many), one, or grouped (half as many)."""
+    full_heads = next((values[name] for name in HEAD_COUNTS if isinstance(values.get(name), int)), None)
     tiny = {}
     for name in KV_HEAD_COUNTS:
         if name not in values:
             continue
         kv_heads = values[name]
-        if kv_heads is None or kv_heads == heads:
-            tiny[name] = HEADS
+        if kv_heads is None or kv_heads == full_heads:
+            tiny[name] = heads
         else:
-            tiny[name] = 1 if kv_heads == 1 else GROUPED_KV_HEADS
+            tiny[name] = 1 if kv_heads == 1 else heads // 2
     return tiny
 
 
-def _fewer_layers(values: dict[str, Any]) -> dict[str, Any]:
+def _fewer_layers(values: dict[str, Any], *, heads: int) -> dict[str, Any]:
     """Keep the first layer of each kind, at least ``MIN_LAYERS``.
 
     A layer's kind is its entry in every per-layer list (``layer_types``, ``mlp_layer_types``, ...), whether lists
@@ -242,7 +279,7 @@ def _fewer_layers(values: dict[str, Any]) -> dict[str, Any]:
         return (
             *(str(value[layer]) for value in per_layer.values()),
             *(layer in value for value in index_lists.values()),
-            *(str(_entry(value, layer)) for value in by_layer.values()),
+            *(str(_entry(value, layer, heads=heads)) for value in by_layer.values()),
         )
 
     kept: list[int] = []
@@ -257,7 +294,11 @@ def _fewer_layers(values: dict[str, Any]) -> dict[str, Any]:
     )
     changed.update(
         {
-            name: {str(new): _entry(value, old) for new, old in enumerate(kept) if _entry(value, old) is not None}
+            name: {
+                str(new): _entry(value, old, heads=heads)
+                for new, old in enumerate(kept)
+                if _entry(value, old, heads=heads) is not None
+            }
             for name, value in by_layer.items()
         }
     )
@@ -277,7 +318,7 @@ def _is_keyed_by_layer(value: Any, count: int) -> bool:
     return isinstance(value, dict) and bool(value) and all(str(k).isdigit() and int(k) < count for k in value)
 
 
-def _entry(by_layer: dict, layer: int) -> Any:
+def _entry(by_layer: dict, layer: int, *, heads: int) -> Any:
     """The entry of ``layer`` in a dict keyed by layer index (as int, or as a string, possibly zero-padded)."""
     entry = next((v for k, v in by_layer.items() if int(k) == layer), None)
-    return shrink(entry) if isinstance(entry, dict) else entry
+    return shrink(entry, heads=heads) if isinstance(entry, dict) else entry

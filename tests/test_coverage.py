@@ -45,6 +45,12 @@ EXPECTED = {
     ("zamba2", "dp_shard2"): (PASS, "", None),  # blocks shared by two layers (was: a crash)
     ("mamba", "dp_shard2"): (PASS, "", None),  # its mixer's init sets its submodules' weights (was: a crash)
     ("reformer", "dp_shard2"): (REFUSAL, "without autograd", None),  # reversible layers (was: a crash)
+    # Built on the meta device with real lambda vectors (torch.normal ignores the default device; was: refused), whose
+    # fp32 gradients hold more rounding than 2e-5 (judged against the single process's own error against fp64).
+    ("diffllama", "dp_shard2"): (PASS, "", None),
+    # The lambda vectors act on the heads inside attention's own code: refused, in one order on every rank (was: the
+    # names in each process's set order, a different message per rank).
+    ("diffllama", "tp2"): (REFUSAL, "lambda_k1, model.layers.0.self_attn.lambda_k2", None),
 }
 # Buffers only the constructor computes (xIELU's beta and eps): a meta-device build gets them too.
 NO_BUFFER_NOTE = (("apertus", "tp2"),)
@@ -84,7 +90,7 @@ def scripted_check(model_type: str, layout: str) -> dict:
             return {"status": "raised", "stage": "test", **describe_error(error)}
     assert model_type.startswith("fine"), model_type
     errors = {"loss": 0.0, "logits": 0.0, "grad": 0.0}
-    return {"status": "ran", "errors": errors, "worst_grad": "w", "uninitialised_buffers": []}
+    return {"status": "ran", "errors": errors, "worst_grad": "w", "grads_within_limits": True, "uninitialised_buffers": []}
 
 
 def test_a_hang_or_a_crash_ends_its_launch_and_the_sweep_goes_on():

@@ -232,7 +232,7 @@ class _ParameterUses(TorchDispatchMode):
         if any(t in self.activations for t in inputs):
             for tensor in outputs:
                 self.activations[tensor] = True
-            for name in parameters:
+            for name in sorted(parameters):  # one order on every rank (a set of strings has none)
                 self.trace.uses.setdefault(name, []).append(tuple(outputs[0].shape) if outputs else ())
         elif parameters:
             for tensor in outputs:

@@ -128,11 +128,10 @@ def probe(model: nn.Module, *, tokens: int) -> Trace:
         running.pop()
         flow.mark_activations(output)  # outputs a style turned back into local tensors, outside any recorded op
 
-    token_ids = torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")
-    with _hooks(model, before, after), _AnswerDataQuestions():
+    with _hooks(model, before, after), AnswerDataQuestions():
         with flow:
             try:
-                output = model(input_ids=token_ids, **_no_cache(model))
+                output = forward_step(model, tokens=tokens)
             except Exception as error:  # noqa: BLE001 - any failure of the model's code is what the probe reports
                 raise ProbeError(list(running), error, trace) from error
         running.clear()
@@ -142,6 +141,13 @@ def probe(model: nn.Module, *, tokens: int) -> Trace:
         except Exception as error:  # noqa: BLE001
             raise ProbeError([], error, trace) from error
     return trace
+
+
+def forward_step(model: nn.Module, *, tokens: int) -> Any:
+    """The forward of a training step of ``model`` on the meta device: ``PROBE_ROWS`` rows of ``tokens`` token ids,
+    no key/value cache. Run it under :class:`AnswerDataQuestions`."""
+    token_ids = torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")
+    return model(input_ids=token_ids, **_no_cache(model))
 
 
 @contextmanager
@@ -181,7 +187,7 @@ def _describe(tensor: torch.Tensor) -> TensorArg:
     return TensorArg(tuple(tensor.shape))
 
 
-class _AnswerDataQuestions(TorchDispatchMode):
+class AnswerDataQuestions(TorchDispatchMode):
     """``tensor.item()`` and ``bool(tensor)`` of a meta tensor return zero (False) instead of raising: both runs of
     the probe take the same branch of code that asks about values (padding checks, mask shortcuts)."""
 

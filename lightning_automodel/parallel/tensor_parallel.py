@@ -57,11 +57,11 @@ def plan_tensor_parallel(
     could not run is refused once its plan is chosen (so that a plan's own shortcomings are named first); without a
     probe (a model that is not a Hugging Face one) the plan is applied to the copy, not probed.
     """
-    blocks = named_decoder_layers(model)
+    blocks, called = named_decoder_layers(model), None
     if isinstance(unsharded, Trace):
-        blocks = [(name, block) for name, block in blocks if unsharded.called(name)]
+        blocks, called = [(name, block) for name, block in blocks if unsharded.called(name)], unsharded.called
     choice = select_tp_plan(
-        model, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears, blocks=blocks
+        model, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears, blocks=blocks, called=called
     )
     if isinstance(unsharded, ProbeError):
         raise ValueError(

@@ -32,20 +32,26 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.lora import is_lora_layer
-from lightning_automodel.parallel.probe import PROBE_TOKENS_PER_RANK, AnswerDataQuestions, forward_step, meta_copy
+from lightning_automodel.parallel.probe import (
+    PROBE_TOKENS_PER_RANK,
+    AnswerDataQuestions,
+    forward_step,
+    meta_copy,
+    tensor_leaves,
+)
 from lightning_automodel.parallel.styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
     PackedColwiseParallel,
     RegroupedColwiseParallel,
+    VocabParallelEmbedding,
     is_conv1d,
 )
 
@@ -138,7 +144,7 @@ def _vocabulary_parallel(model: nn.Module) -> dict[str, ParallelStyle]:
     head_weight = getattr(head, "weight", None)
     tied = head_weight is not None and head_weight is getattr(embedding, "weight", None)
     if isinstance(embedding, nn.Embedding) and (not tied or plan):
-        plan[names[id(embedding)]] = RowwiseParallel(input_layouts=Replicate())
+        plan[names[id(embedding)]] = VocabParallelEmbedding()
     return plan
 
 
@@ -147,10 +153,7 @@ def _owned_by(model: nn.Module, module: nn.Module, *, allowed: Iterable[nn.Modul
     own = {id(p) for p in module.parameters()}
     allowed_ids = {id(m) for m in allowed if m is not None}
     return all(
-        id(owner) in allowed_ids
-        for owner in model.modules()
-        for p in owner.parameters(recurse=False)
-        if id(p) in own
+        id(owner) in allowed_ids for owner in model.modules() for p in owner.parameters(recurse=False) if id(p) in own
     )
 
 
@@ -183,8 +186,7 @@ def _escape_hook(tracker: _SplitActivations, flow: ProjectionFlow) -> Callable:
     escape. By-products it also returns (attention weights) are not the residual stream, and are left to the probe."""
 
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        hidden = next((leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)), None)
-        flow.escaped |= tracker.entries_in(hidden)
+        flow.escaped |= tracker.entries_in(tensor_leaves(output)[:1])
 
     return hook
 
@@ -233,12 +235,11 @@ class _SplitActivations(TorchDispatchMode):
         self.uses: dict[str, set[Any]] = {}
 
     def entries_in(self, values: Any) -> set[str]:
-        tensors = [leaf for leaf in tree_flatten(values)[0] if isinstance(leaf, torch.Tensor)]
-        return set().union(*(self.carried.get(t, frozenset()) for t in tensors))
+        return set().union(*(self.carried.get(t, frozenset()) for t in tensor_leaves(values)))
 
     def mark(self, output: Any, *, entry: str | None) -> None:
         """An entry's output carries it alone; an exit's carries nothing (it is whole again)."""
-        for tensor in (leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)):
+        for tensor in tensor_leaves(output):
             if entry is None:
                 self.carried.pop(tensor, None)
             else:
@@ -247,9 +248,8 @@ class _SplitActivations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         output = func(*args, **(kwargs or {}))
-        inputs = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        inputs, outputs = tensor_leaves((args, kwargs)), tensor_leaves(output)
         carried = frozenset().union(*(self.carried.get(t, frozenset()) for t in inputs))
-        outputs = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)]
         if carried:
             for tensor in outputs:
                 self.carried[tensor] = self.carried.get(tensor, frozenset()) | carried

@@ -196,7 +196,7 @@ class PlanChoice:
     """The plan a model gets, where it came from, why it won, and what it leaves whole."""
 
     plan: TPPlan
-    source: str  # "user plan", "family plan for X", "Hugging Face plan of X", "default Llama-style plan", "derived plan"
+    source: str  # "user plan", "family plan for X", "Hugging Face plan of X", "default Llama-style plan", "derived ..."
     reason: str
     unsharded_weights: list[str] = field(default_factory=list)  # large block weights left whole on every tp rank
     unmatched: list[str] = field(default_factory=list)  # patterns naming no module

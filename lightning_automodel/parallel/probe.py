@@ -212,15 +212,13 @@ class _ParameterUses(TorchDispatchMode):
                 self.from_parameters[param] = frozenset({name})
 
     def mark_activations(self, values: Any) -> None:
-        for leaf in tree_flatten(values)[0]:
-            if isinstance(leaf, torch.Tensor):
-                self.activations[leaf] = True
+        for leaf in tensor_leaves(values):
+            self.activations[leaf] = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         output = func(*args, **(kwargs or {}))
-        inputs = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        inputs, outputs = tensor_leaves((args, kwargs)), tensor_leaves(output)
         parameters = frozenset().union(*(self.from_parameters.get(t, frozenset()) for t in inputs))
-        outputs = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)]
         if any(t in self.activations for t in inputs):
             for tensor in outputs:
                 self.activations[tensor] = True
@@ -230,6 +228,11 @@ class _ParameterUses(TorchDispatchMode):
             for tensor in outputs:
                 self.from_parameters[tensor] = parameters
         return output
+
+
+def tensor_leaves(values: Any) -> list[torch.Tensor]:
+    """The tensors in a nest of tuples, lists and dicts (an operation's arguments, a module's outputs)."""
+    return [leaf for leaf in tree_flatten(values)[0] if isinstance(leaf, torch.Tensor)]
 
 
 def _zero_of(dtype: torch.dtype) -> bool | int | float:

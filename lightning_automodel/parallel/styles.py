@@ -239,3 +239,16 @@ def _distribute_conv1d(
         partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
         partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
     )
+
+
+class VocabParallelEmbedding(RowwiseParallel):
+    """The vocabulary-parallel embedding of the Llama plan (``RowwiseParallel`` with whole token ids), whose output
+    is a tensor of its own: torch's is a view made by an autograd Function, which model code may not modify in place,
+    and some does (CTRL's ``inputs_embeds *= sqrt(d_model)``, GIT's ``embeddings += position_embeddings``)."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate())
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh).clone()

@@ -33,8 +33,12 @@ EXPECTED = {
     ("hunyuan_v1_dense", "tp2"): (PASS, "default Llama-style plan", 1.0),
     # A parallel attention/MLP block: derived (was: a refusal; before that, a pass with every block whole).
     ("gptj", "tp2"): (PASS, DERIVED, 1.0),
-    # A derived plan has no sequence-parallel layout (was: a crash, lm_head fed the full sequence).
-    ("gptj", "tp2_sp"): (REFUSAL, f"{NO_PLAN} GPTJForCausalLM", None),
+    # The derived plan's sequence-parallel layout (was: a refusal; before that, a crash: lm_head fed the full sequence).
+    ("gptj", "tp2_sp"): (PASS, DERIVED, 1.0),
+    # Learned position embeddings added to the sequence-sharded stream: replicated DTensors (was: a refusal).
+    ("gpt2", "tp2_sp"): (PASS, DERIVED, 0.99),
+    # Sinusoidal positions, a plain tensor mixed with the stream outside any module: the probe refuses it.
+    ("xglm", "tp2_sp"): (REFUSAL, "breaks XGLMForCausalLM: one step of the sharded model on the meta device", None),
     ("stablelm", "tp2"): (PASS, "default Llama-style plan", 0.99),  # reads global head counts (was: a crash)
     # Conv1D layers, [q; k; v] packed in c_attn (was: a refusal; before that, a misleading tied-weight message).
     ("gpt2", "tp2"): (PASS, DERIVED, 0.99),

@@ -3,6 +3,7 @@ data through one meta-device step; no process group needed."""
 
 import pytest
 from test_plans import coverage_model
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_automodel.parallel.derived import derived_plan
@@ -96,9 +97,13 @@ def test_the_derived_plan_is_chosen_where_no_other_shards_the_blocks_and_named_s
     assert choice.unsharded_weights == []
 
 
-def test_a_derived_plan_has_no_sequence_parallel_layout():
-    with pytest.raises(ValueError, match="derived plan .* cannot be used: a derived plan has no sequence-parallel"):
-        select_tp_plan(coverage_model("gptj"), sp=True)
+def test_with_sp_the_exits_hand_on_sequence_shards_from_a_sequence_sharded_embedding():
+    plan = derived_plan(coverage_model("gptj"), True)
+    for name in ("transformer.h.0.attn.out_proj", "transformer.h.0.mlp.fc_out", "transformer.wte"):
+        assert plan[name].output_layouts == (Shard(1),) and not plan[name].use_local_output, name
+    assert plan["transformer.h.0.attn.q_proj"].input_layouts == (Replicate(),)  # a DTensor input is gathered
+    with pytest.raises(ValueError, match="derived plan .* cannot be used: with sp=True a derived plan starts the"):
+        select_tp_plan(coverage_model("bert"), sp=True)  # its embedding stays whole
 
 
 def test_the_vocabulary_is_left_whole_where_the_lm_head_shares_a_parameter_with_a_head():

@@ -244,10 +244,15 @@ def _distribute_conv1d(
 class VocabParallelEmbedding(RowwiseParallel):
     """The vocabulary-parallel embedding of the Llama plan (``RowwiseParallel`` with whole token ids), whose output
     is a tensor of its own: torch's is a view made by an autograd Function, which model code may not modify in place,
-    and some does (CTRL's ``inputs_embeds *= sqrt(d_model)``, GIT's ``embeddings += position_embeddings``)."""
+    and some does (CTRL's ``inputs_embeds *= sqrt(d_model)``, GIT's ``embeddings += position_embeddings``).
 
-    def __init__(self) -> None:
-        super().__init__(input_layouts=Replicate())
+    ``sequence_parallel``: the output is the sequence-sharded residual stream, a ``Shard(1)`` DTensor."""
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        if sequence_parallel:
+            super().__init__(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+        else:
+            super().__init__(input_layouts=Replicate())
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):

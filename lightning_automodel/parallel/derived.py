@@ -72,6 +72,7 @@ _VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.unflatten}
 PLAIN = "plain"  # element by element, or by another projection
 HEADS = "heads"  # viewed as (..., units, rest): contiguous rows are whole units
 OTHER = "other"  # something this module cannot classify
+WHOLE = "whole"  # combined element by element with a whole tensor as wide as it: the entry must stay whole
 
 
 @dataclass
@@ -87,7 +88,8 @@ class ProjectionFlow:
 
     def unclosed(self) -> set[str]:
         closed = set().union(*self.exits.values())
-        return {name for name in self.entries if name not in closed} | self.escaped | self.conflicting
+        unclosed = {name for name, uses in self.entries.items() if name not in closed or WHOLE in uses}
+        return unclosed | self.escaped | self.conflicting
 
 
 def derived_plan(model: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
@@ -286,7 +288,7 @@ class _SplitActivations(TorchDispatchMode):
         return output
 
     def _classify(self, entry: str, func, tensor: torch.Tensor, args: tuple, outputs: list[torch.Tensor]) -> None:
-        use = _use(func, tensor, args, outputs)
+        use = WHOLE if self._meets_whole(tensor, args) else _use(func, tensor, args, outputs)
         if use is None:  # the same values under another shape or in place: follow them
             for result in outputs:
                 self.direct[result] = entry
@@ -295,6 +297,19 @@ class _SplitActivations(TorchDispatchMode):
             units_dim = outputs[0].ndim - _trailing_dims(tensor.shape, outputs[0].shape)
             self.units[outputs[0]] = (entry, units_dim)
         self.uses.setdefault(entry, set()).add(use)
+
+    def _meets_whole(self, tensor: torch.Tensor, args: tuple) -> bool:
+        """Whether an operation combines ``tensor`` with a whole tensor along its last dimension (Gemma4's per-layer
+        input gate times the per-layer input): split, the two would no longer line up."""
+        width = tensor.shape[-1] if tensor.ndim else 1
+        return width > 1 and any(
+            isinstance(arg, torch.Tensor)
+            and arg is not tensor
+            and arg.ndim
+            and arg.shape[-1] == width
+            and not self.carried.get(arg)
+            for arg in args
+        )
 
     def _classify_units(self, func, view: torch.Tensor, args: tuple) -> None:
         """A view (..., units, rest) taken apart along ``units``: they are blocks of different meaning ([gate; up]

@@ -2,12 +2,14 @@
 data through one meta-device step; no process group needed."""
 
 import pytest
+import torch
 from test_plans import coverage_model
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.derived import derived_plan
-from lightning_automodel.parallel.plans import select_tp_plan
+from lightning_automodel.parallel.plans import pattern_matches, select_tp_plan
 from lightning_automodel.parallel.styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
@@ -84,7 +86,7 @@ def test_each_module_of_a_block_gets_the_style_its_data_flow_needs(model_type):
     block, expected = EXPECTED[model_type]
     plan = derived_plan(coverage_model(model_type), False)
     for module, style in expected.items():
-        found = plan.get(f"{block}.{module}")
+        found = style_of(plan, f"{block}.{module}")
         assert type(found) is style if style is not None else found is None, (module, found)
     packed = [style.parts for name, style in plan.items() if isinstance(style, PackedColwiseParallel)]
     assert set(packed) <= ({2} if model_type == "moshi" else {3}), packed
@@ -100,8 +102,9 @@ def test_the_derived_plan_is_chosen_where_no_other_shards_the_blocks_and_named_s
 def test_with_sp_the_exits_hand_on_sequence_shards_from_a_sequence_sharded_embedding():
     plan = derived_plan(coverage_model("gptj"), True)
     for name in ("transformer.h.0.attn.out_proj", "transformer.h.0.mlp.fc_out", "transformer.wte"):
-        assert plan[name].output_layouts == (Shard(1),) and not plan[name].use_local_output, name
-    assert plan["transformer.h.0.attn.q_proj"].input_layouts == (Replicate(),)  # a DTensor input is gathered
+        style = style_of(plan, name)
+        assert style.output_layouts == (Shard(1),) and not style.use_local_output, name
+    assert style_of(plan, "transformer.h.0.attn.q_proj").input_layouts == (Replicate(),)  # a DTensor input gathers
     with pytest.raises(ValueError, match="derived plan .* cannot be used: with sp=True a derived plan starts the"):
         select_tp_plan(coverage_model("bert"), sp=True)  # its embedding stays whole
 
@@ -112,3 +115,17 @@ def test_the_vocabulary_is_left_whole_where_the_lm_head_shares_a_parameter_with_
     assert not any(name.startswith("cls.") or "embeddings" in name for name in plan), sorted(plan)
     gpt2 = derived_plan(coverage_model("gpt2"), False)
     assert type(gpt2["lm_head"]) is ColwiseParallel and type(gpt2["transformer.wte"]) is VocabParallelEmbedding
+
+
+def test_the_plan_has_one_key_per_position_in_the_blocks_and_its_report_names_it():
+    with torch.device("meta"):
+        model = coverage_model("gpt2")
+    report = plan_report(model, ParallelDims(tp=2).resolve(2), sp=True)
+    assert report.plan_source == "derived plan (entries column-, exits row-parallel) for GPT2LMHeadModel", report
+    assert report.styles["transformer.h.*.attn.c_attn"] == ("PackedColwiseParallel", 3), report.styles
+    assert "tensor-parallel plan: derived plan (entries column-, exits row-parallel)" in str(report)
+
+
+def style_of(plan, name):
+    """The style ``plan`` gives module ``name`` (its keys may hold ``*``), or None."""
+    return next((style for pattern, style in plan.items() if pattern_matches(pattern, name)), None)

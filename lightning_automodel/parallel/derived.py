@@ -178,8 +178,8 @@ def _vocabulary_parallel(model: nn.Module, *, sp: bool) -> dict[str, ParallelSty
     elif sp:
         raise ValueError(
             "with sp=True a derived plan starts the sequence-sharded residual stream at a vocabulary-parallel"
-            " embedding, and this model's embedding stays whole (its lm_head shares a parameter with a head). Use"
-            " sp=False"
+            " embedding, and this model's embedding stays whole (it is no nn.Embedding, or it is tied to an lm_head"
+            " that shares a parameter with a head). Use sp=False"
         )
     return plan
 

@@ -143,8 +143,7 @@ def packed_blocks(tensor: DTensor) -> dict[str, DTensor]:
     strided = tensor.placements[names.index("tp")]
     parts, dim = strided.split_factor, strided.dim
     placements = [Shard(dim) if name == "tp" else p for name, p in zip(names, tensor.placements, strict=True)]
-    shape = list(tensor.shape)
-    shape[dim] //= parts
+    shape = torch.Size(size // parts if index == dim else size for index, size in enumerate(tensor.shape))
     stride = torch.empty(shape, device="meta").stride()
     mesh = tensor.device_mesh
     return {

@@ -77,8 +77,11 @@ class Reference:
     grad_limits: dict[str, float]
 
 
-def coverage_check(model_type: str, layout: str) -> dict[str, Any]:
-    """What happens on this rank when ``model_type`` trains one step on ``layout``: a JSON-able outcome."""
+def coverage_check(model_type: str, layout: str, tp_plan: str | None = None) -> dict[str, Any]:
+    """What happens on this rank when ``model_type`` trains one step on ``layout``: a JSON-able outcome.
+
+    ``tp_plan``: an import path to a plan function to use instead of the one ``parallelize`` chooses (a plan the
+    check must catch)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -95,7 +98,7 @@ def coverage_check(model_type: str, layout: str) -> dict[str, Any]:
             mesh = layout_mesh(tp)
             stage = "parallelize"
             with collectives:
-                parallelize(model, mesh, sp=sp)
+                parallelize(model, mesh, sp=sp, tp_plan=tp_plan)
             sharding = tp_sharding(model, trained=reference.outputs.grads.keys()) if tp > 1 else {}
             stage = "materialize"
             materialize_hf_model(model, torch.device("cpu"))

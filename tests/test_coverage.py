@@ -12,26 +12,40 @@ from coverage_checks import (
     HANG,
     PASS,
     REFUSAL,
+    WRONG,
     classify,
     coverage_check,
     describe_error,
     measure,
 )
 from harness import check_name, run_checks
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 # Today's verdict on one type of every kind docs/coverage.md shows, with a fragment of its detail (for a pass: of
-# where its plan came from) and, for a tensor-parallel pass, the share of block weights sharded. Issue 12's first
-# fixes flipped several on purpose (noted); the derived plans that follow will flip more.
+# where its plan came from) and, for a tensor-parallel pass, the share of block weights sharded. Issue 12's fixes
+# flipped several on purpose (noted).
 NO_PLAN = "No tensor-parallel plan shards every decoder block of"
+DERIVED = "derived plan (entries column-, exits row-parallel)"
 EXPECTED = {
     ("olmo2", "tp2"): (PASS, "Hugging Face plan", 0.99),  # its Hugging Face plan shards the blocks
     # Its Hugging Face plan names lm_head only; the default plan shards every block, and the probe finds its per-head
     # query_layernorm/key_layernorm (was: the lm_head-only plan, blocks whole).
     ("hunyuan_v1_dense", "tp2"): (PASS, "default Llama-style plan", 1.0),
-    ("gptj", "tp2"): (REFUSAL, f"{NO_PLAN} GPTJForCausalLM", None),  # was: a pass with every block whole
-    ("gptj", "tp2_sp"): (REFUSAL, f"{NO_PLAN} GPTJForCausalLM", None),  # was: a crash (lm_head fed the full sequence)
+    # A parallel attention/MLP block: derived (was: a refusal; before that, a pass with every block whole).
+    ("gptj", "tp2"): (PASS, DERIVED, 1.0),
+    # The derived plan's sequence-parallel layout (was: a refusal; before that, a crash: lm_head fed the full sequence).
+    ("gptj", "tp2_sp"): (PASS, DERIVED, 1.0),
+    # Learned position embeddings added to the sequence-sharded stream: replicated DTensors (was: a refusal).
+    ("gpt2", "tp2_sp"): (PASS, DERIVED, 0.99),
+    # Sinusoidal positions, a plain tensor mixed with the stream outside any module: the probe refuses it.
+    ("xglm", "tp2_sp"): (REFUSAL, "breaks XGLMForCausalLM: one step of the sharded model on the meta device", None),
     ("stablelm", "tp2"): (PASS, "default Llama-style plan", 0.99),  # reads global head counts (was: a crash)
-    ("gpt2", "tp2"): (REFUSAL, f"{NO_PLAN} GPT2LMHeadModel", None),  # Conv1D (was: a misleading tied-weight message)
+    # Conv1D layers, [q; k; v] packed in c_attn (was: a refusal; before that, a misleading tied-weight message).
+    ("gpt2", "tp2"): (PASS, DERIVED, 0.99),
+    ("bert", "tp2"): (PASS, DERIVED, 0.99),  # post-norm, BERT's names (was: a refusal)
+    ("bart", "tp2"): (PASS, DERIVED, 0.99),  # a decoder whose cross-attention never runs (was: a refusal)
+    ("gpt_neox_japanese", "tp2"): (PASS, DERIVED, 0.99),  # fused qkv viewed per head (was: a refusal)
+    ("moshi", "tp2"): (PASS, DERIVED, 1.0),  # [gate; up] viewed as (2, intermediate) and taken apart (was: a refusal)
     ("gpt2", "dp_shard2"): (PASS, "", None),
     ("apertus", "tp2"): (PASS, "Hugging Face plan", 1.0),  # xIELU's scalars see half the MLP (was: wrong)
     # Its Hugging Face plan, with a sequence-parallel layout derived for it (was: the default plan stood in).
@@ -41,7 +55,7 @@ EXPECTED = {
     # The model adds recurrent states of its own to the stream: sp refused before any collective.
     ("hrm_text", "tp2_sp"): (REFUSAL, "breaks HrmTextForCausalLM", None),
     ("doge", "tp2"): (REFUSAL, "breaks DogeForCausalLM", None),  # a per-head parameter in attention (was: a crash)
-    ("roberta", "tp2"): (REFUSAL, "shards nn.Linear and nn.Embedding only", None),  # lm_head is a head (was: a crash)
+    ("roberta", "tp2"): (PASS, DERIVED, 0.99),  # its lm_head is a head, left whole (was: a refusal; before, a crash)
     ("zamba2", "dp_shard2"): (PASS, "", None),  # blocks shared by two layers (was: a crash)
     ("mamba", "dp_shard2"): (PASS, "", None),  # its mixer's init sets its submodules' weights (was: a crash)
     ("reformer", "dp_shard2"): (REFUSAL, "without autograd", None),  # reversible layers (was: a crash)
@@ -56,9 +70,23 @@ EXPECTED = {
 NO_BUFFER_NOTE = (("apertus", "tp2"),)
 
 
+def plain_gate_up(model, sp):
+    """Moshi's derived plan with its fused [gate; up] fc1 split the plain way: rank 0 holds all of gate, rank 1 all of
+    up. Every shape fits, so only the numbers can tell."""
+    from lightning_automodel.parallel.derived import derived_plan
+
+    plan = derived_plan(model, sp)
+    return {**plan, **{name: ColwiseParallel() for name in plan if name.endswith("mlp.fc1")}}
+
+
+# The check catches a plan that runs and is wrong.
+PLAIN_GATE_UP = partial(coverage_check, "moshi", "tp2", tp_plan="test_coverage.plain_gate_up")
+
+
 def test_todays_verdict_on_a_model_type_of_every_kind():
     checks = {job: partial(coverage_check, *job) for job in EXPECTED}
-    outcomes = run_checks(2, list(checks.values()))
+    outcomes = run_checks(2, [*checks.values(), PLAIN_GATE_UP])
+    assert classify(outcomes[check_name(PLAIN_GATE_UP)])["verdict"] == WRONG
     for job, (verdict, fragment, sharded) in EXPECTED.items():
         result = classify(outcomes[check_name(checks[job])])
         assert result["verdict"] == verdict, (job, result)

@@ -129,14 +129,17 @@ def test_a_plan_covering_lm_head_only_loses_to_one_that_shards_the_blocks():
 
 
 def test_no_plan_that_leaves_the_blocks_whole_is_accepted():
-    """GPT-2's blocks are Conv1D modules no candidate names: refused with what each candidate lacks and the fix."""
+    """Mamba's mixer takes its in_proj's output apart in ways no plan classifies: refused with what each candidate
+    lacks and the fix."""
     with pytest.raises(ValueError) as error:
-        select_tp_plan(coverage_model("gpt2"), sp=False)
+        select_tp_plan(coverage_model("mamba"), sp=False)
     message = str(error.value)
     for fragment in (
-        "No tensor-parallel plan shards every decoder block of GPT2LMHeadModel",
-        "the default Llama-style plan leaves transformer.h.0.attn.c_attn, transformer.h.0.attn.c_proj",
-        "no family plan is registered for GPT2LMHeadModel",
+        "No tensor-parallel plan shards every decoder block of MambaForCausalLM",
+        "the default Llama-style plan leaves backbone.layers.0.mixer, backbone.layers.0.mixer.in_proj",
+        "the derived plan (entries column-, exits row-parallel) for MambaForCausalLM cannot be used: the output of"
+        " backbone.layers.0.mixer.in_proj is taken apart in a way a derived plan cannot classify",
+        "no family plan is registered for MambaForCausalLM",
         "allow_unsharded_linears=True",
     ):
         assert fragment in message, message
@@ -145,7 +148,7 @@ def test_no_plan_that_leaves_the_blocks_whole_is_accepted():
 def test_a_style_given_a_module_it_cannot_shard_makes_its_plan_unusable():
     """RoBERTa's lm_head is a head of three modules, not a Linear: named, before torch fails halfway."""
     with pytest.raises(ValueError) as error:
-        select_tp_plan(coverage_model("roberta"), sp=False, allow_unsharded_linears=True)
+        select_tp_plan(coverage_model("roberta"), sp=False, tp_plan={"lm_head": ColwiseParallel()})
     assert (
         "ColwiseParallel shards nn.Linear and nn.Embedding only, and this module is a RobertaLMHead (lm_head)"
         in str(error.value)

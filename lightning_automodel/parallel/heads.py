@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from lightning_automodel.parallel.lora import LoraParallel
-from lightning_automodel.parallel.styles import PackedColwiseParallel, RegroupedColwiseParallel
+from lightning_automodel.parallel.styles import PackedColwiseParallel, RegroupedColwiseParallel, is_packed
 from lightning_automodel.parallel.validation import model_config
 
 
@@ -47,8 +47,9 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
             continue
         read = _attributes_read(type(module))
         attributes = [a for a, value in vars(module).items() if _is_count(a, value, counts) and _reads(read, a)]
-        if attributes:  # an attention module: its head widths are this rank's too
-            attributes += [a for a, value in vars(module).items() if _is_width(a, value, widths) and _reads(read, a)]
+        head_widths = [a for a, value in vars(module).items() if _is_width(a, value, widths) and _reads(read, a)]
+        if attributes or _has_packed_child(module) or any("head" in a.lower() for a in head_widths):
+            attributes += head_widths  # an attention module (BERT's all_head_size says so): widths are this rank's
         for attribute in attributes:
             setattr(module, attribute, getattr(module, attribute) // tp)
         changed += [f"{name}.{attribute}" for attribute in attributes]
@@ -70,6 +71,12 @@ def _localize_config(module: nn.Module, read: frozenset[str] | None, counts: set
         for field in fields:
             setattr(module.config, field, getattr(config, field) // tp)
     return fields
+
+
+def _has_packed_child(module: nn.Module) -> bool:
+    """Whether a child is a packed projection: the module splits its output by the width of all heads (GPT-2's
+    ``split_size``), which on this rank is the width of its heads, even where no head count is read."""
+    return any(is_packed(p) for child in module.children() for p in child.parameters())
 
 
 def splits_outputs(style: ParallelStyle) -> bool:

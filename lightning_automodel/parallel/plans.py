@@ -4,8 +4,9 @@ A plan maps fully qualified module names (``*`` matches one path component) to `
 ``torch.distributed.tensor.parallel.parallelize_module`` expects. Every plan here leaves the logits sharded on
 the vocabulary as a DTensor, so the loss runs under ``loss_parallel`` and the full logits are never gathered.
 
-A plan is chosen by what it covers: of the family plan, the model's own Hugging Face plan and the default
-Llama-style plan, the first that shards every decoder block (see :func:`select_tp_plan`, :func:`coverage`).
+A plan is chosen by what it covers: of the family plan, the model's own Hugging Face plan, the default Llama-style
+plan and a plan derived from the model's data flow (:mod:`.derived`), the first that shards every decoder block (see
+:func:`select_tp_plan`, :func:`coverage`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -25,12 +27,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_automodel.parallel.blocks import named_decoder_layers
+from lightning_automodel.parallel.derived import derived_plan
 from lightning_automodel.parallel.hf_plan import hf_style_strings, hf_tp_plan, translate_style
 from lightning_automodel.parallel.lora import LoraParallel, is_lora_layer
 from lightning_automodel.parallel.patterns import pattern_matches
 from lightning_automodel.parallel.probe import Trace
 from lightning_automodel.parallel.sequence_parallel import with_sequence_parallel
 from lightning_automodel.parallel.styles import (
+    Conv1DColwiseParallel,
+    Conv1DRowwiseParallel,
     PackedColwiseParallel,
     RegroupedColwiseParallel,
     SequenceParallelAllGather,
@@ -193,7 +198,7 @@ class PlanChoice:
     """The plan a model gets, where it came from, why it won, and what it leaves whole."""
 
     plan: TPPlan
-    source: str  # "user plan", "family plan for X", "Hugging Face plan of X", "default Llama-style plan"
+    source: str  # "user plan", "family plan for X", "Hugging Face plan of X", "default Llama-style plan", "derived ..."
     reason: str
     unsharded_weights: list[str] = field(default_factory=list)  # large block weights left whole on every tp rank
     unmatched: list[str] = field(default_factory=list)  # patterns naming no module
@@ -220,21 +225,23 @@ def select_tp_plan(
     trace: Trace | None = None,
 ) -> PlanChoice:
     """The plan for ``model``: the user's ``tp_plan`` if given, else the first of the family plan registered for its
-    class, its own Hugging Face plan and the default Llama-style plan that shards every decoder block.
+    class, its own Hugging Face plan, the default Llama-style plan and the derived plan that shards every decoder
+    block (candidates after the first that does are not built: deriving one runs a step on the meta device).
 
     ``blocks``: the decoder blocks a text-only step runs (by default every block, see
     :func:`~lightning_automodel.parallel.blocks.named_decoder_layers`). A plan that leaves a large weight of a block
     whole is refused unless ``allow_unsharded_linears``; then the candidate sharding the largest share of the blocks'
     weights wins. Raises a ValueError naming what each candidate lacks.
 
-    ``trace``: a probe step of the model (see :mod:`~lightning_automodel.parallel.probe`), from which a candidate
-    without a sequence-parallel layout of its own gets one with ``sp`` (see
-    :mod:`~lightning_automodel.parallel.sequence_parallel`).
+    ``trace``: a probe step of the model (see :mod:`~lightning_automodel.parallel.probe`), where known: the weights
+    of modules it never calls (a decoder's cross-attention) need no sharding, and a candidate without a
+    sequence-parallel layout of its own gets one with ``sp`` (see :mod:`~lightning_automodel.parallel.sequence_parallel`).
     """
     blocks = named_decoder_layers(model) if blocks is None else blocks
+    called = trace.called if trace is not None else None
     if tp_plan is not None:
         plan = _resolve_user_plan(tp_plan, model, sp)
-        found = coverage(model, plan, blocks)
+        found = coverage(model, plan, blocks, called=called)
         _refuse_if_incomplete(model, "user plan", plan, found, allow=allow_unsharded_linears)
         return _choice(model, plan, "user plan", "it was given (tp_plan=)", found)
     verdicts: list[tuple[str, TPPlan | None, Coverage]] = []
@@ -244,7 +251,9 @@ def select_tp_plan(
         except ValueError as error:  # a Hugging Face plan with styles we cannot apply, or no sequence-parallel layout
             verdicts.append((source, None, Coverage([], 0.0, unusable=str(error))))
             continue
-        verdicts.append((source, plan, coverage(model, plan, blocks)))
+        verdicts.append((source, plan, coverage(model, plan, blocks, called=called)))
+        if _complete(verdicts[-1][2]):
+            break
     complete = [(source, plan, found) for source, plan, found in verdicts if _complete(found)]
     if complete:
         source, plan, found = complete[0]
@@ -267,6 +276,8 @@ def _candidates(model: nn.Module, *, trace: Trace | None) -> list[tuple[str, Cal
         candidates.append((f"Hugging Face plan of {name}", lambda sp: _hf_plan(model, sp=sp, trace=trace)))
     # The layout many decoder-only families share, under the names Llama gives it.
     candidates.append(("default Llama-style plan", lambda sp: llama_plan(model, sp)))
+    # Entries column-, exits row-parallel, found by following the data through the blocks, whatever their names.
+    candidates.append((f"derived plan (entries column-, exits row-parallel) for {name}", partial(derived_plan, model)))
     return candidates
 
 
@@ -338,10 +349,17 @@ def _listed(names: Sequence[str], limit: int = 6) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def coverage(model: nn.Module, plan: Mapping[str, ParallelStyle], blocks: Sequence[tuple[str, nn.Module]]) -> Coverage:
+def coverage(
+    model: nn.Module,
+    plan: Mapping[str, ParallelStyle],
+    blocks: Sequence[tuple[str, nn.Module]],
+    *,
+    called: Callable[[str], bool] | None = None,
+) -> Coverage:
     """What ``plan`` does to the large weights of ``blocks``, judged from its styles without applying it.
 
-    Large: at least an eighth of the block's largest weight (tensors of two or more dimensions). A weight counts as
+    Large: at least an eighth of the block's largest weight (tensors of two or more dimensions) among the weights of
+    modules a step calls (``called``, by module name; every module when None). A weight counts as
     sharded when a style that splits weights (column-, row-wise, packed, and their LoRA forms) matches its module or
     a module around it. A style matched to a module it cannot shard makes the plan unusable.
     """
@@ -355,7 +373,11 @@ def coverage(model: nn.Module, plan: Mapping[str, ParallelStyle], blocks: Sequen
     sharded = {id(p) for name in sharding for p in modules[name].parameters()}
     unsharded, total, split = [], 0, 0
     for block_name, block in blocks:
-        weights = {id(p): (name, p) for name, p in block.named_parameters() if p.ndim >= 2}
+        weights = {
+            id(p): (name, p)
+            for name, p in block.named_parameters()
+            if p.ndim >= 2 and (called is None or called(_join(block_name, name.rpartition(".")[0])))
+        }
         largest = max((p.numel() for _, p in weights.values()), default=0)
         for pid, (name, param) in weights.items():
             if param.numel() * 8 < largest:
@@ -369,23 +391,35 @@ def coverage(model: nn.Module, plan: Mapping[str, ParallelStyle], blocks: Sequen
     return Coverage(unique, split / total if total else 1.0, matches_any=bool(matched))
 
 
+def _join(block_name: str, module_name: str) -> str:
+    return f"{block_name}.{module_name}" if module_name else block_name
+
+
 # Styles that split the weights of the module they are given (the rest prepare inputs and outputs, or replicate).
 _WEIGHT_SHARDING_STYLES = (ColwiseParallel, RowwiseParallel, PackedColwiseParallel, LoraParallel)
-# What torch's column- and row-wise styles can shard; our packed and regrouped ones take Linears only.
-_SHARDABLE = {ColwiseParallel: (nn.Linear, nn.Embedding), RowwiseParallel: (nn.Linear, nn.Embedding)}
+
+
+def _shardable(style: ParallelStyle) -> tuple[type, ...]:
+    """The modules ``style`` can shard (torch's column- and row-wise styles raise mid-way on others)."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(style, Conv1DColwiseParallel | Conv1DRowwiseParallel):
+        return (nn.Linear, nn.Embedding, Conv1D)
+    if isinstance(style, PackedColwiseParallel):
+        return (nn.Linear, Conv1D)
+    if isinstance(style, RegroupedColwiseParallel):
+        return (nn.Linear,)
+    return (nn.Linear, nn.Embedding) if isinstance(style, ColwiseParallel | RowwiseParallel) else ()
 
 
 def unsupported_target(style: ParallelStyle, module: nn.Module) -> str | None:
     """Why ``style`` cannot shard ``module`` (torch's styles raise mid-way through sharding), or None."""
     base = module.base_layer if is_lora_layer(module) else module
     inner = style.style if isinstance(style, LoraParallel) else style
-    if isinstance(inner, PackedColwiseParallel | RegroupedColwiseParallel):
-        supported: tuple[type, ...] = (nn.Linear,)
-    else:
-        supported = next((types for cls, types in _SHARDABLE.items() if isinstance(inner, cls)), ())
+    supported = _shardable(inner)
     if not supported or isinstance(base, supported):
         return None
-    kinds = " and ".join(f"nn.{t.__name__}" for t in supported)
+    kinds = " and ".join(f"nn.{t.__name__}" if t.__module__.startswith("torch.") else t.__name__ for t in supported)
     return f"{type(inner).__name__} shards {kinds} only, and this module is a {type(base).__name__}"
 
 

@@ -138,11 +138,10 @@ def probe(model: nn.Module, *, tokens: int) -> Trace:
             if _is_tensor(leaf) and leaf not in returned_by:
                 returned_by[leaf] = name
 
-    token_ids = torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")
-    with _hooks(model, before, after), _AnswerDataQuestions():
+    with _hooks(model, before, after), AnswerDataQuestions():
         with flow:
             try:
-                output = model(input_ids=token_ids, **_no_cache(model))
+                output = forward_step(model, tokens=tokens)
             except Exception as error:  # noqa: BLE001 - any failure of the model's code is what the probe reports
                 raise ProbeError(list(running), error, trace) from error
         running.clear()
@@ -152,6 +151,13 @@ def probe(model: nn.Module, *, tokens: int) -> Trace:
         except Exception as error:  # noqa: BLE001
             raise ProbeError([], error, trace) from error
     return trace
+
+
+def forward_step(model: nn.Module, *, tokens: int) -> Any:
+    """The forward of a training step of ``model`` on the meta device: ``PROBE_ROWS`` rows of ``tokens`` token ids,
+    no key/value cache. Run it under :class:`AnswerDataQuestions`."""
+    token_ids = torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")
+    return model(input_ids=token_ids, **_no_cache(model))
 
 
 @contextmanager
@@ -195,7 +201,7 @@ def _describe(tensor: torch.Tensor) -> TensorArg:
     return TensorArg(tuple(tensor.shape))
 
 
-class _AnswerDataQuestions(TorchDispatchMode):
+class AnswerDataQuestions(TorchDispatchMode):
     """``tensor.item()`` and ``bool(tensor)`` of a meta tensor return zero (False) instead of raising: both runs of
     the probe take the same branch of code that asks about values (padding checks, mask shortcuts)."""
 
@@ -220,15 +226,13 @@ class _ParameterUses(TorchDispatchMode):
                 self.from_parameters[param] = frozenset({name})
 
     def mark_activations(self, values: Any) -> None:
-        for leaf in tree_flatten(values)[0]:
-            if isinstance(leaf, torch.Tensor):
-                self.activations[leaf] = True
+        for leaf in tensor_leaves(values):
+            self.activations[leaf] = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         output = func(*args, **(kwargs or {}))
-        inputs = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        inputs, outputs = tensor_leaves((args, kwargs)), tensor_leaves(output)
         parameters = frozenset().union(*(self.from_parameters.get(t, frozenset()) for t in inputs))
-        outputs = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)]
         if any(t in self.activations for t in inputs):
             for tensor in outputs:
                 self.activations[tensor] = True
@@ -238,6 +242,11 @@ class _ParameterUses(TorchDispatchMode):
             for tensor in outputs:
                 self.from_parameters[tensor] = parameters
         return output
+
+
+def tensor_leaves(values: Any) -> list[torch.Tensor]:
+    """The tensors in a nest of tuples, lists and dicts (an operation's arguments, a module's outputs)."""
+    return [leaf for leaf in tree_flatten(values)[0] if isinstance(leaf, torch.Tensor)]
 
 
 def _zero_of(dtype: torch.dtype) -> bool | int | float:

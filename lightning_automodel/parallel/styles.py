@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_map
 
@@ -84,14 +84,15 @@ def _local_part(value: object) -> object:
 
 
 class PackedColwiseParallel(ParallelStyle):
-    """Column-parallel for a fused projection of ``parts`` equal blocks: Phi3's [gate; up], or [q; k; v] when
-    there are as many KV heads as heads.
+    """Column-parallel for a fused projection of ``parts`` equal blocks: Phi3's [gate; up], [q; k; v] when there are
+    as many KV heads as heads (Phi3's qkv_proj, MPT's Wqkv, GPT-2's ``Conv1D`` c_attn).
 
     Plain column sharding would hand rank 0 all of gate and rank 1 all of up: it runs, and it is wrong. Each
-    rank must keep its slice of every block, [gate_r; up_r]. ``_StridedShard(0, split_factor=parts)`` says
-    exactly that, so the parameter's global view stays the Hugging Face layout and checkpoints are unchanged.
-    DTensor has no matmul rule for that placement, so the projection runs on local tensors; the input
-    gradient, partial on each rank, is summed over tp on its way back.
+    rank must keep its slice of every block, [gate_r; up_r]. ``_StridedShard(dim, split_factor=parts)`` says
+    exactly that (dim 0 of a Linear's weight, dim 1 of a ``Conv1D``'s, stored (in, out)), so the parameter's global
+    view stays the Hugging Face layout and checkpoints are unchanged. DTensor has no matmul rule for that placement,
+    so the projection runs on local tensors; the input gradient, partial on each rank, is summed over tp on its way
+    back.
     """
 
     def __init__(self, *, parts: int) -> None:
@@ -99,19 +100,32 @@ class PackedColwiseParallel(ParallelStyle):
         self.parts = parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"PackedColwiseParallel shards nn.Linear modules, not {type(module).__name__}.")
-        if module.out_features % (self.parts * device_mesh.size()):
+        if not isinstance(module, nn.Linear) and not is_conv1d(module):
+            raise TypeError(f"PackedColwiseParallel shards nn.Linear and Conv1D modules, not {type(module).__name__}.")
+        if output_width(module) % (self.parts * device_mesh.size()):
             raise ValueError(
-                f"PackedColwiseParallel: out_features={module.out_features} is not {self.parts} blocks that split"
-                f" evenly over {device_mesh.size()} ranks."
+                f"PackedColwiseParallel: {output_width(module)} output features are not {self.parts} blocks that"
+                f" split evenly over {device_mesh.size()} ranks."
             )
-        placement = [_StridedShard(0, split_factor=self.parts)]
+        output_dims = {"weight": 1 if is_conv1d(module) else 0, "bias": 0}
         for name, param in list(module.named_parameters(recurse=False)):
+            placement = [_StridedShard(output_dims[name], split_factor=self.parts)]
             sharded = distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.forward = MethodType(partial(_packed_linear_forward, mesh=device_mesh), module)
+        module.forward = MethodType(partial(_packed_forward, mesh=device_mesh), module)
         return module
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2, OpenAI GPT): a linear layer whose weight is stored (in, out)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
+
+
+def output_width(module: nn.Module) -> int:
+    """The output features of a Linear or ``Conv1D``."""
+    return module.nf if is_conv1d(module) else module.out_features
 
 
 def is_packed(tensor: torch.Tensor) -> bool:
@@ -126,14 +140,15 @@ def packed_blocks(tensor: DTensor) -> dict[str, DTensor]:
     sharing this rank's storage: what torch's checkpoint reader and writer can place (they reject or misplace
     strided shards)."""
     names = tensor.device_mesh.mesh_dim_names
-    parts = tensor.placements[names.index("tp")].split_factor
-    placements = [Shard(0) if name == "tp" else p for name, p in zip(names, tensor.placements, strict=True)]
-    shape = torch.Size([tensor.shape[0] // parts, *tensor.shape[1:]])
+    strided = tensor.placements[names.index("tp")]
+    parts, dim = strided.split_factor, strided.dim
+    placements = [Shard(dim) if name == "tp" else p for name, p in zip(names, tensor.placements, strict=True)]
+    shape = torch.Size(size // parts if index == dim else size for index, size in enumerate(tensor.shape))
     stride = torch.empty(shape, device="meta").stride()
     mesh = tensor.device_mesh
     return {
         f"block{index}": DTensor.from_local(block, mesh, placements, run_check=False, shape=shape, stride=stride)
-        for index, block in enumerate(tensor.to_local().chunk(parts, dim=0))
+        for index, block in enumerate(tensor.to_local().chunk(parts, dim=dim))
     }
 
 
@@ -147,12 +162,13 @@ def packed_block_keys(keys: Iterable[str]) -> dict[str, list[str]]:
     return {name: sorted(group, key=lambda key: int(key.rpartition(".block")[2])) for name, group in blocks.items()}
 
 
-def _packed_linear_forward(self: nn.Linear, hidden: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:
+def _packed_forward(self: nn.Module, hidden: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:
     if not isinstance(hidden, DTensor):
         hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
     hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     bias = self.bias.to_local() if self.bias is not None else None
-    return F.linear(hidden, self.weight.to_local(), bias)
+    weight = self.weight.to_local()
+    return F.linear(hidden, weight.t() if is_conv1d(self) else weight, bias)
 
 
 class RegroupedColwiseParallel(ColwiseParallel):
@@ -182,3 +198,61 @@ class RegroupedColwiseParallel(ColwiseParallel):
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
         blocks = full.split(list(self.block_sizes), dim=-1)
         return torch.cat([block.chunk(size, dim=-1)[rank] for block in blocks], dim=-1)
+
+
+class Conv1DColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for transformers' ``Conv1D``: its weight is stored (in, out), so the output features it
+    splits are dim 1 of the weight (and dim 0 of the bias). Forward runs on DTensors, as torch's style does."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        return _distribute_conv1d(self, module, device_mesh, {"weight": Shard(1), "bias": Shard(0)})
+
+
+class Conv1DRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for transformers' ``Conv1D``: the input features it splits are dim 0 of the (in, out)
+    weight; the bias stays whole and DTensor adds it once to the summed output."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return _distribute_conv1d(self, module, device_mesh, {"weight": Shard(0), "bias": Replicate()})
+
+
+def _distribute_conv1d(
+    style: ColwiseParallel | RowwiseParallel, module: nn.Module, device_mesh: DeviceMesh, layouts: dict[str, Placement]
+) -> nn.Module:
+    """Shard a ``Conv1D``'s parameters as ``layouts`` says, with ``style``'s input and output layouts."""
+
+    def partition(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, [layouts[param_name]], src_data_rank=style.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    return distribute_module(
+        module,
+        device_mesh,
+        partition,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
+class VocabParallelEmbedding(RowwiseParallel):
+    """The vocabulary-parallel embedding of the Llama plan (``RowwiseParallel`` with whole token ids), whose output
+    is a tensor of its own: torch's is a view made by an autograd Function, which model code may not modify in place,
+    and some does (CTRL's ``inputs_embeds *= sqrt(d_model)``, GIT's ``embeddings += position_embeddings``).
+
+    ``sequence_parallel``: the output is the sequence-sharded residual stream, a ``Shard(1)`` DTensor."""
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        if sequence_parallel:
+            super().__init__(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+        else:
+            super().__init__(input_layouts=Replicate())
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh).clone()

@@ -1,0 +1,131 @@
+"""Derived plans (lightning_automodel.parallel.derived): the style each module of a block gets, from following the
+data through one meta-device step; no process group needed."""
+
+import pytest
+import torch
+from test_plans import coverage_model
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightning_automodel import ParallelDims, plan_report
+from lightning_automodel.parallel.derived import derived_plan
+from lightning_automodel.parallel.plans import pattern_matches, select_tp_plan
+from lightning_automodel.parallel.styles import (
+    Conv1DColwiseParallel,
+    Conv1DRowwiseParallel,
+    PackedColwiseParallel,
+    VocabParallelEmbedding,
+)
+
+COLWISE, ROWWISE = ColwiseParallel, RowwiseParallel
+
+# Block 0 of a type of every kind the derived plan covers: module (under the block) -> the style it must get.
+EXPECTED = {
+    # Post-norm BERT: separate q/k/v under their own names, exits named `dense`.
+    "bert": (
+        "bert.encoder.layer.0",
+        {
+            "attention.self.query": COLWISE,
+            "attention.self.key": COLWISE,
+            "attention.self.value": COLWISE,
+            "attention.output.dense": ROWWISE,
+            "intermediate.dense": COLWISE,
+            "output.dense": ROWWISE,
+        },
+    ),
+    # BART's decoder as a causal LM: its cross-attention never runs, and gets nothing.
+    "bart": (
+        "model.decoder.layers.0",
+        {
+            "self_attn.q_proj": COLWISE,
+            "self_attn.v_proj": COLWISE,
+            "self_attn.out_proj": ROWWISE,
+            "fc1": COLWISE,
+            "fc2": ROWWISE,
+            "encoder_attn.q_proj": None,
+        },
+    ),
+    # GPT-2's Conv1D layers; c_attn's output is split into [q; k; v]: packed.
+    "gpt2": (
+        "transformer.h.0",
+        {
+            "attn.c_attn": PackedColwiseParallel,
+            "attn.c_proj": Conv1DRowwiseParallel,
+            "mlp.c_fc": Conv1DColwiseParallel,
+            "mlp.c_proj": Conv1DRowwiseParallel,
+        },
+    ),
+    # GPT-NeoX-Japanese's fused qkv is viewed per head, (heads, 3 * head_dim): whole heads per rank, plain colwise.
+    "gpt_neox_japanese": (
+        "gpt_neox_japanese.layers.0",
+        {
+            "attention.query_key_value": COLWISE,
+            "attention.dense": ROWWISE,
+            "mlp.dense_h_to_4h": COLWISE,
+            "mlp.dense_4h_to_h": ROWWISE,
+        },
+    ),
+    # Moshi's fused [gate; up] is viewed as (2, intermediate) and taken apart along the 2: packed, not heads.
+    "moshi": ("model.layers.0", {"mlp.fc1": PackedColwiseParallel, "mlp.fc2": ROWWISE}),
+    # GPT-J's parallel block: attention and MLP both read the same norm's output, and are summed.
+    "gptj": (
+        "transformer.h.0",
+        {
+            "attn.q_proj": COLWISE,
+            "attn.k_proj": COLWISE,
+            "attn.out_proj": ROWWISE,
+            "mlp.fc_in": COLWISE,
+            "mlp.fc_out": ROWWISE,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", list(EXPECTED))
+def test_each_module_of_a_block_gets_the_style_its_data_flow_needs(model_type):
+    block, expected = EXPECTED[model_type]
+    plan = derived_plan(coverage_model(model_type), False)
+    for module, style in expected.items():
+        found = style_of(plan, f"{block}.{module}")
+        assert type(found) is style if style is not None else found is None, (module, found)
+    packed = [style.parts for name, style in plan.items() if isinstance(style, PackedColwiseParallel)]
+    assert set(packed) <= ({2} if model_type == "moshi" else {3}), packed
+
+
+def test_the_derived_plan_is_chosen_where_no_other_shards_the_blocks_and_named_so():
+    choice = select_tp_plan(coverage_model("gptj"), sp=False)
+    assert choice.source == "derived plan (entries column-, exits row-parallel) for GPTJForCausalLM", choice
+    assert "the default Llama-style plan leaves transformer.h.0.attn.k_proj" in choice.reason
+    assert choice.unsharded_weights == []
+
+
+def test_with_sp_the_exits_hand_on_sequence_shards_from_a_sequence_sharded_embedding():
+    plan = derived_plan(coverage_model("gptj"), True)
+    for name in ("transformer.h.0.attn.out_proj", "transformer.h.0.mlp.fc_out", "transformer.wte"):
+        style = style_of(plan, name)
+        assert style.output_layouts == (Shard(1),) and not style.use_local_output, name
+    assert style_of(plan, "transformer.h.0.attn.q_proj").input_layouts == (Replicate(),)  # a DTensor input gathers
+    with pytest.raises(ValueError, match="derived plan .* cannot be used: with sp=True a derived plan starts the"):
+        select_tp_plan(coverage_model("bert"), sp=True)  # its embedding stays whole
+
+
+def test_the_vocabulary_is_left_whole_where_the_lm_head_shares_a_parameter_with_a_head():
+    """BERT's decoder bias is also cls.predictions.bias: sharding it would untie it."""
+    plan = derived_plan(coverage_model("bert"), False)
+    assert not any(name.startswith("cls.") or "embeddings" in name for name in plan), sorted(plan)
+    gpt2 = derived_plan(coverage_model("gpt2"), False)
+    assert type(gpt2["lm_head"]) is ColwiseParallel and type(gpt2["transformer.wte"]) is VocabParallelEmbedding
+
+
+def test_the_plan_has_one_key_per_position_in_the_blocks_and_its_report_names_it():
+    with torch.device("meta"):
+        model = coverage_model("gpt2")
+    report = plan_report(model, ParallelDims(tp=2).resolve(2), sp=True)
+    assert report.plan_source == "derived plan (entries column-, exits row-parallel) for GPT2LMHeadModel", report
+    assert report.styles["transformer.h.*.attn.c_attn"] == ("PackedColwiseParallel", 3), report.styles
+    assert "tensor-parallel plan: derived plan (entries column-, exits row-parallel)" in str(report)
+
+
+def style_of(plan, name):
+    """The style ``plan`` gives module ``name`` (its keys may hold ``*``), or None."""
+    return next((style for pattern, style in plan.items() if pattern_matches(pattern, name)), None)

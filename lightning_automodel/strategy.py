@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
@@ -315,18 +316,31 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         """Verify the plan of a class met for the first time whose plan no family registered (``verify_plans``).
 
         Every rank verifies on its own, in a child process (verify_plan's simulation needs a process group of its
-        own), and none waits on another: the step is seeded and deterministic, so every rank reaches the same
-        verdict and a wrong plan raises the same error on all of them, before parallelize's first collective.
-        Verifying on rank 0 only would need a broadcast of the verdict, which a rank 0 failing in the child would
-        leave the other ranks waiting on.
+        own): the step is seeded and deterministic, so every rank should reach the same verdict. A child can still
+        fail on one rank only (out of memory, killed), so the ranks then exchange their outcomes, all of them
+        reaching that one collective, and every rank raises the first failure, before parallelize's first collective.
         """
         hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
         tp = axis_size(self.device_mesh, "tp")
         if tp == 1 or type(hf_model) in self._verified_classes or not plan_unregistered(hf_model, self.tp_plan):
             return
-        verification = verify_plan(
-            hf_model, tp=tp, sp=self.sp, tp_plan=self.tp_plan, allow_unsharded_linears=self.allow_unsharded_linears
-        )
+        verification, failure = None, None
+        try:
+            verification = verify_plan(
+                hf_model, tp=tp, sp=self.sp, tp_plan=self.tp_plan, allow_unsharded_linears=self.allow_unsharded_linears
+            )
+        except Exception as error:  # noqa: BLE001 - raised below on every rank, once all know
+            failure = error
+        outcomes = [None] * self.world_size
+        dist.all_gather_object(outcomes, None if failure is None else f"{type(failure).__name__}: {failure}")
+        failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+        if failure is not None:
+            raise failure
+        if failed:
+            rank, message = failed[0]
+            raise ValueError(
+                f"verify_plans: verifying the plan of {type(hf_model).__name__} failed on rank {rank}: {message}"
+            )
         self._verified_classes.add(type(hf_model))
         rank_zero_info(f"The plan of {type(hf_model).__name__} is verified:\n{verification}")
 

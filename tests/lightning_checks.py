@@ -299,6 +299,28 @@ def check_verify_plans_refuses_a_wrong_plan_everywhere() -> str:
     raise AssertionError("verify_plans did not refuse a plan that trains wrong")
 
 
+def check_verify_plans_failing_on_one_rank_stops_every_rank() -> str:
+    """A verification that fails on one rank only (its child process killed): every rank raises, none is left
+    waiting in parallelize's first collective."""
+    import lightning_automodel.strategy as strategy_module
+
+    verify_plan = strategy_module.verify_plan
+
+    def killed_on_rank_1(*args, **kwargs):
+        if dist.get_rank() == 1:
+            raise RuntimeError("verify_plan's child process failed: Killed")
+        return verify_plan(*args, **kwargs)
+
+    strategy_module.verify_plan = killed_on_rank_1
+    try:
+        trainer(AutoModelParallelStrategy(tp=2, verify_plans=True)).fit(CausalLM(tiny_model("granite")), data(1))
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        strategy_module.verify_plan = verify_plan
+    raise AssertionError("a verification failing on rank 1 did not stop training")
+
+
 def check_no_hf_model_is_an_error() -> str:
     class NoModel(CausalLM):
         def __init__(self) -> None:

@@ -5,6 +5,7 @@ import os
 import time
 from functools import partial
 
+import pytest
 import torch
 import torch.distributed as dist
 from coverage_checks import (
@@ -13,12 +14,15 @@ from coverage_checks import (
     PASS,
     REFUSAL,
     WRONG,
+    Reference,
     classify,
+    compare,
     coverage_check,
     describe_error,
     measure,
 )
 from harness import check_name, run_checks
+from parity import Outputs
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 # Today's verdict on one type of every kind docs/coverage.md shows, with a fragment of its detail (for a pass: of
@@ -118,7 +122,13 @@ def scripted_check(model_type: str, layout: str) -> dict:
             return {"status": "raised", "stage": "test", **describe_error(error)}
     assert model_type.startswith("fine"), model_type
     errors = {"loss": 0.0, "logits": 0.0, "grad": 0.0}
-    return {"status": "ran", "errors": errors, "worst_grad": "w", "grads_within_limits": True, "uninitialised_buffers": []}
+    return {
+        "status": "ran",
+        "errors": errors,
+        "worst_grad": "w",
+        "grads_within_limits": True,
+        "uninitialised_buffers": [],
+    }
 
 
 def test_a_hang_or_a_crash_ends_its_launch_and_the_sweep_goes_on():
@@ -133,3 +143,14 @@ def test_a_hang_or_a_crash_ends_its_launch_and_the_sweep_goes_on():
     assert "exited with code 3" in results[5][2]["detail"], results[5]
     assert "exited with code 3" in results[7][2]["detail"], results[7]  # judged once, not retried in every launch
     assert [launch for launch, _, _ in results] == [1, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+@pytest.mark.parametrize("nan_in", ["a", "b"])
+def test_a_nan_gradient_is_wrong_whatever_its_place(nan_in):
+    """Loss and logits right, one gradient NaN (a broken sharded backward): outside its limit, and named."""
+    grads = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])}
+    reference = Reference(None, None, Outputs(torch.tensor(1.0), torch.ones(2, 3), grads), dict.fromkeys(grads, 2e-5))
+    broken = {name: grad.clone() for name, grad in grads.items()}
+    broken[nan_in][0] = float("nan")
+    result = compare(Outputs(torch.tensor(1.0), torch.ones(2, 3), broken), reference, slice(0, 2))
+    assert not result["grads_within_limits"] and result["worst_grad"] == nan_in

@@ -129,3 +129,26 @@ def test_the_plan_has_one_key_per_position_in_the_blocks_and_its_report_names_it
 def style_of(plan, name):
     """The style ``plan`` gives module ``name`` (its keys may hold ``*``), or None."""
     return next((style for pattern, style in plan.items() if pattern_matches(pattern, name)), None)
+
+
+class MixingActivation(torch.nn.Module):
+    """An activation that mixes the MLP's hidden units (as softmax or a running sum over them would): each rank
+    holding half of them would compute something else, with every shape right."""
+
+    def __init__(self, mix):
+        super().__init__()
+        self.mix = mix
+
+    def forward(self, hidden):
+        return self.mix(hidden)
+
+
+@pytest.mark.parametrize("mix", [lambda h: h.softmax(-1), lambda h: h.cumsum(-1), lambda h: h.flip(-1)])
+def test_an_entry_whose_units_are_mixed_is_not_split(mix):
+    """Only element-wise operations leave an entry's split output as it is: GPT-2's c_fc followed by an operation
+    across its units gets no column-parallel style (the plan is refused, naming it)."""
+    model = coverage_model("gpt2")
+    for block in model.transformer.h:
+        block.mlp.act = MixingActivation(mix)
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.mlp\.c_fc"):
+        derived_plan(model, sp=False)

@@ -229,6 +229,11 @@ def test_tensors_torch_makes_real_under_the_meta_device_join_the_rest():
     assert not model.model.layers[0].self_attn.lambda_q1.is_meta
     assert is_meta(model)
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    with torch.device("meta"):
+        model = tiny_model()
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(model.lm_head.weight.shape))  # a matrix a user loaded
+    with pytest.raises(ValueError, match=r"\(lm_head\.weight are real\)"):
+        is_meta(model)
 
 
 def test_every_hugging_face_style_string_is_understood():

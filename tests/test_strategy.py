@@ -17,6 +17,7 @@ from lightning_checks import (
     check_self_parallelized_module_left_alone,
     check_trainer_gradient_clipping,
     check_trainer_parity,
+    check_verify_plans_failing_on_one_rank_stops_every_rank,
     check_verify_plans_refuses_a_wrong_plan_everywhere,
 )
 
@@ -42,10 +43,14 @@ def test_trainer_on_two_ranks():
         check_no_hf_model_is_an_error,
         check_invalid_size_raises_everywhere,
         check_verify_plans_refuses_a_wrong_plan_everywhere,
+        check_verify_plans_failing_on_one_rank_stops_every_rank,
     ]
     results = run_checks(2, checks)
     refusals = results["check_verify_plans_refuses_a_wrong_plan_everywhere()"]
     assert refusals[0] == refusals[1], refusals
+    rank0, rank1 = results["check_verify_plans_failing_on_one_rank_stops_every_rank()"]
+    assert rank0.startswith("ValueError: verify_plans: verifying the plan of GraniteForCausalLM failed on rank 1"), rank0
+    assert rank1 == "RuntimeError: verify_plan's child process failed: Killed", rank1
     for message in results["check_invalid_size_raises_everywhere()"]:
         assert "tp=3" in message and "valid tp sizes are [1, 2]" in message
 

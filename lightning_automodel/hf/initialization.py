@@ -149,7 +149,7 @@ def _init_lora_adapters(module: nn.Module, context: _Context, *, prefix: str) ->
     """Initialise a LoRA layer's adapters as PEFT does (``reset_lora_parameters``), after transformers' init
     has visited them as the plain Linears they are."""
     for adapter in module.lora_A:
-        init = peft_config[adapter].init_lora_weights if adapter in peft_config else True
+        init = context.peft_config[adapter].init_lora_weights if adapter in context.peft_config else True
         if init is False:  # PEFT leaves the Linears' own init: transformers' draw stands
             continue
         if init not in (True, "gaussian") or getattr(module, "lora_magnitude_vector", None):

@@ -24,8 +24,9 @@ The embedding and lm_head are vocabulary-parallel as in the Llama plan, unless t
 anything but the input embedding. The plan is then checked like any other, on a probe of the sharded copy.
 
 With sp=True the residual stream is a ``Shard(1)`` DTensor, as in the Llama plan: the embedding's output and every
-exit's (reduce-scattered) are sequence shards. Entries given that DTensor gather the sequence themselves (their style
-redistributes its input), and the probe finds the norms on the stream (parameters on sharded activations). Learned
+exit's (reduce-scattered) are sequence shards. Entries given that DTensor gather the sequence in their matmul
+(DTensor's sharding rule for a Shard(1) input and a column-sharded weight), and the probe finds the norms on the stream
+(parameters on sharded activations). Learned
 position embeddings outside the blocks (GPT-2's ``wpe``, OPT's ``embed_positions``), which model code adds to the
 stream, hand on replicated DTensors: DTensor then adds each rank's slice of the sequence. Whatever fits no layout fails
 the probe and is refused: model code mixing the stream with other plain tensors, or an embedding left whole.
@@ -361,12 +362,24 @@ def _use(func, tensor: torch.Tensor, args: tuple, outputs: list[torch.Tensor]) -
         return OTHER if trailing is None else None if trailing == 1 else HEADS
     if packet in _CONTRACTIONS:  # the next projection contracts the split dimension: a row-parallel exit
         return PLAIN if args[_CONTRACTIONS[packet]] is tensor else OTHER
+    if not _element_wise(func):  # softmax, cumsum, flip, gather, a norm: they mix the units a split would part
+        return OTHER
     alone = all(not isinstance(arg, torch.Tensor) or arg is tensor for arg in args)
     if outputs and all(o.shape == tensor.shape for o in outputs):
         return None if alone else PLAIN  # element-wise with other tensors: gate * up, a bias
     if len(outputs) == 1 and outputs[0].ndim >= tensor.ndim and outputs[0].shape[-1] == tensor.shape[-1]:
         return PLAIN  # broadcast against a larger tensor along the same last dimension
     return OTHER
+
+
+def _element_wise(func) -> bool:
+    """Whether ``func`` computes each element from the same element of its inputs: torch's pointwise operations,
+    copies and dropout (the same mask shape on every rank's units)."""
+    return torch.Tag.pointwise in func.tags or func.overloadpacket in _COPIES
+
+
+# Operations that copy their input element by element (a dtype cast, a detached alias, dropout's mask).
+_COPIES = {aten._to_copy, aten.copy_, aten.detach, aten.alias, aten.lift_fresh, aten.native_dropout}
 
 
 # Matrix products, with the position of the operand whose last dimension they contract.

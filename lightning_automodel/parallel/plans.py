@@ -235,7 +235,7 @@ def select_tp_plan(
 
     ``trace``: a probe step of the model (see :mod:`~lightning_automodel.parallel.probe`), where known: the weights
     of modules it never calls (a decoder's cross-attention) need no sharding, and a candidate without a
-    sequence-parallel layout of its own gets one with ``sp`` (see :mod:`~lightning_automodel.parallel.sequence_parallel`).
+    sequence-parallel layout of its own gets one with ``sp`` (see :mod:`.sequence_parallel`).
     """
     blocks = named_decoder_layers(model) if blocks is None else blocks
     called = trace.called if trace is not None else None

@@ -49,7 +49,9 @@ def with_sequence_parallel(model: nn.Module, plan: Mapping[str, ParallelStyle], 
     layout = {pattern: _sequence_parallel_style(style) for pattern, style in plan.items()}
     for pattern, style in plan.items():
         if _matches(pattern, embedding):
-            layout[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+            layout[pattern] = RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            )
         elif head is not None and _matches(pattern, head) and isinstance(style, ColwiseParallel):
             layout[pattern] = ColwiseParallel(
                 input_layouts=Shard(1), output_layouts=style.output_layouts[0], use_local_output=style.use_local_output
@@ -106,9 +108,7 @@ def _on_stream(arg, *, tokens: int, hidden: int) -> bool:
 
 def _read_by(trace: Trace, *, source: str, entries: list[str]) -> bool:
     """Whether a column-parallel projection, or a module holding one, is called on what ``source`` returned."""
-    readers = {
-        name for name, calls in trace.calls.items() if any(source in call.sources.values() for call in calls)
-    }
+    readers = {name for name, calls in trace.calls.items() if any(source in call.sources.values() for call in calls)}
     return any(entry == reader or entry.startswith(f"{reader}.") for entry in entries for reader in readers)
 
 

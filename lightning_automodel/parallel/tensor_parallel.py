@@ -160,7 +160,9 @@ def _probe_sharded(copy: nn.Module, mesh: DeviceMesh, planned: TensorParallelPla
 
 def _failure_message(model: nn.Module, source: str, failure: ProbeError, *, sp: bool) -> str:
     where = f"in {failure.module}" if failure.module else "in backward"
-    broken = f"The {source} breaks {type(model).__name__}: one step of the sharded model on the meta device fails {where}"
+    broken = (
+        f"The {source} breaks {type(model).__name__}: one step of the sharded model on the meta device fails {where}"
+    )
     if sp and "mixed torch.Tensor and DTensor" in failure.detail:
         return (
             f"{broken} ({failure.detail}). With sp=True the residual stream is split along the sequence (a DTensor),"

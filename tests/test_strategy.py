@@ -49,7 +49,7 @@ def test_trainer_on_two_ranks():
     refusals = results["check_verify_plans_refuses_a_wrong_plan_everywhere()"]
     assert refusals[0] == refusals[1], refusals
     rank0, rank1 = results["check_verify_plans_failing_on_one_rank_stops_every_rank()"]
-    assert rank0.startswith("ValueError: verify_plans: verifying the plan of GraniteForCausalLM failed on rank 1"), rank0
+    assert rank0.startswith("ValueError: verify_plans: verifying the plan of GraniteForCausalLM failed on rank 1")
     assert rank1 == "RuntimeError: verify_plan's child process failed: Killed", rank1
     for message in results["check_invalid_size_raises_everywhere()"]:
         assert "tp=3" in message and "valid tp sizes are [1, 2]" in message

@@ -183,7 +183,8 @@ built on the meta device, `parallelize(model, mesh, sp=...)` with the strategy's
 then the single-process model's weights loaded shard by shard. Loss, logits and every gradient (full tensors) are
 compared with the single-process run of the same batch (4 rows of 16 tokens, padded), within the tests' fp32 tolerance
 (2e-5 relative to each tensor's largest value; for a gradient whose single-process fp32 value is itself further than
-1e-5 from an fp64 run, as those through cancelling sums (DiffLlama's lambda vectors), twice that distance).
+5e-6 from an fp64 run, as those through cancelling sums (DiffLlama's lambda vectors), four times that distance, up
+to 1e-3).
 
 - **pass**: within tolerance. The percentage is the share of the decoder blocks' weight elements (those a
   text-only step trains) that tensor parallelism splits over the two ranks; `E`/`H` mark a vocabulary-sharded

@@ -50,6 +50,7 @@ from lightning_automodel.hf.initialization import copy_shard, materialize_hf_mod
 from lightning_automodel.hf.shrink import tiny_config
 from lightning_automodel.mesh import data_mesh
 from lightning_automodel.parallel import decoder_layers
+from lightning_automodel.parallel.verify import gradient_limits
 
 # Layouts of a world of two, as the strategy's arguments.
 LAYOUTS = {"tp2": dict(tp=2, sp=False), "tp2_sp": dict(tp=2, sp=True), "dp_shard2": dict(tp=1, sp=False)}
@@ -61,8 +62,6 @@ PASS, WRONG, REFUSAL, CRASH, HANG, NO_TINY_CONFIG = "pass", "wrong", "refusal", 
 VERDICTS = (PASS, WRONG, REFUSAL, CRASH, HANG, NO_TINY_CONFIG)
 # Gradients below this share of the model's largest are zero up to rounding (see parity.gradient_errors).
 ZERO_GRADIENT = 1e-5
-# The largest gradient limit rounding earns (see Reference.grad_limits): a missing reduction gives errors of order 1.
-ROUNDING_CEILING = 1e-3
 # A refusal is one of these, raised by this package's code with the same message on every rank.
 REFUSAL_TYPES = (ValueError, TypeError, NotImplementedError)
 PACKAGE_DIR = Path(lightning_automodel.__file__).parent
@@ -75,9 +74,8 @@ class Reference:
     config: Any
     model: nn.Module
     outputs: Outputs
-    # Each gradient's limit: the fp32 tolerance, or twice the single process's own error against fp64 where that is
-    # larger (gradients through sums that cancel, as DiffLlama's lambda vectors, hold more rounding than 2e-5), up to
-    # ROUNDING_CEILING: above it a gradient's rounding could hide a missing reduction, and the fp32 tolerance stands.
+    # Each gradient's limit: the fp32 tolerance, or four times the single process's own error against fp64 where that is
+    # larger, up to a ceiling (see lightning_automodel.parallel.verify.gradient_limits).
     grad_limits: dict[str, float]
 
 
@@ -133,23 +131,20 @@ def single_process_reference(model_type: str) -> Reference:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
         stage = "single-process step"
         outputs = single_process_outputs(model)
-        return Reference(config, model, outputs, gradient_limits(model, outputs))
+        return Reference(config, model, outputs, grad_limits_of(model, outputs))
     except Exception as error:  # noqa: BLE001 - transformers' own failures, reported as such
         raise NoTinyConfig(f"{stage}: {type(error).__name__}: {_first_line(error)}") from error
 
 
-def gradient_limits(model: nn.Module, outputs: Outputs) -> dict[str, float]:
-    """The largest error each gradient may have (see :class:`Reference`), from one step of an fp64 copy; the fp32
-    tolerance alone for a model whose kernels take no fp64 (grouped expert matmuls)."""
+def grad_limits_of(model: nn.Module, outputs: Outputs) -> dict[str, float]:
+    """The largest error each gradient may have (see :func:`lightning_automodel.parallel.verify.gradient_limits`),
+    from one step of an fp64 copy; the fp32 tolerance alone for a model whose kernels take no fp64."""
     try:
         exact = single_process_outputs(copy.deepcopy(model).double())
     except RuntimeError:
         return dict.fromkeys(outputs.grads, FP32_TOLERANCE)
-    rounding = gradient_errors(outputs, exact, floor=ZERO_GRADIENT)
-    return {
-        name: 2 * error if FP32_TOLERANCE < 2 * error <= ROUNDING_CEILING else FP32_TOLERANCE
-        for name, error in rounding.items()
-    }
+    loosened = gradient_limits(gradient_errors(outputs, exact, floor=ZERO_GRADIENT))
+    return {name: loosened.get(name, FP32_TOLERANCE) for name in outputs.grads}
 
 
 @functools.cache

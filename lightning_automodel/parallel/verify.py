@@ -19,6 +19,7 @@ the same verdict (the step is seeded and deterministic) and raises the same erro
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import pickle
@@ -49,6 +50,9 @@ FP32_TOLERANCE = 2e-5
 # Gradients below this share of the model's largest are zero up to rounding: a gradient zero in exact arithmetic (a
 # key bias before a softmax) holds rounding noise only, which relative to itself is of order 1 whatever the layout.
 ZERO_GRADIENT = 1e-5
+# A gradient's limit from rounding (see gradient_limits): a multiple of the single process's own fp32 error, at most
+# the ceiling (a missing reduction gives errors of order 1).
+ROUNDING_MARGIN, ROUNDING_CEILING = 4, 1e-3
 BATCH_SIZE, SEQ_LEN = 4, 16
 SHOWN = 8  # gradients listed in the table, worst first
 
@@ -70,6 +74,7 @@ class PlanVerification:
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
     tolerance: float = FP32_TOLERANCE
+    grad_limits: dict[str, float] = field(default_factory=dict)  # where rounding earns more (see gradient_limits)
 
     @property
     def worst_gradients(self) -> list[tuple[str, float]]:
@@ -78,7 +83,10 @@ class PlanVerification:
 
     @property
     def wrong_gradients(self) -> list[str]:
-        return [name for name, error in self.worst_gradients if not error < self.tolerance]
+        return [name for name, error in self.worst_gradients if not error < self.limit(name)]
+
+    def limit(self, name: str) -> float:
+        return self.grad_limits.get(name, self.tolerance)
 
     @property
     def passed(self) -> bool:
@@ -105,13 +113,15 @@ class PlanVerification:
         worst = self.worst_gradients
         rows = [("loss", self.loss_error), ("logits", self.logits_error), *worst[:SHOWN]]
         width = max(len(name) for name, _ in rows)
-        lines = [f"  {name:<{width}}  {error:.1e}  {self._mark(error)}" for name, error in rows]
+        lines = [f"  {name:<{width}}  {error:.1e}  {self._mark(name, error)}" for name, error in rows]
         if len(worst) > SHOWN:
             lines.append(f"  ... and {len(worst) - SHOWN} more gradients, the largest error {worst[SHOWN][1]:.1e}")
         return lines
 
-    def _mark(self, error: float) -> str:
-        return "ok" if error < self.tolerance else "WRONG"
+    def _mark(self, name: str, error: float) -> str:
+        limit = self.limit(name)
+        verdict = "ok" if error < limit else "WRONG"
+        return verdict if limit == self.tolerance else f"{verdict} (limit {limit:.0e}: its fp32 rounding)"
 
     def failure_message(self) -> str:
         """What is wrong, where, and what to do about it; the table follows."""
@@ -199,6 +209,7 @@ def verify_replica(
         tokens, labels = token_batch(_vocabulary(reference))
         expected_loss, expected_logits = loss_and_logits(reference, tokens, labels)
         expected_loss.backward()
+        limits = gradient_limits(_fp32_rounding(reference, tokens, labels))
         with simulated_ranks(tp):
             apply_tensor_parallel(model, tp_mesh(mesh), planned)
             load_weights(model, reference)
@@ -214,10 +225,43 @@ def verify_replica(
                 loss_error=relative_error(_full(loss), expected_loss.detach()),
                 logits_error=relative_error(_full(logits), expected_logits.detach()),
                 grad_errors={},
+                grad_limits=limits,
             )
             _compare_gradients(verification, model, reference)
     verification.seconds = time.perf_counter() - start
     return verification
+
+
+def gradient_limits(rounding: dict[str, float]) -> dict[str, float]:
+    """The gradients whose single-process fp32 error against fp64 (``rounding``) is larger than the fp32 tolerance
+    allows for, each with four times that error as its limit: gradients through sums that cancel (DiffLlama's lambda
+    vectors), or zero in exact arithmetic and above the zero floor (a key projection's bias before a softmax). Both
+    runs round, so their difference reaches the sum of their errors, and a layout summing in another order may round
+    more: four times leaves room for both. Up to ROUNDING_CEILING: a gradient rounding more than that could hide a
+    missing reduction (errors of order 1), and keeps the tolerance."""
+    return {
+        name: ROUNDING_MARGIN * error
+        for name, error in rounding.items()
+        if FP32_TOLERANCE < ROUNDING_MARGIN * error <= ROUNDING_CEILING
+    }
+
+
+def _fp32_rounding(reference: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Each gradient's error in ``reference`` (fp32, after its step) against an fp64 copy's; none for a model whose
+    kernels take no fp64 (grouped expert matmuls)."""
+    exact = copy.deepcopy(reference).double()
+    exact.zero_grad(set_to_none=True)
+    try:
+        loss_and_logits(exact, tokens, labels)[0].backward()
+    except RuntimeError:
+        return {}
+    expected = {name: p.grad.float() for name, p in exact.named_parameters() if p.grad is not None}
+    floor = ZERO_GRADIENT * max((g.abs().max().item() for g in expected.values()), default=0.0)
+    return {
+        name: relative_error(p.grad, expected[name], floor=max(floor, 1e-12))
+        for name, p in reference.named_parameters()
+        if p.grad is not None and name in expected
+    }
 
 
 def plan_unregistered(model: nn.Module, tp_plan: PlanSpec | None) -> bool:

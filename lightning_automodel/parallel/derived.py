@@ -34,8 +34,6 @@ the probe and is refused: model code mixing the stream with other plain tensors,
 
 from __future__ import annotations
 
-import re
-from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +47,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.lora import is_lora_layer
+from lightning_automodel.parallel.patterns import keyed_by_position
 from lightning_automodel.parallel.probe import (
     PROBE_TOKENS_PER_RANK,
     AnswerDataQuestions,
@@ -109,29 +108,7 @@ def derived_plan(model: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     for name in flow.exits:
         exit_style = Conv1DRowwiseParallel if is_conv1d(modules[name]) else RowwiseParallel
         plan[name] = exit_style(output_layouts=Shard(1), use_local_output=False) if sp else exit_style()
-    return _by_position(plan, names=list(modules))
-
-
-def _by_position(plan: dict[str, ParallelStyle], *, names: list[str]) -> dict[str, ParallelStyle]:
-    """One key per position in the blocks (``transformer.h.*.attn.c_attn``), as the family plans write them, where
-    every module at that position gets the same style; exact names elsewhere. Logs and plan reports stay short."""
-    groups: dict[str, list[tuple[str, ParallelStyle]]] = defaultdict(list)
-    for name, style in plan.items():
-        groups[_position(name)].append((name, style))
-    modules_at = Counter(_position(name) for name in names)
-    merged: dict[str, ParallelStyle] = {}
-    for position, members in groups.items():
-        same = len({_described(style) for _, style in members}) == 1 and len(members) == modules_at[position]
-        merged.update({position: members[0][1]} if same else dict(members))
-    return merged
-
-
-def _position(name: str) -> str:
-    return re.sub(r"\.\d+\.", ".*.", name, count=1)
-
-
-def _described(style: ParallelStyle) -> tuple:
-    return type(style), tuple(sorted((key, repr(value)) for key, value in vars(style).items()))
+    return keyed_by_position(plan, names=list(modules))
 
 
 def follow_projections(model: nn.Module) -> ProjectionFlow:

@@ -1,8 +1,13 @@
-"""Plan keys: fully qualified module names in which ``*`` stands for one path component."""
+"""Plan keys: fully qualified module names in which ``*`` stands for one path component, and one key for a module
+at its place in every block."""
 
 from __future__ import annotations
 
 import fnmatch
+import re
+from collections import Counter, defaultdict
+
+from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def pattern_matches(pattern: str, name: str) -> bool:
@@ -11,3 +16,26 @@ def pattern_matches(pattern: str, name: str) -> bool:
     if len(parts) != len(name_parts):
         return False
     return all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, name_parts, strict=True))
+
+
+def keyed_by_position(plan: dict[str, ParallelStyle], *, names: list[str]) -> dict[str, ParallelStyle]:
+    """One key per position in the blocks (``transformer.h.*.attn.c_attn``), as the family plans write them, where
+    every module at that position gets the same style; exact names elsewhere. Logs and plan reports stay short."""
+    groups: dict[str, list[tuple[str, ParallelStyle]]] = defaultdict(list)
+    for name, style in plan.items():
+        groups[block_position(name)].append((name, style))
+    modules_at = Counter(block_position(name) for name in names)
+    merged: dict[str, ParallelStyle] = {}
+    for position, members in groups.items():
+        same = len({_described(style) for _, style in members}) == 1 and len(members) == modules_at[position]
+        merged.update({position: members[0][1]} if same else dict(members))
+    return merged
+
+
+def block_position(name: str) -> str:
+    """The plan key for ``name`` at its place in every block: its first index replaced by ``*``."""
+    return re.sub(r"\.\d+\.", ".*.", name, count=1)
+
+
+def _described(style: ParallelStyle) -> tuple:
+    return type(style), tuple(sorted((key, repr(value)) for key, value in vars(style).items()))

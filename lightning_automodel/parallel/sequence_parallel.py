@@ -15,14 +15,13 @@ refused there, naming the module.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_automodel.parallel.patterns import pattern_matches
+from lightning_automodel.parallel.patterns import keyed_by_position, pattern_matches
 from lightning_automodel.parallel.probe import Trace
 from lightning_automodel.parallel.styles import SequenceParallelAllGather
 
@@ -59,10 +58,13 @@ def with_sequence_parallel(model: nn.Module, plan: Mapping[str, ParallelStyle], 
     hidden = model.get_input_embeddings().embedding_dim
     entries = [name for name, style in styled.items() if type(style) is not RowwiseParallel and name != head]
     norms = _stream_norms(modules, trace, hidden=hidden, styled=styled, entries=entries)
-    gathering = {name: _read_by(trace, source=name, entries=entries) for name in norms}
-    for key, gathers in _keyed_by_block(gathering, names=list(modules)).items():
-        layout[key] = SequenceParallelAllGather() if gathers else SequenceParallel(use_local_output=False)
-    return layout
+    norm_styles = {
+        name: SequenceParallelAllGather()
+        if _read_by(trace, source=name, entries=entries)
+        else SequenceParallel(use_local_output=False)
+        for name in norms
+    }
+    return {**layout, **keyed_by_position(norm_styles, names=list(modules))}
 
 
 def _sequence_parallel_style(style: ParallelStyle) -> ParallelStyle:
@@ -110,23 +112,6 @@ def _read_by(trace: Trace, *, source: str, entries: list[str]) -> bool:
     """Whether a column-parallel projection, or a module holding one, is called on what ``source`` returned."""
     readers = {name for name, calls in trace.calls.items() if any(source in call.sources.values() for call in calls)}
     return any(entry == reader or entry.startswith(f"{reader}.") for entry in entries for reader in readers)
-
-
-def _keyed_by_block(values: Mapping[str, bool], *, names: list[str]) -> dict[str, bool]:
-    """``values`` by plan key: one key for a module of every block (its block index replaced by ``*``,
-    ``model.layers.*.input_layernorm``) where the key names exactly those modules and they agree; their own names
-    otherwise."""
-    groups: dict[str, list[str]] = {}
-    for name in values:
-        groups.setdefault(re.sub(r"(?<=\.)\d+(?=\.)", "*", name, count=1), []).append(name)
-    keyed = {}
-    for key, members in groups.items():
-        named = [name for name in names if pattern_matches(key, name)]
-        if sorted(named) == sorted(members) and len({values[name] for name in members}) == 1:
-            keyed[key] = values[members[0]]
-        else:
-            keyed.update({name: values[name] for name in members})
-    return keyed
 
 
 def _name_of(modules: Mapping[str, nn.Module], module: nn.Module | None) -> str | None:

@@ -50,7 +50,7 @@ from lightning_automodel.hf.initialization import copy_shard, materialize_hf_mod
 from lightning_automodel.hf.shrink import tiny_config
 from lightning_automodel.mesh import data_mesh
 from lightning_automodel.parallel import decoder_layers
-from lightning_automodel.parallel.verify import gradient_limits
+from lightning_automodel.parallel.verify import fp64_copy, gradient_limits
 
 # Layouts of a world of two, as the strategy's arguments.
 LAYOUTS = {"tp2": dict(tp=2, sp=False), "tp2_sp": dict(tp=2, sp=True), "dp_shard2": dict(tp=1, sp=False)}
@@ -140,7 +140,7 @@ def grad_limits_of(model: nn.Module, outputs: Outputs) -> dict[str, float]:
     """The largest error each gradient may have (see :func:`lightning_automodel.parallel.verify.gradient_limits`),
     from one step of an fp64 copy; the fp32 tolerance alone for a model whose kernels take no fp64."""
     try:
-        exact = single_process_outputs(copy.deepcopy(model).double())
+        exact = single_process_outputs(fp64_copy(model))
     except RuntimeError:
         return dict.fromkeys(outputs.grads, FP32_TOLERANCE)
     loosened = gradient_limits(gradient_errors(outputs, exact, floor=ZERO_GRADIENT))

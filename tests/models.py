@@ -36,7 +36,9 @@ CONFIGS = {
     "phi3": Phi3Config,
     "phi3_gqa": Phi3Config,
     "granite": GraniteConfig,  # no registered plan: trained through its Hugging Face plan
-    "ernie_moe": Ernie4_5_MoeConfig,  # its router is pinned to fp32 (_keep_in_fp32_modules_strict); MoE: no TP
+    # Mixture of experts: 4 fused experts, top-2, a shared expert; its router is pinned to fp32
+    # (_keep_in_fp32_modules_strict).
+    "ernie_moe": Ernie4_5_MoeConfig,
 }
 FAMILIES = tuple(name for name in CONFIGS if name not in ("granite", "ernie_moe"))
 

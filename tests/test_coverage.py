@@ -69,6 +69,17 @@ EXPECTED = {
     # The lambda vectors act on the heads inside attention's own code: refused, in one order on every rank (was: the
     # names in each process's set order, a different message per rank).
     ("diffllama", "tp2"): (REFUSAL, "lambda_k1, model.layers.0.self_attn.lambda_k2", None),
+    # Mixture of experts (issue 15): fused experts split on their intermediate units, summed once per layer, the
+    # router replicated with its whole gradient (was: refused, "needs transformers' own runtime").
+    ("qwen3_moe", "tp2"): (PASS, "Hugging Face plan", 0.99),
+    ("mixtral", "tp2_sp"): (PASS, "Hugging Face plan", 1.0),  # the experts block on the sequence-parallel stream
+    # Its plan names lm_head only: the Llama-style plan completed with its experts (interleaved gate/up, stored
+    # (in, out), biases) and attention sinks split with their heads (was: refused; before, attention left whole).
+    ("gpt_oss", "tp2"): (PASS, "default Llama-style plan", 0.99),
+    # Latent attention (low-rank projections whole, the rotary key's gradient summed) and shared experts, which its
+    # plan leaves out, completed; grouped routing (was: refused).
+    ("deepseek_v3", "tp2"): (PASS, "Hugging Face plan", 0.87),
+    ("deepseek_v3", "tp2_sp"): (PASS, "Hugging Face plan", 0.87),
 }
 # Buffers only the constructor computes (xIELU's beta and eps): a meta-device build gets them too.
 NO_BUFFER_NOTE = (("apertus", "tp2"),)
@@ -83,14 +94,54 @@ def plain_gate_up(model, sp):
     return {**plan, **{name: ColwiseParallel() for name in plan if name.endswith("mlp.fc1")}}
 
 
+def rotary_key_gradient_left_partial(model, sp):
+    """DeepSeek-V3's plan with its latent key/value projection kept whole but its rotary key's gradient, partial on
+    each rank (it meets this rank's heads only), not summed."""
+    from lightning_automodel.parallel.plans import select_tp_plan
+    from lightning_automodel.parallel.styles import KeptWhole, LatentKeyValueProjection
+
+    plan = select_tp_plan(model, sp=sp).plan
+    return {key: KeptWhole() if isinstance(style, LatentKeyValueProjection) else style for key, style in plan.items()}
+
+
+def broken_experts(model_type: str, broken: str) -> dict:
+    """The coverage check with one mechanism of expert tensor parallel taken out (see BROKEN_EXPERTS)."""
+    from unittest import mock
+
+    from torch.distributed.tensor import Shard
+
+    from lightning_automodel.parallel.styles import summed_gradient
+
+    replacements = {
+        # gate and up split the plain way: rank 0 holds every expert's gate, rank 1 every expert's up
+        "_StridedShard": lambda dim, split_factor: Shard(dim),
+        # the router's gradient through the routing weights left partial on each rank
+        "_whole_input": lambda value, mesh: value,
+        # GPT-OSS's down_proj bias added whole by every rank (its gradient summed as the code does): its initial
+        # value is zero, so only the gradient, counted tp times, can tell
+        "_local_part": lambda param, mesh: (
+            summed_gradient(param.to_local(), mesh=mesh) if param.placements[0].is_replicate() else param.to_local()
+        ),
+    }
+    with mock.patch(f"lightning_automodel.parallel.experts.{broken}", replacements[broken]):
+        return coverage_check(model_type, "tp2")
+
+
 # The check catches a plan that runs and is wrong.
 PLAIN_GATE_UP = partial(coverage_check, "moshi", "tp2", tp_plan="test_coverage.plain_gate_up")
+BROKEN_EXPERTS = [
+    partial(broken_experts, "qwen3_moe", "_StridedShard"),
+    partial(broken_experts, "qwen3_moe", "_whole_input"),
+    partial(broken_experts, "gpt_oss", "_local_part"),
+    partial(coverage_check, "deepseek_v3", "tp2", tp_plan="test_coverage.rotary_key_gradient_left_partial"),
+]
 
 
 def test_todays_verdict_on_a_model_type_of_every_kind():
     checks = {job: partial(coverage_check, *job) for job in EXPECTED}
-    outcomes = run_checks(2, [*checks.values(), PLAIN_GATE_UP])
-    assert classify(outcomes[check_name(PLAIN_GATE_UP)])["verdict"] == WRONG
+    outcomes = run_checks(2, [*checks.values(), PLAIN_GATE_UP, *BROKEN_EXPERTS])
+    for broken in (PLAIN_GATE_UP, *BROKEN_EXPERTS):
+        assert classify(outcomes[check_name(broken)])["verdict"] == WRONG, (check_name(broken), outcomes)
     for job, (verdict, fragment, sharded) in EXPECTED.items():
         result = classify(outcomes[check_name(checks[job])])
         assert result["verdict"] == verdict, (job, result)

@@ -49,6 +49,14 @@ def test_family_plans_on_tp_times_fsdp():
     run_checks(4, checks)
 
 
+def test_mixture_of_experts_on_tp_times_fsdp():
+    """ERNIE-4.5-MoE (fused experts split on their intermediate units, a shared expert, an fp32 router) at tp=2 x
+    dp_shard=2: FSDP over the strided expert shards, the experts block on the sequence-parallel stream, activation
+    checkpointing recomputing the experts on local parameters; 3 AdamW steps against one process."""
+    checks = [partial(check_trainer_parity, 2, sp, sp, "ernie_moe") for sp in SP]
+    run_checks(4, checks)
+
+
 def test_modules_on_sharded_activations_are_found_whatever_their_names():
     """Per-head norms under any name, xIELU's learned scalars: the probe finds every plain parameter computing on
     sharded activations and makes its gradient right. HunYuan's query_layernorm/key_layernorm under a user plan that

@@ -242,9 +242,11 @@ def test_every_hugging_face_style_string_is_understood():
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
     names = set(ALL_PARALLEL_STYLES) | {"colwise_rep", "rowwise_rep", "sequence_parallel", "local_colwise", "local"}
+    with torch.device("meta"):
+        latent_attention = coverage_model("deepseek_v3")  # its config gives the rotary key's width
     for name in sorted(names):
         try:
-            translate_style(name, "model.layers.*.mlp")
+            translate_style(name, "model.layers.*.mlp", model=latent_attention)
         except ValueError as error:
             assert "needs transformers' own runtime" in str(error), (name, error)
             assert "'model.layers.*.mlp'" in str(error)
@@ -429,3 +431,65 @@ def test_parameters_no_init_sets_get_their_constructors_values():
         if "act_fn" in name:
             assert torch.equal(meta_apertus.get_parameter(name), param), name
     assert not any(p.isnan().any() for p in meta_apertus.parameters())
+
+
+def test_expert_placements_follow_each_layout():
+    """[gate; up] halves split block by block, GPT-OSS's interleaved (in, out) experts and their biases, and Llama 4's
+    (in, out) experts, which carry no layout flags."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from lightning_automodel.parallel.experts import expert_placements
+
+    def placements(model_type, path):
+        with torch.device("meta"):
+            return expert_placements(coverage_model(model_type).get_submodule(path), tp=2)
+
+    assert placements("qwen3_moe", "model.layers.0.mlp.experts") == {
+        "gate_up_proj": _StridedShard(1, split_factor=2),
+        "down_proj": Shard(2),
+    }
+    assert placements("gpt_oss", "model.layers.0.mlp.experts") == {
+        "gate_up_proj": Shard(2),
+        "gate_up_proj_bias": Shard(1),
+        "down_proj": Shard(1),
+        "down_proj_bias": Replicate(),
+    }
+    assert placements("llama4_text", "model.layers.0.feed_forward.experts") == {
+        "gate_up_proj": _StridedShard(2, split_factor=2),
+        "down_proj": Shard(1),
+    }
+    with torch.device("meta"), pytest.raises(ValueError, match="do not split as two halves over 3 tp ranks"):
+        expert_placements(coverage_model("qwen3_moe").model.layers[0].mlp.experts, tp=3)
+
+
+def test_plans_are_completed_with_experts_latent_attention_and_shared_experts():
+    """DeepSeek-V3's Hugging Face plan names its MLP only: completed with latent attention (low-rank projections kept
+    whole, the rotary key's gradient summed) and its shared experts. GPT-OSS's names lm_head only: measured by one
+    expert's matrix, its attention weights are large, and the completed Llama-style plan wins."""
+    from lightning_automodel.parallel.experts import ExpertTensorParallel
+    from lightning_automodel.parallel.styles import KeptWhole, LatentKeyValueProjection
+
+    with torch.device("meta"):
+        deepseek, gpt_oss = coverage_model("deepseek_v3"), coverage_model("gpt_oss")
+    choice = select_tp_plan(deepseek, sp=False)
+    assert choice.source == "Hugging Face plan of DeepseekV3ForCausalLM" and not choice.unsharded_weights
+    layer = "model.layers.*"
+    assert isinstance(choice.plan[f"{layer}.self_attn.kv_a_proj_with_mqa"], LatentKeyValueProjection)
+    assert type(choice.plan[f"{layer}.self_attn.q_a_proj"]) is KeptWhole
+    assert isinstance(choice.plan[f"{layer}.self_attn.kv_b_proj"], ColwiseParallel)
+    assert isinstance(choice.plan[f"{layer}.mlp.experts"], ExpertTensorParallel)
+    assert isinstance(choice.plan[f"{layer}.mlp.shared_experts.down_proj"], RowwiseParallel)
+    choice = select_tp_plan(gpt_oss, sp=False)
+    assert choice.source == "default Llama-style plan", choice
+    assert "model.layers.0.self_attn.q_proj" in choice.reason, choice.reason
+    assert isinstance(choice.plan[f"{layer}.mlp.experts"], ExpertTensorParallel)
+
+
+def test_lora_on_experts_is_refused_at_tp():
+    """peft's adapters on expert parameters (target_parameters) wrap the experts in layers tp cannot split yet."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    model = get_peft_model(coverage_model("qwen3_moe"), config).base_model.model
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.base_layer carries LoRA adapters"):
+        select_tp_plan(model, sp=False)

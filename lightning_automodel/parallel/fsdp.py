@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from lightning_automodel.parallel.blocks import layers_sharing_parameters
 from lightning_automodel.parallel.dtypes import compute_dtype_resolver, iter_maximal_uniform_dtype_subtrees
@@ -190,13 +190,18 @@ def _policy_for(
 
 
 def _shard_placement(param: nn.Parameter) -> Shard | None:
-    """Shard packed tensor-parallel weights on their input dim; every other parameter on dim 0 (FSDP's default).
+    """Shard packed tensor-parallel weights of projections on their input dim; every other parameter on dim 0
+    (FSDP's default), packed experts (strided over tp on dim 1 or 2) included.
 
     FSDP describes a dim-0 shard of a tensor-parallel shard as a strided shard that assumes the tp placement is
     a plain ``Shard(0)``. For a packed projection (tp placement ``_StridedShard(0)``) that description would
     be wrong: gathering the DTensor (``full_tensor``, checkpoints) would shuffle the rows. On another dim the two
     placements compose without ambiguity.
     """
-    if isinstance(param, DTensor) and param.ndim > 1 and any(isinstance(p, _StridedShard) for p in param.placements):
+    if isinstance(param, DTensor) and param.ndim > 1 and any(_strided_on(p, 0) for p in param.placements):
         return Shard(1)
     return None
+
+
+def _strided_on(placement: Placement, dim: int) -> bool:
+    return isinstance(placement, _StridedShard) and placement.dim == dim

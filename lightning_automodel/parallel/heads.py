@@ -22,7 +22,12 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from lightning_automodel.parallel.lora import LoraParallel
-from lightning_automodel.parallel.styles import PackedColwiseParallel, RegroupedColwiseParallel, is_packed
+from lightning_automodel.parallel.styles import (
+    HeadShardedParameters,
+    PackedColwiseParallel,
+    RegroupedColwiseParallel,
+    is_packed,
+)
 from lightning_automodel.parallel.validation import model_config
 
 
@@ -55,6 +60,22 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
         changed += [f"{name}.{attribute}" for attribute in attributes]
         changed += [f"{name}.config.{field}" for field in _localize_config(module, read, counts, tp)]
     return changed
+
+
+def head_parameter_styles(model: nn.Module, *, split: Collection[str]) -> dict[str, HeadShardedParameters]:
+    """Styles for the attention modules (those with a child whose output the plan splits) that hold parameters with
+    one entry per head of the model (GPT-OSS's sinks): each rank keeps its heads' entries, by module name."""
+    heads = getattr(model_config(model), "num_attention_heads", None)
+    if not _is_int(heads):
+        return {}
+    styles = {}
+    for name, module in model.named_modules():
+        if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
+            continue
+        per_head = [n for n, p in module.named_parameters(recurse=False) if p.ndim <= 2 and p.shape[0] == heads]
+        if per_head:
+            styles[name] = HeadShardedParameters(names=tuple(per_head))
+    return styles
 
 
 def _localize_config(module: nn.Module, read: frozenset[str] | None, counts: set[int], tp: int) -> list[str]:

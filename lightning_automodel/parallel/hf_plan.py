@@ -1,9 +1,10 @@
 """The model's own Hugging Face tensor-parallel plan, translated to torch ``ParallelStyle`` objects.
 
 Hugging Face names styles with strings (``config.base_model_tp_plan``, the class and instance ``_tp_plan``).
-Each string means a layout that torch's styles express directly; the few that need Hugging Face's own
-machinery (mixture-of-experts experts, MLA projections, local-tensor modules) are refused with the module
-they were meant for, so a plan is never applied half-understood.
+Each string means a layout that torch's styles express directly, or one of ours: the experts of a mixture-of-experts
+layer (:mod:`.experts`) and the latent projection of multi-head latent attention. The few left that need Hugging Face's
+own machinery (expert-parallel routing, local-tensor modules) are refused with the module they were meant for, so a
+plan is never applied half-understood.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_automodel.parallel.styles import PackedColwiseParallel
+from lightning_automodel.parallel.experts import ExpertTensorParallel
+from lightning_automodel.parallel.styles import LatentKeyValueProjection, PackedColwiseParallel
+from lightning_automodel.parallel.validation import model_config
 
 # Hugging Face style string -> the torch style with the same layout. Covers transformers 4.4x to 5.x.
 _TRANSLATIONS: dict[str, Callable[[], ParallelStyle | None]] = {
@@ -33,24 +36,23 @@ _TRANSLATIONS: dict[str, Callable[[], ParallelStyle | None]] = {
     # finds every module computing on sharded activations and sums its gradients (parallel/activations.py).
     "replicated_with_grad_allreduce": lambda: None,
     "packed_colwise": lambda: PackedColwiseParallel(parts=2),
+    "moe_tp_experts": ExpertTensorParallel,
     # Kept whole on every rank: nothing to shard.
     "replicate": lambda: None,
     "local": lambda: None,
 }
 
-# Understood, but they need Hugging Face's own runtime (expert routing, MLA, local-parameter forwards).
+# Understood, but they need Hugging Face's own runtime (expert routing, local-parameter forwards).
 _UNSUPPORTED = {
     "packed_rowwise": "mixture-of-experts experts",
     "local_packed_rowwise": "mixture-of-experts experts",
-    "moe_tp_experts": "mixture-of-experts experts",
-    "moe_identity_expert": "mixture-of-experts experts",
+    "moe_identity_expert": "mixture-of-experts identity experts",
     "grouped_gemm": "mixture-of-experts experts",
     "ep_router": "expert-parallel routing",
     "ep_dispatch_experts": "expert-parallel routing",
     "isolated": "expert-parallel routing",
     "gather": "expert-parallel routing",
     "all_reduce": "mixture-of-experts shared experts",
-    "mla_kv_a_proj": "multi-head latent attention",
     "local_params": "modules that run on local parameters",
 }
 
@@ -58,8 +60,18 @@ _UNSUPPORTED = {
 _VOCAB_PARALLEL_STYLES = {"colwise", "colwise_rep", "colwise_gather_output"}
 
 
-def translate_style(style: str, module_name: str) -> ParallelStyle | None:
-    """The torch style for Hugging Face's ``style`` string on ``module_name``; None: leave it replicated."""
+def translate_style(style: str, module_name: str, *, model: nn.Module | None = None) -> ParallelStyle | None:
+    """The torch style for Hugging Face's ``style`` string on ``module_name`` of ``model``; None: keep it whole.
+    ``model`` is read for the width of latent attention's rotary key only."""
+    if style == "mla_kv_a_proj":
+        rotary_width = getattr(model_config(model), "qk_rope_head_dim", None) if model is not None else None
+        if not isinstance(rotary_width, int):
+            raise ValueError(
+                f"The Hugging Face tensor-parallel style 'mla_kv_a_proj' of {module_name!r} is for multi-head latent"
+                " attention, whose config gives the rotary key's width (qk_rope_head_dim); this model's does not."
+                " Pass tp_plan= with torch ParallelStyles for this model, or use tp=1."
+            )
+        return LatentKeyValueProjection(rotary_width=rotary_width)
     if style in _TRANSLATIONS:
         return _TRANSLATIONS[style]()
     if style in _UNSUPPORTED:
@@ -104,11 +116,14 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     if not strings:
         raise ValueError(f"{type(model).__name__} has no Hugging Face tensor-parallel plan (_tp_plan).")
     plan: dict[str, ParallelStyle] = {}
+    experts = [pattern for pattern, style in strings.items() if style == "moe_tp_experts"]
     for pattern, style in strings.items():
+        if pattern.rpartition(".")[0] in experts:
+            continue  # a parameter of experts split whole by ExpertTensorParallel
         if pattern.rpartition(".")[2] == "lm_head" and style in _VOCAB_PARALLEL_STYLES:
             plan[pattern] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
             continue
-        translated = translate_style(style, pattern)
+        translated = translate_style(style, pattern, model=model)
         if translated is not None:
             plan[pattern] = translated
     embedding = model.get_input_embeddings()

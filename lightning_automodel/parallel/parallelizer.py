@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from lightning_automodel.mesh import axis_size, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.blocks import decoder_layers, named_decoder_layers
 from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
+from lightning_automodel.parallel.experts import give_every_expert_a_gradient
 from lightning_automodel.parallel.fsdp import apply_fsdp
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
@@ -116,6 +117,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             apply_tensor_parallel(model, tp_mesh(device_mesh), planned)
         if activation_checkpointing:
             apply_activation_checkpointing(model, layers, mode=activation_checkpointing)
+        give_every_expert_a_gradient(model)
         apply_fsdp(
             model,
             layers,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -27,7 +26,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_automodel.parallel.blocks import named_decoder_layers
+from lightning_automodel.parallel.completion import completed
 from lightning_automodel.parallel.derived import derived_plan
+from lightning_automodel.parallel.experts import ExpertTensorParallel, experts_problem
 from lightning_automodel.parallel.hf_plan import hf_style_strings, hf_tp_plan, translate_style
 from lightning_automodel.parallel.lora import LoraParallel, is_lora_layer
 from lightning_automodel.parallel.patterns import pattern_matches
@@ -36,6 +37,7 @@ from lightning_automodel.parallel.sequence_parallel import with_sequence_paralle
 from lightning_automodel.parallel.styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
+    KeptWhole,
     PackedColwiseParallel,
     RegroupedColwiseParallel,
     SequenceParallelAllGather,
@@ -187,7 +189,7 @@ def _resolve_user_plan(spec: PlanSpec, model: nn.Module, sp: bool) -> TPPlan:
         )
     plan = {}
     for pattern, style in spec.items():
-        style = translate_style(style, pattern) if isinstance(style, str) else style
+        style = translate_style(style, pattern, model=model) if isinstance(style, str) else style
         if style is not None:  # "replicate": nothing to shard
             plan[pattern] = style
     return plan
@@ -275,15 +277,16 @@ def _candidates(model: nn.Module, *, trace: Trace | None) -> list[tuple[str, Cal
     if hf_style_strings(model):
         candidates.append((f"Hugging Face plan of {name}", lambda sp: _hf_plan(model, sp=sp, trace=trace)))
     # The layout many decoder-only families share, under the names Llama gives it.
-    candidates.append(("default Llama-style plan", lambda sp: llama_plan(model, sp)))
+    candidates.append(("default Llama-style plan", lambda sp: completed(model, llama_plan(model, sp), sp=sp)))
     # Entries column-, exits row-parallel, found by following the data through the blocks, whatever their names.
-    candidates.append((f"derived plan (entries column-, exits row-parallel) for {name}", partial(derived_plan, model)))
+    derived_source = f"derived plan (entries column-, exits row-parallel) for {name}"
+    candidates.append((derived_source, lambda sp: completed(model, derived_plan(model, sp), sp=sp)))
     return candidates
 
 
 def _hf_plan(model: nn.Module, *, sp: bool, trace: Trace | None) -> TPPlan:
     """The model's Hugging Face plan; with ``sp``, the sequence-parallel layout derived for it (they carry none)."""
-    plan = hf_tp_plan(model)
+    plan = completed(model, hf_tp_plan(model), sp=sp)
     return with_sequence_parallel(model, plan, trace=trace) if sp else plan
 
 
@@ -358,10 +361,12 @@ def coverage(
 ) -> Coverage:
     """What ``plan`` does to the large weights of ``blocks``, judged from its styles without applying it.
 
-    Large: at least an eighth of the block's largest weight (tensors of two or more dimensions) among the weights of
-    modules a step calls (``called``, by module name; every module when None). A weight counts as
-    sharded when a style that splits weights (column-, row-wise, packed, and their LoRA forms) matches its module or
-    a module around it. A style matched to a module it cannot shard makes the plan unusable.
+    Large: at least an eighth of the block's largest matrix (an expert's, for experts fused in a 3D tensor) among the
+    weights (tensors of two or more dimensions) of
+    modules a step calls (``called``, by module name; every module when None), but for low-rank projections a plan
+    keeps whole on purpose. A weight counts as sharded when a style that splits weights (column-, row-wise, packed,
+    experts, and their LoRA forms) matches its module or a module around it. A style matched to a module it cannot
+    shard makes the plan unusable.
     """
     modules = dict(model.named_modules())
     matched = [(name, style) for pattern, style in plan.items() for name in modules if pattern_matches(pattern, name)]
@@ -371,16 +376,21 @@ def coverage(
             return Coverage([], 0.0, unusable=f"{problem} ({name})", matches_any=True)
     sharding = [name for name, style in matched if isinstance(style, _WEIGHT_SHARDING_STYLES)]
     sharded = {id(p) for name in sharding for p in modules[name].parameters()}
+    whole_by_design = {
+        id(p) for name, style in matched if isinstance(style, KeptWhole) for p in modules[name].parameters()
+    }
     unsharded, total, split = [], 0, 0
     for block_name, block in blocks:
         weights = {
             id(p): (name, p)
             for name, p in block.named_parameters()
-            if p.ndim >= 2 and (called is None or called(_join(block_name, name.rpartition(".")[0])))
+            if p.ndim >= 2
+            and id(p) not in whole_by_design
+            and (called is None or called(_join(block_name, name.rpartition(".")[0])))
         }
-        largest = max((p.numel() for _, p in weights.values()), default=0)
+        largest = max((_matrix_size(p) for _, p in weights.values()), default=0)
         for pid, (name, param) in weights.items():
-            if param.numel() * 8 < largest:
+            if _matrix_size(param) * 8 < largest:
                 continue
             total += param.numel()
             if pid in sharded:
@@ -391,12 +401,18 @@ def coverage(
     return Coverage(unique, split / total if total else 1.0, matches_any=bool(matched))
 
 
+def _matrix_size(param: nn.Parameter) -> int:
+    """The elements of one matrix of a weight: an expert's for fused experts, whose tokens each meet a few experts;
+    measured by the whole tensor, a layer of 128 experts would make every attention weight look small."""
+    return param[0].numel() if param.ndim == 3 else param.numel()
+
+
 def _join(block_name: str, module_name: str) -> str:
     return f"{block_name}.{module_name}" if module_name else block_name
 
 
 # Styles that split the weights of the module they are given (the rest prepare inputs and outputs, or replicate).
-_WEIGHT_SHARDING_STYLES = (ColwiseParallel, RowwiseParallel, PackedColwiseParallel, LoraParallel)
+_WEIGHT_SHARDING_STYLES = (ColwiseParallel, RowwiseParallel, PackedColwiseParallel, LoraParallel, ExpertTensorParallel)
 
 
 def _shardable(style: ParallelStyle) -> tuple[type, ...]:
@@ -416,6 +432,8 @@ def unsupported_target(style: ParallelStyle, module: nn.Module) -> str | None:
     """Why ``style`` cannot shard ``module`` (torch's styles raise mid-way through sharding), or None."""
     base = module.base_layer if is_lora_layer(module) else module
     inner = style.style if isinstance(style, LoraParallel) else style
+    if isinstance(inner, ExpertTensorParallel):
+        return experts_problem(base)
     supported = _shardable(inner)
     if not supported or isinstance(base, supported):
         return None

@@ -82,13 +82,18 @@ class ProbeError(Exception):
 def meta_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every parameter and buffer on the meta device; no weight is copied.
 
-    Ties survive (a shared tensor maps to one meta tensor), and so does which parameters train.
+    Ties survive (a shared tensor maps to one meta tensor), and so does which parameters train. Mixture-of-experts
+    layers compute by batched matmul: the shapes of the eager loop over experts depend on the routing, and the grouped
+    kernel's meta function accepts bf16 only.
     """
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         empty = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    if getattr(getattr(copied, "config", None), "_experts_implementation", None) not in (None, "batched_mm"):
+        copied.set_experts_implementation("batched_mm")
+    return copied
 
 
 def sequence_lengths(model: nn.Module, *, tp: int) -> list[int]:

@@ -5,7 +5,8 @@ Each style is a small subclass of a torch ``ParallelStyle`` that changes only th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from types import MethodType
 
@@ -256,3 +257,94 @@ class VocabParallelEmbedding(RowwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh).clone()
+
+
+class KeptWhole(ParallelStyle):
+    """A projection every rank keeps whole on purpose, so that the coverage check counts its weight as whole by
+    design: a low-rank down-projection (multi-head latent attention's ``q_a_proj``: its output, a few hundred units
+    wide, goes through a norm over all of them into a column-parallel up-projection, whose input gradient torch's
+    style sums over tp; split, it would save little and cost a gather), or a mixture-of-experts router (every rank
+    must route every token alike). Given the gathered sequence-parallel stream (a replicated DTensor), it computes on
+    this rank's copy: its output's gradient is whole on every rank already."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(lambda module, args: tree_map(whole_local, args))
+        return module
+
+
+def whole_local(value: object) -> object:
+    """A DTensor (the gathered sequence-parallel stream, a replicated DTensor) as this rank's whole copy; anything
+    else as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class LatentKeyValueProjection(KeptWhole):
+    """The down-projection of multi-head latent attention (DeepSeek-V2/V3's ``kv_a_proj_with_mqa``), kept whole.
+
+    Its output is [compressed kv; rotary key]. The compressed part goes through ``kv_b_proj``, column-parallel, whose
+    input gradient torch's style sums over tp. The rotary key, one head shared by all, goes straight into attention,
+    where each rank uses it for its own heads only: its gradient is partial on each rank and is summed here, on its
+    way back into the projection.
+    """
+
+    def __init__(self, *, rotary_width: int) -> None:
+        super().__init__()
+        self.rotary_width = rotary_width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        module.register_forward_hook(partial(self._sum_rotary_gradient, device_mesh))
+        return module
+
+    def _sum_rotary_gradient(self, device_mesh: DeviceMesh, module: nn.Module, args: tuple, output: torch.Tensor):
+        compressed, rotary = output.split([output.shape[-1] - self.rotary_width, self.rotary_width], dim=-1)
+        return torch.cat([compressed, summed_gradient(rotary, mesh=device_mesh)], dim=-1)
+
+
+def summed_gradient(value: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:
+    """``value`` itself, whole on every rank; in backward, its gradient (each rank's part) summed over ``mesh``:
+    Megatron's copy into the tensor-parallel region."""
+    return DTensor.from_local(value, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class HeadShardedParameters(ParallelStyle):
+    """Parameters an attention module keeps per head (GPT-OSS's attention sinks), split with the heads it computes.
+
+    The module's own code combines them with its heads inside attention: once the plan splits the heads, each rank
+    needs the entries of its own heads, in order. They become ``Shard(0)`` DTensors (checkpoints keep the whole
+    vector), and the module's forward runs on this rank's entries; each entry's gradient comes from its rank alone.
+    """
+
+    def __init__(self, *, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            param = getattr(module, name)
+            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.forward = MethodType(partial(_forward_on_local_parameters, forward=module.forward), module)
+        return module
+
+
+def _forward_on_local_parameters(self: nn.Module, *args, forward: Callable, **kwargs):
+    with local_parameters(self):
+        return forward(*args, **kwargs)
+
+
+@contextmanager
+def local_parameters(
+    module: nn.Module, local_of: Callable[[DTensor], torch.Tensor] = DTensor.to_local
+) -> Iterator[None]:
+    """Hand the module's own code this rank's part of each of its DTensor parameters (``local_of``, by default the
+    local shard) for the duration of one call: for code DTensor has no rules for, or that mixes them with local
+    tensors."""
+    held = dict(module._parameters)
+    try:
+        for name, param in held.items():
+            if isinstance(param, DTensor):
+                module._parameters[name] = local_of(param)
+        yield
+    finally:
+        module._parameters.update(held)

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_automodel.parallel.activations import LayoutMismatch, find_sharded_activations
 from lightning_automodel.parallel.blocks import named_decoder_layers
-from lightning_automodel.parallel.heads import localize_head_counts, splits_outputs
+from lightning_automodel.parallel.heads import head_parameter_styles, localize_head_counts, splits_outputs
 from lightning_automodel.parallel.lora import lora_aware
 from lightning_automodel.parallel.patterns import pattern_matches
 from lightning_automodel.parallel.plans import PlanChoice, PlanSpec, select_tp_plan
@@ -74,7 +74,10 @@ def plan_tensor_parallel(
     copy = meta_copy(model)
     styles = lora_aware(choice.plan, copy)
     split = _shard_keeping_ties(copy, mesh, styles)
-    planned = TensorParallelPlan(choice, dict(styles), head_counts=localize_head_counts(copy, mesh.size(), split=split))
+    per_head = head_parameter_styles(copy, split=split)
+    _shard_keeping_ties(copy, mesh, per_head)
+    styles = {**styles, **per_head}
+    planned = TensorParallelPlan(choice, styles, head_counts=localize_head_counts(copy, mesh.size(), split=split))
     if isinstance(unsharded, Trace):
         _probe_sharded(copy, mesh, planned, unsharded=unsharded, sp=sp)
     return planned

@@ -248,8 +248,8 @@ def gradient_limits(rounding: dict[str, float]) -> dict[str, float]:
 
 def _fp32_rounding(reference: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     """Each gradient's error in ``reference`` (fp32, after its step) against an fp64 copy's; none for a model whose
-    kernels take no fp64 (grouped expert matmuls)."""
-    exact = copy.deepcopy(reference).double()
+    kernels take no fp64."""
+    exact = fp64_copy(reference)
     exact.zero_grad(set_to_none=True)
     try:
         loss_and_logits(exact, tokens, labels)[0].backward()
@@ -262,6 +262,15 @@ def _fp32_rounding(reference: nn.Module, tokens: torch.Tensor, labels: torch.Ten
         for name, p in reference.named_parameters()
         if p.grad is not None and name in expected
     }
+
+
+def fp64_copy(model: nn.Module) -> nn.Module:
+    """``model`` in fp64, for measuring rounding; mixture-of-experts layers loop over their experts (the grouped
+    matmul kernel takes no fp64)."""
+    exact = copy.deepcopy(model).double()
+    if getattr(getattr(exact, "config", None), "_experts_implementation", None) not in (None, "eager"):
+        exact.set_experts_implementation("eager")
+    return exact
 
 
 def plan_unregistered(model: nn.Module, tp_plan: PlanSpec | None) -> bool:

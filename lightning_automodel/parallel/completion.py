@@ -1,0 +1,88 @@
+"""Completing a plan with the layouts its patterns leave out: the experts of mixture-of-experts layers, their routers
+(kept whole), their shared experts (a gated MLP under Llama's names, wherever it sits) and multi-head latent attention,
+found by their structure.
+
+Hugging Face plans written before transformers fused the experts (GPT-OSS's), that leave attention out (DeepSeek-V3
+lists only its MLP) or the shared experts (Qwen2-MoE), and the Llama-style and derived plans, which name projections
+only, would leave these blocks whole; completed, they shard them like the plans that name them.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_automodel.parallel.experts import ExpertTensorParallel, SequenceParallelExpertsBlock, is_experts
+from lightning_automodel.parallel.lora import is_lora_layer
+from lightning_automodel.parallel.patterns import keyed_by_position, pattern_matches
+from lightning_automodel.parallel.styles import KeptWhole, LatentKeyValueProjection
+from lightning_automodel.parallel.validation import model_config
+
+# Multi-head latent attention under transformers' names: the down-projections stay whole, the per-head up-projections
+# are column- and the output row-parallel.
+_LATENT_ATTENTION = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+_GATED_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def completed(model: nn.Module, plan: dict[str, ParallelStyle], *, sp: bool) -> dict[str, ParallelStyle]:
+    """``plan`` with styles for every experts module and latent-attention projection none of its patterns match;
+    with ``sp``, every mixture-of-experts block computes on the whole sequence (:class:`SequenceParallelExpertsBlock`).
+    """
+    names = [name for name, _ in model.named_modules()]
+    structural = _structural_styles(model)
+    if sp:
+        blocks = {
+            name.rpartition(".")[0] for name, style in structural.items() if isinstance(style, ExpertTensorParallel)
+        }
+        structural.update({block: SequenceParallelExpertsBlock() for block in blocks})
+    missing = {name: style for name, style in structural.items() if not any(pattern_matches(p, name) for p in plan)}
+    return {**plan, **keyed_by_position(missing, names=names)} if missing else plan
+
+
+def _structural_styles(model: nn.Module) -> dict[str, ParallelStyle]:
+    styles: dict[str, ParallelStyle] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if is_experts(module) and is_lora_layer(modules[name.rpartition(".")[0]]):
+            raise ValueError(
+                f"{name} carries LoRA adapters on its expert parameters (peft's target_parameters), which tensor"
+                " parallel does not split yet: target the attention and dense layers only, or use tp=1"
+            )
+        if is_experts(module):
+            styles[name] = ExpertTensorParallel()
+            styles.update(dict.fromkeys(_routers(modules, experts=name), KeptWhole()))
+        elif _has_linears(module, _LATENT_ATTENTION):
+            styles.update({f"{name}.{child}": style for child, style in _latent_attention(model, module).items()})
+        elif _has_linears(module, _GATED_MLP):
+            gate_up = {f"{name}.{child}": ColwiseParallel() for child in _GATED_MLP[:2]}
+            styles.update({**gate_up, f"{name}.down_proj": RowwiseParallel()})
+    return styles
+
+
+def _routers(modules: dict[str, nn.Module], *, experts: str) -> list[str]:
+    """The modules of the experts' block holding a matrix with a row per expert: routers, whole on every rank."""
+    block, counts = experts.rpartition(".")[0], {p.shape[0] for p in modules[experts].parameters(recurse=False)}
+    return [
+        name
+        for name, module in modules.items()
+        if name.startswith(f"{block}.")
+        and not name.startswith(experts)
+        and any(p.ndim == 2 and p.shape[0] in counts for p in module.parameters(recurse=False))
+    ]
+
+
+def _has_linears(module: nn.Module, children: tuple[str, ...]) -> bool:
+    return all(isinstance(getattr(module, child, None), nn.Linear) for child in children)
+
+
+def _latent_attention(model: nn.Module, attention: nn.Module) -> dict[str, ParallelStyle]:
+    rotary_width = model_config(model).qk_rope_head_dim
+    styles: dict[str, ParallelStyle] = {
+        "q_a_proj": KeptWhole(),
+        "q_b_proj": ColwiseParallel(),
+        "q_proj": ColwiseParallel(),  # without a query low-rank projection
+        "kv_a_proj_with_mqa": LatentKeyValueProjection(rotary_width=rotary_width),
+        "kv_b_proj": ColwiseParallel(),
+        "o_proj": RowwiseParallel(),
+    }
+    return {child: style for child, style in styles.items() if isinstance(getattr(attention, child, None), nn.Linear)}

@@ -119,7 +119,7 @@ def broken_experts(model_type: str, broken: str) -> dict:
         "_whole_input": lambda value, mesh: value,
         # GPT-OSS's down_proj bias added whole by every rank (its gradient summed as the code does): its initial
         # value is zero, so only the gradient, counted tp times, can tell
-        "_local_part": lambda param, mesh: (
+        "_this_ranks_part": lambda param, mesh: (
             summed_gradient(param.to_local(), mesh=mesh) if param.placements[0].is_replicate() else param.to_local()
         ),
     }
@@ -132,7 +132,7 @@ PLAIN_GATE_UP = partial(coverage_check, "moshi", "tp2", tp_plan="test_coverage.p
 BROKEN_EXPERTS = [
     partial(broken_experts, "qwen3_moe", "_StridedShard"),
     partial(broken_experts, "qwen3_moe", "_whole_input"),
-    partial(broken_experts, "gpt_oss", "_local_part"),
+    partial(broken_experts, "gpt_oss", "_this_ranks_part"),
     partial(coverage_check, "deepseek_v3", "tp2", tp_plan="test_coverage.rotary_key_gradient_left_partial"),
 ]
 

@@ -493,3 +493,14 @@ def test_lora_on_experts_is_refused_at_tp():
     model = get_peft_model(coverage_model("qwen3_moe"), config).base_model.model
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.base_layer carries LoRA adapters"):
         select_tp_plan(model, sp=False)
+
+
+def test_experts_computing_more_than_their_weighted_sum_are_refused():
+    """Longcat-Flash's identity experts would be summed over tp like partial outputs: refused, named."""
+    from lightning_automodel.parallel.experts import experts_problem
+
+    with torch.device("meta"):
+        experts = coverage_model("longcat_flash").model.layers[0].mlp.experts
+    assert "computes more than its experts' weighted sum (['identity_expert'])" in experts_problem(experts)
+    with torch.device("meta"):
+        assert experts_problem(coverage_model("qwen3_moe").model.layers[0].mlp.experts) is None

@@ -12,8 +12,8 @@ The module's own forward runs on this rank's local parameters (whichever experts
 eager loop, batched or grouped matmul; DTensor has no rules for the routing ops). Its floating-point inputs, the
 tokens and the routing weights, are whole on every rank and each rank's partial output depends on them, so their
 gradients are summed over tp on the way back: the router gets the gradient of the whole layer. A bias of
-``down_proj`` (GPT-OSS), whole on every rank, is added as a 1/tp share by each, so that the sum adds it once (exact
-for tp a power of two), and its gradient is summed likewise.
+``down_proj`` (GPT-OSS), whole on every rank, is added as a 1/tp share by each, so that the sum adds it once (up to
+the rounding of the sum it joins), and its gradient is summed likewise.
 """
 
 from __future__ import annotations
@@ -55,7 +55,17 @@ def experts_problem(module: nn.Module) -> str | None:
     unknown = sorted({name for name, _ in module.named_parameters()} - known)
     if unknown:
         return f"{type(module).__name__} also holds {unknown}, which it does not know how to split"
+    # Anything after down_proj but the weighted sum (a norm per expert, identity experts) would see partial sums.
+    extra = [name for name, child in module.named_children() if not _is_activation(child)]
+    if getattr(module, "has_post_expert_norm", False) or extra:
+        return f"{type(module).__name__} computes more than its experts' weighted sum ({extra or 'a post-expert norm'})"
     return None
+
+
+def _is_activation(module: nn.Module) -> bool:
+    """An activation function module (transformers' or torch's), which acts element by element."""
+    where = type(module).__module__
+    return where.startswith("transformers.activations") or where.startswith("torch.nn.modules.activation")
 
 
 class ExpertTensorParallel(ParallelStyle):
@@ -69,7 +79,8 @@ class ExpertTensorParallel(ParallelStyle):
             param = getattr(module, name)
             sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.forward = MethodType(partial(_local_forward, mesh=device_mesh, forward=module.forward), module)
+        forward = partial(_local_forward, mesh=device_mesh, forward=type(module).forward)
+        module.forward = MethodType(forward, module)
         return module
 
 
@@ -81,7 +92,7 @@ def expert_placements(module: nn.Module, *, tp: int) -> dict[str, Placement]:
     for name, param in module.named_parameters(recurse=False):
         weight = name.removesuffix("_bias")
         if weight in _DOWN and name != weight:
-            placements[name] = Replicate()  # a 1/tp share added by each rank (see _local_part)
+            placements[name] = Replicate()  # a 1/tp share added by each rank (see _this_ranks_part)
             continue
         dim = _intermediate_dim(weight, transposed=transposed, bias=name != weight)
         packed = weight == "gate_up_proj" and not interleaved
@@ -120,8 +131,8 @@ def _local_forward(self: nn.Module, *args: Any, mesh: DeviceMesh, forward: Calla
     """The module's own forward on this rank's parameters; the partial outputs summed over tp, into a tensor of their
     own (a view made by DTensor's autograd Function may not be modified in place, and Llama 4 adds to it)."""
     args, kwargs = tree_map(partial(_whole_input, mesh=mesh), (args, kwargs))
-    with local_parameters(self, partial(_local_part, mesh=mesh)):
-        output = forward(*args, **kwargs)
+    with local_parameters(self, partial(_this_ranks_part, mesh=mesh)):
+        output = forward(self, *args, **kwargs)
     summed = DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
     return summed.to_local().clone()
 
@@ -135,7 +146,7 @@ def _whole_input(value: Any, *, mesh: DeviceMesh) -> Any:
     return summed_gradient(value, mesh=mesh)
 
 
-def _local_part(param: DTensor, *, mesh: DeviceMesh) -> torch.Tensor:
+def _this_ranks_part(param: DTensor, *, mesh: DeviceMesh) -> torch.Tensor:
     """This rank's slice of an expert weight; of a replicated ``down_proj`` bias, a 1/tp share."""
     if param.placements[0].is_replicate():
         return summed_gradient(param.to_local(), mesh=mesh) / mesh.size()
@@ -148,8 +159,9 @@ class SequenceParallelExpertsBlock(ParallelStyle):
     The block computes on the whole sequence as local tensors: its input, gathered by the norm before it, enters as
     this rank's copy, so the router and token dispatch see every token as in one process; its output, whole once the
     experts' partial sums are added, leaves as this rank's slice of the sequence (``Shard(1)``), whose gradient is
-    gathered on the way back. Inside, projections all-reduce as without sequence parallel: one all-reduce per layer
-    where a reduce-scatter would do, the price of keeping the model's own routing code.
+    gathered on the way back. Inside, the experts' sum and the shared experts' row-parallel projection all-reduce as
+    without sequence parallel, where one reduce-scatter of their total would do: the price of keeping the model's own
+    routing code.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -190,8 +190,8 @@ def _policy_for(
 
 
 def _shard_placement(param: nn.Parameter) -> Shard | None:
-    """Shard packed tensor-parallel weights of projections on their input dim; every other parameter on dim 0
-    (FSDP's default), packed experts (strided over tp on dim 1 or 2) included.
+    """Shard a weight tensor parallel splits block by block on dim 0 (a packed Linear) on dim 1; every other
+    parameter on dim 0 (FSDP's default), those packed on another dim included (Conv1D's (in, out) weight, experts).
 
     FSDP describes a dim-0 shard of a tensor-parallel shard as a strided shard that assumes the tp placement is
     a plain ``Shard(0)``. For a packed projection (tp placement ``_StridedShard(0)``) that description would

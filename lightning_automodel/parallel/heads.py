@@ -72,7 +72,7 @@ def head_parameter_styles(model: nn.Module, *, split: Collection[str]) -> dict[s
     for name, module in model.named_modules():
         if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
             continue
-        per_head = [n for n, p in module.named_parameters(recurse=False) if p.ndim <= 2 and p.shape[0] == heads]
+        per_head = [n for n, p in module.named_parameters(recurse=False) if p.ndim in (1, 2) and p.shape[0] == heads]
         if per_head:
             styles[name] = HeadShardedParameters(names=tuple(per_head))
     return styles

@@ -18,6 +18,11 @@ def pattern_matches(pattern: str, name: str) -> bool:
     return all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, name_parts, strict=True))
 
 
+def matches_inside(pattern: str, regions: list[str], *, names: list[str]) -> bool:
+    """Whether ``pattern`` matches a module inside one of the modules named in ``regions``."""
+    return any(pattern_matches(pattern, name) for region in regions for name in names if name.startswith(f"{region}."))
+
+
 def keyed_by_position(plan: dict[str, ParallelStyle], *, names: list[str]) -> dict[str, ParallelStyle]:
     """One key per position in the blocks (``transformer.h.*.attn.c_attn``), as the family plans write them, where
     every module at that position gets the same style; exact names elsewhere. Logs and plan reports stay short."""

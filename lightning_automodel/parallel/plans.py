@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.completion import completed
 from lightning_automodel.parallel.derived import derived_plan
-from lightning_automodel.parallel.experts import ExpertTensorParallel, experts_problem
+from lightning_automodel.parallel.experts import ExpertTensorParallel, experts_problem, is_experts
 from lightning_automodel.parallel.hf_plan import hf_style_strings, hf_tp_plan, translate_style
 from lightning_automodel.parallel.lora import LoraParallel, is_lora_layer
 from lightning_automodel.parallel.patterns import pattern_matches
@@ -379,6 +379,7 @@ def coverage(
     whole_by_design = {
         id(p) for name, style in matched if isinstance(style, KeptWhole) for p in modules[name].parameters()
     }
+    experts = {id(p) for module in modules.values() if is_experts(module) for p in module.parameters(recurse=False)}
     unsharded, total, split = [], 0, 0
     for block_name, block in blocks:
         weights = {
@@ -388,9 +389,9 @@ def coverage(
             and id(p) not in whole_by_design
             and (called is None or called(_join(block_name, name.rpartition(".")[0])))
         }
-        largest = max((_matrix_size(p) for _, p in weights.values()), default=0)
+        largest = max((_matrix_size(p, experts=experts) for _, p in weights.values()), default=0)
         for pid, (name, param) in weights.items():
-            if _matrix_size(param) * 8 < largest:
+            if _matrix_size(param, experts=experts) * 8 < largest:
                 continue
             total += param.numel()
             if pid in sharded:
@@ -401,10 +402,11 @@ def coverage(
     return Coverage(unique, split / total if total else 1.0, matches_any=bool(matched))
 
 
-def _matrix_size(param: nn.Parameter) -> int:
-    """The elements of one matrix of a weight: an expert's for fused experts, whose tokens each meet a few experts;
-    measured by the whole tensor, a layer of 128 experts would make every attention weight look small."""
-    return param[0].numel() if param.ndim == 3 else param.numel()
+def _matrix_size(param: nn.Parameter, *, experts: set[int]) -> int:
+    """The elements of one matrix of a weight: an expert's for fused experts (``experts``: their parameters' ids),
+    whose tokens each meet a few experts; measured by the whole tensor, a layer of 128 experts would make every
+    attention weight look small."""
+    return param[0].numel() if id(param) in experts else param.numel()
 
 
 def _join(block_name: str, module_name: str) -> str:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_automodel.parallel.experts import SequenceParallelExpertsBlock
-from lightning_automodel.parallel.patterns import keyed_by_position, pattern_matches
+from lightning_automodel.parallel.patterns import keyed_by_position, matches_inside, pattern_matches
 from lightning_automodel.parallel.probe import Trace
 from lightning_automodel.parallel.styles import SequenceParallelAllGather
 
@@ -49,7 +49,7 @@ def with_sequence_parallel(model: nn.Module, plan: Mapping[str, ParallelStyle], 
     # Mixture-of-experts blocks compute on the whole sequence: projections inside them all-reduce as without sp.
     regions = [name for name, style in styled.items() if isinstance(style, SequenceParallelExpertsBlock)]
     layout = {
-        pattern: style if _inside(pattern, regions, modules) else _sequence_parallel_style(style)
+        pattern: style if matches_inside(pattern, regions, names=list(modules)) else _sequence_parallel_style(style)
         for pattern, style in plan.items()
     }
     for pattern, style in plan.items():
@@ -118,12 +118,6 @@ def _read_by(trace: Trace, *, source: str, entries: list[str]) -> bool:
     """Whether a column-parallel projection, or a module holding one, is called on what ``source`` returned."""
     readers = {name for name, calls in trace.calls.items() if any(source in call.sources.values() for call in calls)}
     return any(entry == reader or entry.startswith(f"{reader}.") for entry in entries for reader in readers)
-
-
-def _inside(pattern: str, regions: list[str], modules: Mapping[str, nn.Module]) -> bool:
-    return any(
-        pattern_matches(pattern, name) for region in regions for name in modules if name.startswith(f"{region}.")
-    )
 
 
 def _name_of(modules: Mapping[str, nn.Module], module: nn.Module | None) -> str | None:

@@ -264,8 +264,9 @@ class KeptWhole(ParallelStyle):
     design: a low-rank down-projection (multi-head latent attention's ``q_a_proj``: its output, a few hundred units
     wide, goes through a norm over all of them into a column-parallel up-projection, whose input gradient torch's
     style sums over tp; split, it would save little and cost a gather), or a mixture-of-experts router (every rank
-    must route every token alike). Given the gathered sequence-parallel stream (a replicated DTensor), it computes on
-    this rank's copy: its output's gradient is whole on every rank already."""
+    must route every token alike). The coverage check leaves its weight out of the weights a plan must split. Given
+    the gathered sequence-parallel stream (a replicated DTensor), it computes on this rank's copy: its output's
+    gradient is whole on every rank already."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(lambda module, args: tree_map(whole_local, args))
@@ -324,26 +325,31 @@ class HeadShardedParameters(ParallelStyle):
             param = getattr(module, name)
             sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.forward = MethodType(partial(_forward_on_local_parameters, forward=module.forward), module)
+        forward = partial(_forward_on_local_parameters, names=self.names, forward=type(module).forward)
+        module.forward = MethodType(forward, module)
         return module
 
 
-def _forward_on_local_parameters(self: nn.Module, *args, forward: Callable, **kwargs):
-    with local_parameters(self):
-        return forward(*args, **kwargs)
+def _forward_on_local_parameters(self: nn.Module, *args, names: tuple[str, ...], forward: Callable, **kwargs):
+    with local_parameters(self, names=names):
+        return forward(self, *args, **kwargs)
 
 
 @contextmanager
 def local_parameters(
-    module: nn.Module, local_of: Callable[[DTensor], torch.Tensor] = DTensor.to_local
+    module: nn.Module,
+    local_of: Callable[[DTensor], torch.Tensor] = DTensor.to_local,
+    *,
+    names: Iterable[str] | None = None,
 ) -> Iterator[None]:
-    """Hand the module's own code this rank's part of each of its DTensor parameters (``local_of``, by default the
-    local shard) for the duration of one call: for code DTensor has no rules for, or that mixes them with local
-    tensors."""
+    """Hand the module's own code this rank's part of its DTensor parameters (``names``, by default all;
+    ``local_of``, by default the local shard) for the duration of one call: for code DTensor has no rules for, or
+    that mixes them with local tensors."""
     held = dict(module._parameters)
+    chosen = set(held if names is None else names)
     try:
         for name, param in held.items():
-            if isinstance(param, DTensor):
+            if name in chosen and isinstance(param, DTensor):
                 module._parameters[name] = local_of(param)
         yield
     finally:

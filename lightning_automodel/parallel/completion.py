@@ -1,5 +1,5 @@
-"""Completing a plan with the layouts its patterns leave out: the experts of mixture-of-experts layers, their routers
-(kept whole), their shared experts (a gated MLP under Llama's names, wherever it sits) and multi-head latent attention,
+"""Completing a plan with the layouts its patterns leave out: the experts of mixture-of-experts layers, with their
+block's routers (kept whole) and shared experts (gated MLPs under Llama's names), and multi-head latent attention,
 found by their structure.
 
 Hugging Face plans written before transformers fused the experts (GPT-OSS's), that leave attention out (DeepSeek-V3

@@ -141,9 +141,7 @@ def _whole_input(value: Any, *, mesh: DeviceMesh) -> Any:
     """A floating-point tensor every rank holds whole, whose gradient (partial on each rank) is summed over tp."""
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return value
-    if isinstance(value, DTensor):
-        value = value.redistribute(mesh, [Replicate()]).to_local()
-    return summed_gradient(value, mesh=mesh)
+    return summed_gradient(whole_local(value), mesh=mesh)
 
 
 def _this_ranks_part(param: DTensor, *, mesh: DeviceMesh) -> torch.Tensor:

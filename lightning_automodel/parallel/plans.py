@@ -362,11 +362,11 @@ def coverage(
     """What ``plan`` does to the large weights of ``blocks``, judged from its styles without applying it.
 
     Large: at least an eighth of the block's largest matrix (an expert's, for experts fused in a 3D tensor) among the
-    weights (tensors of two or more dimensions) of
-    modules a step calls (``called``, by module name; every module when None), but for low-rank projections a plan
-    keeps whole on purpose. A weight counts as sharded when a style that splits weights (column-, row-wise, packed,
-    experts, and their LoRA forms) matches its module or a module around it. A style matched to a module it cannot
-    shard makes the plan unusable.
+    weights (tensors of two or more dimensions) of modules a step calls (``called``, by module name; every module when
+    None), but for projections a plan keeps whole on purpose (:class:`KeptWhole`: low-rank projections, routers). A
+    weight counts as sharded when a style that splits weights (column-, row-wise, packed, experts, and their LoRA
+    forms) matches its module or a module around it. A style matched to a module it cannot shard makes the plan
+    unusable.
     """
     modules = dict(model.named_modules())
     matched = [(name, style) for pattern, style in plan.items() for name in modules if pattern_matches(pattern, name)]

@@ -41,9 +41,18 @@ CONFIGS = {
     "ernie_moe": Ernie4_5_MoeConfig,
 }
 FAMILIES = tuple(name for name in CONFIGS if name not in ("granite", "ernie_moe"))
+# Mixture-of-experts families with the coverage report's tiny config (lightning_automodel/hf/shrink.py): Qwen3-MoE,
+# Mixtral, GPT-OSS (interleaved gate/up stored (in, out), expert biases, attention sinks) and DeepSeek-V3 (latent
+# attention, shared experts, grouped routing).
+SHRUNK = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
 def tiny_config(family: str = "llama", **overrides):
+    if family in SHRUNK:
+        config = shrink.tiny_config(family)
+        for name, value in overrides.items():
+            setattr(config, name, value)
+        return config
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,

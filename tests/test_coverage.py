@@ -41,8 +41,17 @@ EXPECTED = {
     ("gptj", "tp2_sp"): (PASS, DERIVED, 1.0),
     # Learned position embeddings added to the sequence-sharded stream: replicated DTensors (was: a refusal).
     ("gpt2", "tp2_sp"): (PASS, DERIVED, 0.99),
-    # Sinusoidal positions, a plain tensor mixed with the stream outside any module: the probe refuses it.
-    ("xglm", "tp2_sp"): (REFUSAL, "breaks XGLMForCausalLM: one step of the sharded model on the meta device", None),
+    # Sinusoidal positions, a plain tensor added to the embedding outside any module: the stream is split inside the
+    # blocks only (was: a refusal).
+    ("xglm", "tp2_sp"): (PASS, DERIVED, 0.99),
+    # Post-norm blocks, the embedding whole (its lm_head shares a bias with a head): was a refusal.
+    ("bert", "tp2_sp"): (PASS, DERIVED, 0.99),
+    # Linear attention whose projections gather their outputs: it computes on the whole sequence (was: a refusal).
+    ("qwen3_5", "tp2_sp"): (PASS, "Hugging Face plan", 0.99),
+    # Attention returns its output bias for the block to add to the stream: a replicated DTensor (was: a refusal).
+    ("gpt_neox_japanese", "tp2_sp"): (PASS, DERIVED, 0.99),
+    # Blocks split over four lists, the residual added by the loop around them: no block to split the stream in.
+    ("xlm", "tp2_sp"): (REFUSAL, "sp=True: the blocks' parts sit", None),
     ("stablelm", "tp2"): (PASS, "default Llama-style plan", 0.99),  # reads global head counts (was: a crash)
     # Conv1D layers, [q; k; v] packed in c_attn (was: a refusal; before that, a misleading tied-weight message).
     ("gpt2", "tp2"): (PASS, DERIVED, 0.99),
@@ -56,8 +65,9 @@ EXPECTED = {
     ("granite", "tp2_sp"): (PASS, "Hugging Face plan", 1.0),
     # Parallel attention and MLP reading two norms of one stream, embed_in (was: refused, no sp layout).
     ("gpt_neox", "tp2_sp"): (PASS, "Hugging Face plan", 0.99),
-    # The model adds recurrent states of its own to the stream: sp refused before any collective.
-    ("hrm_text", "tp2_sp"): (REFUSAL, "breaks HrmTextForCausalLM", None),
+    # Two stacks run in cycles, adding recurrent states of their own between them: the stream is split in each
+    # stack's blocks (was: a refusal).
+    ("hrm_text", "tp2_sp"): (PASS, "Hugging Face plan", 1.0),
     ("doge", "tp2"): (REFUSAL, "breaks DogeForCausalLM", None),  # a per-head parameter in attention (was: a crash)
     ("roberta", "tp2"): (PASS, DERIVED, 0.99),  # its lm_head is a head, left whole (was: a refusal; before, a crash)
     ("zamba2", "dp_shard2"): (PASS, "", None),  # blocks shared by two layers (was: a crash)
@@ -90,7 +100,7 @@ def plain_gate_up(model, sp):
     up. Every shape fits, so only the numbers can tell."""
     from lightning_automodel.parallel.derived import derived_plan
 
-    plan = derived_plan(model, sp)
+    plan = derived_plan(model)
     return {**plan, **{name: ColwiseParallel() for name in plan if name.endswith("mlp.fc1")}}
 
 
@@ -105,7 +115,7 @@ def rotary_key_gradient_left_partial(model, sp):
 
 
 def broken_experts(model_type: str, broken: str) -> dict:
-    """The coverage check with one mechanism of expert tensor parallel taken out (see BROKEN_EXPERTS)."""
+    """The coverage check with one mechanism of expert tensor parallel taken out (see BROKEN_MECHANISMS)."""
     from unittest import mock
 
     from torch.distributed.tensor import Shard
@@ -127,20 +137,36 @@ def broken_experts(model_type: str, broken: str) -> dict:
         return coverage_check(model_type, "tp2")
 
 
+def naive_stream_split(model_type: str) -> dict:
+    """The coverage check with the sequence-parallel stream split as each rank's slice of a whole tensor: the
+    gradient of the tensor it was cut from would then hold this rank's slice only, not the gathered whole."""
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    def naive(stream, *, mesh):
+        local = stream.tensor_split(mesh.size(), dim=1)[mesh.get_local_rank()]
+        return DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
+
+    with mock.patch("lightning_automodel.parallel.styles._sequence_shard", naive):
+        return coverage_check(model_type, "tp2_sp")
+
+
 # The check catches a plan that runs and is wrong.
 PLAIN_GATE_UP = partial(coverage_check, "moshi", "tp2", tp_plan="test_coverage.plain_gate_up")
-BROKEN_EXPERTS = [
+BROKEN_MECHANISMS = [
     partial(broken_experts, "qwen3_moe", "_StridedShard"),
     partial(broken_experts, "qwen3_moe", "_whole_input"),
     partial(broken_experts, "gpt_oss", "_this_ranks_part"),
     partial(coverage_check, "deepseek_v3", "tp2", tp_plan="test_coverage.rotary_key_gradient_left_partial"),
+    partial(naive_stream_split, "bert"),
 ]
 
 
 def test_todays_verdict_on_a_model_type_of_every_kind():
     checks = {job: partial(coverage_check, *job) for job in EXPECTED}
-    outcomes = run_checks(2, [*checks.values(), PLAIN_GATE_UP, *BROKEN_EXPERTS])
-    for broken in (PLAIN_GATE_UP, *BROKEN_EXPERTS):
+    outcomes = run_checks(2, [*checks.values(), PLAIN_GATE_UP, *BROKEN_MECHANISMS])
+    for broken in (PLAIN_GATE_UP, *BROKEN_MECHANISMS):
         assert classify(outcomes[check_name(broken)])["verdict"] == WRONG, (check_name(broken), outcomes)
     for job, (verdict, fragment, sharded) in EXPECTED.items():
         result = classify(outcomes[check_name(checks[job])])

@@ -10,6 +10,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.derived import derived_plan
 from lightning_automodel.parallel.plans import pattern_matches, select_tp_plan
+from lightning_automodel.parallel.probe import PROBE_TOKENS_PER_RANK, meta_copy, probe
+from lightning_automodel.parallel.sequence_parallel import with_sequence_parallel
 from lightning_automodel.parallel.styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
@@ -84,7 +86,7 @@ EXPECTED = {
 @pytest.mark.parametrize("model_type", list(EXPECTED))
 def test_each_module_of_a_block_gets_the_style_its_data_flow_needs(model_type):
     block, expected = EXPECTED[model_type]
-    plan = derived_plan(coverage_model(model_type), False)
+    plan = derived_plan(coverage_model(model_type))
     for module, style in expected.items():
         found = style_of(plan, f"{block}.{module}")
         assert type(found) is style if style is not None else found is None, (module, found)
@@ -99,21 +101,33 @@ def test_the_derived_plan_is_chosen_where_no_other_shards_the_blocks_and_named_s
     assert choice.unsharded_weights == []
 
 
-def test_with_sp_the_exits_hand_on_sequence_shards_from_a_sequence_sharded_embedding():
-    plan = derived_plan(coverage_model("gptj"), True)
-    for name in ("transformer.h.0.attn.out_proj", "transformer.h.0.mlp.fc_out", "transformer.wte"):
+def test_with_sp_the_stream_is_split_inside_the_blocks_where_exits_reduce_scatter_into_it():
+    model = coverage_model("gptj")
+    plan = sequence_parallel_plan(model)
+    for name in ("transformer.h.0.attn.out_proj", "transformer.h.0.mlp.fc_out"):
         style = style_of(plan, name)
         assert style.output_layouts == (Shard(1),) and not style.use_local_output, name
     assert style_of(plan, "transformer.h.0.attn.q_proj").input_layouts == (Replicate(),)  # a DTensor input gathers
-    with pytest.raises(ValueError, match="derived plan .* cannot be used: with sp=True a derived plan starts the"):
-        select_tp_plan(coverage_model("bert"), sp=True)  # its embedding stays whole
+    assert style_of(plan, "transformer.wte").output_layouts == (Replicate(),)  # whole outside the blocks
+    last = len(model.transformer.h) - 1
+    first, end = style_of(plan, "transformer.h.0"), style_of(plan, f"transformer.h.{last}")
+    assert (first.begins_at, first.ends, end.begins_at, end.ends) == (0, False, None, True)
+    # BERT's embedding stays whole (its lm_head shares a bias with a head); its blocks still carry the stream.
+    bert = sequence_parallel_plan(coverage_model("bert"))
+    assert style_of(bert, "bert.encoder.layer.0").begins_at == 0 and not any("embeddings" in name for name in bert)
+
+
+def sequence_parallel_plan(model):
+    return with_sequence_parallel(
+        model, derived_plan(model), trace=probe(meta_copy(model), tokens=2 * PROBE_TOKENS_PER_RANK)
+    )
 
 
 def test_the_vocabulary_is_left_whole_where_the_lm_head_shares_a_parameter_with_a_head():
     """BERT's decoder bias is also cls.predictions.bias: sharding it would untie it."""
-    plan = derived_plan(coverage_model("bert"), False)
+    plan = derived_plan(coverage_model("bert"))
     assert not any(name.startswith("cls.") or "embeddings" in name for name in plan), sorted(plan)
-    gpt2 = derived_plan(coverage_model("gpt2"), False)
+    gpt2 = derived_plan(coverage_model("gpt2"))
     assert type(gpt2["lm_head"]) is ColwiseParallel and type(gpt2["transformer.wte"]) is VocabParallelEmbedding
 
 
@@ -151,4 +165,4 @@ def test_an_entry_whose_units_are_mixed_is_not_split(mix):
     for block in model.transformer.h:
         block.mlp.act = MixingActivation(mix)
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.mlp\.c_fc"):
-        derived_plan(model, sp=False)
+        derived_plan(model)

@@ -81,20 +81,21 @@ def test_unregistered_model_uses_its_hugging_face_plan():
 
 
 def test_with_sp_a_hugging_face_plan_gets_a_sequence_parallel_layout():
-    """Hugging Face plans carry no sequence-parallel layout; one is derived with the probe's help. The embedding and
-    the row-parallel projections reduce-scatter into the sequence-sharded stream, the norms that open a block gather
-    once for its projections, the final norm stays sharded and lm_head gathers the sequence itself."""
+    """Hugging Face plans carry no sequence-parallel layout; one is derived with the probe's help. The stream is split
+    where the blocks begin and gathered where they end; inside, the row-parallel projections reduce-scatter into it
+    and the norms that open a block gather once for its projections. Outside, everything stays as without sp."""
     model = tiny_model("granite")
     choice = select_tp_plan(model, sp=True, trace=probe_unsharded(model, tp=2))
     plan = choice.plan
     assert choice.source == "Hugging Face plan of GraniteForCausalLM"
-    assert plan["model.embed_tokens"].output_layouts == (Shard(1),)
     assert plan["model.layers.*.self_attn.o_proj"].output_layouts == (Shard(1),)
     assert plan["model.layers.*.mlp.down_proj"].output_layouts == (Shard(1),)
     assert type(plan["model.layers.*.input_layernorm"]) is SequenceParallelAllGather
     assert type(plan["model.layers.*.post_attention_layernorm"]) is SequenceParallelAllGather
-    assert type(plan["model.norm"]) is SequenceParallel
-    assert plan["lm_head"].input_layouts == (Shard(1),)
+    first, last = plan["model.layers.0"], plan[f"model.layers.{len(model.model.layers) - 1}"]
+    assert (first.begins_at, first.ends, last.begins_at, last.ends) == (0, False, None, True)
+    assert plan["model.embed_tokens"].output_layouts == (Replicate(),) and "model.norm" not in plan
+    assert plan["lm_head"].input_layouts == (Replicate(),)
     assert plan["lm_head"].output_layouts == (Shard(-1),), "the logits stay vocab-sharded"
     # Without a probe the norms are unknown: the default plan, whose layout is written out, stands in.
     without_probe = select_tp_plan(model, sp=True)
@@ -105,7 +106,7 @@ def test_with_sp_a_hugging_face_plan_gets_a_sequence_parallel_layout():
 def test_the_derived_sequence_parallel_layout_follows_the_data():
     """OLMo 2 norms q and k over all heads (the hidden size, as the stream's norms) after q_proj/k_proj: not stream
     norms. Its own norms close the attention and MLP before the residual add (post-norms): they act on the stream
-    and stay sharded. GPT-NeoX's parallel blocks read two norms of one stream, and its embedding is embed_in."""
+    and stay sharded. GPT-NeoX's parallel blocks read two norms of one stream, and its final norm sits outside them."""
     olmo2 = coverage_model("olmo2")
     plan = select_tp_plan(olmo2, sp=True, trace=probe_unsharded(olmo2, tp=2)).plan
     assert not any("q_norm" in key or "k_norm" in key for key in plan)
@@ -113,10 +114,9 @@ def test_the_derived_sequence_parallel_layout_follows_the_data():
     assert type(plan["model.layers.*.post_feedforward_layernorm"]) is SequenceParallel
     neox = coverage_model("gpt_neox")
     plan = select_tp_plan(neox, sp=True, trace=probe_unsharded(neox, tp=2)).plan
-    assert plan["gpt_neox.embed_in"].output_layouts == (Shard(1),)
     assert type(plan["gpt_neox.layers.*.input_layernorm"]) is SequenceParallelAllGather
     assert type(plan["gpt_neox.layers.*.post_attention_layernorm"]) is SequenceParallelAllGather
-    assert type(plan["gpt_neox.final_layer_norm"]) is SequenceParallel
+    assert "gpt_neox.final_layer_norm" not in plan  # outside the blocks: whole
 
 
 def test_a_plan_covering_lm_head_only_loses_to_one_that_shards_the_blocks():

@@ -5,7 +5,7 @@ import torch.distributed as dist
 from harness import free_port
 from models import tiny_model
 from torch.distributed.tensor.parallel import ColwiseParallel
-from transformers import GraniteConfig, LlamaConfig, Qwen3Config
+from transformers import BertConfig, GraniteConfig, LlamaConfig, Qwen3Config
 
 from lightning_automodel import verify_plan
 from lightning_automodel.hf.shrink import heads_for, shrunk_config
@@ -27,6 +27,14 @@ def test_a_hugging_face_plan_passes():
     verification = verify_plan(GraniteConfig())
     assert verification.passed, verification
     assert verification.plan_source == "Hugging Face plan of GraniteForCausalLM"
+
+
+def test_a_derived_plan_with_an_embedding_tied_whole_passes_with_sequence_parallel():
+    """BERT's lm_head is tied to its embedding and both stay whole: loading the replica's weights keeps the tie
+    (``to_empty`` alone gives each module a tensor of its own), and the stream is split inside its blocks."""
+    verification = verify_plan(BertConfig(is_decoder=True), tp=2, sp=True)
+    assert verification.passed, verification
+    assert verification.grad_errors["bert.embeddings.word_embeddings.weight"] < FP32_TOLERANCE
 
 
 def test_a_wrong_plan_is_caught_and_named():

@@ -12,10 +12,10 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_automodel.parallel.experts import ExpertTensorParallel, SequenceParallelExpertsBlock, is_experts
+from lightning_automodel.parallel.experts import ExpertTensorParallel, is_experts
 from lightning_automodel.parallel.lora import is_lora_layer
 from lightning_automodel.parallel.patterns import keyed_by_position, matches_inside, pattern_matches
-from lightning_automodel.parallel.styles import KeptWhole, LatentKeyValueProjection
+from lightning_automodel.parallel.styles import KeptWhole, LatentKeyValueProjection, WholeSequenceRegion
 from lightning_automodel.parallel.validation import model_config
 
 # Multi-head latent attention under transformers' names: the down-projections stay whole, the per-head up-projections
@@ -26,7 +26,7 @@ _GATED_MLP = ("gate_proj", "up_proj", "down_proj")
 
 def completed(model: nn.Module, plan: dict[str, ParallelStyle], *, sp: bool) -> dict[str, ParallelStyle]:
     """``plan`` with styles for every experts module and latent-attention projection none of its patterns match;
-    with ``sp``, every mixture-of-experts block computes on the whole sequence (:class:`SequenceParallelExpertsBlock`)
+    with ``sp``, every mixture-of-experts block computes on the whole sequence (:class:`WholeSequenceRegion`)
     and the row-parallel projections inside it all-reduce."""
     names = [name for name, _ in model.named_modules()]
     structural = _structural_styles(model)
@@ -34,7 +34,7 @@ def completed(model: nn.Module, plan: dict[str, ParallelStyle], *, sp: bool) -> 
         blocks = sorted(
             {name.rpartition(".")[0] for name, style in structural.items() if isinstance(style, ExpertTensorParallel)}
         )
-        structural.update({block: SequenceParallelExpertsBlock() for block in blocks})
+        structural.update({block: WholeSequenceRegion() for block in blocks})
         plan = {
             pattern: _whole_sequence(style) if matches_inside(pattern, blocks, names=names) else style
             for pattern, style in plan.items()

@@ -23,13 +23,9 @@ How the model's code takes an entry's output apart decides how its weight may be
 The embedding and lm_head are vocabulary-parallel as in the Llama plan, unless the lm_head shares a parameter with
 anything but the input embedding. The plan is then checked like any other, on a probe of the sharded copy.
 
-With sp=True the residual stream is a ``Shard(1)`` DTensor, as in the Llama plan: the embedding's output and every
-exit's (reduce-scattered) are sequence shards. Entries given that DTensor gather the sequence in their matmul
-(DTensor's sharding rule for a Shard(1) input and a column-sharded weight), and the probe finds the norms on the stream
-(parameters on sharded activations). Learned
-position embeddings outside the blocks (GPT-2's ``wpe``, OPT's ``embed_positions``), which model code adds to the
-stream, hand on replicated DTensors: DTensor then adds each rank's slice of the sequence. Whatever fits no layout fails
-the probe and is refused: model code mixing the stream with other plain tensors, or an embedding left whole.
+With sp=True the plan gets the sequence-parallel layout a Hugging Face plan gets
+(:mod:`lightning_automodel.parallel.sequence_parallel`): the stream is split inside the blocks, exits reduce-scatter
+into it, entries given it gather the sequence in their matmul.
 """
 
 from __future__ import annotations
@@ -40,8 +36,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -94,20 +90,16 @@ class ProjectionFlow:
         return unclosed | self.escaped | self.conflicting
 
 
-def derived_plan(model: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+def derived_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The plan derived from ``model``'s data flow (see the module docstring). Raises a ValueError saying why there is
-    none: a step that fails on the meta device, an entry whose output this module cannot classify, or with ``sp`` an
-    embedding left whole."""
+    none: a step that fails on the meta device, or an entry whose output this module cannot classify."""
     flow = follow_projections(model)
     modules = dict(model.named_modules())
-    plan: dict[str, ParallelStyle] = _vocabulary_parallel(model, sp=sp)
-    if sp:
-        plan.update(_replicated_positions(model))
+    plan: dict[str, ParallelStyle] = _vocabulary_parallel(model)
     for name, uses in flow.entries.items():
         plan[name] = _entry_style(name, modules[name], uses)
     for name in flow.exits:
-        exit_style = Conv1DRowwiseParallel if is_conv1d(modules[name]) else RowwiseParallel
-        plan[name] = exit_style(output_layouts=Shard(1), use_local_output=False) if sp else exit_style()
+        plan[name] = Conv1DRowwiseParallel() if is_conv1d(modules[name]) else RowwiseParallel()
     return keyed_by_position(plan, names=list(modules))
 
 
@@ -141,7 +133,7 @@ def _entry_style(name: str, module: nn.Module, uses: set[Any]) -> ParallelStyle:
     return RegroupedColwiseParallel(block_sizes=sizes)
 
 
-def _vocabulary_parallel(model: nn.Module, *, sp: bool) -> dict[str, ParallelStyle]:
+def _vocabulary_parallel(model: nn.Module) -> dict[str, ParallelStyle]:
     """Vocabulary-parallel embedding and lm_head, as the Llama plan has them, where the lm_head's parameters are its
     own or tied to the embedding's weight (BERT's decoder bias, shared with a head parameter, is left whole)."""
     names = {id(module): name for name, module in model.named_modules()}
@@ -152,28 +144,8 @@ def _vocabulary_parallel(model: nn.Module, *, sp: bool) -> dict[str, ParallelSty
     head_weight = getattr(head, "weight", None)
     tied = head_weight is not None and head_weight is getattr(embedding, "weight", None)
     if isinstance(embedding, nn.Embedding) and (not tied or plan):
-        plan[names[id(embedding)]] = VocabParallelEmbedding(sequence_parallel=sp)
-    elif sp:
-        raise ValueError(
-            "with sp=True a derived plan starts the sequence-sharded residual stream at a vocabulary-parallel"
-            " embedding, and this model's embedding stays whole (it is no nn.Embedding, or it is tied to an lm_head"
-            " that shares a parameter with a head). Use sp=False"
-        )
+        plan[names[id(embedding)]] = VocabParallelEmbedding()
     return plan
-
-
-def _replicated_positions(model: nn.Module) -> dict[str, ParallelStyle]:
-    """With sp: embeddings outside the blocks other than the token embedding (learned positions) hand on replicated
-    DTensors, which DTensor can add to the sequence-sharded stream (a plain tensor it refuses to mix)."""
-    blocks = [f"{name}." for name, _ in named_decoder_layers(model)]
-    tokens = model.get_input_embeddings()
-    return {
-        name: PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
-        )
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Embedding) and module is not tokens and not name.startswith(tuple(blocks))
-    }
 
 
 def _owned_by(model: nn.Module, module: nn.Module, *, allowed: Iterable[nn.Module | None]) -> bool:

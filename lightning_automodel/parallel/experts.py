@@ -151,40 +151,6 @@ def _this_ranks_part(param: DTensor, *, mesh: DeviceMesh) -> torch.Tensor:
     return param.to_local()
 
 
-class SequenceParallelExpertsBlock(ParallelStyle):
-    """A mixture-of-experts block (router, experts, shared experts) on the sequence-parallel residual stream.
-
-    The block computes on the whole sequence as local tensors: its input, gathered by the norm before it, enters as
-    this rank's copy, so the router and token dispatch see every token as in one process; its output, whole once the
-    experts' partial sums are added, leaves as this rank's slice of the sequence (``Shard(1)``), whose gradient is
-    gathered on the way back. Inside, the experts' sum and the shared experts' row-parallel projection all-reduce as
-    without sequence parallel, where one reduce-scatter of their total would do: the price of keeping the model's own
-    routing code.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(_local_inputs, with_kwargs=True)
-        module.register_forward_hook(partial(_sequence_sharded_output, device_mesh), with_kwargs=True)
-        return module
-
-
-def _local_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return tree_map(whole_local, (args, kwargs))
-
-
-def _sequence_sharded_output(device_mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-    """Outputs shaped like the block's input (not router logits) as ``Shard(1)`` DTensors of the stream."""
-    stream = next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
-
-    def sharded(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or value.shape != stream.shape:
-            return value
-        whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
-        return whole.redistribute(device_mesh, [Shard(1)])
-
-    return tree_map(sharded, output)
-
-
 def give_every_expert_a_gradient(model: nn.Module) -> None:
     """Make every experts module's parameters take part in every forward, with weight zero where no token reached them.
 

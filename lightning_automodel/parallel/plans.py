@@ -280,13 +280,18 @@ def _candidates(model: nn.Module, *, trace: Trace | None) -> list[tuple[str, Cal
     candidates.append(("default Llama-style plan", lambda sp: completed(model, llama_plan(model, sp), sp=sp)))
     # Entries column-, exits row-parallel, found by following the data through the blocks, whatever their names.
     derived_source = f"derived plan (entries column-, exits row-parallel) for {name}"
-    candidates.append((derived_source, lambda sp: completed(model, derived_plan(model, sp), sp=sp)))
+    candidates.append((derived_source, lambda sp: _with_layout(model, derived_plan(model), sp=sp, trace=trace)))
     return candidates
 
 
 def _hf_plan(model: nn.Module, *, sp: bool, trace: Trace | None) -> TPPlan:
-    """The model's Hugging Face plan; with ``sp``, the sequence-parallel layout derived for it (they carry none)."""
-    plan = completed(model, hf_tp_plan(model), sp=sp)
+    return _with_layout(model, hf_tp_plan(model), sp=sp, trace=trace)
+
+
+def _with_layout(model: nn.Module, plan: TPPlan, *, sp: bool, trace: Trace | None) -> TPPlan:
+    """A plan that carries no sequence-parallel layout (a model's Hugging Face plan, a derived plan), completed; with
+    ``sp``, with the layout derived for it."""
+    plan = completed(model, plan, sp=sp)
     return with_sequence_parallel(model, plan, trace=trace) if sp else plan
 
 

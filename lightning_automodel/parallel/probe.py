@@ -61,6 +61,8 @@ class Trace:
     calls: dict[str, list[Call]] = field(default_factory=dict)  # in the forward
     uses: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
     called_in_backward: set[str] = field(default_factory=set)  # modules run again in backward (checkpointing)
+    # Parameters of its own a module returns, for the code around it to compute with (an output bias added later).
+    returned_parameters: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def called(self, name: str) -> bool:
         return name in self.calls
@@ -139,6 +141,10 @@ def probe(model: nn.Module, *, tokens: int) -> Trace:
     def after(module: nn.Module, args: tuple, output: Any) -> None:
         name = running.pop()
         flow.mark_activations(output)  # outputs a style turned back into local tensors, outside any recorded op
+        leaves = {id(leaf) for leaf in tree_flatten(output)[0]}
+        returned = tuple(key for key, param in module.named_parameters(recurse=False) if id(param) in leaves)
+        if returned:
+            trace.returned_parameters[name] = returned
         for leaf in tree_flatten(output)[0]:
             if _is_tensor(leaf) and leaf not in returned_by:
                 returned_by[leaf] = name

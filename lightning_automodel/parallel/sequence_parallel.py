@@ -1,16 +1,23 @@
-"""A sequence-parallel layout for a tensor-parallel plan that has none (a model's own Hugging Face plan).
+"""A sequence-parallel layout for a tensor-parallel plan that has none (a model's Hugging Face plan, a derived plan).
 
-Sequence parallel keeps the residual stream between the blocks split along the sequence over tp, as a ``Shard(1)``
-DTensor: the vocab-parallel embedding reduce-scatters into it, every row-parallel projection reduce-scatters its
-sum back into it, and the norms that act on it compute on their shard of the tokens. A norm that opens a block
-(its output feeds column-parallel projections) all-gathers its output once, for all of them; a norm whose output
-stays in the stream (the final norm, sandwich norms) does not, and the lm_head gathers the sequence itself.
+Sequence parallel keeps the residual stream inside the decoder blocks split along the sequence over tp, as a
+``Shard(1)`` DTensor: every row-parallel projection reduce-scatters its sum back into it, and the norms that act on it
+compute on their shard of the tokens. A norm that opens a block (its output feeds column-parallel projections)
+all-gathers its output once, for all of them; a norm whose output stays in the stream (sandwich norms) does not; a
+column-parallel projection given the stream itself (a post-norm block's) gathers it.
 
-That layout is the usual pre-norm block's, and follows from the plan's styles and from what one step of the model
-shows (see :mod:`lightning_automodel.parallel.probe`): which modules are norms on the stream (vectors of the hidden
-size as their only parameters, called on a (rows, tokens, hidden) tensor), and whose output the projections read.
-Anything else a block does with the stream, the probe of the sharded model checks: a layout that does not fit is
-refused there, naming the module.
+The stream is split where the model's blocks begin and gathered where they end
+(:class:`~lightning_automodel.parallel.styles.SequenceShardedStream`), once per list of blocks the model calls one
+after another: what a model does outside its blocks (learned or sinusoidal positions, scalings, masks, an embedding
+kept whole, states of its own mixed into the stream) runs on whole tensors as without sp. That costs one all-gather
+per step more than the family plans' layout, which begins the stream at a vocabulary-parallel embedding and fits the
+models they are registered for only.
+
+The layout follows from the plan's styles and from what one step of the model shows (see
+:mod:`lightning_automodel.parallel.probe`): which modules are norms on the stream (vectors of the hidden size as their
+only parameters, called on a (rows, tokens, hidden) tensor), whose output the projections read, and which argument of
+the first block is the stream. Anything else a block does with the stream, the probe of the sharded model checks: a
+layout that does not fit is refused there, naming the module.
 """
 
 from __future__ import annotations
@@ -18,65 +25,130 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_automodel.parallel.experts import SequenceParallelExpertsBlock
+from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.patterns import keyed_by_position, matches_inside, pattern_matches
-from lightning_automodel.parallel.probe import Trace
-from lightning_automodel.parallel.styles import SequenceParallelAllGather
+from lightning_automodel.parallel.probe import TensorArg, Trace
+from lightning_automodel.parallel.styles import (
+    Conv1DRowwiseParallel,
+    ReturnedParameters,
+    SequenceParallelAllGather,
+    SequenceShardedStream,
+    WholeSequenceRegion,
+)
 
 TPPlan = dict[str, ParallelStyle]
 
 
 def with_sequence_parallel(model: nn.Module, plan: Mapping[str, ParallelStyle], *, trace: Trace | None) -> TPPlan:
-    """``plan`` (tensor parallel only) with the sequence-parallel layout of its residual stream.
+    """``plan`` (tensor parallel only) with the sequence-parallel layout of the residual stream in its blocks.
 
-    Raises a ValueError when the plan cannot carry one: its embedding is not vocab-parallel (nothing would split
-    the stream), or it has no probe of the model to find the norms with.
+    Raises a ValueError when there is no probe of the model to find the blocks' stream and norms with, or when a
+    block is not called on a (rows, tokens, hidden) stream.
     """
     if trace is None:
         raise ValueError("sp=True: deriving a sequence-parallel layout needs a probe step of the model")
     modules = dict(model.named_modules())
-    embedding = _name_of(modules, model.get_input_embeddings())
-    head = _name_of(modules, model.get_output_embeddings())
+    names = list(modules)
+    blocks = [name for name, _ in named_decoder_layers(model) if trace.called(name)]
+    if not blocks:
+        raise ValueError("sp=True: one step of the model calls none of its decoder blocks: no stream to split")
     styled = {name: style for pattern, style in plan.items() for name in modules if _matches(pattern, name)}
-    if not isinstance(styled.get(embedding), RowwiseParallel):
-        raise ValueError(
-            f"sp=True: the plan leaves the embedding {embedding} whole, so nothing would split the residual stream"
-            " along the sequence (a vocab-parallel embedding, RowwiseParallel, reduce-scatters into it)"
-        )
-    # Mixture-of-experts blocks compute on the whole sequence: projections inside them all-reduce as without sp.
-    regions = [name for name, style in styled.items() if isinstance(style, SequenceParallelExpertsBlock)]
+    regions = _whole_sequence_regions(styled, blocks=blocks)
     layout = {
-        pattern: style if matches_inside(pattern, regions, names=list(modules)) else _sequence_parallel_style(style)
+        pattern: _sequence_parallel_style(style)
+        if matches_inside(pattern, blocks, names=names) and not matches_inside(pattern, regions, names=names)
+        else style
         for pattern, style in plan.items()
     }
-    for pattern, style in plan.items():
-        if _matches(pattern, embedding):
-            layout[pattern] = RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-            )
-        elif head is not None and _matches(pattern, head) and isinstance(style, ColwiseParallel):
-            layout[pattern] = ColwiseParallel(
-                input_layouts=Shard(1), output_layouts=style.output_layouts[0], use_local_output=style.use_local_output
-            )
-    hidden = model.get_input_embeddings().embedding_dim
+    layout.update(
+        keyed_by_position({name: WholeSequenceRegion() for name in regions if name not in styled}, names=names)
+    )
+    head = _name_of(modules, model.get_output_embeddings())
     entries = [name for name, style in styled.items() if type(style) is not RowwiseParallel and name != head]
-    norms = _stream_norms(modules, trace, hidden=hidden, styled=styled, entries=entries)
+    _, stream = _stream(blocks[0], trace)
+    norms = _stream_norms(
+        modules, trace, hidden=stream.shape[-1], blocks=blocks, regions=regions, styled=styled, entries=entries
+    )
     norm_styles = {
         name: SequenceParallelAllGather()
         if _read_by(trace, source=name, entries=entries)
         else SequenceParallel(use_local_output=False)
         for name in norms
     }
-    return {**layout, **keyed_by_position(norm_styles, names=list(modules))}
+    returned = {
+        name: ReturnedParameters(names=own)
+        for name, own in trace.returned_parameters.items()
+        if _inside(name, blocks) and not _inside(name, regions)
+    }
+    found = keyed_by_position({**norm_styles, **returned}, names=names)
+    return {**layout, **found, **_stream_boundaries(blocks, trace)}
+
+
+def _inside(name: str, modules: list[str]) -> bool:
+    return name.startswith(tuple(f"{module}." for module in modules))
+
+
+def _whole_sequence_regions(styled: Mapping[str, ParallelStyle], *, blocks: list[str]) -> list[str]:
+    """The modules inside the blocks that compute on the whole sequence: those the plan already makes so (mixture-of-
+    experts blocks), and the block's child holding a projection that gathers its output whole (a column-parallel
+    ``colwise_gather_output``, as Qwen3.5's plan has for its linear attention): what it returns to the stream is
+    whole, and it is handed back as this rank's slice."""
+    regions = {name for name, style in styled.items() if isinstance(style, WholeSequenceRegion)}
+    for name, style in styled.items():
+        block = next((block for block in blocks if name.startswith(f"{block}.")), None)
+        if block is not None and _gathers_output(style):
+            child = name[len(block) + 1 :].split(".")[0]
+            regions.add(f"{block}.{child}")
+    return sorted(regions)
+
+
+def _gathers_output(style: ParallelStyle) -> bool:
+    return type(style) is ColwiseParallel and not style.output_layouts[0].is_shard() and style.use_local_output
+
+
+def _stream_boundaries(blocks: list[str], trace: Trace) -> TPPlan:
+    """Where each list of blocks begins and ends the sequence-sharded stream (see the module docstring)."""
+    lists: dict[str, list[str]] = {}
+    for name in blocks:
+        lists.setdefault(name.rpartition(".")[0], []).append(name)
+    owners: dict[str, list[str]] = {}
+    for name in lists:
+        owners.setdefault(name.rpartition(".")[0], []).append(name)
+    split = next((names for names in owners.values() if len(names) > 1), None)
+    if split is not None:
+        raise ValueError(
+            f"sp=True: the blocks' parts sit in separate lists ({', '.join(split)}), and the code looping over them"
+            " adds the residual stream outside any block module, where it meets whole tensors: there is no block in"
+            " which to split the stream along the sequence. Use sp=False"
+        )
+    boundaries: TPPlan = {}
+    for members in lists.values():
+        first, last = members[0], members[-1]
+        boundaries[last] = SequenceShardedStream(ends=True)
+        boundaries[first] = SequenceShardedStream(begins_at=_stream(first, trace)[0], ends=first == last)
+    return boundaries
+
+
+def _stream(block: str, trace: Trace) -> tuple[int | str, TensorArg]:
+    """The argument of ``block``'s first call that is the residual stream, with its position or keyword: the first
+    tensor of (rows, tokens, width), positions before keywords."""
+    inputs = trace.calls[block][0].inputs
+    for key in sorted(inputs, key=lambda key: (isinstance(key, str), str(key))):
+        if _on_stream(inputs[key], tokens=trace.tokens):
+            return key, inputs[key]
+    raise ValueError(
+        f"sp=True: {block} is called on no (rows, tokens, hidden) tensor, so there is no residual stream to split"
+        " along the sequence in its blocks. Use sp=False"
+    )
 
 
 def _sequence_parallel_style(style: ParallelStyle) -> ParallelStyle:
     """A row-parallel projection reduce-scatters its sum into the sequence-sharded stream instead of all-reducing it."""
-    if type(style) is RowwiseParallel:
-        return RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(1), use_local_output=False)
+    if type(style) in (RowwiseParallel, Conv1DRowwiseParallel):
+        return type(style)(input_layouts=style.input_layouts[0], output_layouts=Shard(1), use_local_output=False)
     return style
 
 
@@ -85,22 +157,30 @@ def _stream_norms(
     trace: Trace,
     *,
     hidden: int,
+    blocks: list[str],
+    regions: list[str],
     styled: Mapping[str, ParallelStyle],
     entries: list[str],
 ) -> list[str]:
-    """The modules the plan leaves alone that normalise the residual stream: their own parameters are vectors of the
-    hidden size (a norm's weight and bias), they hold no other module with parameters, and a step calls them on a
-    (rows, tokens, hidden) tensor that no column-parallel projection returned (OLMo 2's q_norm, over all heads of
-    q_proj's output, has the hidden size too: the probe gives such a norm what it needs)."""
+    """The modules inside the blocks the plan leaves alone that normalise the residual stream: their own parameters
+    are vectors of the hidden size (a norm's weight and bias), they hold no other module with parameters, and a step
+    calls them on a (rows, tokens, hidden) tensor that no column-parallel projection returned (OLMo 2's q_norm, over
+    all heads of q_proj's output, has the hidden size too: the probe gives such a norm what it needs)."""
     norms = []
     for name, calls in trace.calls.items():
         module = modules.get(name)
-        if module is None or name in styled or any(True for _ in _child_parameters(module)):
+        if (
+            module is None
+            or not _inside(name, blocks)
+            or _inside(name, regions)
+            or name in styled
+            or any(True for _ in _child_parameters(module))
+        ):
             continue
         own = list(module.parameters(recurse=False))
         if not own or any(p.shape != (hidden,) for p in own):
             continue
-        on_stream = [call for call in calls if _on_stream(call.inputs.get(0), tokens=trace.tokens, hidden=hidden)]
+        on_stream = [call for call in calls if _on_stream(call.inputs.get(0), tokens=trace.tokens, width=hidden)]
         if on_stream and not any(call.sources.get(0) in entries for call in on_stream):
             norms.append(name)
     return norms
@@ -110,8 +190,9 @@ def _child_parameters(module: nn.Module):
     return (p for child in module.children() for p in child.parameters())
 
 
-def _on_stream(arg, *, tokens: int, hidden: int) -> bool:
-    return arg is not None and len(arg.shape) == 3 and arg.shape[1:] == (tokens, hidden)
+def _on_stream(arg, *, tokens: int, width: int | None = None) -> bool:
+    """Whether ``arg`` has the residual stream's shape: (rows, tokens, width), of any width unless given."""
+    return arg is not None and len(arg.shape) == 3 and arg.shape[1] == tokens and width in (None, arg.shape[2])
 
 
 def _read_by(trace: Trace, *, source: str, entries: list[str]) -> bool:

@@ -244,19 +244,89 @@ def _distribute_conv1d(
 class VocabParallelEmbedding(RowwiseParallel):
     """The vocabulary-parallel embedding of the Llama plan (``RowwiseParallel`` with whole token ids), whose output
     is a tensor of its own: torch's is a view made by an autograd Function, which model code may not modify in place,
-    and some does (CTRL's ``inputs_embeds *= sqrt(d_model)``, GIT's ``embeddings += position_embeddings``).
+    and some does (CTRL's ``inputs_embeds *= sqrt(d_model)``, GIT's ``embeddings += position_embeddings``)."""
 
-    ``sequence_parallel``: the output is the sequence-sharded residual stream, a ``Shard(1)`` DTensor."""
-
-    def __init__(self, *, sequence_parallel: bool = False) -> None:
-        if sequence_parallel:
-            super().__init__(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
-        else:
-            super().__init__(input_layouts=Replicate())
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate())
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh).clone()
+
+
+class SequenceShardedStream(ParallelStyle):
+    """Where the sequence-parallel residual stream begins and ends: the first and the last of the decoder blocks a
+    model calls one after another.
+
+    Outside its blocks a model's own code computes on whole tensors (positions, scalings and masks it applies to the
+    embedding, states of its own it adds to the stream), so the stream is split inside them only. The first block
+    takes its stream argument (``begins_at``: a position or a keyword) as this rank's slice of the sequence, a
+    ``Shard(1)`` DTensor: no communication, and in backward the slices' gradients are all-gathered. With ``ends``,
+    the block's stream output (what it returns, or the first item) is all-gathered back into a whole tensor.
+    """
+
+    def __init__(self, *, begins_at: int | str | None = None, ends: bool = False) -> None:
+        super().__init__()
+        self.begins_at = begins_at
+        self.ends = ends
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.begins_at is not None:
+            module.register_forward_pre_hook(partial(self._split_stream, device_mesh), with_kwargs=True)
+        if self.ends:
+            module.register_forward_hook(partial(_gather_stream, device_mesh))
+        return module
+
+    def _split_stream(self, device_mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict):
+        key = self.begins_at
+        if isinstance(key, int):
+            return (*args[:key], _sequence_shard(args[key], mesh=device_mesh), *args[key + 1 :]), kwargs
+        return args, {**kwargs, key: _sequence_shard(kwargs[key], mesh=device_mesh)}
+
+
+def _sequence_shard(stream: torch.Tensor, *, mesh: DeviceMesh) -> DTensor:
+    if not isinstance(stream, DTensor):
+        stream = DTensor.from_local(stream, mesh, [Replicate()], run_check=False)
+    return stream.redistribute(mesh, [Shard(1)])
+
+
+def _gather_stream(device_mesh: DeviceMesh, module: nn.Module, args: tuple, output: object) -> object:
+    def whole(stream: object) -> object:
+        return stream.redistribute(device_mesh, [Replicate()]).to_local() if isinstance(stream, DTensor) else stream
+
+    return (whole(output[0]), *output[1:]) if isinstance(output, tuple) else whole(output)
+
+
+class WholeSequenceRegion(ParallelStyle):
+    """A module inside a block that computes on the whole sequence while the blocks' residual stream is split along
+    it (sequence parallel): a mixture-of-experts block, whose router and token dispatch must see every token as in
+    one process; a token mixer whose projections gather their outputs (Qwen3.5's linear attention).
+
+    Its input, gathered by the norm before it, enters as this rank's whole local copy; its outputs shaped like that
+    input (not router logits) leave as this rank's slice of the sequence (``Shard(1)``), whose gradient is gathered on
+    the way back. Row-parallel projections inside it all-reduce as without sequence parallel, where one
+    reduce-scatter of their total would do: the price of keeping the model's own code.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_whole_local_inputs, with_kwargs=True)
+        module.register_forward_hook(partial(_sequence_sharded_output, device_mesh), with_kwargs=True)
+        return module
+
+
+def _whole_local_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tree_map(whole_local, (args, kwargs))
+
+
+def _sequence_sharded_output(device_mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict, output: object):
+    stream = next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+
+    def sharded(value: object) -> object:
+        if not isinstance(value, torch.Tensor) or value.shape != stream.shape:
+            return value
+        return _sequence_shard(value, mesh=device_mesh)
+
+    return tree_map(sharded, output)
 
 
 class KeptWhole(ParallelStyle):
@@ -308,13 +378,10 @@ def summed_gradient(value: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(value, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-class HeadShardedParameters(ParallelStyle):
-    """Parameters an attention module keeps per head (GPT-OSS's attention sinks), split with the heads it computes.
+class _NamedParameters(ParallelStyle):
+    """Some of a module's own parameters, by name, distributed with one placement over tp."""
 
-    The module's own code combines them with its heads inside attention: once the plan splits the heads, each rank
-    needs the entries of its own heads, in order. They become ``Shard(0)`` DTensors (checkpoints keep the whole
-    vector), and the module's forward runs on this rank's entries; each entry's gradient comes from its rank alone.
-    """
+    placement: Placement
 
     def __init__(self, *, names: tuple[str, ...]) -> None:
         super().__init__()
@@ -323,8 +390,35 @@ class HeadShardedParameters(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name in self.names:
             param = getattr(module, name)
-            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            distributed = distribute_tensor(param, device_mesh, [self.placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))
+        return module
+
+
+class ReturnedParameters(_NamedParameters):
+    """Parameters a module returns for the code around it to compute with (GPT-NeoX-Japanese's attention hands its
+    output bias to its block, which adds it to the residual stream).
+
+    Under sequence parallel that code meets the stream, a ``Shard(1)`` DTensor, which computes with DTensors only. As
+    replicated DTensors the parameters combine with each rank's slice of the sequence, and DTensor sums their
+    gradients over tp.
+    """
+
+    placement = Replicate()
+
+
+class HeadShardedParameters(_NamedParameters):
+    """Parameters an attention module keeps per head (GPT-OSS's attention sinks), split with the heads it computes.
+
+    The module's own code combines them with its heads inside attention: once the plan splits the heads, each rank
+    needs the entries of its own heads, in order. They become ``Shard(0)`` DTensors (checkpoints keep the whole
+    vector), and the module's forward runs on this rank's entries; each entry's gradient comes from its rank alone.
+    """
+
+    placement = Shard(0)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
         forward = partial(_forward_on_local_parameters, names=self.names, forward=type(module).forward)
         module.forward = MethodType(forward, module)
         return module

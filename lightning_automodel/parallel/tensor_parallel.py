@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -126,9 +127,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, styles: Mapping[str, ParallelStyle
 
 def _shard_keeping_ties(model: nn.Module, mesh: DeviceMesh, styles: Mapping[str, ParallelStyle]) -> list[str]:
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
-    ties = _tied_parameter_names(model)
-    split = shard(model, mesh, styles)
-    _retie(model, ties)
+    with ties_kept(model):
+        split = shard(model, mesh, styles)
     # Some styles (SequenceParallel, replicated parameters) re-create parameters as trainable: restore what was frozen.
     for name, param in model.named_parameters(remove_duplicate=False):
         param.requires_grad_(requires_grad[name])
@@ -202,6 +202,15 @@ def _unfixable_message(model: nn.Module, source: str, names: Sequence[str]) -> s
         " their gradient, and no style of that module can sum it. Pass tp_plan= that leaves the projections of"
         f" {owners[0]} whole (with allow_unsharded_linears=True), or use tp=1."
     )
+
+
+@contextmanager
+def ties_kept(model: nn.Module) -> Iterator[None]:
+    """Parameters tied when entering are tied again on leaving: sharding, and ``to_empty``, give every module a
+    Parameter of its own."""
+    ties = _tied_parameter_names(model)
+    yield
+    _retie(model, ties)
 
 
 def _tied_parameter_names(model: nn.Module) -> list[list[str]]:

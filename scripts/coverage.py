@@ -201,7 +201,9 @@ to 1e-3).
 
 A **note** says that a buffer of the meta-device build, after `materialize_hf_model`, differs from what
 transformers computes (the numbers above are taken with the reference's buffers copied in): a model built on the
-meta device would train with those values."""
+meta device would train with those values. **built with real weights**: the strategy refuses the meta-device build
+of this type (its constructor makes real tensors under the meta device) and names building it with real weights as
+the fix; the check took that fix."""
 
 
 def library_revision() -> str:
@@ -242,6 +244,7 @@ def _cell(result: dict[str, Any] | None, layout: str) -> str:
     if result is None:
         return "not measured"
     note = f"; note: {_short(result['note'], 80)}" if "note" in result else ""
+    note += f"; built {_short(result['build'], 40)}" if "build" in result else ""
     if result["verdict"] != PASS:
         late = " (late)" if result.get("after_collectives") else ""
         return f"**{result['verdict']}**{late}: {_short(result['detail'])}{note}"

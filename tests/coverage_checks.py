@@ -50,6 +50,7 @@ from lightning_automodel.hf.initialization import copy_shard, materialize_hf_mod
 from lightning_automodel.hf.shrink import tiny_config
 from lightning_automodel.mesh import data_mesh
 from lightning_automodel.parallel import decoder_layers
+from lightning_automodel.parallel.parallelizer import is_meta
 from lightning_automodel.parallel.verify import fp64_copy, gradient_limits
 
 # Layouts of a world of two, as the strategy's arguments.
@@ -84,8 +85,6 @@ def coverage_check(model_type: str, layout: str, tp_plan: str | None = None) -> 
 
     ``tp_plan``: an import path to a plan function to use instead of the one ``parallelize`` chooses (a plan the
     check must catch)."""
-    from transformers import AutoModelForCausalLM
-
     try:
         reference = single_process_reference(model_type)
     except NoTinyConfig as error:
@@ -94,8 +93,7 @@ def coverage_check(model_type: str, layout: str, tp_plan: str | None = None) -> 
     with _plan_log() as plan_log:
         stage = "build on the meta device"
         try:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(copy.deepcopy(reference.config))
+            model, built = _build_as_the_strategy_advises(reference.config)
             tp, sp = LAYOUTS[layout]["tp"], LAYOUTS[layout]["sp"]
             mesh = layout_mesh(tp)
             stage = "parallelize"
@@ -103,7 +101,8 @@ def coverage_check(model_type: str, layout: str, tp_plan: str | None = None) -> 
                 parallelize(model, mesh, sp=sp, tp_plan=tp_plan)
             sharding = tp_sharding(model, trained=reference.outputs.grads.keys()) if tp > 1 else {}
             stage = "materialize"
-            materialize_hf_model(model, torch.device("cpu"))
+            if built == META:
+                materialize_hf_model(model, torch.device("cpu"))
             uninitialised = load_reference(model, reference.model)
             stage = "forward and backward"
             outputs = parallel_outputs(model, data_mesh(mesh))
@@ -112,7 +111,27 @@ def coverage_check(model_type: str, layout: str, tp_plan: str | None = None) -> 
             late = {"build on the meta device": False, "parallelize": collectives.count > 0}.get(stage, True)
             return {"status": "raised", "stage": stage, "after_collectives": late, **describe_error(error), **plan_log}
     comparison = compare(outputs, reference, dp_slice(data_mesh(mesh), batch_size=4))
-    return {"status": "ran", **comparison, "uninitialised_buffers": uninitialised, **sharding, **plan_log}
+    build = {} if built == META else {"build": built}
+    return {"status": "ran", **comparison, "uninitialised_buffers": uninitialised, **sharding, **plan_log, **build}
+
+
+META = "meta"
+# A model whose constructor makes real tensors under the meta device (XLNet's torch.FloatTensor parameters) is refused
+# by is_meta with the fix to build it with real weights; the check follows that fix.
+REAL = "with real weights: its constructor makes real matrices under the meta device, which the strategy refuses"
+
+
+def _build_as_the_strategy_advises(config: Any) -> tuple[nn.Module, str]:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    try:
+        is_meta(model)
+    except ValueError:
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config)), REAL
+    return model, META
 
 
 class NoTinyConfig(Exception):
@@ -242,6 +261,8 @@ def _judge_numbers(outcomes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     found = {key: first.get(key) for key in ("sharded", "embedding_sharded", "lm_head_sharded", "plan")}
     if first.get("loosened_limits"):
         found["loosened_limits"] = first["loosened_limits"]
+    if "build" in first:
+        found["build"] = first["build"]
     if first["uninitialised_buffers"]:
         found["note"] = f"meta-device build leaves buffers uninitialised: {', '.join(first['uninitialised_buffers'])}"
     mismatch = next((o["mismatch"] for o in outcomes if "mismatch" in o), None)

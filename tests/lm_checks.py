@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 from lightning_checks import compare_training, trainer
-from models import VOCAB, tiny_config
+from models import SHRUNK, VOCAB, tiny_config
 from parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE
 from torch.utils.data import DataLoader, Dataset
 from transformers import AutoModelForCausalLM
@@ -26,12 +26,16 @@ SEQ = 16
 HPARAMS = dict(learning_rate=1e-2, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=1, min_lr_ratio=0.1)
 
 
-class RecordingLM(CausalLMModule):
-    """CausalLMModule, recording what the reference is compared with: the synced loss it logs and the gradients
-    the optimizer gets."""
+# A mixture-of-experts model adding its auxiliary load-balancing loss, weighted so that it matters.
+AUXILIARY = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 
-    def __init__(self) -> None:
-        super().__init__(config=tiny_config("llama").to_dict(), **HPARAMS)
+
+class RecordingLM(CausalLMModule):
+    """CausalLMModule, recording what the reference is compared with: the synced loss it logs (the language-model
+    loss, plus the weighted auxiliary loss where the model adds one) and the gradients the optimizer gets."""
+
+    def __init__(self, family: str = "llama") -> None:
+        super().__init__(config=model_config(family).to_dict(), **HPARAMS)
         self.losses: list[float] = []
         self.accuracies: list[float] = []
         self.grads: list[dict[str, torch.Tensor]] = []
@@ -42,7 +46,11 @@ class RecordingLM(CausalLMModule):
         )
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.losses.append(self.trainer.callback_metrics["train_loss"].item())
+        metrics = self.trainer.callback_metrics
+        auxiliary = (
+            metrics["train_aux_loss"].item() * self.hf_config.router_aux_loss_coef if "train_aux_loss" in metrics else 0
+        )
+        self.losses.append(metrics["train_loss"].item() + auxiliary)
         self.accuracies.append(self.trainer.callback_metrics["train_accuracy"].item())
 
 
@@ -68,20 +76,28 @@ def padded_rows(count: int, seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "labels": input_ids.masked_fill(~real, -100), "attention_mask": real.long()}
 
 
+def model_config(family: str):
+    return tiny_config(family, **AUXILIARY) if family in SHRUNK else tiny_config(family)
+
+
 def reference_metrics(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' own loss over all rows at once, and the argmax accuracy of the full logits."""
+    """transformers' own loss over all rows at once (with its auxiliary loss, if any), the language-model loss alone,
+    and the argmax accuracy of the full logits."""
     output = model(**rows)
     predicted = output.logits[:, :-1].argmax(-1)
     targets = rows["labels"][:, 1:]
     scored = targets != -100
     accuracy = ((predicted == targets) & scored).sum() / scored.sum()
-    return {"loss": output.loss, "accuracy": accuracy, "tokens": scored.sum()}
+    aux_loss = getattr(output, "aux_loss", None)
+    auxiliary = 0 if aux_loss is None else model.router_aux_loss_coef * aux_loss
+    return {"loss": output.loss, "lm_loss": output.loss - auxiliary, "accuracy": accuracy, "tokens": scored.sum()}
 
 
-def check_causal_lm_module(tp: int, sp: bool) -> dict:
+def check_causal_lm_module(tp: int, sp: bool, family: str = "llama") -> dict:
     """3 steps of CausalLMModule (meta init, AdamW with decay groups, warm-up then cosine) on padded rows match a
     single process: the logged loss and accuracy at every step, every gradient, the weights, then validation's
-    loss, perplexity and accuracy over two uneven batches, and predict's per-sequence losses."""
+    loss, perplexity and accuracy over two uneven batches, and predict's per-sequence losses. A mixture-of-experts
+    ``family`` adds its auxiliary loss, over the global batch."""
     train = padded_rows(GLOBAL_BATCH, seed=1)  # an epoch of one step: every step sees the same global batch
     val = padded_rows(2 * GLOBAL_BATCH, seed=2)
     dp = dist.get_world_size() // tp
@@ -89,14 +105,14 @@ def check_causal_lm_module(tp: int, sp: bool) -> dict:
     val_loader = DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp)
 
     torch.manual_seed(7 + dist.get_rank())  # ranks disagree: every rank must take rank 0's random state
-    module = RecordingLM()
+    module = RecordingLM(family)
     fit = trainer(AutoModelParallelStrategy(tp=tp, sp=sp))
     fit.fit(module, loader)
     logged = fit.validate(module, val_loader, verbose=False)[0]
 
     torch.manual_seed(7)
     with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        reference = AutoModelForCausalLM.from_config(model_config(family))
     reference.to_empty(device="cpu")
     reference.init_weights()
     losses, accuracies, grads = reference_training(reference, train)
@@ -108,8 +124,9 @@ def check_causal_lm_module(tp: int, sp: bool) -> dict:
     with torch.no_grad():
         expected = reference_metrics(reference, val)
     val_errors = {
-        "val_loss": abs(logged["val_loss"] - expected["loss"].item()),
-        "val_perplexity": abs(logged["val_perplexity"] - expected["loss"].exp().item()) / expected["loss"].exp().item(),
+        "val_loss": abs(logged["val_loss"] - expected["lm_loss"].item()),
+        "val_perplexity": abs(logged["val_perplexity"] - expected["lm_loss"].exp().item())
+        / expected["lm_loss"].exp().item(),
         "val_accuracy": abs(logged["val_accuracy"] - expected["accuracy"].item()),
     }
     assert val_errors["val_loss"] < TRAINED_LOSS_TOLERANCE and val_errors["val_perplexity"] < TRAINED_LOSS_TOLERANCE

@@ -31,6 +31,13 @@ def test_parity_at_tp2_dp2_with_sp():
     print(results)
 
 
+def test_mixture_of_experts_auxiliary_loss_over_the_global_batch():
+    """Qwen3-MoE adding its load-balancing loss (weighted 0.5) at tp=2 with sp x dp=2 on padded rows: each step's
+    loss, every gradient and the weights as transformers' own loss of the global batch in one process, though each
+    rank routes only its own rows (the ranks' per-expert sums are added before the shares are multiplied)."""
+    run_checks(4, [partial(check_causal_lm_module, 2, True, "qwen3_moe")], timeout=300)
+
+
 def test_lora_export_predict_and_refusals():
     """At tp=2, trained adapters merged into a plain Hugging Face model by `export`: the same logits. At dp=2,
     predict over uneven batches is refused on every rank, and the data module's split predicts every row. At tp=2,

@@ -6,6 +6,7 @@ from models import tiny_config, tiny_model
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+from lightning_automodel import ParallelDims
 from lightning_automodel.hf.shrink import tiny_config as coverage_config
 from lightning_automodel.parallel import (
     DefaultParallelizationStrategy,
@@ -17,12 +18,14 @@ from lightning_automodel.parallel import (
 from lightning_automodel.parallel.blocks import layers_sharing_parameters, named_decoder_layers
 from lightning_automodel.parallel.hf_plan import hf_style_strings, translate_style
 from lightning_automodel.parallel.parallelizer import (
+    blocks_recomputed_outside_calls,
+    check_before_collectives,
     is_meta,
     parallelization_strategy_for,
     probe_unsharded,
-    refuse_blocks_recomputed_outside_calls,
 )
 from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns
+from lightning_automodel.parallel.simulation import fake_world
 from lightning_automodel.parallel.styles import (
     PackedColwiseParallel,
     RegroupedColwiseParallel,
@@ -324,13 +327,24 @@ def test_layers_sharing_parameters_are_found():
     assert layers_sharing_parameters(tiny_model(), decoder_layers(tiny_model())) == []
 
 
-def test_a_block_recomputed_outside_its_call_is_refused():
-    """Reformer's reversible layers run without autograd in forward and are recomputed in backward by hand."""
+def test_a_block_recomputed_outside_its_call_is_held_by_the_root():
+    """Reformer's reversible layers run without autograd in forward and are recomputed in backward by hand: the
+    root's FSDP unit holds them, gathered through backward; resharding the root after forward, or checkpointing
+    them, is refused before any collective."""
     with torch.device("meta"):
         model = coverage_model("reformer")
-    with pytest.raises(ValueError, match="runs reformer.encoder.layers.0 without autograd"):
-        refuse_blocks_recomputed_outside_calls(model, probe_unsharded(model, tp=1))
-    refuse_blocks_recomputed_outside_calls(tiny_model(), probe_unsharded(tiny_model(), tp=1))
+    layers = tuple(name for name, _ in named_decoder_layers(model))
+    assert blocks_recomputed_outside_calls(model, probe_unsharded(model, tp=1)) == layers
+    assert blocks_recomputed_outside_calls(tiny_model(), probe_unsharded(tiny_model(), tp=1)) == ()
+    with fake_world(2):
+        mesh = ParallelDims(dp_shard=2).resolve(2).build_mesh("cpu")
+        assert check_before_collectives(model, mesh).held_by_root == layers
+        for option, named in (
+            ("reshard_after_forward", "reshard_after_forward=True"),
+            ("activation_checkpointing", "activation checkpointing"),
+        ):
+            with pytest.raises(ValueError, match=f"runs reformer.encoder.layers.0 without autograd.*{named} would"):
+                check_before_collectives(model, mesh, **{option: True})
 
 
 def test_a_registered_parallelization_strategy_takes_over_the_flow():
@@ -409,7 +423,7 @@ def test_a_block_checkpointed_by_hugging_face_is_no_recomputation_outside_its_ca
     model.train()
     trace = probe_unsharded(model, tp=1)
     assert "model.layers.0.mlp" in trace.called_in_backward
-    refuse_blocks_recomputed_outside_calls(model, trace)
+    assert blocks_recomputed_outside_calls(model, trace) == ()
 
 
 def test_parameters_no_init_sets_get_their_constructors_values():

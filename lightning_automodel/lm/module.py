@@ -30,7 +30,13 @@ from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
 from lightning_automodel.lm.summary import TrainingSummary
 from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
 from lightning_automodel.mesh import reduction_mesh
-from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean, next_token_hits
+from lightning_automodel.parallel.load_balancing import load_balancing_loss
+from lightning_automodel.parallel.loss import (
+    causal_lm_loss_sum,
+    data_parallel_group,
+    global_token_mean,
+    next_token_hits,
+)
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
 Schedule = Literal["cosine", "linear", "constant"]
@@ -84,6 +90,7 @@ class CausalLMModule(L.LightningModule):
         self.model: nn.Module | None = None
         self.tokenizer: Any = None
         self._batch_shape: tuple[int, int] = (0, 0)
+        self._load_balancing_checked = False
         for stage in _STAGES:  # train_metrics, val_metrics, test_metrics
             sync_on_step = stage == "train"  # a step's logged value is the global batch's
             metrics = {
@@ -139,9 +146,12 @@ class CausalLMModule(L.LightningModule):
         check_batch(batch, self.hf_config)
         input_ids, labels = batch["input_ids"], batch["labels"]
         self._batch_shape = tuple(input_ids.shape)
-        logits = self(input_ids, batch.get("attention_mask"))
+        outputs = self.model(input_ids=input_ids, attention_mask=batch.get("attention_mask"))
+        logits = outputs.logits
         loss_sum, tokens = causal_lm_loss_sum(logits, labels)
         loss = global_token_mean(loss_sum, tokens, self.device_mesh)
+        if getattr(outputs, "aux_loss", None) is not None:  # added to this rank's plain copy of the replicated loss
+            loss = _plain(loss) + self._load_balancing_loss(stage, outputs, batch.get("attention_mask"))
         hits, _ = next_token_hits(logits, labels)
         metrics = getattr(self, f"{stage}_metrics")
         loss_sum = _plain(loss_sum)
@@ -152,6 +162,32 @@ class CausalLMModule(L.LightningModule):
         for name, metric in metrics.items():
             self.log(f"{stage}_{name}", metric, on_step=on_step, on_epoch=not on_step, prog_bar=name != "perplexity")
         return loss
+
+    def _load_balancing_loss(self, stage: str, outputs: Any, attention_mask: Tensor | None) -> Tensor:
+        """The mixture-of-experts auxiliary loss (``output_router_logits``), weighted as the model weighs it, over
+        the global batch (see :mod:`lightning_automodel.parallel.load_balancing`); logged with each layer's expert
+        load imbalance, the same on every rank."""
+        hf_model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        options = dict(num_experts=hf_model.num_experts, top_k=hf_model.num_experts_per_tok)
+        if not self._load_balancing_checked:
+            own, _ = load_balancing_loss(outputs.router_logits, attention_mask=attention_mask, **options)
+            if not torch.allclose(own, outputs.aux_loss.to(own), rtol=1e-5, atol=1e-7):
+                raise ValueError(
+                    f"{type(hf_model).__name__}'s auxiliary loss ({outputs.aux_loss.item():.6g} on this batch) is not"
+                    f" the load-balancing loss CausalLMModule sums over the data-parallel ranks ({own.item():.6g}):"
+                    " it would be this rank's alone. Set output_router_logits=False in the model's config, or train"
+                    " it with a LightningModule of your own."
+                )
+            self._load_balancing_checked = True
+        group = data_parallel_group(self.device_mesh)
+        aux_loss, load = load_balancing_loss(
+            outputs.router_logits, attention_mask=attention_mask, group=group, **options
+        )
+        on_step = stage == "train"
+        self.log(f"{stage}_aux_loss", aux_loss.detach(), on_step=on_step, on_epoch=not on_step)
+        for layer, imbalance in enumerate(load.imbalance()):
+            self.log(f"{stage}_expert_imbalance/layer_{layer}", imbalance, on_step=on_step, on_epoch=not on_step)
+        return hf_model.router_aux_loss_coef * aux_loss
 
     def configure_optimizers(self) -> dict[str, Any]:
         hparams = self.hparams
@@ -302,5 +338,6 @@ def with_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
 
 
 def _plain(tensor: Tensor) -> Tensor:
-    """A loss summed on vocabulary-sharded logits is a (replicated) DTensor; metrics take plain tensors."""
+    """A loss summed on vocabulary-sharded logits is a (replicated) DTensor; metrics, and a sum with plain terms,
+    take plain tensors."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -31,15 +32,19 @@ def global_token_mean(loss_sum: Tensor, num_tokens: Tensor | int, device_mesh: D
     it is the mean over this process's tokens.
     """
     total = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device).detach().clone()
-    if device_mesh is not None:
-        mesh = reduction_mesh(device_mesh)
-        group, size = mesh.get_group(), mesh.size()
-    elif dist.is_available() and dist.is_initialized():
-        group, size = None, dist.get_world_size()
-    else:
+    group = data_parallel_group(device_mesh)
+    if group is None:
         return loss_sum / total.clamp_min(1)
     dist.all_reduce(total, group=group)
-    return loss_sum * (size / total.clamp_min(1))
+    return loss_sum * (dist.get_world_size(group) / total.clamp_min(1))
+
+
+def data_parallel_group(device_mesh: DeviceMesh | None) -> ProcessGroup | None:
+    """The ranks whose batches make the global batch (dp_replicate x dp_shard x cp of ``device_mesh``; every rank
+    without one, as under DDP); None in one process."""
+    if device_mesh is not None:
+        return reduction_mesh(device_mesh).get_group()
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def causal_lm_loss(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -18,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from lightning_automodel.mesh import axis_size, fsdp_mesh, tp_mesh
-from lightning_automodel.parallel.blocks import decoder_layers, named_decoder_layers
+from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
 from lightning_automodel.parallel.experts import give_every_expert_a_gradient
 from lightning_automodel.parallel.fsdp import apply_fsdp
@@ -106,15 +107,21 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         materialize after this returns.
         """
         meta = is_meta(model)
-        planned = check_before_collectives(
-            model, device_mesh, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears
+        checked = check_before_collectives(
+            model,
+            device_mesh,
+            sp=sp,
+            tp_plan=tp_plan,
+            allow_unsharded_linears=allow_unsharded_linears,
+            reshard_after_forward=reshard_after_forward,
+            activation_checkpointing=bool(activation_checkpointing),
         )
-        layers = decoder_layers(model)
+        layers = [layer for name, layer in named_decoder_layers(model) if name not in checked.held_by_root]
         if not meta:
             model.to(device_mesh.device_type)
             broadcast_from_rank0(model)
-        if planned is not None:
-            apply_tensor_parallel(model, tp_mesh(device_mesh), planned)
+        if checked.planned is not None:
+            apply_tensor_parallel(model, tp_mesh(device_mesh), checked.planned)
         if activation_checkpointing:
             apply_activation_checkpointing(model, layers, mode=activation_checkpointing)
         give_every_expert_a_gradient(model)
@@ -132,6 +139,14 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         return model
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What the checks before any collective found, for the sharding that follows."""
+
+    planned: TensorParallelPlan | None  # the tensor-parallel plan; None at tp = 1
+    held_by_root: tuple[str, ...] = ()  # blocks recomputed outside their calls: no FSDP units of their own
+
+
 def check_before_collectives(
     model: nn.Module,
     device_mesh: DeviceMesh,
@@ -139,22 +154,32 @@ def check_before_collectives(
     sp: bool = False,
     tp_plan: PlanSpec | None = None,
     allow_unsharded_linears: bool = False,
-) -> TensorParallelPlan | None:
+    reshard_after_forward: bool | None = None,
+    activation_checkpointing: bool = False,
+) -> Checked:
     """Every check of :meth:`DefaultParallelizationStrategy.parallelize` that can refuse, run without a collective:
-    sizes, a probe step of the model on the meta device, and at tp > 1 the tensor-parallel plan it then applies
-    (None at tp = 1). :func:`~lightning_automodel.parallel.verify.verify_plan` shares it, so that what it verifies
-    is the plan training gets."""
+    sizes, a probe step of the model on the meta device, and at tp > 1 the tensor-parallel plan it then applies.
+    :func:`~lightning_automodel.parallel.verify.verify_plan` shares it, so that what it verifies is the plan training
+    gets."""
     tp = axis_size(device_mesh, "tp")
     if sp and tp == 1:
         raise ValueError("sp=True (sequence parallel) shards activations over the tp axis; it needs tp > 1.")
     if tp > 1:
         validate_tp_sizes(model, tp)
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
-    if isinstance(unsharded, Trace):
-        refuse_blocks_recomputed_outside_calls(model, unsharded)
+    recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
+    if recomputed and (reshard_after_forward or activation_checkpointing):
+        undoing = "reshard_after_forward=True" if reshard_after_forward else "activation checkpointing"
+        raise ValueError(
+            f"{type(model).__name__} runs {recomputed[0]} without autograd in its training forward and recomputes it"
+            " in backward without calling it (a reversible block): FSDP2 gathers a unit's weights around its calls"
+            " only, so such blocks belong to the root's unit, whose weights stay gathered from forward through"
+            f" backward. {undoing} would recompute them on sharded weights: leave reshard_after_forward unset and"
+            " activation_checkpointing off."
+        )
     if tp == 1:
-        return None
-    return plan_tensor_parallel(
+        return Checked(None, held_by_root=recomputed)
+    planned = plan_tensor_parallel(
         model,
         tp_mesh(device_mesh),
         sp=sp,
@@ -162,6 +187,7 @@ def check_before_collectives(
         allow_unsharded_linears=allow_unsharded_linears,
         unsharded=unsharded,
     )
+    return Checked(planned, held_by_root=recomputed)
 
 
 def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:
@@ -184,21 +210,18 @@ def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:
     return failure
 
 
-def refuse_blocks_recomputed_outside_calls(model: nn.Module, unsharded: Trace) -> None:
-    """Refuse a model whose training forward runs a decoder block without autograd and recomputes it in backward
-    without calling it (Reformer's reversible layers): FSDP2 gathers a block's weights around its calls only, so the
-    recomputation would meet sharded weights. A block recomputed by calling it again (checkpointing) is fine."""
+def blocks_recomputed_outside_calls(model: nn.Module, unsharded: Trace) -> tuple[str, ...]:
+    """The decoder blocks a training forward runs without autograd and backward recomputes without calling them
+    (Reformer's reversible layers): FSDP2 gathers a unit's weights around its calls only, so as units of their own
+    they would be recomputed on sharded weights. A block recomputed by calling it again (checkpointing) is fine."""
+    found = []
     for name, block in named_decoder_layers(model):
         calls = unsharded.calls.get(name, [])
         trains = any(p.requires_grad for p in block.parameters())
         recomputed_by_a_call = name in unsharded.called_in_backward
         if calls and trains and not any(call.grad_enabled for call in calls) and not recomputed_by_a_call:
-            raise ValueError(
-                f"{type(model).__name__} runs {name} without autograd in its training forward and recomputes it in"
-                " backward without calling it (a reversible block): FSDP2 gathers a block's weights around its calls"
-                " only, so that recomputation would meet sharded weights. This model cannot be parallelized here;"
-                " train it in one process."
-            )
+            found.append(name)
+    return tuple(found)
 
 
 def fp32_pinned_names(model: nn.Module) -> tuple[str, ...]:

@@ -90,7 +90,7 @@ def plan_report(
         mesh = dims.build_mesh("cpu")
         planned = check_before_collectives(
             model, mesh, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears
-        )
+        ).planned
         if planned is not None:
             choice = planned.choice
             report.plan_source, report.plan_reason = choice.source, choice.reason

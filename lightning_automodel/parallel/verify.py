@@ -203,7 +203,7 @@ def verify_replica(
         # Refusals first, as in training. The checks only propagate shapes on the meta device: rank 0's view serves.
         planned = check_before_collectives(
             model, mesh, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears
-        )
+        ).planned
         torch.manual_seed(0)
         reference = build()
         tokens, labels = token_batch(_vocabulary(reference))

@@ -80,6 +80,7 @@ _SIZE_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "n_group", "num_expert_group", "topk_group", "n_groups", "mamba_n_groups", "mamba_ngroups",
             "n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "expand", "mamba_expand",
+            "first_k_dense_replace",
         ),
     ),
     (

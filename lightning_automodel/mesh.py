@@ -12,6 +12,12 @@ Two more carry the names Lightning's ModelParallelStrategy gives its 2D mesh, so
 it, which parallelizes itself with ``self.device_mesh["data_parallel"]`` and ``["tensor_parallel"]``, runs
 unchanged: "data_parallel" = (dp_replicate, dp_shard), "tensor_parallel" = (tp,).
 
+Expert parallel is no sixth axis: ``ep`` borrows its ranks from dp_shard x cp, which read different tokens (as in
+torchtitan). With ep > 1 the "dp_shard_cp" axis is also read as ("efsdp", "ep"), ep innermost (neighbouring ranks
+exchange tokens): each ep rank holds 1/ep of every layer's experts, and FSDP shards them over "efsdp", what dp_shard x
+cp leaves. tp peers read the same tokens, so ep cannot span tp; experts are tensor parallel over tp inside each ep
+rank instead.
+
 Validation is a pure function of the sizes and the world size, so every rank raises the same error before any
 process group exists: a bad configuration can never leave one rank waiting in a collective.
 """
@@ -36,6 +42,8 @@ FLATTENED_AXES = {
     "tensor_parallel": ("tp",),
 }
 
+EXPERT_AXES = ("efsdp", "ep")  # "dp_shard_cp" read as (FSDP of the experts, expert parallel) when ep > 1
+
 Size = int | Literal["auto"]
 
 
@@ -48,9 +56,10 @@ class ParallelDims:
     dp_shard: Size = "auto"
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel, borrowed from dp_shard x cp (see the module docstring)
 
     def __post_init__(self) -> None:
-        for name in MESH_AXES:
+        for name in (*MESH_AXES, "ep"):
             value = getattr(self, name)
             if name == "dp_shard" and value == "auto":
                 continue
@@ -75,14 +84,32 @@ class ParallelDims:
                     f" pp*dp_replicate*cp*tp = {fixed} does not divide {world_size}."
                     f" {self._suggestion(world_size)}"
                 )
-            return dataclasses.replace(self, dp_shard=world_size // fixed)
+            return dataclasses.replace(self, dp_shard=world_size // fixed)._check_ep()
         total = fixed * self.dp_shard
         if total != world_size:
             raise ValueError(
                 f"{self._describe()} needs pp*dp_replicate*dp_shard*cp*tp = {total} processes, but the world size"
                 f" is {world_size}. {self._suggestion(world_size)}"
             )
+        return self._check_ep()
+
+    def _check_ep(self) -> ParallelDims:
+        """ep must divide dp_shard x cp, the ranks it borrows."""
+        borrowed = self.dp_shard * self.cp
+        if borrowed % self.ep:
+            valid = [size for size in range(1, borrowed + 1) if borrowed % size == 0]
+            raise ValueError(
+                f"ep={self.ep} does not fit {self._describe()}: expert parallel borrows its ranks from dp_shard*cp ="
+                f" {borrowed} (ranks reading different tokens; tp peers read the same ones), so ep must divide it."
+                f" Valid ep sizes here: {valid}; or raise dp_shard."
+            )
         return self
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks FSDP shards experts over: what dp_shard x cp leaves after ep."""
+        self._require_resolved()
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def is_resolved(self) -> bool:
@@ -117,9 +144,19 @@ class ParallelDims:
         if timeout is not None:
             override = {axis: _backend_options(backend, timeout) for axis in MESH_AXES}
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES, backend_override=override)
+        flat_override = _backend_options(backend, timeout) if timeout is not None else None
         for name, axes in FLATTENED_AXES.items():
-            flat_override = _backend_options(backend, timeout) if timeout is not None else None
             mesh[axes]._flatten(name, backend_override=flat_override)
+        if self.ep > 1:
+            overrides = {index: flat_override for index in range(2)} if timeout is not None else None
+            # Unflattened under other names, then each flattened under its own: that registers it on the root,
+            # where it is found by name like the flattened axes (flattening a 1D mesh into its own name does not).
+            unflattened = tuple(f"{axis}_of_dp_shard_cp" for axis in EXPERT_AXES)
+            experts = flattened(mesh, "dp_shard_cp")._unflatten(
+                0, (self.efsdp, self.ep), unflattened, backend_override=overrides
+            )
+            for axis, name in zip(EXPERT_AXES, unflattened, strict=True):
+                experts[name]._flatten(axis, backend_override=flat_override)
         return mesh
 
     def _require_resolved(self) -> None:
@@ -161,6 +198,8 @@ def axis_size(mesh: DeviceMesh, name: str) -> int:
         return mesh.size(names.index(name))
     if name in FLATTENED_AXES and all(axis in names for axis in FLATTENED_AXES[name]):
         return math.prod(mesh.size(names.index(axis)) for axis in FLATTENED_AXES[name])
+    if name in EXPERT_AXES and name in mesh._get_root_mesh()._flatten_mapping:
+        return mesh[name].size()
     return 1
 
 
@@ -185,6 +224,20 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["tp"]
+
+
+def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh experts are distributed on: "ep", with "tp" inside it when tp > 1 (needs ep > 1)."""
+    if axis_size(mesh, "tp") > 1:
+        return DeviceMesh._concatenate([mesh["ep"], mesh["tp"]])
+    return mesh["ep"]
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards experts over (needs ep > 1): "efsdp", or (dp_replicate, efsdp) for HSDP."""
+    if axis_size(mesh, "dp_replicate") > 1:
+        return DeviceMesh._concatenate([mesh["dp_replicate"], mesh["efsdp"]])
+    return mesh["efsdp"]
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:

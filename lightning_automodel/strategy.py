@@ -97,6 +97,9 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         dp_replicate: replicas of the whole sharded model (HSDP across nodes).
         dp_shard: FSDP shard-group size; ``"auto"`` takes what the world size leaves.
         cp: context-parallel size (not available yet: must be 1).
+        ep: expert-parallel size: each of ep ranks holds 1/ep of every mixture-of-experts layer's experts, and tokens
+            travel to their experts by all-to-all. ep borrows its ranks from dp_shard x cp (it must divide it); FSDP
+            shards the experts over what dp_shard x cp leaves, and with tp > 1 each expert is also split over tp.
         pp: pipeline-parallel size (not available yet: must be 1).
         tp_plan: a dict of module pattern -> ParallelStyle, an import path to one, or a function
             ``(model, sp) -> dict``; default: the first of the family's registered plan, the model's Hugging Face
@@ -139,6 +142,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         dp_shard: int | Literal["auto"] = "auto",
         cp: int = 1,
         pp: int = 1,
+        ep: int = 1,
         tp_plan: PlanSpec | None = None,
         allow_unsharded_linears: bool = False,
         verify_plans: bool = False,
@@ -172,7 +176,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         dp_shard = _parent_size("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset="auto")
         self._tp_per_node = tensor_parallel_size == "auto"  # as in the parent: the devices of one node
         self.parallel_dims = ParallelDims(
-            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=1 if self._tp_per_node else tp
+            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=1 if self._tp_per_node else tp, ep=ep
         )
         for name, size, issue in (("cp", cp, "context"), ("pp", pp, "pipeline")):
             if size > 1:

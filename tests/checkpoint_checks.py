@@ -25,21 +25,21 @@ from lightning_automodel import AutoModelParallelStrategy
 FAMILIES = ("gemma3_vlm", "phi3")
 
 
-def fit(module: CausalLM, tp: int, steps: int, ckpt_path: Path | None = None):
-    run = trainer(AutoModelParallelStrategy(tp=tp), max_steps=steps)
+def fit(module: CausalLM, tp: int, steps: int, ckpt_path: Path | None = None, ep: int = 1):
+    run = trainer(AutoModelParallelStrategy(tp=tp, ep=ep), max_steps=steps)
     run.fit(module, data(dist.get_world_size() // tp), ckpt_path=ckpt_path)
     return run
 
 
-def check_save_and_exact_resume(directory: str, tp: int, family: str) -> list[float]:
+def check_save_and_exact_resume(directory: str, tp: int, family: str, ep: int = 1) -> list[float]:
     """4 uninterrupted steps; 2 steps and a checkpoint; a second save to the same path failing midway, which must
     raise on every rank and leave the first checkpoint whole; 2 more steps resumed from it into a model built from
     another seed give the same losses and weights. Returns the uninterrupted losses (for cross-layout resumes)."""
     checkpoint = Path(directory) / "step-2.ckpt"
     whole = CausalLM(tiny_model(family))
-    fit(whole, tp, 4)
+    fit(whole, tp, 4, ep=ep)
     interrupted = CausalLM(tiny_model(family))
-    run = fit(interrupted, tp, 2)
+    run = fit(interrupted, tp, 2, ep=ep)
     run.save_checkpoint(checkpoint)
     saved = _contents(checkpoint)
     weights = {name: full(tensor).clone() for name, tensor in interrupted.model.state_dict().items()}
@@ -64,16 +64,16 @@ def check_save_and_exact_resume(directory: str, tp: int, family: str) -> list[fl
     assert not [p.name for p in checkpoint.parent.iterdir() if p.name.startswith(".")], "staging left behind"
 
     resumed = CausalLM(tiny_model(family, seed=5 + dist.get_rank()))
-    fit(resumed, tp, 4, ckpt_path=checkpoint)
+    fit(resumed, tp, 4, ckpt_path=checkpoint, ep=ep)
     _assert_continues(resumed, whole.losses, dict(whole.model.named_parameters()))
     return whole.losses
 
 
-def check_resume_into_layout(directory: str, tp: int, family: str, expected_losses: list[float]) -> dict:
-    """Resume the checkpoint saved at tp=2 x dp_shard=2 into another layout: the remaining losses are those of
-    the uninterrupted run."""
+def check_resume_into_layout(directory: str, tp: int, family: str, expected_losses: list[float], ep: int = 1) -> dict:
+    """Resume the checkpoint saved by :func:`check_save_and_exact_resume` into another layout: the remaining losses
+    are those of the uninterrupted run."""
     resumed = CausalLM(tiny_model(family, seed=5 + dist.get_rank()))
-    fit(resumed, tp, 4, ckpt_path=Path(directory) / "step-2.ckpt")
+    fit(resumed, tp, 4, ckpt_path=Path(directory) / "step-2.ckpt", ep=ep)
     return _assert_continues(resumed, expected_losses)
 
 

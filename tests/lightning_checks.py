@@ -21,13 +21,14 @@ from parity import (
     weight_error,
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
 from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.dtypes import keep_pinned_fp32, pinned_to_fp32
+from lightning_automodel.parallel.expert_parallel import experts_modules
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
 
 GLOBAL_BATCH = 8
@@ -173,22 +174,38 @@ def check_trainer_parity(
     family: str = "llama",
     cpu_offload: bool = False,
     dp_replicate: int = 1,
+    ep: int = 1,
 ) -> dict:
     """3 AdamW steps through Trainer.fit match a single-process run, loss for loss and weight for weight."""
     strategy = AutoModelParallelStrategy(
         tp=tp,
         sp=sp,
         dp_replicate=dp_replicate,
+        ep=ep,
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,
     )
     module = CausalLM(tiny_model(family, seed=dist.get_rank()))  # rank 0's weights must win
     trainer(strategy).fit(module, data(dist.get_world_size() // tp))
     assert strategy.device_mesh["dp_replicate"].size() == dp_replicate
+    assert_experts_distributed(module.model, ep=ep)
     offload = decoder_layers(module.model)[0]._get_fsdp_state()._fsdp_param_group.offload_policy
     assert isinstance(offload, CPUOffloadPolicy) == cpu_offload, offload
     reference = tiny_model(family)
     return compare_training(module, reference, reference_run(reference))
+
+
+def assert_experts_distributed(model: torch.nn.Module, *, ep: int) -> None:
+    """At ep > 1 every experts module holds 1/ep of its experts on this rank (before FSDP's own split)."""
+    if ep == 1:
+        return
+    found = [module for _, module in experts_modules(model)]
+    assert found, "no experts module"
+    for module in found:
+        for param in module.parameters(recurse=False):
+            assert "ep" in param.device_mesh.mesh_dim_names, param.device_mesh
+            ep_dim = param.device_mesh.mesh_dim_names.index("ep")
+            assert param.placements[ep_dim] == Shard(0), param.placements
 
 
 def check_meta_model_from_configure_model(tp: int, family: str = "llama") -> dict:
@@ -214,13 +231,14 @@ def check_self_parallelized_module_left_alone() -> dict:
     return compare_training(module, reference, reference_run(reference))
 
 
-def check_bf16_trainer(tp: int, precision: str, family: str = "llama") -> dict:
+def check_bf16_trainer(tp: int, precision: str, family: str = "llama", ep: int = 1) -> dict:
     """Trainer(precision="bf16-mixed") gives FSDP2 a bf16 policy with fp32 gradient reduction over fp32
     weights; "bf16-true" casts the weights to bf16 before sharding, except those the model pins to fp32 (Ernie's
     MoE router). Either run's losses must be as close to fp32 as a single-process bf16 run's (twice its error at
     most: see parity.within_bf16_noise)."""
     module = CausalLM(tiny_model(family))
-    trainer(AutoModelParallelStrategy(tp=tp), precision=precision).fit(module, data(dist.get_world_size() // tp))
+    trainer(AutoModelParallelStrategy(tp=tp, ep=ep), precision=precision).fit(module, data(dist.get_world_size() // tp))
+    assert_experts_distributed(module.model, ep=ep)
     pinned = {id(t) for _, _, t in pinned_to_fp32(module.model, fp32_pinned_names(module.model))}
     if precision == "bf16-mixed":
         policy = decoder_layers(module.model)[0]._get_fsdp_state()._mp_policy

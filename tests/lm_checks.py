@@ -11,7 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from lightning_checks import compare_training, trainer
+from lightning_checks import assert_experts_distributed, compare_training, trainer
 from models import SHRUNK, VOCAB, tiny_config
 from parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE
 from torch.utils.data import DataLoader, Dataset
@@ -93,7 +93,7 @@ def reference_metrics(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> 
     return {"loss": output.loss, "lm_loss": output.loss - auxiliary, "accuracy": accuracy, "tokens": scored.sum()}
 
 
-def check_causal_lm_module(tp: int, sp: bool, family: str = "llama") -> dict:
+def check_causal_lm_module(tp: int, sp: bool, family: str = "llama", ep: int = 1) -> dict:
     """3 steps of CausalLMModule (meta init, AdamW with decay groups, warm-up then cosine) on padded rows match a
     single process: the logged loss and accuracy at every step, every gradient, the weights, then validation's
     loss, perplexity and accuracy over two uneven batches, and predict's per-sequence losses. A mixture-of-experts
@@ -106,8 +106,9 @@ def check_causal_lm_module(tp: int, sp: bool, family: str = "llama") -> dict:
 
     torch.manual_seed(7 + dist.get_rank())  # ranks disagree: every rank must take rank 0's random state
     module = RecordingLM(family)
-    fit = trainer(AutoModelParallelStrategy(tp=tp, sp=sp))
+    fit = trainer(AutoModelParallelStrategy(tp=tp, sp=sp, ep=ep))
     fit.fit(module, loader)
+    assert_experts_distributed(module.model, ep=ep)
     logged = fit.validate(module, val_loader, verbose=False)[0]
 
     torch.manual_seed(7)

@@ -16,6 +16,7 @@ from parity import FP32_TOLERANCE, dims_for, forward_backward_errors, full, rela
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from lightning_automodel import AutoModelParallelStrategy, export_hf, from_pretrained, parallelize
+from lightning_automodel.hf import shrink
 from lightning_automodel.hf.loading import materialize_pretrained
 from lightning_automodel.mesh import data_mesh
 
@@ -36,7 +37,7 @@ def remove(directory: Path) -> None:
         shutil.rmtree(directory)
 
 
-def check_loaded_weights(family: str, tp: int, sp: bool, shard_size: str | None = None) -> dict:
+def check_loaded_weights(family: str, tp: int, sp: bool, shard_size: str | None = None, ep: int = 1) -> dict:
     """Every weight equals transformers' own load of the directory, and so do loss, logits and gradients."""
     directory = saved_checkpoint(family, shard_size)
     if shard_size:
@@ -44,7 +45,7 @@ def check_loaded_weights(family: str, tp: int, sp: bool, shard_size: str | None 
     auto_class = AutoModelForSequenceClassification if family == "qwen3_cls" else AutoModelForCausalLM
     reference = auto_class.from_pretrained(directory, dtype=torch.float32)
     model = from_pretrained(directory, model_class=auto_class, dtype=torch.float32)
-    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    mesh = dims_for(dist.get_world_size(), tp, ep=ep).build_mesh("cpu")
     parallelize(model, mesh, sp=sp)
     materialize_pretrained(model, torch.device("cpu"))
     reference_state = reference.state_dict()
@@ -82,13 +83,15 @@ def check_pretrained_trainer(family: str, tp: int) -> dict:
 
 
 def check_loaded_dtypes() -> dict:
-    """A bf16 checkpoint loads as bf16 with dtype="auto" and as fp32 when asked, equal to transformers' loads. A
-    model whose checkpoint format transformers converts on load (Ernie's per-expert weights) is refused when
-    built, with what to do instead."""
+    """A bf16 checkpoint loads as bf16 with dtype="auto" and as fp32 when asked, equal to transformers' loads.
+    Ernie-4.5-MoE's experts, stored one tensor per expert and projection (and its fp32 router), load equal to
+    transformers' load. A model whose checkpoint transformers converts otherwise (Kimi-Linear joins its q, k and v
+    convolutions on their first dim) is refused when built, with what to do instead."""
     directory = shared_directory()
     if dist.get_rank() == 0:
         tiny_model(seed=3).to(torch.bfloat16).save_pretrained(directory / "llama")
         tiny_model("ernie_moe", seed=3).save_pretrained(directory / "ernie")
+        AutoModelForCausalLM.from_config(shrink.tiny_config("kimi_linear")).save_pretrained(directory / "kimi")
     dist.barrier()
     mesh = dims_for(dist.get_world_size(), 1).build_mesh("cpu")
     result = {}
@@ -101,18 +104,26 @@ def check_loaded_dtypes() -> dict:
             assert full(tensor).dtype == reference[key].dtype and torch.equal(full(tensor), reference[key]), key
         result[str(dtype)] = sorted({str(t.dtype) for t in model.state_dict().values()})
     assert result == {"auto": ["torch.bfloat16"], "torch.float32": ["torch.float32"]}, result
+    ernie = from_pretrained(directory / "ernie")
+    parallelize(ernie, mesh)
+    materialize_pretrained(ernie, torch.device("cpu"))
+    reference = AutoModelForCausalLM.from_pretrained(directory / "ernie").state_dict()
+    result["ernie"] = max(
+        (full(t).float() - reference[n].float()).abs().max().item() for n, t in ernie.state_dict().items()
+    )
+    assert result["ernie"] == 0.0, result
     with pytest.raises(ValueError, match="transformers' own from_pretrained") as error:
-        from_pretrained(directory / "ernie")
-    result["ernie"] = str(error.value)
+        from_pretrained(directory / "kimi")
+    result["kimi"] = str(error.value)
     remove(directory)
     return result
 
 
-def check_export_round_trip(family: str, tp: int, sp: bool) -> dict:
+def check_export_round_trip(family: str, tp: int, sp: bool, ep: int = 1) -> dict:
     """Load a checkpoint, take an AdamW step, export: from_pretrained of the export (sharded, with its index)
     gives the parallel model's logits, and the config and generation config come along."""
     directory = saved_checkpoint(family)
-    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    mesh = dims_for(dist.get_world_size(), tp, ep=ep).build_mesh("cpu")
     model = from_pretrained(directory, dtype=torch.float32)
     parallelize(model, mesh, sp=sp)
     materialize_pretrained(model, torch.device("cpu"))

@@ -61,12 +61,17 @@ def counts(model: torch.nn.Module) -> dict[str, int]:
 
 
 def check_lora_training(
-    tp: int, sp: bool, activation_checkpointing: bool | str = False, family: str = "llama", **lora: object
+    tp: int,
+    sp: bool,
+    activation_checkpointing: bool | str = False,
+    family: str = "llama",
+    ep: int = 1,
+    **lora: object,
 ) -> dict:
     """Loss, logits, every adapter gradient at each of 3 AdamW steps, then the adapter weights; the trainable and
     frozen parameter counts are those of the single-process model."""
     targets = PHI3_TARGETS if family.startswith("phi3") else lora.pop("targets", LLAMA_TARGETS)
-    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    mesh = dims_for(dist.get_world_size(), tp, ep=ep).build_mesh("cpu")
     reference = peft_model(family, targets=targets, **lora)
     model = peft_model(family, seed=dist.get_rank(), targets=targets, **lora)  # rank 0's adapters must win
     expected = counts(model)

@@ -51,8 +51,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, *, floor: float
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(floor)).item()
 
 
-def dims_for(world_size: int, tp: int, dp_replicate: int = 1) -> ParallelDims:
-    return ParallelDims(tp=tp, dp_replicate=dp_replicate).resolve(world_size)
+def dims_for(world_size: int, tp: int, dp_replicate: int = 1, ep: int = 1) -> ParallelDims:
+    return ParallelDims(tp=tp, dp_replicate=dp_replicate, ep=ep).resolve(world_size)
 
 
 @dataclass

@@ -105,11 +105,11 @@ def test_plan_of_a_config(no_pytest_argv):
     """`plan` reads the same YAML and overrides as fit: the 8B example at tp=4 with sp x dp_shard=2, with no GPU
     (the config asks for GPUs), then at another world size and tp."""
     report = str(plan_for_config(str(EXAMPLES / "llama_tp_fsdp.yaml")))
-    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=4)" in report
+    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=4, ep=1)" in report
     assert "model.layers.*.mlp.down_proj             RowwiseParallel x32" in report
     assert "8,030,261,248 in all, 1,003,882,496 per rank (12.50%; ideal 1/8)" in report
     other = plan_for_config(str(EXAMPLES / "llama_tp_fsdp.yaml"), "--trainer.strategy.init_args.tp=8", world_size=32)
-    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=8)" in str(other)
+    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=8, ep=1)" in str(other)
     # The config's seed_everything must not seed this process: Lightning would re-seed every later run from it.
     assert "PL_GLOBAL_SEED" not in os.environ
 
@@ -117,7 +117,7 @@ def test_plan_of_a_config(no_pytest_argv):
 def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):
     """A config without vocab_size gets the tokenizer's, rounded up, as fit would."""
     report = plan_for_config(str(EXAMPLES / "demo.yaml"))
-    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)" in str(report)
+    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1)" in str(report)
     assert report.total_parameters == 2 * 320 * 128 + 2 * (4 * 128 * 128 + 3 * 128 * 256 + 2 * 128) + 128
 
 
@@ -132,7 +132,7 @@ def test_plan_command_prints_no_warning(capsys, monkeypatch):
     # What Python shows by default: DeprecationWarnings raised outside __main__ (jsonargparse's, here) are not.
     shown = [str(warning.message) for warning in caught if not issubclass(warning.category, DeprecationWarning)]
     assert shown == []
-    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2)" in capsys.readouterr().out
+    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1)" in capsys.readouterr().out
 
 
 # The demo's model as a Phi3, whose fused gate_up_proj a plan can split wrong.

@@ -32,10 +32,11 @@ def test_parity_at_tp2_dp2_with_sp():
 
 
 def test_mixture_of_experts_auxiliary_loss_over_the_global_batch():
-    """Qwen3-MoE adding its load-balancing loss (weighted 0.5) at tp=2 with sp x dp=2 on padded rows: each step's
-    loss, every gradient and the weights as transformers' own loss of the global batch in one process, though each
-    rank routes only its own rows (the ranks' per-expert sums are added before the shares are multiplied)."""
-    run_checks(4, [partial(check_causal_lm_module, 2, True, "qwen3_moe")], timeout=300)
+    """Qwen3-MoE built on meta, adding its load-balancing loss (weighted 0.5), at tp=2 with sp x dp=2 and its
+    experts split over ep=2 on padded rows: each step's loss, every gradient and the weights as transformers' own loss
+    of the global batch in one process, though each rank routes only its own rows (the ranks' per-expert sums are
+    added before the shares are multiplied) and its experts compute other ranks' tokens."""
+    run_checks(4, [partial(check_causal_lm_module, 2, True, "qwen3_moe", ep=2)], timeout=300)
 
 
 def test_lora_export_predict_and_refusals():

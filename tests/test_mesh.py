@@ -67,9 +67,27 @@ def test_unresolved_dims_have_no_shape():
         _ = ParallelDims().shape
 
 
+@pytest.mark.parametrize(
+    ("request_", "world_size", "fragments"),
+    [
+        (dict(ep=3), 4, ["ep=3 does not fit", "dp_shard*cp = 4", "Valid ep sizes here: [1, 2, 4]"]),
+        (dict(ep=4, tp=2), 4, ["ep=4", "dp_shard*cp = 2", "tp peers read the same ones", "[1, 2]"]),
+        (dict(ep=2, dp_shard=1, dp_replicate=2), 2, ["dp_shard*cp = 1", "Valid ep sizes here: [1]"]),
+    ],
+)
+def test_expert_parallel_sizes_borrowed_from_dp_shard_times_cp(request_, world_size, fragments):
+    with pytest.raises(ValueError) as error:
+        ParallelDims(**request_).resolve(world_size)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+    assert ParallelDims(ep=2, tp=2).resolve(8).efsdp == 2
+
+
 def test_mesh_groups_and_timeouts_on_four_ranks():
-    """tp is the innermost axis; flattened axes group the right ranks; every group has the requested timeout."""
-    results = run_checks(4, [functools.partial(check_mesh_axes, 1, 2), functools.partial(check_mesh_axes, 2, 2)])
+    """tp is the innermost axis; flattened axes group the right ranks; every group has the requested timeout; ep
+    takes neighbouring ranks of dp_shard x cp and efsdp the rest."""
+    checks = [functools.partial(check_mesh_axes, *sizes) for sizes in ((1, 2), (2, 2), (1, 1, 2), (1, 2, 2))]
+    results = run_checks(4, checks)
     tp_dp = results["check_mesh_axes(1, 2)"]
     assert [r["tp"] for r in tp_dp] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["dp"] for r in tp_dp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
@@ -80,3 +98,11 @@ def test_mesh_groups_and_timeouts_on_four_ranks():
     assert [r["dp_shard"] for r in hsdp] == [[0], [1], [2], [3]]
     assert [r["dp"] for r in hsdp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert hsdp[0]["fsdp_axes"] == ("dp_replicate", "dp_shard_cp")
+    experts = results["check_mesh_axes(1, 1, 2)"]
+    assert [r["ep"] for r in experts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["efsdp"] for r in experts] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert experts[0]["experts_axes"] == (("efsdp",), ("ep",))
+    with_tp = results["check_mesh_axes(1, 2, 2)"]
+    assert [r["ep"] for r in with_tp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["efsdp"] for r in with_tp] == [[0], [1], [2], [3]]
+    assert with_tp[0]["experts_axes"] == (("efsdp",), ("ep", "tp"))

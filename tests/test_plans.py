@@ -499,14 +499,19 @@ def test_plans_are_completed_with_experts_latent_attention_and_shared_experts():
     assert isinstance(choice.plan[f"{layer}.mlp.experts"], ExpertTensorParallel)
 
 
-def test_lora_on_experts_is_refused_at_tp():
-    """peft's adapters on expert parameters (target_parameters) wrap the experts in layers tp cannot split yet."""
+def test_lora_on_experts_is_refused_at_tp_and_ep():
+    """peft's adapters on expert parameters (target_parameters) wrap the experts in layers neither tp nor ep can
+    split yet."""
     from peft import LoraConfig, get_peft_model
+
+    from lightning_automodel.parallel.expert_parallel import expert_parallel_problem
 
     config = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
     model = get_peft_model(coverage_model("qwen3_moe"), config).base_model.model
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.base_layer carries LoRA adapters"):
         select_tp_plan(model, sp=False)
+    problem = expert_parallel_problem(model, ep=2)
+    assert "layers.0.mlp.experts.base_layer carries LoRA adapters" in problem and "expert parallel" in problem
 
 
 def test_experts_computing_more_than_their_weighted_sum_are_refused():

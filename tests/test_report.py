@@ -43,6 +43,20 @@ def test_an_8b_model_on_32_ranks():
         assert fragment in text, (fragment, text)
 
 
+def test_a_mixture_of_experts_at_ep_times_tp_on_16_ranks():
+    """Qwen3-MoE (128 experts) at tp=2 x dp_shard=8 with ep=4: experts split over ep x efsdp x tp = 16 as the
+    rest of the model is over dp_shard x tp."""
+    config = tiny_config(
+        "qwen3_moe", num_experts=128, hidden_size=256, moe_intermediate_size=128, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, num_hidden_layers=2,
+    )  # fmt: skip
+    report = plan_report(on_meta(config), ParallelDims(tp=2, ep=4).resolve(16))
+    assert "expert parallel: ep=4, each rank holds 1/4 of every layer's experts, FSDP-sharded over efsdp=2" in str(
+        report
+    )
+    assert report.parameters_per_rank == pytest.approx(report.total_parameters / 16, rel=2e-2)
+
+
 def test_unmatched_patterns_and_whole_linears_are_reported():
     plan = {
         "model.layers.*.mlp.gate_proj": ColwiseParallel(),

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_automodel.atomic_directory import atomic_directory, unowned_entries
+from lightning_automodel.hf.conversion import split_as_stored
 
 # Files of a Hugging Face model directory besides the weights: what save_pretrained writes for a model, its
 # generation config, a PEFT adapter (with its model card) and the common tokenizers.
@@ -101,18 +102,19 @@ def export_hf(
     Tensors are gathered one at a time, and rank 0 holds at most one shard: the whole model is never on one rank.
     Names are those transformers' ``save_pretrained`` writes; a tied weight is written once.
     """
-    from lightning_automodel.hf.loading import checkpoint_names
+    from lightning_automodel.hf.loading import checkpoint_layout
 
     if hasattr(model, "peft_config"):
         raise TypeError("A PEFT model is exported with export_merged (one model) or export_peft_adapter (adapters).")
-    names = checkpoint_names(model)
+    layout = checkpoint_layout(model)
     with atomic_directory(directory, unowned=not_model_files) as staging:
         shards = _ShardWriter(staging, max_shard_size) if _is_writer() else None
         failure = None
-        for name, full in _full_tensors(model, select=names.__contains__):
+        for name, full in _full_tensors(model, select=layout.__contains__):
             if shards is not None and failure is None:
                 try:  # a failed write must not leave the other ranks waiting in the next gather
-                    shards.add(names[name], full.contiguous())
+                    for stored_name, tensor in split_as_stored(model, name, full, layout[name]).items():
+                        shards.add(stored_name, tensor.contiguous())
                 except OSError as error:
                     failure = error
         if failure is not None:

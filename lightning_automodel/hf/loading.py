@@ -20,7 +20,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.hf.initialization import copy_shard, unsharded_view
+from lightning_automodel.hf.conversion import Stored, experts_of, merge_experts, stored_as
+from lightning_automodel.hf.initialization import copy_shard
 from lightning_automodel.parallel.styles import is_packed
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def from_pretrained(
         dtype = getattr(config, "dtype", None) or torch.float32
     with torch.device("meta"):
         model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
-    _by_checkpoint_name(model, model.state_dict())  # refuse a format this loader cannot read, before any work
+    stored_as(model, {name: t.shape for name, t in model.state_dict().items()})  # refuse what it cannot read, early
     setattr(model, _CHECKPOINT_ATTRIBUTE, directory)
     return model
 
@@ -64,15 +65,18 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, missing_ok:
     """Fill ``model`` (parallelized and materialized) from the safetensors in ``path``; collective.
 
     Each rank reads the slices of the checkpoint its shards cover, cast to the model's dtypes. Checkpoint names
-    follow transformers' conversion mapping (a model may name a tensor differently than its checkpoint does).
-    A tied parameter is read once. A tensor the checkpoint lacks is an error naming it, or with ``missing_ok`` a
-    warning. In a PEFT-wrapped model the base weights are loaded and the adapters left as initialised.
+    follow transformers' conversion mapping (a model may name a tensor differently than its checkpoint does, and keep
+    experts fused that the checkpoint stores one by one: each rank then reads its experts' tensors only, see
+    :mod:`~lightning_automodel.hf.conversion`). A tied parameter is read once. A tensor the checkpoint lacks is an
+    error naming it, or with ``missing_ok`` a warning. In a PEFT-wrapped model the base weights are loaded and the
+    adapters left as initialised.
     """
     reader = HuggingFaceStorageReader(str(path))
     stored = set(reader.read_metadata().state_dict_metadata)
-    state = _by_checkpoint_name(model, _without_adapters(get_model_state_dict(model)))
+    state = _without_adapters(get_model_state_dict(model))
+    layout = stored_as(model, {name: tensor.shape for name, tensor in state.items()})
     tied = _tied_aliases(model)
-    missing = sorted(name for name in state if name not in stored and name not in tied)
+    missing = sorted(n for entry in layout.values() for n in entry.names if n not in stored and n not in tied)
     shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
     if missing and missing_ok:
         log.warning("%s lacks %s; they keep their fresh initialisation (a new head, say).", path, shown)
@@ -80,11 +84,15 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, missing_ok:
         raise ValueError(
             f"{path} lacks weights of {type(model).__name__}: {shown}. Is it a checkpoint of this model class?"
         )
-    state = {name: tensor for name, tensor in state.items() if name in stored}
-    packed = {name: tensor for name, tensor in state.items() if is_packed(tensor)}
-    dcp.load({name: tensor for name, tensor in state.items() if name not in packed}, storage_reader=reader)
+    present = {name: tensor for name, tensor in state.items() if all(n in stored for n in layout[name].names)}
+    plain = {layout[name].names[0]: tensor for name, tensor in present.items() if not layout[name].is_merged}
+    packed = {name: tensor for name, tensor in plain.items() if is_packed(tensor)}
+    dcp.load({name: tensor for name, tensor in plain.items() if name not in packed}, storage_reader=reader)
     for name, tensor in packed.items():
         _load_whole_then_keep_shard(name, tensor, reader)
+    for name, tensor in present.items():
+        if layout[name].is_merged:
+            _load_held_experts(tensor, layout[name], reader)
 
 
 def _load_whole_then_keep_shard(name: str, tensor: DTensor, reader: HuggingFaceStorageReader) -> None:
@@ -94,6 +102,19 @@ def _load_whole_then_keep_shard(name: str, tensor: DTensor, reader: HuggingFaceS
     whole = {name: torch.empty(tensor.shape, dtype=tensor.dtype)}
     dcp.load(whole, storage_reader=reader)
     copy_shard(tensor, whole[name])
+
+
+def _load_held_experts(tensor: torch.Tensor, stored: Stored, reader: HuggingFaceStorageReader) -> None:
+    """Fused experts stored one tensor per expert: this rank reads the experts it holds (its ep share, all of them
+    without expert parallel), merges them as transformers does, and keeps its shard of them."""
+    first, last = held_experts(tensor)
+    metadata = reader.read_metadata().state_dict_metadata
+    names = experts_of(stored, first=first, last=last)
+    read = {name: torch.empty(metadata[name].size, dtype=tensor.dtype) for name in names}
+    dcp.load(read, storage_reader=reader)
+    whole = torch.zeros(tensor.shape, dtype=tensor.dtype)  # other ranks' experts: never part of this rank's shard
+    whole[first:last] = merge_experts(stored, read)
+    copy_shard(tensor, whole)
 
 
 def materialize_pretrained(model: nn.Module, device: torch.device) -> None:
@@ -111,18 +132,28 @@ def _parameters_in_checkpoint(model: nn.Module, path: Path) -> set[str]:
     """Names (all of them, for tied parameters) of the parameters whose values ``path`` holds."""
     stored = set(HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata)
     params = [(name, p) for name, p in model.named_parameters(remove_duplicate=False) if not _is_adapter(name)]
-    stored_names = _by_checkpoint_name(model, {n.replace(".base_layer.", "."): torch.empty(0) for n, _ in params})
-    present = {id(p) for (_, p), key in zip(params, stored_names, strict=True) if key in stored}
+    layout = stored_as(model, {name.replace(".base_layer.", "."): p.shape for name, p in params})
+    present = {id(p) for (_, p), entry in zip(params, layout.values(), strict=True) if set(entry.names) <= stored}
     return {name for name, p in params if id(p) in present}
 
 
-def checkpoint_names(model: nn.Module) -> dict[str, str]:
-    """Module state-dict name -> the name ``save_pretrained`` writes, for every tensor written (a tied weight
-    once, under its first name)."""
-    state = model.state_dict()
-    stored = _by_checkpoint_name(model, {name: torch.empty(0) for name in state})
+def checkpoint_layout(model: nn.Module) -> dict[str, Stored]:
+    """Module state-dict name -> how ``save_pretrained`` writes it, for every tensor written (a tied weight once,
+    under its first name)."""
+    layout = stored_as(model, {name: tensor.shape for name, tensor in model.state_dict().items()})
     tied = _tied_aliases(model)
-    return {name: stored_name for name, stored_name in zip(state, stored, strict=True) if stored_name not in tied}
+    return {name: entry for name, entry in layout.items() if not set(entry.names) & tied}
+
+
+def held_experts(tensor: torch.Tensor) -> tuple[int, int]:
+    """The experts (first, last + 1) this rank holds of an experts tensor: its share over "ep", or all of them."""
+    names = tensor.device_mesh.mesh_dim_names or () if isinstance(tensor, DTensor) else ()
+    if "ep" not in names:
+        return 0, tensor.shape[0]
+    dim = names.index("ep")
+    count = tensor.shape[0] // tensor.device_mesh.size(dim)
+    first = tensor.device_mesh.get_local_rank(dim) * count
+    return first, first + count
 
 
 def _without_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -134,25 +165,6 @@ def _is_adapter(name: str) -> bool:
     return ".lora_" in name or "lora_magnitude_vector" in name
 
 
-def _by_checkpoint_name(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` keyed by the names transformers' ``save_pretrained`` would write (its conversion mapping)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    view = unsharded_view(model)  # transformers looks the mapping up by class
-    renamed = {}
-    for name, tensor in state.items():
-        stored_names = list(revert_weight_conversion(view, {name: tensor}))
-        if len(stored_names) != 1 or stored_names[0] in renamed:
-            raise ValueError(
-                f"{type(view).__name__}'s checkpoints store {name} converted ({stored_names}): transformers"
-                " splits or merges such tensors on load (mixture-of-experts weights, for instance), which loading"
-                " shard by shard does not do. Build this model with transformers' own from_pretrained instead (its"
-                " real weights are then broadcast from rank 0 and sharded)."
-            )
-        renamed[stored_names[0]] = tensor
-    return renamed
-
-
 def _tied_aliases(model: nn.Module) -> set[str]:
     """Checkpoint names of the second and later names of tied parameters (save_pretrained writes one)."""
     first: dict[int, str] = {}
@@ -162,4 +174,5 @@ def _tied_aliases(model: nn.Module) -> set[str]:
             aliases.add(name)
         else:
             first[id(param)] = name
-    return set(_by_checkpoint_name(model, dict.fromkeys(aliases, torch.empty(0))))
+    shapes = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False) if name in aliases}
+    return {n for entry in stored_as(model, shapes).values() for n in entry.names}

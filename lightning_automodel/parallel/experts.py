@@ -145,8 +145,8 @@ def _whole_input(value: Any, *, mesh: DeviceMesh) -> Any:
 
 
 def _this_ranks_part(param: DTensor, *, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's slice of an expert weight; of a replicated ``down_proj`` bias, a 1/tp share."""
-    if param.placements[0].is_replicate():
+    """This rank's slice of an expert weight; of a ``down_proj`` bias replicated over tp, a 1/tp share."""
+    if param.placements[-1].is_replicate():  # tp is the last axis of the experts' mesh, (ep, tp) under ep
         return summed_gradient(param.to_local(), mesh=mesh) / mesh.size()
     return param.to_local()
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -20,11 +21,26 @@ from lightning_automodel.parallel.dtypes import compute_dtype_resolver, iter_max
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ExpertSharding:
+    """Experts modules distributed over ep (expert parallel), which FSDP shards over a mesh of their own ("efsdp").
+
+    Each expert's gradient already sums the contributions of every ep rank's tokens, so the reduction divides it by
+    the whole data-parallel size (``gradient_divide_factor``), as the dense weights' reduction over their own larger
+    mesh does, rather than by the size of the experts' mesh.
+    """
+
+    modules: Sequence[nn.Module]
+    mesh: DeviceMesh
+    gradient_divide_factor: int
+
+
 def apply_fsdp(
     model: nn.Module,
     layers: Sequence[nn.Module],
     mesh: DeviceMesh,
     *,
+    experts: ExpertSharding | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool | None = None,
@@ -34,7 +50,8 @@ def apply_fsdp(
 ) -> None:
     """Shard each decoder layer, then the root, with :func:`fully_shard_by_dtype`. A layer sharing a parameter with
     another layer or the rest of the model (see :func:`~lightning_automodel.parallel.blocks.layers_sharing_parameters`)
-    is no unit of its own: the root holds it.
+    is no unit of its own: the root holds it. ``experts`` (expert parallel) are units of their own, inside their
+    layers, over their own mesh.
 
     ``reshard_after_forward``: None, the default, reshards every layer but the last, whose parameters the backward
     needs again at once, and not the root (embeddings, final norm, lm_head), which backward also starts with;
@@ -56,6 +73,8 @@ def apply_fsdp(
         offload_policy=offload_policy,
         fp32_compute_module_names=tuple(fp32_compute_module_names),
     )
+    if experts is not None:
+        shard_experts(experts, reshard_after_forward=reshard_after_forward is not False, **options)
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
         fully_shard_by_dtype(
@@ -67,6 +86,20 @@ def apply_fsdp(
             layer.set_modules_to_forward_prefetch(list(layers[index + 1 : index + 1 + forward_prefetch]))
         if backward_prefetch > 1:
             layer.set_modules_to_backward_prefetch(list(layers[max(0, index - backward_prefetch) : index][::-1]))
+
+
+def shard_experts(experts: ExpertSharding, *, mesh: DeviceMesh, **options: object) -> None:
+    """Shard each experts module over ``experts.mesh`` (``mesh``, the dense one, is not theirs)."""
+    # A custom factor makes FSDP scale inside its reduce-scatter (NCCL's PreMulSum), which gloo lacks: there it sums
+    # and scales apart. Not over one rank, where it skips the reduce-scatter and would divide twice (torch 2.13).
+    shard_group = experts.mesh.get_group(experts.mesh.ndim - 1)
+    on_gloo = dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1
+    for module in experts.modules:
+        fully_shard_by_dtype(module, **{**options, "mesh": experts.mesh})
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(experts.gradient_divide_factor)
+                unit.set_force_sum_reduction_for_comms(on_gloo)
 
 
 def validate_prefetch(forward_prefetch: int, backward_prefetch: int) -> None:

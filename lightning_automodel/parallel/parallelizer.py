@@ -18,11 +18,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.mesh import axis_size, fsdp_mesh, tp_mesh
+from lightning_automodel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
+from lightning_automodel.parallel.expert_parallel import (
+    apply_expert_parallel,
+    expert_parallel_problem,
+    experts_modules,
+)
 from lightning_automodel.parallel.experts import give_every_expert_a_gradient
-from lightning_automodel.parallel.fsdp import apply_fsdp
+from lightning_automodel.parallel.fsdp import ExpertSharding, apply_fsdp
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
 from lightning_automodel.parallel.tensor_parallel import (
@@ -77,7 +82,7 @@ def parallelize(model: nn.Module, device_mesh: DeviceMesh, **options: Any) -> nn
 
 
 class DefaultParallelizationStrategy(ParallelizationStrategy):
-    """Tensor parallel, then activation checkpointing, then FSDP2: the flow every family shares."""
+    """Tensor parallel, expert parallel, then activation checkpointing, then FSDP2: the flow every family shares."""
 
     def parallelize(
         self,
@@ -122,6 +127,11 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             broadcast_from_rank0(model)
         if checked.planned is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), checked.planned)
+        experts = None
+        if axis_size(device_mesh, "ep") > 1:
+            apply_expert_parallel(model, expert_mesh(device_mesh))
+            modules = [module for _, module in experts_modules(model)]
+            experts = ExpertSharding(modules, expert_fsdp_mesh(device_mesh), axis_size(device_mesh, "dp_cp"))
         if activation_checkpointing:
             apply_activation_checkpointing(model, layers, mode=activation_checkpointing)
         give_every_expert_a_gradient(model)
@@ -129,6 +139,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             model,
             layers,
             fsdp_mesh(device_mesh),
+            experts=experts,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
             reshard_after_forward=reshard_after_forward,
@@ -166,6 +177,10 @@ def check_before_collectives(
         raise ValueError("sp=True (sequence parallel) shards activations over the tp axis; it needs tp > 1.")
     if tp > 1:
         validate_tp_sizes(model, tp)
+    ep = axis_size(device_mesh, "ep")
+    problem = expert_parallel_problem(model, ep=ep) if ep > 1 else None
+    if problem is not None:
+        raise ValueError(f"ep={ep} (expert parallel): {problem}. Use ep=1 for this model.")
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
     recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
     if recomputed and (reshard_after_forward or activation_checkpointing):

@@ -58,6 +58,11 @@ class PlanReport:
             lines.append(f"patterns matching no module: {', '.join(self.unmatched_patterns)}")
         if self.unsharded_weights:
             lines.append(f"large block weights left whole on every tp rank: {', '.join(self.unsharded_weights)}")
+        if self.dims.ep > 1:
+            lines.append(
+                f"expert parallel: ep={self.dims.ep}, each rank holds 1/{self.dims.ep} of every layer's experts,"
+                f" FSDP-sharded over efsdp={self.dims.efsdp}"
+            )
         share = self.parameters_per_rank / max(self.total_parameters, 1)
         lines += [
             f"parameters: {self.total_parameters:,} in all, {self.parameters_per_rank:,} per rank"

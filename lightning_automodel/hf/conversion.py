@@ -1,0 +1,119 @@
+"""How a model's tensors are stored in Hugging Face checkpoints: transformers' conversion mapping, read per tensor.
+
+Most tensors are stored as they are, under their name or a renamed one. transformers 5 keeps a mixture-of-experts
+layer's experts fused (``experts.gate_up_proj`` [experts, 2 x intermediate, hidden]) while many checkpoints store one
+tensor per expert and projection (``experts.3.gate_proj.weight``): its loader stacks them over the experts
+(``MergeModulelist``) and joins gate and up (``Concatenate``), and its ``save_pretrained`` splits them again.
+
+Loading shard by shard reads only the experts a rank holds: the stored tensors of experts ``first`` to ``last`` go
+through the same operations, which act on each expert alone, giving those experts' rows of the fused tensor. Other
+conversions (those mixing experts, or splitting one stored tensor into several) are refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_automodel.hf.initialization import unsharded_view
+
+
+@dataclass(frozen=True)
+class Stored:
+    """How one model tensor is stored: under ``names`` (one name, or one per expert and projection, in transformers'
+    order), merged by ``converter`` (transformers' ``WeightConverter``) when there are several."""
+
+    names: tuple[str, ...]
+    converter: Any = None
+
+    @property
+    def is_merged(self) -> bool:
+        return self.converter is not None
+
+
+def stored_as(model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, Stored]:
+    """For each tensor of ``model`` named in ``shapes`` (model state-dict names), how checkpoints store it.
+
+    Raises a ValueError naming the tensor for a conversion the shard-by-shard loader cannot undo expert by expert.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, revert_weight_conversion
+
+    view = unsharded_view(model)  # transformers looks the mapping up by class
+    converters = [c for c in get_model_conversion_mapping(view, add_legacy=False) if isinstance(c, WeightConverter)]
+    layout: dict[str, Stored] = {}
+    for name, shape in shapes.items():
+        names = tuple(revert_weight_conversion(view, {name: torch.empty(shape, device="meta")}))
+        if len(names) == 1:
+            layout[name] = Stored(names)
+            continue
+        converter = next((c for c in converters if any(_matches(p, name) for p in c.target_patterns)), None)
+        if converter is None or not _acts_per_expert(converter):
+            raise ValueError(
+                f"{type(view).__name__}'s checkpoints store {name} converted ({list(names)[:4]}...): transformers"
+                f" {'merges' if converter else 'converts'} such tensors on load"
+                f" ({getattr(converter, 'operations', 'an unknown conversion')}), which loading shard by shard does not"
+                " do. Build this model with transformers' own from_pretrained instead (its real weights are then"
+                " broadcast from rank 0 and sharded)."
+            )
+        layout[name] = Stored(names, converter)
+    stored = [n for entry in layout.values() for n in entry.names]
+    if len(stored) != len(set(stored)):
+        repeated = sorted({n for n in stored if stored.count(n) > 1})
+        raise ValueError(f"{type(view).__name__}: several tensors are stored under the same names {repeated[:4]}.")
+    return layout
+
+
+def _acts_per_expert(converter: Any) -> bool:
+    """Stacking over the experts (dim 0), then joining on a dim after it: each expert's rows come from its own
+    stored tensors."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    operations = converter.operations
+    stacks = isinstance(operations[0], MergeModulelist) and operations[0].dim == 0
+    return stacks and all(isinstance(op, Concatenate) and op.dim >= 1 for op in operations[1:])
+
+
+def _matches(pattern: str, name: str) -> re.Match | None:
+    """transformers' patterns are regular expressions with ``*`` for any text; here for an index, captured."""
+    return re.search(pattern.replace("*", r"(\d+)"), name)
+
+
+def experts_of(stored: Stored, *, first: int, last: int) -> list[str]:
+    """The stored names holding experts ``first`` to ``last - 1`` of a merged tensor."""
+    return [name for name in stored.names if first <= _expert_index(stored, name) < last]
+
+
+def merge_experts(stored: Stored, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fused rows of the experts whose stored ``tensors`` (names from :func:`experts_of`) are given, stacked in
+    expert order and joined by transformers' own operations."""
+    converter = stored.converter
+    inputs: dict[str, Any] = {}
+    for pattern in converter.source_patterns:
+        mine = sorted((_expert_index(stored, n), n) for n in tensors if _matches(pattern, n))
+        inputs[pattern] = [tensors[n] for _, n in mine]
+    for operation in converter.operations:
+        inputs = operation.convert(
+            inputs, source_patterns=converter.source_patterns, target_patterns=converter.target_patterns
+        )
+    (merged,) = inputs.values()
+    return merged
+
+
+def _expert_index(stored: Stored, name: str) -> int:
+    match = next(m for p in stored.converter.source_patterns if (m := _matches(p, name)))
+    return int(match.group(1))
+
+
+def split_as_stored(model: nn.Module, name: str, whole: torch.Tensor, stored: Stored) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` writes for the model tensor ``name`` (whole): itself under its stored name,
+    or for merged experts each expert's projections, by transformers' own reverse conversion."""
+    if not stored.is_merged:
+        return {stored.names[0]: whole}
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(unsharded_view(model), {name: whole}))

@@ -1,0 +1,54 @@
+"""Expert parallel (``ep``) against one process: the MoE families through the Trainer at ep=2 alone, with tp=2 and
+sp, with FSDP over the experts (efsdp=2), with activation checkpointing and bf16; uneven expert load; pretrained
+loading, export and checkpoints resumed at other ep sizes. The full sweep (every family at every layout) is
+scripts/expert_parallel_sweep.py."""
+
+from functools import partial
+
+from checkpoint_checks import check_resume_into_layout, check_save_and_exact_resume
+from expert_checks import check_each_rank_reads_its_experts, check_expert_parallel_refusals, check_uneven_expert_load
+from harness import run_checks
+from lightning_checks import check_bf16_trainer, check_trainer_parity
+from loading_checks import check_export_round_trip, check_loaded_weights
+from lora_checks import check_lora_training
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_expert_parallel_families_through_the_trainer():
+    """World 4, 3 AdamW steps against one process: Qwen3-MoE at tp=2 x dp_shard=2 (expert tensor parallel alone), at
+    ep=2 with FSDP over the other 2 (efsdp=2), and with activation checkpointing; DeepSeek-V3 at ep=2 under HSDP
+    (dp_replicate=2); Mixtral, GPT-OSS and DeepSeek-V3 at ep=2 x tp=2 with sp; Qwen3-MoE in bf16-mixed and
+    ERNIE-4.5-MoE in bf16-true (its router pinned to fp32 stays so) at ep=2, within the bf16 noise of one process;
+    GPT-OSS with every token routed to half of the experts; LoRA on Qwen3-MoE's attention at ep=2 x tp=2 with sp.
+    Pretrained loading at ep=2 x tp=2 with sp equal to transformers' own, of GPT-OSS (experts stored fused:
+    interleaved gate/up, biases) and of Qwen3-MoE (stored one tensor per expert and projection: each rank reads its
+    experts' only); Qwen3-MoE's export at ep=4, read back by transformers."""
+    checks = [
+        partial(check_trainer_parity, 2, False, False, "qwen3_moe"),
+        partial(check_trainer_parity, 1, False, False, "qwen3_moe", ep=2),
+        partial(check_trainer_parity, 1, False, True, "qwen3_moe", ep=2),
+        partial(check_trainer_parity, 1, False, False, "deepseek_v3", dp_replicate=2, ep=2),
+        *(
+            partial(check_trainer_parity, 2, True, False, family, ep=2)
+            for family in ("mixtral", "gpt_oss", "deepseek_v3")
+        ),
+        partial(check_bf16_trainer, 1, "bf16-mixed", "qwen3_moe", ep=2),
+        partial(check_bf16_trainer, 1, "bf16-true", "ernie_moe", ep=2),
+        partial(check_uneven_expert_load, 2),
+        partial(check_lora_training, 2, True, family="qwen3_moe", ep=2, targets=ATTENTION),
+        partial(check_loaded_weights, "gpt_oss", 2, True, ep=2),
+        partial(check_loaded_weights, "qwen3_moe", 2, True, ep=2),
+        partial(check_each_rank_reads_its_experts, 2),
+        partial(check_export_round_trip, "qwen3_moe", 1, False, ep=4),
+    ]
+    run_checks(4, checks, timeout=480)
+
+
+def test_expert_parallel_checkpoints_resume_at_other_ep_sizes(tmp_path):
+    """Saved at ep=2 x efsdp=2 (world 4) and resumed there exactly; resumed at ep=4 and at ep=1 with the losses of
+    the uninterrupted run. Refusals of ep sizes that do not fit the model, before any collective."""
+    save = partial(check_save_and_exact_resume, str(tmp_path), 1, "qwen3_moe", ep=2)
+    losses = run_checks(4, [save])[f"check_save_and_exact_resume({str(tmp_path)!r}, 1, 'qwen3_moe', ep=2)"][0]
+    resumes = [partial(check_resume_into_layout, str(tmp_path), 1, "qwen3_moe", losses, ep=ep) for ep in (4, 1)]
+    run_checks(4, [*resumes, check_expert_parallel_refusals])

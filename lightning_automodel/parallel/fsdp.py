@@ -93,13 +93,13 @@ def shard_experts(experts: ExpertSharding, *, mesh: DeviceMesh, **options: objec
     # A custom factor makes FSDP scale inside its reduce-scatter (NCCL's PreMulSum), which gloo lacks: there it sums
     # and scales apart. Not over one rank, where it skips the reduce-scatter and would divide twice (torch 2.13).
     shard_group = experts.mesh.get_group(experts.mesh.ndim - 1)
-    on_gloo = dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1
+    sum_then_scale = dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1
     for module in experts.modules:
         fully_shard_by_dtype(module, **{**options, "mesh": experts.mesh})
         for unit in module.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_gradient_divide_factor(experts.gradient_divide_factor)
-                unit.set_force_sum_reduction_for_comms(on_gloo)
+                unit.set_force_sum_reduction_for_comms(sum_then_scale)
 
 
 def validate_prefetch(forward_prefetch: int, backward_prefetch: int) -> None:

@@ -164,8 +164,9 @@ class ParallelDims:
             raise RuntimeError('dp_shard is still "auto": call ParallelDims.resolve(world_size) first.')
 
     def _describe(self, **overrides: Size) -> str:
-        values = {name: overrides.get(name, getattr(self, name)) for name in MESH_AXES}
-        return "(" + ", ".join(f"{name}={values[name]!r}" for name in MESH_AXES) + ")"
+        names = (*MESH_AXES, "ep") if self.ep > 1 else MESH_AXES
+        values = {name: overrides.get(name, getattr(self, name)) for name in names}
+        return "(" + ", ".join(f"{name}={values[name]!r}" for name in names) + ")"
 
     def _suggestion(self, world_size: int) -> str:
         """Name a valid layout that keeps as much of the request as possible."""

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
 from lightning_checks import CausalLM, assert_experts_distributed, compare_training, data, reference_run, trainer
 from loading_checks import remove, saved_checkpoint
 from models import tiny_model
+from parity import full
+from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, from_pretrained, parallelize
-from lightning_automodel.hf.conversion import experts_of
-from lightning_automodel.hf.loading import checkpoint_layout, held_experts
+from lightning_automodel.hf import loading
+from lightning_automodel.hf.loading import checkpoint_layout, materialize_pretrained
 from lightning_automodel.mesh import ParallelDims
 
 
 def check_uneven_expert_load(ep: int) -> dict:
     """GPT-OSS with every router biased to the first half of the experts: the ranks holding the other half receive
-    no token in any layer, and send theirs all away. Training must neither hang nor differ from one process (the
-    idle experts' gradients are zero in both)."""
+    no token in any layer, and send theirs all away, with the eager experts loop (whose output on no token has no
+    autograd history). Training must neither hang nor differ from one process (the idle experts' gradients are zero
+    in both)."""
     module = CausalLM(_biased_to_first_half(tiny_model("gpt_oss")))
     trainer(AutoModelParallelStrategy(ep=ep)).fit(module, data(dist.get_world_size()))
     assert_experts_distributed(module.model, ep=ep)
@@ -30,7 +35,9 @@ def check_uneven_expert_load(ep: int) -> dict:
 
 
 def _biased_to_first_half(model: torch.nn.Module) -> torch.nn.Module:
-    """Routers whose bias makes every token choose among the first half of the experts (top-k <= half of them)."""
+    """Routers whose bias makes every token choose among the first half of the experts (top-k <= half of them); the
+    eager experts loop, which returns a tensor without autograd history when no token arrives."""
+    model.config._experts_implementation = "eager"
     with torch.no_grad():
         for layer in model.model.layers:
             bias = layer.mlp.router.bias
@@ -41,13 +48,17 @@ def _biased_to_first_half(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def check_expert_parallel_refusals() -> dict:
-    """ep on a model without experts, and ep that does not split the experts: refused before any collective."""
+    """ep on a model without experts, ep that does not split the experts, fp16 experts (whose gradients FSDP2 would
+    scale wrong): refused before any collective."""
     mesh = ParallelDims(ep=dist.get_world_size()).resolve(dist.get_world_size()).build_mesh("cpu")
     result = {}
-    models = {"llama": tiny_model("llama"), "qwen3_moe with 3 experts": tiny_model("qwen3_moe", num_experts=3)}
-    for (name, model), expected in zip(
-        models.items(), ("has no mixture-of-experts layer", "do not split"), strict=True
-    ):
+    models = {
+        "llama": tiny_model("llama"),
+        "qwen3_moe with 3 experts": tiny_model("qwen3_moe", num_experts=3),
+        "qwen3_moe in fp16": tiny_model("qwen3_moe").half(),
+    }
+    expected_errors = ("has no mixture-of-experts layer", "do not split", "train in bf16")
+    for (name, model), expected in zip(models.items(), expected_errors, strict=True):
         with pytest.raises(ValueError, match=expected) as error:
             parallelize(model, mesh)
         result[name] = str(error.value)
@@ -55,21 +66,25 @@ def check_expert_parallel_refusals() -> dict:
 
 
 def check_each_rank_reads_its_experts(ep: int) -> dict:
-    """A Qwen3-MoE checkpoint stores each expert's projections apart: at ep, each rank reads its experts' only."""
+    """A Qwen3-MoE checkpoint stores each expert's projections apart: at ep (FSDP splitting each rank's experts
+    further over the rest), each rank reads its experts' tensors only, and every weight equals transformers' load."""
     directory = saved_checkpoint("qwen3_moe")
-    model = from_pretrained(directory)
+    model = from_pretrained(directory, dtype=torch.float32)
     mesh = ParallelDims(ep=ep).resolve(dist.get_world_size()).build_mesh("cpu")
     parallelize(model, mesh)
-    layout = checkpoint_layout(model)
-    merged = {name: entry for name, entry in layout.items() if entry.is_merged}
+    merged = [entry for entry in checkpoint_layout(model).values() if entry.is_merged]
     assert merged, "the checkpoint stores no expert apart"
-    rank, state = mesh["ep"].get_local_rank(), model.state_dict()
-    read = {}
-    for name, entry in merged.items():
-        first, last = held_experts(state[name])
-        assert (first, last) == (rank * 4 // ep, (rank + 1) * 4 // ep), (name, first, last)
-        read[name] = experts_of(entry, first=first, last=last)
-        assert len(read[name]) * ep == len(entry.names), (name, read[name])
-        assert all(first <= int(n.split(".experts.")[1].split(".")[0]) < last for n in read[name]), read[name]
+    stored_apart = {name for entry in merged for name in entry.names}
+    with mock.patch.object(loading.dcp, "load", wraps=loading.dcp.load) as load:
+        materialize_pretrained(model, torch.device("cpu"))
+    read = {name for call in load.call_args_list for name in call.args[0] if name in stored_apart}
+    experts = {int(name.split(".experts.")[1].split(".")[0]) for name in read}
+    count = model.config.num_experts // ep
+    first = mesh["ep"].get_local_rank() * count
+    assert experts == set(range(first, first + count)), (experts, first, count)
+    assert len(read) * ep == len(stored_apart), (len(read), len(stored_apart))
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
+    result = {"weights": max((full(t) - reference[n]).abs().max().item() for n, t in model.state_dict().items())}
+    assert result["weights"] == 0.0, result
     remove(directory)
-    return {"read per merged tensor": len(read[next(iter(read))]), "stored": len(next(iter(merged.values())).names)}
+    return {**result, "read": len(read), "stored apart": len(stored_apart)}

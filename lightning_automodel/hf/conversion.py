@@ -79,8 +79,9 @@ def _acts_per_expert(converter: Any) -> bool:
 
 
 def _matches(pattern: str, name: str) -> re.Match | None:
-    """transformers' patterns are regular expressions with ``*`` for any text; here for an index, captured."""
-    return re.search(pattern.replace("*", r"(\d+)"), name)
+    """transformers' patterns are regular expressions with ``*`` for any text (here an index, captured), matching
+    whole name components at their end (``gate_up_proj`` is not ``gate_up_proj_bias``)."""
+    return re.search(pattern.replace("*", r"(\d+)") + r"(?!\w)", name)
 
 
 def experts_of(stored: Stored, *, first: int, last: int) -> list[str]:

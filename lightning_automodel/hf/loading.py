@@ -107,7 +107,7 @@ def _load_whole_then_keep_shard(name: str, tensor: DTensor, reader: HuggingFaceS
 def _load_held_experts(tensor: torch.Tensor, stored: Stored, reader: HuggingFaceStorageReader) -> None:
     """Fused experts stored one tensor per expert: this rank reads the experts it holds (its ep share, all of them
     without expert parallel), merges them as transformers does, and keeps its shard of them."""
-    first, last = held_experts(tensor)
+    first, last = _held_experts(tensor)
     metadata = reader.read_metadata().state_dict_metadata
     names = experts_of(stored, first=first, last=last)
     read = {name: torch.empty(metadata[name].size, dtype=tensor.dtype) for name in names}
@@ -145,9 +145,9 @@ def checkpoint_layout(model: nn.Module) -> dict[str, Stored]:
     return {name: entry for name, entry in layout.items() if not set(entry.names) & tied}
 
 
-def held_experts(tensor: torch.Tensor) -> tuple[int, int]:
+def _held_experts(tensor: torch.Tensor) -> tuple[int, int]:
     """The experts (first, last + 1) this rank holds of an experts tensor: its share over "ep", or all of them."""
-    names = tensor.device_mesh.mesh_dim_names or () if isinstance(tensor, DTensor) else ()
+    names = (tensor.device_mesh.mesh_dim_names or ()) if isinstance(tensor, DTensor) else ()
     if "ep" not in names:
         return 0, tensor.shape[0]
     dim = names.index("ep")

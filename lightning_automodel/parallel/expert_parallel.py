@@ -11,7 +11,7 @@ borrowed from dp_shard x cp, see :mod:`lightning_automodel.mesh`), so every laye
 2. runs the module's own forward (eager loop, batched or grouped matmul, whichever the config picks) on what it
    received, with its local experts and local expert indices;
 3. sends the outputs back by the reverse all-to-all, weights each by its routing weight where the token lives, and
-   sums a token's choices, in expert order as the module itself does.
+   sums a token's choices in expert order, in the hidden dtype, as transformers' eager loop does.
 
 Routing, and so the router's gradient and the load-balancing loss, stay where the tokens are. Both all-to-alls run
 on every rank in every layer whatever its tokens chose: a rank whose experts get no token computes on none, and a
@@ -80,6 +80,18 @@ def _experts_count(module: nn.Module) -> int:
     return module.down_proj.shape[0]
 
 
+def expert_precision_problem(model: nn.Module, reduce_dtype: torch.dtype | None) -> str | None:
+    """Why the experts' gradients cannot be reduced in ``reduce_dtype`` (by default their own dtype), or None.
+
+    FSDP2 (torch 2.13) divides an fp16 reduction before and after it, and again when the experts' shard group has one
+    rank: with the divisor expert parallel sets, fp16 expert gradients would come out divided twice.
+    """
+    dtypes = {reduce_dtype} if reduce_dtype else {p.dtype for _, m in experts_modules(model) for p in m.parameters()}
+    if torch.float16 in dtypes:
+        return "expert gradients reduced in fp16 would be scaled wrong by FSDP2; train in bf16 (precision='bf16-true')"
+    return None
+
+
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Keep this rank's experts of every experts module of ``model`` and dispatch tokens to them (see the module
     docstring). ``mesh``: "ep", or ("ep", "tp") when the experts are already tensor parallel over tp."""
@@ -121,8 +133,8 @@ def _dispatched_forward(
     experts: int,
 ) -> torch.Tensor:
     tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-    choices = top_k_index.reshape(tokens.shape[0], -1)
-    if top_k_weights.reshape(choices.shape[0], -1).shape != choices.shape:
+    choices = top_k_index.reshape(tokens.shape[0], top_k_index.shape[-1])
+    if top_k_weights.numel() != top_k_index.numel():
         raise ValueError(
             f"{type(self).__name__} got routing weights of shape {tuple(top_k_weights.shape)} for expert indices of"
             f" shape {tuple(top_k_index.shape)}: expert parallel needs one weight per chosen expert."
@@ -134,6 +146,10 @@ def _dispatched_forward(
     unweighted = torch.ones(local_index.shape, dtype=top_k_weights.dtype, device=top_k_weights.device)
     with _experts_counted_as(self, routes.local_experts):
         computed = local_forward(arrived, local_index, unweighted)
+    if arrived.requires_grad and not computed.requires_grad:
+        # The eager loop returns a fresh zeros tensor when no token arrived: tie it to the tokens, or this rank would
+        # skip the all-to-alls its peers run in backward.
+        computed = computed + arrived.sum() * 0
     returned = _exchange(computed, sizes=routes.sent, split_sizes=routes.received, group=group)
     weights = top_k_weights.reshape(-1)[routes.order, None]
     combined = torch.zeros_like(tokens).index_add(0, token_of, (returned * weights).to(tokens.dtype))

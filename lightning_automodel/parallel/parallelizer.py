@@ -24,6 +24,7 @@ from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_
 from lightning_automodel.parallel.expert_parallel import (
     apply_expert_parallel,
     expert_parallel_problem,
+    expert_precision_problem,
     experts_modules,
 )
 from lightning_automodel.parallel.experts import give_every_expert_a_gradient
@@ -121,6 +122,11 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             reshard_after_forward=reshard_after_forward,
             activation_checkpointing=bool(activation_checkpointing),
         )
+        ep = axis_size(device_mesh, "ep")
+        reduce_dtype = (mp_policy.reduce_dtype or mp_policy.param_dtype) if mp_policy else None
+        problem = expert_precision_problem(model, reduce_dtype) if ep > 1 else None
+        if problem is not None:
+            raise ValueError(f"ep={ep} (expert parallel): {problem}.")
         layers = [layer for name, layer in named_decoder_layers(model) if name not in checked.held_by_root]
         if not meta:
             model.to(device_mesh.device_type)
@@ -128,7 +134,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if checked.planned is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), checked.planned)
         experts = None
-        if axis_size(device_mesh, "ep") > 1:
+        if ep > 1:
             apply_expert_parallel(model, expert_mesh(device_mesh))
             modules = [module for _, module in experts_modules(model)]
             experts = ExpertSharding(modules, expert_fsdp_mesh(device_mesh), axis_size(device_mesh, "dp_cp"))

@@ -68,7 +68,6 @@ def apply_fsdp(
         log.info("%d decoder layers share parameters with other layers: the unit around them holds them", len(shared))
     layers = [layer for layer in layers if not any(layer is s for s in shared)]
     options = dict(
-        mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         fp32_compute_module_names=tuple(fp32_compute_module_names),
@@ -78,9 +77,12 @@ def apply_fsdp(
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
         fully_shard_by_dtype(
-            layer, reshard_after_forward=not last if reshard_after_forward is None else reshard_after_forward, **options
+            layer,
+            mesh=mesh,
+            reshard_after_forward=not last if reshard_after_forward is None else reshard_after_forward,
+            **options,
         )
-    fully_shard_by_dtype(model, reshard_after_forward=bool(reshard_after_forward), **options)
+    fully_shard_by_dtype(model, mesh=mesh, reshard_after_forward=bool(reshard_after_forward), **options)
     for index, layer in enumerate(layers):
         if forward_prefetch > 0:
             layer.set_modules_to_forward_prefetch(list(layers[index + 1 : index + 1 + forward_prefetch]))
@@ -88,14 +90,14 @@ def apply_fsdp(
             layer.set_modules_to_backward_prefetch(list(layers[max(0, index - backward_prefetch) : index][::-1]))
 
 
-def shard_experts(experts: ExpertSharding, *, mesh: DeviceMesh, **options: object) -> None:
-    """Shard each experts module over ``experts.mesh`` (``mesh``, the dense one, is not theirs)."""
+def shard_experts(experts: ExpertSharding, **options: object) -> None:
+    """Shard each experts module over ``experts.mesh`` (``options``: those of :func:`fully_shard_by_dtype`)."""
     # A custom factor makes FSDP scale inside its reduce-scatter (NCCL's PreMulSum), which gloo lacks: there it sums
     # and scales apart. Not over one rank, where it skips the reduce-scatter and would divide twice (torch 2.13).
     shard_group = experts.mesh.get_group(experts.mesh.ndim - 1)
     sum_then_scale = dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1
     for module in experts.modules:
-        fully_shard_by_dtype(module, **{**options, "mesh": experts.mesh})
+        fully_shard_by_dtype(module, mesh=experts.mesh, **options)
         for unit in module.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_gradient_divide_factor(experts.gradient_divide_factor)

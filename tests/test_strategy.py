@@ -99,7 +99,10 @@ def test_constructible_from_lightning_cli():
     ("kwargs", "message"),
     [
         (dict(cp=2), "cp=2: context parallelism is not supported yet; set cp=1"),
-        (dict(pp=2), "pp=2: pipeline parallelism is not supported yet; set pp=1"),
+        (dict(pp=2, pp_schedule="Bogus"), "pp_schedule='Bogus'"),
+        (dict(pp=2, pp_schedule="Interleaved1F1B"), "virtual stages"),
+        (dict(pp=4, pp_microbatches=2), "at least as many micro-batches as stages"),
+        (dict(pp=2, pp_layers_per_stage=[1, 1, 1]), "one per stage"),
         (dict(sp=True), "it needs tp > 1"),
         (dict(tp=0), "tp=0 is invalid"),
         (dict(forward_prefetch=-1), "gathered ahead (0 or more)"),

@@ -29,6 +29,7 @@ from lightning_automodel.parallel.expert_parallel import (
 )
 from lightning_automodel.parallel.experts import give_every_expert_a_gradient
 from lightning_automodel.parallel.fsdp import ExpertSharding, apply_fsdp
+from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_model, pipeline_problem, stage_split_problem
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
 from lightning_automodel.parallel.tensor_parallel import (
@@ -99,10 +100,13 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         forward_prefetch: int = 0,
         backward_prefetch: int = 1,
         allow_unsharded_linears: bool = False,
+        pipeline: PipelineOptions | None = None,
     ) -> nn.Module:
         """``activation_checkpointing``: False, True (= "full"), "full", "selective" or "submodule" (see
         :mod:`lightning_automodel.parallel.checkpointing`). ``reshard_after_forward``, ``forward_prefetch`` and
-        ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp`. Parameters the model pins to
+        ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp`. ``pipeline``: how the mesh's
+        pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s); see
+        :mod:`lightning_automodel.parallel.pipeline`. Parameters the model pins to
         fp32 (Hugging Face's ``_keep_in_fp32_modules_strict``) compute in fp32 under any mixed-precision policy.
 
         Every check that can refuse runs first, on every rank, before any collective: sizes, the tensor-parallel plan
@@ -122,15 +126,21 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             reshard_after_forward=reshard_after_forward,
             activation_checkpointing=bool(activation_checkpointing),
         )
+        pp = axis_size(device_mesh, "pp")
+        if pp > 1:
+            pipeline = pipeline or PipelineOptions()
+            pipeline.validate(pp)
         ep = axis_size(device_mesh, "ep")
         reduce_dtype = (mp_policy.reduce_dtype or mp_policy.param_dtype) if mp_policy else None
         problem = expert_precision_problem(model, reduce_dtype) if ep > 1 else None
         if problem is not None:
             raise ValueError(f"ep={ep} (expert parallel): {problem}.")
-        layers = [layer for name, layer in named_decoder_layers(model) if name not in checked.held_by_root]
         if not meta:
             model.to(device_mesh.device_type)
             broadcast_from_rank0(model)
+        if pp > 1:
+            pipeline_model(model, device_mesh, pipeline)
+        layers = [layer for name, layer in named_decoder_layers(model) if name not in checked.held_by_root]
         if checked.planned is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), checked.planned)
         experts = None
@@ -187,6 +197,7 @@ def check_before_collectives(
     problem = expert_parallel_problem(model, ep=ep) if ep > 1 else None
     if problem is not None:
         raise ValueError(f"ep={ep} (expert parallel): {problem}. Use ep=1 for this model.")
+    check_pipeline(model, pp=axis_size(device_mesh, "pp"), tp=tp, ep=ep)
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
     recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
     if recomputed and (reshard_after_forward or activation_checkpointing):
@@ -209,6 +220,21 @@ def check_before_collectives(
         unsharded=unsharded,
     )
     return Checked(planned, held_by_root=recomputed)
+
+
+def check_pipeline(model: nn.Module, *, pp: int, tp: int, ep: int) -> None:
+    """At pp > 1: the model splits into stages that compute what it computes whole (see
+    :mod:`lightning_automodel.parallel.pipeline`), and the other axes are ones pipelining composes with yet."""
+    if pp == 1:
+        return
+    if tp > 1 or ep > 1:
+        raise ValueError(
+            f"pp={pp} with {'tp' if tp > 1 else 'ep'}={tp if tp > 1 else ep}: pipeline parallel composes with"
+            " dp_shard, dp_replicate and activation checkpointing so far; set tp=1 and ep=1."
+        )
+    problem = pipeline_problem(model, pp=pp) or stage_split_problem(model)
+    if problem is not None:
+        raise ValueError(f"pp={pp} (pipeline parallel): {problem}. Use pp=1 for this model.")
 
 
 def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:

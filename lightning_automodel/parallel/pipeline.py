@@ -1,0 +1,442 @@
+"""Pipeline parallel: a Hugging Face decoder split into stages by its decoder layers, run by torch's schedules.
+
+Each pp rank keeps its stage of the model in place and drops the rest: the embedding on the first stage, the final
+norm and the head on the last, rotary embeddings everywhere, the decoder layers in between split so that every stage
+gets an even share of the work (the embedding and the head count as one layer each). The layers a stage keeps stay
+under their Hugging Face names (``model.layers.5`` stays ``model.layers.5``): meta-device init, shard-by-shard
+loading, checkpoints and the export see the names they always see, each rank holding only its stage's.
+
+The model's own forward computes each stage: the first from ``input_ids``, the others from the previous stage's
+hidden states given as ``inputs_embeds`` (positions and masks are built as in one process); non-last stages stop at
+the decoder (their final norm is an identity), the last runs the whole head (soft-capping, logit scales). Whether a
+model class composes that way is checked once on a shrunk replica in this process (:func:`stage_split_problem`):
+a model that transforms ``inputs_embeds`` itself, or that indexes per-layer settings by position, is refused there.
+
+A tied input and output embedding stays tied: the last stage holds a copy of the embedding as its head, and the
+gradients of the two copies are summed over the pp ranks before each optimizer step
+(:meth:`Pipeline.sum_tied_gradients`), so both copies take the same steps as the single tied weight would.
+
+Called as usual (``model(input_ids=..., labels=...)``), the model runs one step of the schedule: forward and backward
+of every micro-batch when training, forward only otherwise. The loss is the next-token cross-entropy summed on the
+last stage and divided by the token count of the whole global batch (micro-batches x data-parallel ranks), as in one
+process; it reaches every rank. The schedule runs backward itself; what it computes is held back and added to the
+gradients when the returned loss's backward runs (a leaf, whose backward does only that), so a training loop that
+zeroes gradients between its forward and its backward (Lightning's) and scales the loss (gradient accumulation) gets
+what it expects.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
+
+from lightning_automodel.mesh import axis_size, reduction_mesh
+from lightning_automodel.parallel.blocks import named_decoder_layers
+from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_targets
+
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+MODEL_INPUTS = ("attention_mask", "position_ids")  # split into micro-batches and given to every stage
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How to pipeline: ``schedule`` is a name of torch's (``get_schedule_class``); ``microbatches`` per step
+    (default: the pp size); ``layers_per_stage`` a manual split (decoder layers of each stage, in order)."""
+
+    schedule: str = "1F1B"
+    microbatches: int | None = None
+    layers_per_stage: Sequence[int] | None = None
+
+    def validate(self, pp: int) -> None:
+        """Refuse a schedule torch lacks or that needs several stages per rank, and too few micro-batches."""
+        try:
+            schedule_class = get_schedule_class(self.schedule)
+        except ValueError as error:
+            raise ValueError(f"pp_schedule={self.schedule!r}: {error}") from None
+        if not issubclass(schedule_class, PipelineScheduleSingle):
+            raise ValueError(
+                f"pp_schedule={self.schedule!r} runs several stages per rank (virtual stages), which is not available"
+                " yet: use 'GPipe' or '1F1B'."
+            )
+        if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
+            raise ValueError(f"pp_microbatches={self.microbatches!r} must be a positive integer.")
+        if self.microbatches is not None and self.schedule.lower() == "1f1b" and self.microbatches < pp:
+            raise ValueError(
+                f"pp_microbatches={self.microbatches} with pp={pp}: the 1F1B schedule needs at least as many"
+                f" micro-batches as stages. Use pp_microbatches >= {pp}, or pp_schedule='GPipe'."
+            )
+        if self.layers_per_stage is not None and (
+            len(self.layers_per_stage) != pp or any(count < 1 for count in self.layers_per_stage)
+        ):
+            raise ValueError(
+                f"pp_layers_per_stage={list(self.layers_per_stage)}: give pp={pp} positive layer counts, one per stage."
+            )
+
+    def microbatches_for(self, pp: int) -> int:
+        return self.microbatches if self.microbatches is not None else pp
+
+
+def stage_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None) -> list[range]:
+    """The decoder layers of each stage: ``layers_per_stage`` if given, else an even split of the work, where the
+    embedding (first stage) and the head (last stage) count as one layer each."""
+    if layers_per_stage is not None:
+        if sum(layers_per_stage) != num_layers:
+            raise ValueError(
+                f"pp_layers_per_stage={list(layers_per_stage)} sums to {sum(layers_per_stage)}; the model has"
+                f" {num_layers} decoder layers."
+            )
+        counts = list(layers_per_stage)
+    else:
+        work = num_layers + 2  # the embedding is work unit 0, the head the last one
+        bounds = [round(stage * work / pp) for stage in range(pp + 1)]
+        counts = [len(range(max(start, 1), min(end, num_layers + 1))) for start, end in zip(bounds, bounds[1:])]
+        if min(counts) < 1:  # few layers: one stage would hold only the embedding or the head
+            counts = [num_layers // pp + (stage < num_layers % pp) for stage in range(pp)]
+    starts = [sum(counts[:stage]) for stage in range(pp)]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def pipeline_problem(model: nn.Module, *, pp: int) -> str | None:
+    """Why ``model`` cannot be split into ``pp`` stages (None if it can), found without any collective."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return f"{type(model).__name__} is not a Hugging Face model; pipeline parallel splits those only"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return f"{type(model).__name__} is an encoder-decoder model; pipeline parallel splits decoder-only models"
+    if model.get_output_embeddings() is None or model.base_model is model:
+        return f"{type(model).__name__} has no language-model head over a base model to split"
+    lists = {name.rsplit(".", 1)[0] for name, _ in named_decoder_layers(model)}
+    if len(lists) != 1:
+        return (
+            f"{type(model).__name__} has {len(lists)} lists of blocks ({sorted(lists)}); pipeline parallel splits one"
+        )
+    if _final_norm_name(model.base_model) is None:
+        return f"{type(model).__name__}'s base model has no final norm named one of {FINAL_NORM_NAMES}"
+    layers = len(named_decoder_layers(model))
+    if layers < pp:
+        return f"{type(model).__name__} has {layers} decoder layers, fewer than the pp={pp} stages"
+    return None
+
+
+def stage_split_problem(model: nn.Module) -> str | None:
+    """Whether the model's class computes the same logits split in two stages as whole, on a shrunk replica of it
+    (its config made tiny, two decoder layers, random weights), in this process; None if it does."""
+    from lightning_automodel.hf.shrink import shrunk_config
+
+    config = shrunk_config(model.config)
+    config.num_hidden_layers = max(2, config.num_hidden_layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        whole = type(model)(config).eval()
+        first, last = copy.deepcopy(whole), copy.deepcopy(whole)
+        tokens = torch.randint(0, config.vocab_size, (2, 8))
+    with torch.no_grad():
+        expected = whole(input_ids=tokens, use_cache=False).logits
+        layers = stage_layers(len(named_decoder_layers(whole)), 2)
+        split_into_stage(first, layers=layers[0], first=True, last=False)
+        split_into_stage(last, layers=layers[1], first=False, last=True)
+        hidden = first.base_model(input_ids=tokens, use_cache=False).last_hidden_state
+        actual = last(inputs_embeds=hidden, use_cache=False).logits
+    error = ((actual - expected).abs().max() / expected.abs().max()).item()
+    if not error < 1e-5:
+        return (
+            f"{type(model).__name__} computes other logits split into stages than whole (relative error {error:.2g}"
+            " on a shrunk replica): its forward transforms inputs_embeds or reads per-layer settings by position"
+        )
+    return None
+
+
+def split_into_stage(model: nn.Module, *, layers: range, first: bool, last: bool) -> None:
+    """Keep this stage of ``model`` in place: its decoder ``layers`` under their names, the embedding on the first
+    stage (and on the last when the head is tied to it), the final norm and the head on the last."""
+    base = model.base_model
+    names = [name for name, _ in named_decoder_layers(model)]
+    parent_name, _ = names[0].rsplit(".", 1)
+    parent = model.get_submodule(parent_name.rsplit(".", 1)[0]) if "." in parent_name else model
+    blocks = model.get_submodule(parent_name)
+    kept = nn.ModuleList()
+    for index in layers:  # a ModuleList iterates its values: the model's own loop runs these layers only
+        kept.add_module(str(index), blocks[index])
+    setattr(parent, parent_name.rsplit(".", 1)[-1], kept)
+    tied = is_tied(model)
+    if not first and not (last and tied):
+        base.set_input_embeddings(None)
+    if not last:
+        setattr(base, _final_norm_name(base), nn.Identity())
+        model.set_output_embeddings(None)
+
+
+def is_tied(model: nn.Module) -> bool:
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embedding is not None and head.weight is embedding.weight
+
+
+def _final_norm_name(base: nn.Module) -> str | None:
+    return next((name for name in FINAL_NORM_NAMES if isinstance(getattr(base, name, None), nn.Module)), None)
+
+
+class Pipeline:
+    """One rank's stage of a model and the schedule that runs it (built at the first step, once weights exist)."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, options: PipelineOptions, *, tied: bool) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.options = options
+        self.pp = axis_size(mesh, "pp")
+        self.stage_index = mesh["pp"].get_local_rank()
+        self.first, self.last = self.stage_index == 0, self.stage_index == self.pp - 1
+        self.tied = tied
+        self.in_schedule = False
+        self._loss_scale = torch.tensor(1.0)
+        self._schedule: PipelineScheduleSingle | None = None
+        self._tied_shape: tuple[int, ...] | None = None
+        self._computed: dict[str, Tensor] = {}
+        self._parameters: dict[str, nn.Parameter] | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    def schedule(self) -> PipelineScheduleSingle:
+        if self._schedule is None:
+            stage = PipelineStage(self.model, self.stage_index, self.pp, self._device(), group=self.group)
+            schedule_class = get_schedule_class(self.options.schedule)
+            self._schedule = schedule_class(
+                stage, self.options.microbatches_for(self.pp), loss_fn=self._loss, scale_grads=False
+            )
+        return self._schedule
+
+    def stage_forward(self, stream: Tensor, **inputs: Any) -> Tensor:
+        """This stage's part of the model: token ids (first stage) or hidden states in, hidden states or logits out."""
+        given = {"input_ids": stream} if self.first else {"inputs_embeds": stream}
+        if self.last:
+            return _local(_original_forward(self.model)(**given, **inputs, use_cache=False).logits)
+        return _local(self.model.base_model(**given, **inputs, use_cache=False).last_hidden_state)
+
+    def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """One schedule step over the whole batch: (the loss on every rank or None without labels, the logits on the
+        last stage or None). Trains (forward and backward) when gradients are enabled and the model is in training
+        mode; otherwise runs forward only."""
+        microbatches = self.options.microbatches_for(self.pp)
+        if input_ids.size(0) % microbatches:
+            raise ValueError(
+                f"pp_microbatches={microbatches} does not divide this batch of {input_ids.size(0)} rows: make the"
+                " batch size a multiple of it (or drop the last, smaller batch: DataLoader(drop_last=True))."
+            )
+        training = torch.is_grad_enabled() and self.model.training
+        if training and labels is None:
+            raise ValueError(
+                "Under pipeline parallel (pp > 1) the model's call runs forward and backward of every micro-batch, and"
+                " the last stage computes the loss: call it with labels, as `self.model(input_ids=..., labels=...)"
+                ".loss` (or `self.model(**batch).loss`), and return that loss from training_step. A loss computed"
+                " from the logits in training_step cannot be: the logits exist on the last stage only, one micro-batch"
+                " at a time."
+            )
+        if labels is not None:
+            self._loss_scale = self._global_token_scale(labels)
+        schedule = self.schedule()
+        args = (input_ids,) if self.first else ()
+        targets = {"target": labels} if self.last and labels is not None else {}
+        losses: list[Tensor] = []
+        self.in_schedule = True
+        try:
+            if training:
+                with self._gradients_held_back():
+                    logits = schedule.step(*args, **targets, losses=losses, return_outputs=False, **inputs)
+            else:
+                logits = schedule.eval(*args, **targets, losses=losses, **inputs)
+        finally:
+            self.in_schedule = False
+        loss = self._loss_on_every_rank(losses) if labels is not None else None
+        if training:
+            loss = self._backward_applies_gradients(loss)
+        return loss, logits
+
+    @contextmanager
+    def _gradients_held_back(self) -> Iterator[None]:
+        """Run the schedule's backward beside the gradients the parameters hold, and keep what it computes for the
+        loss's backward (a training loop may zero the gradients between its forward and its backward: Lightning's
+        does). By name, on the sharded parameters: see :meth:`_sharded_parameters`."""
+        held = {name: p.grad for name, p in self._sharded_parameters().items()}
+        for p in self.model.parameters():
+            p.grad = None
+        try:
+            yield
+        finally:
+            params = self._sharded_parameters()
+            self._computed = {name: p.grad for name, p in params.items() if p.grad is not None}
+            for name, grad in held.items():
+                params[name].grad = grad
+
+    def _backward_applies_gradients(self, loss: Tensor | None) -> Tensor:
+        """A leaf holding the loss, whose backward adds the gradients the schedule computed (times the gradient
+        it is given: 1 / accumulate_grad_batches under Lightning)."""
+        loss = (loss if loss is not None else torch.zeros((), device=self._device())).requires_grad_()
+        computed, self._computed = self._computed, {}
+
+        def add_computed_gradients(scale: Tensor) -> None:
+            factor = float(scale)
+            params = self._sharded_parameters()
+            for name, grad in computed.items():
+                grad = grad if factor == 1.0 else grad * factor
+                params[name].grad = grad if params[name].grad is None else params[name].grad + grad
+
+        loss.register_hook(add_computed_gradients)
+        return loss
+
+    def _sharded_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters that hold the gradients (and that the optimizer steps), by name: FSDP's sharded ones. The
+        module may have other objects registered in their place: FSDP keeps the root's weights gathered from forward
+        to backward and swaps them back only at the end of the next autograd backward. Read from FSDP's state, as
+        torch's own pipeline stage does to reduce the gradients."""
+        if self._parameters is None:
+            names = {id(module): name for name, module in self.model.named_modules()}
+            self._parameters = {}
+            for module in self.model.modules():
+                groups = module._get_fsdp_state()._fsdp_param_groups if isinstance(module, FSDPModule) else []
+                for fsdp_param in (fsdp_param for group in groups for fsdp_param in group.fsdp_params):
+                    owner = fsdp_param._module_info
+                    prefix = names[id(owner.module)]
+                    name = f"{prefix}.{owner.param_name}" if prefix else owner.param_name
+                    self._parameters[name] = fsdp_param.sharded_param
+        return self._parameters
+
+    def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        loss_sum, _ = causal_lm_loss_sum(logits, labels)
+        return loss_sum * self._loss_scale
+
+    def _global_token_scale(self, labels: Tensor) -> Tensor:
+        """dp / the global batch's scored tokens: a micro-batch's summed loss times it is its share of the global
+        token mean, which FSDP's mean over the dp ranks turns into the single-process gradient."""
+        tokens = (next_token_targets(labels) != -100).sum().float()
+        group = reduction_mesh(self.mesh).get_group()
+        dist.all_reduce(tokens, group=group)
+        return dist.get_world_size(group) / tokens.clamp_min(1)
+
+    def _loss_on_every_rank(self, losses: list[Tensor]) -> Tensor:
+        loss = torch.stack([_local(loss).detach() for loss in losses]).sum() if self.last else torch.zeros(())
+        loss = loss.to(device=self._device(), dtype=torch.float32)
+        dist.broadcast(loss, group=self.group, group_src=self.pp - 1)
+        return loss
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of the tied embedding's two copies (first and last stage) over the pp ranks; the stages
+        in between add zeros. Call once per optimizer step, after the last backward."""
+        if self.tied:
+            dist.all_reduce(self._tied_local(gradient=True), group=self.group)
+
+    def copies(self) -> list[nn.Parameter]:
+        """Parameters another stage holds too (the last stage's copy of a tied embedding): a norm over all stages
+        counts them once, on the first stage."""
+        if not (self.tied and self.last and not self.first):
+            return []
+        embedding = self.model.get_input_embeddings()
+        name = next(name for name, module in self.model.named_modules() if module is embedding)
+        return [self._sharded_parameters()[f"{name}.weight"]]
+
+    def share_tied_weights(self) -> None:
+        """Give the last stage's copy of a tied embedding the first stage's values (after initialization)."""
+        if self.tied:
+            with torch.no_grad():
+                dist.broadcast(self._tied_local(gradient=False), group=self.group, group_src=0)
+
+    def _tied_local(self, *, gradient: bool) -> Tensor:
+        """This rank's shard of the tied embedding's weight (or gradient), or zeros of its shape on middle stages.
+        The shape comes from the first stage, once."""
+        embedding = self.model.get_input_embeddings() if self.first or self.last else None
+        tensor = None if embedding is None else embedding.weight.grad if gradient else embedding.weight
+        tensor = _local(tensor) if tensor is not None else None
+        if self._tied_shape is None:
+            shapes = [tuple(tensor.shape) if tensor is not None else None]
+            dist.broadcast_object_list(shapes, group=self.group, group_src=0)
+            self._tied_shape = shapes[0]
+        if tensor is None:
+            tensor = torch.zeros(self._tied_shape, device=self._device())
+        return tensor
+
+    def _device(self) -> torch.device:
+        return next(iter(self.model.parameters())).device
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _original_forward(model: nn.Module):
+    return super(PipelinedModel, model).forward
+
+
+class PipelinedModel(nn.Module):
+    """The forward of a pipelined model (a class made for each model class, as FSDP2 makes its own): called by the
+    schedule, it computes this rank's stage; called by anyone else, it runs one schedule step."""
+
+    pipeline: Pipeline
+
+    def forward(self, input_ids: Tensor | None = None, *args: Any, labels: Tensor | None = None, **inputs: Any) -> Any:
+        if self.pipeline.in_schedule:
+            return self.pipeline.stage_forward(input_ids, *args, **inputs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        unknown = [name for name, value in inputs.items() if value is not None and name not in MODEL_INPUTS]
+        if args or input_ids is None or unknown:
+            raise ValueError(
+                "Under pipeline parallel (pp > 1) the model takes input_ids, labels and"
+                f" {', '.join(MODEL_INPUTS)} as keywords (got {len(args)} more positional arguments and"
+                f" {unknown or 'no other'} keywords{'' if input_ids is not None else ', no input_ids'})."
+            )
+        given = {name: value for name, value in inputs.items() if value is not None}
+        loss, logits = self.pipeline.run(input_ids, labels=labels, **given)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def pipeline_model(model: nn.Module, mesh: DeviceMesh, options: PipelineOptions) -> Pipeline:
+    """Keep this rank's stage of ``model`` (see :func:`split_into_stage`) and make its calls run the schedule.
+
+    Done before tensor parallel and FSDP: they then shard only what the stage holds, and FSDP's root is the stage
+    the schedule calls (torch's stage defers FSDP's gradient reduction to the last micro-batch for it)."""
+    pp = axis_size(mesh, "pp")
+    stage = mesh["pp"].get_local_rank()
+    layers = stage_layers(len(named_decoder_layers(model)), pp, options.layers_per_stage)[stage]
+    tied = is_tied(model)
+    split_into_stage(model, layers=layers, first=stage == 0, last=stage == pp - 1)
+    pipeline = Pipeline(model, mesh, options, tied=tied)
+    model.__class__ = type(f"Pipelined{type(model).__name__}", (PipelinedModel, type(model)), {})
+    model.pipeline = pipeline
+    return pipeline
+
+
+def pipeline_of(model: nn.Module) -> Pipeline | None:
+    """The pipeline of a model :func:`pipeline_model` split (a PEFT model's base), or None."""
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(hf_model, "pipeline", None) if isinstance(hf_model, PipelinedModel) else None
+
+
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    """The idle share of a single-stage schedule's step: (p - 1) / (m + p - 1)."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+__all__ = [
+    "Pipeline",
+    "PipelineOptions",
+    "PipelinedModel",
+    "bubble_fraction",
+    "pipeline_model",
+    "pipeline_of",
+    "pipeline_problem",
+    "stage_layers",
+    "stage_split_problem",
+]

@@ -61,8 +61,8 @@ from lightning_automodel.parallel.checkpointing import ACMode, validate_ac_mode
 from lightning_automodel.parallel.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.fsdp import validate_prefetch
 from lightning_automodel.parallel.grad_norm import clip_grad_norm_
-from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names, is_meta
+from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.verify import plan_unregistered, verify_plan
 
@@ -249,8 +249,6 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         _refuse_fsdp1(self.model)
-        if self.pipeline is not None:
-            _refuse_untested_pipeline_options(trainer)
         self.accelerator.setup(trainer)
         notify_sigterm_locally(trainer, self._fault_monitor)
 
@@ -582,15 +580,6 @@ def _refuse_fsdp1(module: nn.Module) -> None:
             f"{type(module).__name__} holds modules wrapped in torch.distributed.fsdp.FullyShardedDataParallel"
             " (FSDP1). AutoModelParallelStrategy shards with FSDP2 itself: remove the wrapper and set dp_shard /"
             " dp_replicate on the strategy, or apply FSDP2's fully_shard in configure_model yourself."
-        )
-
-
-def _refuse_untested_pipeline_options(trainer: pl.Trainer) -> None:
-    """Gradient accumulation and clipping under pp do not match one process yet: refused, not run wrong."""
-    if trainer.accumulate_grad_batches > 1 or trainer.gradient_clip_val:
-        raise ValueError(
-            "pp > 1 with Trainer(accumulate_grad_batches > 1) or Trainer(gradient_clip_val=...) is not available yet:"
-            " use a larger pp_microbatches and batch instead of accumulation, and train without clipping (or pp=1)."
         )
 
 

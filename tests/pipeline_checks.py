@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import lightning as L
 import torch
 import torch.distributed as dist
 from lightning_checks import GLOBAL_BATCH, CausalLM, data, reference_run, trainer
+from loading_checks import remove, saved_checkpoint
 from models import batch, tiny_model
 from parity import (
     FP32_TOLERANCE,
-    STEPS,
     TRAINED_GRAD_TOLERANCE,
     TRAINED_LOSS_TOLERANCE,
     WEIGHT_TOLERANCE,
     full,
     relative_error,
 )
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import AutoModelForCausalLM
 
-from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel import AutoModelParallelStrategy, ParallelDims, from_pretrained, parallelize
+from lightning_automodel.hf.loading import materialize_pretrained
 from lightning_automodel.parallel.pipeline import pipeline_of
 
 LAYERS = 4  # two per stage at pp=2, one per stage at pp=4
@@ -51,9 +57,8 @@ def compare_stage_training(module: CausalLM, reference: torch.nn.Module, referen
     dist.all_gather_object(held, sorted(names))
     union = set().union(*map(set, held))
     assert union == set(reference_grads[0]), f"the stages hold {union ^ set(reference_grads[0])} wrong"
-    grad_errors = [
-        max(relative_error(grads[n], ref[n]) for n in names) for grads, ref in zip(module.grads, reference_grads)
-    ]
+    steps = zip(module.grads, reference_grads, strict=True)
+    grad_errors = [max(relative_error(grads[n], ref[n]) for n in names) for grads, ref in steps]
     errors = [abs(a - b) / abs(b) for a, b in zip(module.losses, reference_losses, strict=True)]
     reference_params = dict(reference.named_parameters())
     weights = max((full(p) - reference_params[n]).abs().max().item() for n, p in module.model.named_parameters())
@@ -104,6 +109,25 @@ def check_pipeline_trainer_parity(
     return result
 
 
+def check_pipeline_accumulation_and_clipping(pp: int) -> dict:
+    """accumulate_grad_batches=2 over half batches and gradient_clip_val under pp, with a tied embedding (Gemma 3).
+    With SGD every update is lr times the clipped gradient, so a norm missing a stage or counting the tied copy twice
+    moves every weight wrong, and so does a micro-step's gradient lost or counted twice."""
+    lr = 10.0
+    module = HFLossCausalLM(tiny_model("gemma3", num_hidden_layers=LAYERS), optimizer=torch.optim.SGD, lr=lr)
+    dp = dist.get_world_size() // pp
+    tokens, labels = batch(GLOBAL_BATCH)
+    halves = DataLoader(TensorDataset(tokens, labels), batch_size=GLOBAL_BATCH // dp // 2)
+    strategy = AutoModelParallelStrategy(pp=pp, pp_schedule="GPipe", pp_microbatches=2)
+    options = dict(accumulate_grad_batches=2, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+    trainer(strategy, **options).fit(module, halves)
+    pairs = zip(module.losses[::2], module.losses[1::2], strict=True)
+    module.losses = [(first + second) / 2 for first, second in pairs]
+    reference = tiny_model("gemma3", num_hidden_layers=LAYERS)
+    sgd = lambda model: [torch.optim.SGD(model.parameters(), lr=lr)]  # noqa: E731
+    return compare_stage_training(module, reference, reference_run(reference, optimizers=sgd, clip=0.1, loss=hf_loss))
+
+
 def check_loss_from_logits_is_refused(pp: int) -> str:
     """A training_step computing its loss from the logits stops at its first step, naming the way that works."""
     module = CausalLM(tiny_model(num_hidden_layers=LAYERS))
@@ -137,18 +161,65 @@ def check_pipeline_refusals(pp: int) -> list[str]:
         (AutoModelParallelStrategy(pp=pp, tp=2), tiny_model(num_hidden_layers=LAYERS), "set tp=1"),
         (AutoModelParallelStrategy(pp=pp, pp_microbatches=3), tiny_model(num_hidden_layers=LAYERS), "divide"),
     ]
-    for options in (dict(accumulate_grad_batches=2), dict(gradient_clip_val=1.0)):
-        fits.append(
-            (AutoModelParallelStrategy(pp=pp), tiny_model(num_hidden_layers=LAYERS), "not available yet", options)
-        )
-    for strategy, model, expected, *options in fits:
+    for strategy, model, expected in fits:
         try:
-            trainer(strategy, **(options[0] if options else {})).fit(
-                HFLossCausalLM(model), data(dist.get_world_size() // pp)
-            )
+            trainer(strategy).fit(HFLossCausalLM(model), data(dist.get_world_size() // pp))
         except ValueError as error:
             assert expected in str(error), error
             refused.append(str(error))
         else:
             raise AssertionError(f"{expected!r} was not refused")
     return [message[:60] for message in refused]
+
+
+def check_pipeline_loaded_weights(pp: int, family: str) -> dict:
+    """A model built on the meta device by ``from_pretrained`` and split at pp: each stage holds its layers only (and
+    the embedding's copy as the tied head), each weight equal to transformers' own load; one schedule step's loss and
+    this stage's gradients equal transformers' model's."""
+    directory = saved_checkpoint(family)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model = from_pretrained(directory, dtype=torch.float32)
+    parallelize(model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"))
+    materialize_pretrained(model, torch.device("cpu"))
+    pipeline_of(model).share_tied_weights()
+    expected = reference.state_dict()
+    held = model.state_dict()
+    stage = pipeline_of(model).stage_index
+    layers = {name.split(".")[2] for name in held if name.startswith("model.layers.")}
+    assert layers == {str(stage)}, f"stage {stage} holds layers {layers}"
+    result = {"weights": max((full(t) - expected[n]).abs().max().item() for n, t in held.items())}
+    tokens, labels = batch(GLOBAL_BATCH)
+    loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    pipeline_of(model).sum_tied_gradients()
+    reference_loss = hf_loss(reference, tokens, labels)
+    reference_loss.backward()
+    grads = dict(reference.named_parameters())
+    result["loss"] = abs(loss.item() - reference_loss.item()) / reference_loss.item()
+    result["grads"] = max(relative_error(p.grad, grads[n].grad) for n, p in model.named_parameters())
+    assert result["weights"] == 0.0 and result["loss"] < FP32_TOLERANCE and result["grads"] < FP32_TOLERANCE, result
+    remove(directory)
+    return result
+
+
+def check_pipeline_checkpoint_resume(directory: str, pp: int) -> dict:
+    """A Lightning checkpoint saved at pp (Gemma 3, tied) resumed at pp and at pp=1 (dp_shard takes the world), and
+    one saved at pp=1 resumed at pp: the remaining losses are the uninterrupted run's."""
+
+    def fit(pp: int, steps: int, ckpt_path: Path | None = None) -> tuple[HFLossCausalLM, L.Trainer]:
+        module = HFLossCausalLM(tiny_model("gemma3", seed=5 + dist.get_rank(), num_hidden_layers=LAYERS))
+        run = trainer(AutoModelParallelStrategy(pp=pp), max_steps=steps)
+        run.fit(module, data(dist.get_world_size() // pp), ckpt_path=ckpt_path)
+        return module, run
+
+    whole, _ = fit(1, 4)
+    result = {}
+    for saved_at, resumed_at in ((pp, pp), (pp, 1), (1, pp)):
+        checkpoint = Path(directory) / f"pp{saved_at}.ckpt"
+        if not checkpoint.exists():
+            fit(saved_at, 2)[1].save_checkpoint(checkpoint)
+        resumed, _ = fit(resumed_at, 4, ckpt_path=checkpoint)
+        errors = [abs(a - b) / b for a, b in zip(resumed.losses, whole.losses[2:], strict=True)]
+        result[f"pp={saved_at} resumed at pp={resumed_at}"] = max(errors)
+    assert max(result.values()) < FP32_TOLERANCE, result
+    return result

@@ -101,11 +101,12 @@ def stage_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | Non
     else:
         work = num_layers + 2  # the embedding is work unit 0, the head the last one
         bounds = [round(stage * work / pp) for stage in range(pp + 1)]
-        counts = [len(range(max(start, 1), min(end, num_layers + 1))) for start, end in zip(bounds, bounds[1:])]
+        spans = zip(bounds, bounds[1:], strict=False)
+        counts = [len(range(max(start, 1), min(end, num_layers + 1))) for start, end in spans]
         if min(counts) < 1:  # few layers: one stage would hold only the embedding or the head
             counts = [num_layers // pp + (stage < num_layers % pp) for stage in range(pp)]
     starts = [sum(counts[:stage]) for stage in range(pp)]
-    return [range(start, start + count) for start, count in zip(starts, counts)]
+    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
 def pipeline_problem(model: nn.Module, *, pp: int) -> str | None:
@@ -271,7 +272,7 @@ class Pipeline:
         loss's backward (a training loop may zero the gradients between its forward and its backward: Lightning's
         does). By name, on the sharded parameters: see :meth:`_sharded_parameters`."""
         held = {name: p.grad for name, p in self._sharded_parameters().items()}
-        for p in self.model.parameters():
+        for p in self._sharded_parameters().values():
             p.grad = None
         try:
             yield

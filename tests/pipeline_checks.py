@@ -8,6 +8,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning_checks import GLOBAL_BATCH, CausalLM, data, reference_run, trainer
+from lm_checks import HPARAMS, RecordingLM, Rows, padded_rows, reference_metrics, reference_training
 from loading_checks import remove, saved_checkpoint
 from models import batch, tiny_model
 from parity import (
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims, from_pretrained, parallelize
 from lightning_automodel.hf.loading import materialize_pretrained
+from lightning_automodel.lm import CausalLMModule
 from lightning_automodel.parallel.pipeline import pipeline_of
 
 LAYERS = 4  # two per stage at pp=2, one per stage at pp=4
@@ -222,4 +224,40 @@ def check_pipeline_checkpoint_resume(directory: str, pp: int) -> dict:
         errors = [abs(a - b) / b for a, b in zip(resumed.losses, whole.losses[2:], strict=True)]
         result[f"pp={saved_at} resumed at pp={resumed_at}"] = max(errors)
     assert max(result.values()) < FP32_TOLERANCE, result
+    return result
+
+
+class PretrainedRecordingLM(RecordingLM):
+    """RecordingLM from a pretrained directory: random init under pp draws per stage, so the reference needs the
+    weights from a file."""
+
+    def __init__(self, directory: Path) -> None:
+        CausalLMModule.__init__(self, model=str(directory), **HPARAMS)
+        self.losses, self.accuracies, self.grads = [], [], []
+
+
+def check_causal_lm_module_pipelined(pp: int) -> dict:
+    """CausalLMModule unchanged under pp (1F1B over 2 micro-batches): 3 steps on padded rows (AdamW with decay
+    groups, warm-up then cosine) match transformers' model in one process: the logged loss and accuracy at every step,
+    this stage's gradients, the weights; then validation's loss, perplexity and accuracy."""
+    directory = saved_checkpoint("llama")
+    train, val = padded_rows(GLOBAL_BATCH, seed=1), padded_rows(2 * GLOBAL_BATCH, seed=2)
+    dp = dist.get_world_size() // pp
+    module = PretrainedRecordingLM(directory)
+    fit = trainer(AutoModelParallelStrategy(pp=pp))
+    fit.fit(module, DataLoader(Rows(train), batch_size=GLOBAL_BATCH // dp))
+    logged = fit.validate(module, DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp), verbose=False)[0]
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    losses, accuracies, grads = reference_training(reference, train)
+    result = compare_stage_training(module, reference, (losses, grads))
+    one_token = 1 / reference_metrics(reference, train)["tokens"].item()
+    result["train_accuracy"] = max(abs(a - b) for a, b in zip(module.accuracies, accuracies, strict=True))
+    with torch.no_grad():
+        expected = reference_metrics(reference, val)
+    result["val_loss"] = abs(logged["val_loss"] - expected["lm_loss"].item())
+    result["val_perplexity"] = abs(logged["val_perplexity"] / expected["lm_loss"].exp().item() - 1)
+    result["val_accuracy"] = abs(logged["val_accuracy"] - expected["accuracy"].item())
+    assert result["train_accuracy"] <= one_token and result["val_accuracy"] <= 1 / expected["tokens"].item(), result
+    assert max(result["val_loss"], result["val_perplexity"]) < TRAINED_LOSS_TOLERANCE, result
+    remove(directory)
     return result

@@ -8,6 +8,7 @@ from functools import partial
 
 from harness import run_checks
 from pipeline_checks import (
+    check_causal_lm_module_pipelined,
     check_loss_from_logits_is_refused,
     check_pipeline_accumulation_and_clipping,
     check_pipeline_checkpoint_resume,
@@ -21,7 +22,8 @@ def test_pipeline_two_stages_against_one_process(tmp_path):
     """World 2 at pp=2: Llama with 1F1B over 4 micro-batches, Gemma 3 (tied embeddings) with GPipe, and with
     accumulate_grad_batches=2 and gradient_clip_val; pretrained Llama and Gemma 3 loaded stage by stage; checkpoints
     at pp=2 resumed at pp=2 and pp=1, and at pp=1 resumed at pp=2; a training_step computing its loss from the
-    logits stops at its first step, naming the call that works."""
+    logits stops at its first step, naming the call that works; CausalLMModule unchanged (loss, accuracy, validation
+    metrics)."""
     checks = [
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4),
         partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3"),
@@ -29,6 +31,7 @@ def test_pipeline_two_stages_against_one_process(tmp_path):
         partial(check_pipeline_loaded_weights, 2, "llama"),
         partial(check_pipeline_loaded_weights, 2, "gemma3"),
         partial(check_pipeline_checkpoint_resume, str(tmp_path), 2),
+        partial(check_causal_lm_module_pipelined, 2),
         partial(check_loss_from_logits_is_refused, 2),
     ]
     run_checks(2, checks, timeout=400)

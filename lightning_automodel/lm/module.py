@@ -37,6 +37,7 @@ from lightning_automodel.parallel.loss import (
     global_token_mean,
     next_token_hits,
 )
+from lightning_automodel.parallel.pipeline import pipeline_of
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
 Schedule = Literal["cosine", "linear", "constant"]
@@ -132,6 +133,11 @@ class CausalLMModule(L.LightningModule):
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities)."""
+        if pipeline_of(self.model) is not None:
+            raise ValueError(
+                "CausalLMModule.predict under pipeline parallel (pp > 1) is not available yet: the logits exist on the"
+                " last stage only. Predict with pp=1 (a checkpoint resumes at any pp)."
+            )
         check_batch(batch, self.hf_config)
         self._batch_shape = tuple(batch["input_ids"].shape)
         logits = self(batch["input_ids"], batch.get("attention_mask"))
@@ -144,17 +150,12 @@ class CausalLMModule(L.LightningModule):
 
     def _step(self, stage: str, batch: dict[str, Tensor]) -> Tensor:
         check_batch(batch, self.hf_config)
-        input_ids, labels = batch["input_ids"], batch["labels"]
-        self._batch_shape = tuple(input_ids.shape)
-        outputs = self.model(input_ids=input_ids, attention_mask=batch.get("attention_mask"))
-        logits = outputs.logits
-        loss_sum, tokens = causal_lm_loss_sum(logits, labels)
-        loss = global_token_mean(loss_sum, tokens, self.device_mesh)
-        if getattr(outputs, "aux_loss", None) is not None:  # added to this rank's plain copy of the replicated loss
-            loss = _plain(loss) + self._load_balancing_loss(stage, outputs, batch.get("attention_mask"))
-        hits, _ = next_token_hits(logits, labels)
+        self._batch_shape = tuple(batch["input_ids"].shape)
+        if pipeline_of(self.model) is not None:
+            loss, loss_sum, tokens, hits = self._pipelined_step(batch)
+        else:
+            loss, loss_sum, tokens, hits = self._whole_step(stage, batch)
         metrics = getattr(self, f"{stage}_metrics")
-        loss_sum = _plain(loss_sum)
         metrics["loss"](loss_sum, tokens)
         metrics["perplexity"](loss_sum, tokens)
         metrics["accuracy"](hits, tokens)
@@ -162,6 +163,24 @@ class CausalLMModule(L.LightningModule):
         for name, metric in metrics.items():
             self.log(f"{stage}_{name}", metric, on_step=on_step, on_epoch=not on_step, prog_bar=name != "perplexity")
         return loss
+
+    def _whole_step(self, stage: str, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The loss to train on, this rank's summed loss, scored tokens and next-token hits, from the logits."""
+        labels = batch["labels"]
+        outputs = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+        loss_sum, tokens = causal_lm_loss_sum(outputs.logits, labels)
+        loss = global_token_mean(loss_sum, tokens, self.device_mesh)
+        if getattr(outputs, "aux_loss", None) is not None:  # added to this rank's plain copy of the replicated loss
+            loss = _plain(loss) + self._load_balancing_loss(stage, outputs, batch.get("attention_mask"))
+        hits, _ = next_token_hits(outputs.logits, labels)
+        return loss, _plain(loss_sum), tokens, hits
+
+    def _pipelined_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The same under pipeline parallel: the last stage computes them, micro-batch by micro-batch."""
+        outputs = self.model(
+            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"]
+        )
+        return outputs.loss, outputs.loss_sum, outputs.num_tokens, outputs.num_hits
 
     def _load_balancing_loss(self, stage: str, outputs: Any, attention_mask: Tensor | None) -> Tensor:
         """The mixture-of-experts auxiliary loss (``output_router_logits``), weighted as the model weighs it, over

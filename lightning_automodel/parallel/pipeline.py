@@ -41,10 +41,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_automodel.mesh import axis_size, reduction_mesh
 from lightning_automodel.parallel.blocks import named_decoder_layers
-from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_targets
+from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hits, next_token_targets
 
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 MODEL_INPUTS = ("attention_mask", "position_ids")  # split into micro-batches and given to every stage
@@ -126,6 +127,11 @@ def pipeline_problem(model: nn.Module, *, pp: int) -> str | None:
         )
     if _final_norm_name(model.base_model) is None:
         return f"{type(model).__name__}'s base model has no final norm named one of {FINAL_NORM_NAMES}"
+    if getattr(model.config, "output_router_logits", False):
+        return (
+            f"{type(model).__name__} adds its experts' load-balancing loss (output_router_logits=True), over the layers"
+            " of the last stage only under pp: set output_router_logits=False"
+        )
     layers = len(named_decoder_layers(model))
     if layers < pp:
         return f"{type(model).__name__} has {layers} decoder layers, fewer than the pp={pp} stages"
@@ -189,6 +195,18 @@ def _final_norm_name(base: nn.Module) -> str | None:
     return next((name for name in FINAL_NORM_NAMES if isinstance(getattr(base, name, None), nn.Module)), None)
 
 
+@dataclasses.dataclass
+class PipelinedCausalLMOutput(CausalLMOutputWithPast):
+    """What a pipelined model's call returns: ``loss`` (this rank's share of the global token mean: the mean over the
+    data-parallel ranks is the global batch's loss) and the totals of this rank's batch it came from, on every rank:
+    ``loss_sum`` (summed next-token cross-entropy), ``num_tokens`` (scored tokens), ``num_hits`` (tokens whose
+    target the logits rank first). ``logits``: the last stage's, when not training; None elsewhere."""
+
+    loss_sum: Tensor | None = None
+    num_tokens: Tensor | None = None
+    num_hits: Tensor | None = None
+
+
 class Pipeline:
     """One rank's stage of a model and the schedule that runs it (built at the first step, once weights exist)."""
 
@@ -204,6 +222,7 @@ class Pipeline:
         self._loss_scale = torch.tensor(1.0)
         self._schedule: PipelineScheduleSingle | None = None
         self._tied_shape: tuple[int, ...] | None = None
+        self._totals: list[Tensor] = []
         self._computed: dict[str, Tensor] = {}
         self._parameters: dict[str, nn.Parameter] | None = None
 
@@ -227,10 +246,10 @@ class Pipeline:
             return _local(_original_forward(self.model)(**given, **inputs, use_cache=False).logits)
         return _local(self.model.base_model(**given, **inputs, use_cache=False).last_hidden_state)
 
-    def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        """One schedule step over the whole batch: (the loss on every rank or None without labels, the logits on the
-        last stage or None). Trains (forward and backward) when gradients are enabled and the model is in training
-        mode; otherwise runs forward only."""
+    def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> PipelinedCausalLMOutput:
+        """One schedule step over the whole batch. Trains (forward and backward) when gradients are enabled and the
+        model is in training mode; otherwise runs forward only. With labels, the loss and its totals reach every
+        rank; the logits exist on the last stage only (None elsewhere), and only when not training."""
         microbatches = self.options.microbatches_for(self.pp)
         if input_ids.size(0) % microbatches:
             raise ValueError(
@@ -251,20 +270,23 @@ class Pipeline:
         schedule = self.schedule()
         args = (input_ids,) if self.first else ()
         targets = {"target": labels} if self.last and labels is not None else {}
-        losses: list[Tensor] = []
+        self._totals = []
         self.in_schedule = True
         try:
             if training:
                 with self._gradients_held_back():
-                    logits = schedule.step(*args, **targets, losses=losses, return_outputs=False, **inputs)
+                    logits = schedule.step(*args, **targets, return_outputs=False, **inputs)
             else:
-                logits = schedule.eval(*args, **targets, losses=losses, **inputs)
+                logits = schedule.eval(*args, **targets, **inputs)
         finally:
             self.in_schedule = False
-        loss = self._loss_on_every_rank(losses) if labels is not None else None
+        if labels is None:
+            return PipelinedCausalLMOutput(logits=logits)
+        loss_sum, tokens, hits = self._totals_on_every_rank()
+        loss = loss_sum * self._loss_scale
         if training:
             loss = self._backward_applies_gradients(loss)
-        return loss, logits
+        return PipelinedCausalLMOutput(loss=loss, logits=logits, loss_sum=loss_sum, num_tokens=tokens, num_hits=hits)
 
     @contextmanager
     def _gradients_held_back(self) -> Iterator[None]:
@@ -316,7 +338,10 @@ class Pipeline:
         return self._parameters
 
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        loss_sum, _ = causal_lm_loss_sum(logits, labels)
+        """A micro-batch's share of the global token mean; its summed loss, tokens and next-token hits are kept."""
+        loss_sum, tokens = causal_lm_loss_sum(logits, labels)
+        hits, _ = next_token_hits(logits, labels)
+        self._totals.append(torch.stack([_local(loss_sum).detach(), tokens.float(), hits.float()]))
         return loss_sum * self._loss_scale
 
     def _global_token_scale(self, labels: Tensor) -> Tensor:
@@ -327,11 +352,15 @@ class Pipeline:
         dist.all_reduce(tokens, group=group)
         return dist.get_world_size(group) / tokens.clamp_min(1)
 
-    def _loss_on_every_rank(self, losses: list[Tensor]) -> Tensor:
-        loss = torch.stack([_local(loss).detach() for loss in losses]).sum() if self.last else torch.zeros(())
-        loss = loss.to(device=self._device(), dtype=torch.float32)
-        dist.broadcast(loss, group=self.group, group_src=self.pp - 1)
-        return loss
+    def _totals_on_every_rank(self) -> Tensor:
+        """This rank's batch's summed loss, scored tokens and next-token hits, from the last stage to every stage.
+        Those of the micro-batches only: at its first step a schedule infers the stages' shapes by running the stages
+        and the loss once more, before them."""
+        microbatches = self.options.microbatches_for(self.pp)
+        totals = torch.stack(self._totals[-microbatches:]).sum(0) if self.last else torch.zeros(3)
+        totals = totals.to(device=self._device(), dtype=torch.float32)
+        dist.broadcast(totals, group=self.group, group_src=self.pp - 1)
+        return totals
 
     def sum_tied_gradients(self) -> None:
         """Sum the gradients of the tied embedding's two copies (first and last stage) over the pp ranks; the stages
@@ -389,8 +418,6 @@ class PipelinedModel(nn.Module):
     def forward(self, input_ids: Tensor | None = None, *args: Any, labels: Tensor | None = None, **inputs: Any) -> Any:
         if self.pipeline.in_schedule:
             return self.pipeline.stage_forward(input_ids, *args, **inputs)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         unknown = [name for name, value in inputs.items() if value is not None and name not in MODEL_INPUTS]
         if args or input_ids is None or unknown:
             raise ValueError(
@@ -399,8 +426,7 @@ class PipelinedModel(nn.Module):
                 f" {unknown or 'no other'} keywords{'' if input_ids is not None else ', no input_ids'})."
             )
         given = {name: value for name, value in inputs.items() if value is not None}
-        loss, logits = self.pipeline.run(input_ids, labels=labels, **given)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return self.pipeline.run(input_ids, labels=labels, **given)
 
 
 def pipeline_model(model: nn.Module, mesh: DeviceMesh, options: PipelineOptions) -> Pipeline:

@@ -171,7 +171,12 @@ def configured(
 
 def _plan_of(model: nn.Module, strategy: AutoModelParallelStrategy, dims: ParallelDims) -> PlanReport:
     return plan_report(
-        model, dims, sp=strategy.sp, tp_plan=strategy.tp_plan, allow_unsharded_linears=strategy.allow_unsharded_linears
+        model,
+        dims,
+        sp=strategy.sp,
+        tp_plan=strategy.tp_plan,
+        allow_unsharded_linears=strategy.allow_unsharded_linears,
+        pipeline=strategy.pipeline,
     )
 
 

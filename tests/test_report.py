@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from lightning_automodel import ParallelDims, plan_report
+from lightning_automodel.parallel.pipeline import PipelineOptions
 
 LLAMA_8B = dict(
     hidden_size=4096,
@@ -55,6 +56,26 @@ def test_a_mixture_of_experts_at_ep_times_tp_on_16_ranks():
         report
     )
     assert report.parameters_per_rank == pytest.approx(report.total_parameters / 16, rel=2e-2)
+
+
+def test_pipeline_stages_of_an_8b_model_on_64_ranks():
+    """Llama-3-8B at pp=4 x dp_shard=16 (1F1B, 16 micro-batches): each stage's layers, ranks and memory, and the
+    bubble; every parameter held by one stage, sharded 16 ways within it."""
+    report = plan_report(
+        on_meta(LlamaConfig(**LLAMA_8B)),
+        ParallelDims(pp=4, dp_shard=16).resolve(64),
+        pipeline=PipelineOptions("1F1B", 16),
+    )
+    text = str(report)
+    for fragment in [
+        "pipeline: pp=4 stages, schedule 1F1B, 16 micro-batches per step; idle (bubble) fraction (p-1)/(m+p-1) = 15.8%",
+        "stage 0 (ranks 0-15): embedding, layers 0-6;",
+        "stage 1 (ranks 16-31): layers 7-15;",
+        "stage 3 (ranks 48-63): layers 25-31, norm, head;",
+    ]:
+        assert fragment in text, (fragment, text)
+    held = sum(stage.parameters_per_rank for stage in report.stages) * 16
+    assert held == pytest.approx(report.total_parameters, rel=1e-4)
 
 
 def test_unmatched_patterns_and_whole_linears_are_reported():

@@ -7,6 +7,7 @@ drift from the code. An 8B-parameter config takes seconds.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -15,8 +16,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_automodel.mesh import ParallelDims
+from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.parallelizer import check_before_collectives, parallelize
 from lightning_automodel.parallel.patterns import pattern_matches
+from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.simulation import fake_world
 
@@ -38,6 +41,8 @@ class PlanReport:
     total_parameters: int = 0
     parameters_per_rank: int = 0
     parameter_bytes_per_rank: int = 0
+    pipeline: PipelineOptions | None = None
+    stages: list[StageReport] = field(default_factory=list)  # under pp: what each stage's ranks hold
 
     @property
     def training_bytes_per_rank(self) -> int:
@@ -63,14 +68,46 @@ class PlanReport:
                 f"expert parallel: ep={self.dims.ep}, each rank holds 1/{self.dims.ep} of every layer's experts,"
                 f" FSDP-sharded over efsdp={self.dims.efsdp}"
             )
+        if self.stages:
+            lines += self._pipeline_lines()
         share = self.parameters_per_rank / max(self.total_parameters, 1)
+        ideal = self.dims.pp * self.dims.tp * self.dims.dp_shard * self.dims.cp
         lines += [
             f"parameters: {self.total_parameters:,} in all, {self.parameters_per_rank:,} per rank"
-            f" ({share:.2%}; ideal 1/{self.dims.tp * self.dims.dp_shard * self.dims.cp})",
+            f" ({share:.2%}; ideal 1/{ideal}){' on the largest stage' if self.stages else ''}",
             f"memory per rank: {_gib(self.parameter_bytes_per_rank)} parameters,"
             f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state (activations not included)",
         ]
         return "\n".join(lines)
+
+    def _pipeline_lines(self) -> list[str]:
+        assert self.pipeline is not None
+        microbatches = self.pipeline.microbatches_for(self.dims.pp)
+        bubble = bubble_fraction(self.dims.pp, microbatches)
+        lines = [
+            f"pipeline: pp={self.dims.pp} stages, schedule {self.pipeline.schedule}, {microbatches} micro-batches per"
+            f" step; idle (bubble) fraction (p-1)/(m+p-1) = {bubble:.1%}"
+        ]
+        for index, stage in enumerate(self.stages):
+            parts = ["embedding"] * (index == 0) + [_layer_span(stage.layers)] + ["norm, head"] * stage.last
+            lines.append(
+                f"  stage {index} (ranks {stage.ranks}): {', '.join(parts)}; {stage.parameters_per_rank:,} parameters"
+                f" per rank, {_gib(_TRAINING_COPIES * stage.parameter_bytes_per_rank)} with gradients and AdamW state"
+            )
+        return lines
+
+
+@dataclass
+class StageReport:
+    layers: range
+    last: bool
+    ranks: str
+    parameters_per_rank: int
+    parameter_bytes_per_rank: int
+
+
+def _layer_span(layers: range) -> str:
+    return f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
 
 
 def plan_report(
@@ -80,12 +117,14 @@ def plan_report(
     sp: bool = False,
     tp_plan: PlanSpec | None = None,
     allow_unsharded_linears: bool = False,
+    pipeline: PipelineOptions | None = None,
     rank: int = 0,
 ) -> PlanReport:
     """Parallelize ``model`` (on the meta device) as ``rank`` of a fake world of ``dims`` and describe the result.
 
     ``dims`` must be resolved (a world size is needed). Must be called outside any real process group. A plan that
-    training would refuse is refused here too, with the same message.
+    training would refuse is refused here too, with the same message. Under pp, each stage is parallelized (as its
+    first rank) on a copy of the model, for its layers and per-rank memory; the largest is the report's per rank.
     """
     if not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
@@ -105,11 +144,31 @@ def plan_report(
             report.unmatched_patterns = choice.unmatched
             report.unsharded_weights = choice.unsharded_weights
             report.replicated = dict(Counter(re.sub(r"\.\d+\.", ".*.", name) for name in planned.replicated))
-        parallelize(model, mesh, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    report.parameters_per_rank = sum(t.numel() for t in local)
-    report.parameter_bytes_per_rank = sum(t.numel() * t.element_size() for t in local)
+    options = dict(sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
+    if dims.pp == 1:
+        report.parameters_per_rank, report.parameter_bytes_per_rank = _held(model, dims, rank=rank, **options)
+        return report
+    report.pipeline = pipeline or PipelineOptions()
+    layers = stage_layers(len(named_decoder_layers(model)), dims.pp, report.pipeline.layers_per_stage)
+    ranks_per_stage = dims.world_size // dims.pp
+    for stage, held_layers in enumerate(layers):
+        first_rank = stage * ranks_per_stage  # pp is the outermost axis
+        stage_copy = copy.deepcopy(model)
+        held = _held(stage_copy, dims, rank=first_rank, pipeline=report.pipeline, **options)
+        ranks = f"{first_rank}-{first_rank + ranks_per_stage - 1}" if ranks_per_stage > 1 else str(first_rank)
+        report.stages.append(StageReport(held_layers, stage == dims.pp - 1, ranks, *held))
+    largest = max(report.stages, key=lambda stage: stage.parameter_bytes_per_rank)
+    report.parameters_per_rank = largest.parameters_per_rank
+    report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank
     return report
+
+
+def _held(model: nn.Module, dims: ParallelDims, *, rank: int, **options: object) -> tuple[int, int]:
+    """The parameters and parameter bytes ``rank`` holds once ``model`` is parallelized over ``dims``."""
+    with fake_world(dims.world_size, rank=rank):
+        parallelize(model, dims.build_mesh("cpu"), **options)
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local)
 
 
 def _gib(size: int) -> str:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lightning_checks import GLOBAL_BATCH, CausalLM, data, reference_run, trainer
 from lm_checks import HPARAMS, RecordingLM, Rows, padded_rows, reference_metrics, reference_training
 from loading_checks import remove, saved_checkpoint
+from lora_checks import peft_model
 from models import batch, tiny_model
 from parity import (
     FP32_TOLERANCE,
@@ -85,10 +86,14 @@ def check_pipeline_trainer_parity(
     microbatches: int | None = None,
     dp_replicate: int = 1,
     activation_checkpointing: bool = False,
+    tp: int = 1,
+    sp: bool = False,
 ) -> dict:
     """3 AdamW steps through Trainer.fit at pp stages (dp_shard takes the rest) match one process; validate's loss
     too. The weights every rank starts from differ: rank 0's must win."""
     strategy = AutoModelParallelStrategy(
+        tp,
+        sp=sp,
         pp=pp,
         pp_schedule=schedule,
         pp_microbatches=microbatches,
@@ -96,7 +101,7 @@ def check_pipeline_trainer_parity(
         activation_checkpointing=activation_checkpointing,
     )
     module = HFLossCausalLM(tiny_model(family, seed=dist.get_rank(), num_hidden_layers=LAYERS))
-    dp = dist.get_world_size() // pp
+    dp = dist.get_world_size() // pp // tp
     fit = trainer(strategy, limit_val_batches=1)
     fit.fit(module, data(dp), data(dp))
     pipeline = pipeline_of(module.model)
@@ -204,25 +209,26 @@ def check_pipeline_loaded_weights(pp: int, family: str) -> dict:
     return result
 
 
-def check_pipeline_checkpoint_resume(directory: str, pp: int) -> dict:
-    """A Lightning checkpoint saved at pp (Gemma 3, tied) resumed at pp and at pp=1 (dp_shard takes the world), and
-    one saved at pp=1 resumed at pp: the remaining losses are the uninterrupted run's."""
+def check_pipeline_checkpoint_resume(directory: str, resumes: list[tuple[dict, dict]]) -> dict:
+    """Lightning checkpoints (Gemma 3, tied) saved after 2 steps at one layout and resumed at another, for each
+    (saved at, resumed at) pair of strategy sizes: the remaining losses are those of the uninterrupted run."""
 
-    def fit(pp: int, steps: int, ckpt_path: Path | None = None) -> tuple[HFLossCausalLM, L.Trainer]:
+    def fit(sizes: dict, steps: int, ckpt_path: Path | None = None) -> tuple[HFLossCausalLM, L.Trainer]:
         module = HFLossCausalLM(tiny_model("gemma3", seed=5 + dist.get_rank(), num_hidden_layers=LAYERS))
-        run = trainer(AutoModelParallelStrategy(pp=pp), max_steps=steps)
-        run.fit(module, data(dist.get_world_size() // pp), ckpt_path=ckpt_path)
+        run = trainer(AutoModelParallelStrategy(**sizes), max_steps=steps)
+        dp = dist.get_world_size() // sizes.get("pp", 1) // sizes.get("tp", 1)
+        run.fit(module, data(dp), ckpt_path=ckpt_path)
         return module, run
 
-    whole, _ = fit(1, 4)
+    whole, _ = fit({}, 4)
     result = {}
-    for saved_at, resumed_at in ((pp, pp), (pp, 1), (1, pp)):
-        checkpoint = Path(directory) / f"pp{saved_at}.ckpt"
+    for saved_at, resumed_at in resumes:
+        checkpoint = Path(directory) / "-".join(f"{name}{size}" for name, size in saved_at.items())
         if not checkpoint.exists():
             fit(saved_at, 2)[1].save_checkpoint(checkpoint)
         resumed, _ = fit(resumed_at, 4, ckpt_path=checkpoint)
         errors = [abs(a - b) / b for a, b in zip(resumed.losses, whole.losses[2:], strict=True)]
-        result[f"pp={saved_at} resumed at pp={resumed_at}"] = max(errors)
+        result[f"{saved_at or 'pp=1'} resumed at {resumed_at or 'pp=1'}"] = max(errors)
     assert max(result.values()) < FP32_TOLERANCE, result
     return result
 
@@ -261,3 +267,13 @@ def check_causal_lm_module_pipelined(pp: int) -> dict:
     assert max(result["val_loss"], result["val_perplexity"]) < TRAINED_LOSS_TOLERANCE, result
     remove(directory)
     return result
+
+
+def check_pipeline_lora(pp: int, tp: int, sp: bool) -> dict:
+    """A PEFT model (LoRA on every projection; the base frozen) under pp x tp through the Trainer: the adapters'
+    gradients at each step and their weights after 3 AdamW steps match one process."""
+    module = HFLossCausalLM(peft_model(seed=dist.get_rank()))
+    trainer(AutoModelParallelStrategy(tp, sp=sp, pp=pp)).fit(module, data(dist.get_world_size() // pp // tp))
+    assert pipeline_of(module.model) is not None
+    reference = peft_model()
+    return compare_stage_training(module, reference, reference_run(reference, loss=hf_loss))

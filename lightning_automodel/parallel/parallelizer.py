@@ -5,6 +5,7 @@ Nothing here knows about Lightning: the same call serves the strategy, Fabric an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from lightning_automodel.parallel.fsdp import ExpertSharding, apply_fsdp
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_model, pipeline_problem, stage_split_problem
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
+from lightning_automodel.parallel.sequence_parallel import stage_stream_boundaries, stream_placements
 from lightning_automodel.parallel.tensor_parallel import (
     TensorParallelPlan,
     apply_tensor_parallel,
@@ -138,11 +140,17 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if not meta:
             model.to(device_mesh.device_type)
             broadcast_from_rank0(model)
+        planned = checked.planned
         if pp > 1:
-            pipeline_model(model, device_mesh, pipeline)
+            embedding = _name_of(model, model.get_input_embeddings())
+            stage = pipeline_model(model, device_mesh, pipeline)
+            if planned is not None:
+                blocks = [name for name, _ in named_decoder_layers(model)]
+                planned = dataclasses.replace(planned, styles=stage_stream_boundaries(planned.styles, blocks))
+                stage.receive_stream_as(tp_mesh(device_mesh), stream_placements(planned.styles, embedding))
         layers = [layer for name, layer in named_decoder_layers(model) if name not in checked.held_by_root]
-        if checked.planned is not None:
-            apply_tensor_parallel(model, tp_mesh(device_mesh), checked.planned)
+        if planned is not None:
+            apply_tensor_parallel(model, tp_mesh(device_mesh), planned)
         experts = None
         if ep > 1:
             apply_expert_parallel(model, expert_mesh(device_mesh))
@@ -227,7 +235,7 @@ def check_pipeline(model: nn.Module, *, pp: int, tp: int, ep: int) -> None:
     :mod:`lightning_automodel.parallel.pipeline`), and the other axes are ones pipelining composes with yet."""
     if pp == 1:
         return
-    if tp > 1 or ep > 1:
+    if ep > 1:
         raise ValueError(
             f"pp={pp} with {'tp' if tp > 1 else 'ep'}={tp if tp > 1 else ep}: pipeline parallel composes with"
             " dp_shard, dp_replicate and activation checkpointing so far; set tp=1 and ep=1."
@@ -306,6 +314,10 @@ def is_meta(model: nn.Module) -> bool:
     )
     model.to("meta")
     return True
+
+
+def _name_of(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, candidate in model.named_modules() if candidate is module)
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:

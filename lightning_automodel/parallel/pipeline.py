@@ -40,14 +40,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_automodel.mesh import axis_size, reduction_mesh
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hits, next_token_targets
 
-FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "final_norm", "ln_f", "norm_f", "ln_final")
 MODEL_INPUTS = ("attention_mask", "position_ids")  # split into micro-batches and given to every stage
 
 
@@ -125,8 +125,12 @@ def pipeline_problem(model: nn.Module, *, pp: int) -> str | None:
         return (
             f"{type(model).__name__} has {len(lists)} lists of blocks ({sorted(lists)}); pipeline parallel splits one"
         )
-    if _final_norm_name(model.base_model) is None:
-        return f"{type(model).__name__}'s base model has no final norm named one of {FINAL_NORM_NAMES}"
+    owner, _ = _blocks_owner(model)
+    if _final_norm_name(owner) is None:
+        return (
+            f"{type(model).__name__} has no final norm beside its blocks (one named one of {FINAL_NORM_NAMES}, or the"
+            " one child whose class is a norm)"
+        )
     if getattr(model.config, "output_router_logits", False):
         return (
             f"{type(model).__name__} adds its experts' load-balancing loss (output_router_logits=True), over the layers"
@@ -153,10 +157,13 @@ def stage_split_problem(model: nn.Module) -> str | None:
     with torch.no_grad():
         expected = whole(input_ids=tokens, use_cache=False).logits
         layers = stage_layers(len(named_decoder_layers(whole)), 2)
-        split_into_stage(first, layers=layers[0], first=True, last=False)
-        split_into_stage(last, layers=layers[1], first=False, last=True)
-        hidden = first.base_model(input_ids=tokens, use_cache=False).last_hidden_state
-        actual = last(inputs_embeds=hidden, use_cache=False).logits
+        try:
+            split_into_stage(first, layers=layers[0], first=True, last=False)
+            split_into_stage(last, layers=layers[1], first=False, last=True)
+            hidden = first.base_model(input_ids=tokens, use_cache=False).last_hidden_state
+            actual = last(inputs_embeds=hidden, use_cache=False).logits
+        except Exception as error:  # noqa: BLE001 - the model's own code, whatever it raises, refuses the split
+            return f"{type(model).__name__} fails split into stages ({type(error).__name__}: {error})"
     error = ((actual - expected).abs().max() / expected.abs().max()).item()
     if not error < 1e-5:
         return (
@@ -169,20 +176,16 @@ def stage_split_problem(model: nn.Module) -> str | None:
 def split_into_stage(model: nn.Module, *, layers: range, first: bool, last: bool) -> None:
     """Keep this stage of ``model`` in place: its decoder ``layers`` under their names, the embedding on the first
     stage (and on the last when the head is tied to it), the final norm and the head on the last."""
-    base = model.base_model
-    names = [name for name, _ in named_decoder_layers(model)]
-    parent_name, _ = names[0].rsplit(".", 1)
-    parent = model.get_submodule(parent_name.rsplit(".", 1)[0]) if "." in parent_name else model
-    blocks = model.get_submodule(parent_name)
+    owner, attribute = _blocks_owner(model)
+    blocks = getattr(owner, attribute)
     kept = nn.ModuleList()
     for index in layers:  # a ModuleList iterates its values: the model's own loop runs these layers only
         kept.add_module(str(index), blocks[index])
-    setattr(parent, parent_name.rsplit(".", 1)[-1], kept)
-    tied = is_tied(model)
-    if not first and not (last and tied):
-        base.set_input_embeddings(None)
+    setattr(owner, attribute, kept)
+    if not first and not (last and is_tied(model)):
+        model.base_model.set_input_embeddings(None)
     if not last:
-        setattr(base, _final_norm_name(base), nn.Identity())
+        setattr(owner, _final_norm_name(owner), nn.Identity())
         model.set_output_embeddings(None)
 
 
@@ -191,8 +194,19 @@ def is_tied(model: nn.Module) -> bool:
     return head is not None and embedding is not None and head.weight is embedding.weight
 
 
-def _final_norm_name(base: nn.Module) -> str | None:
-    return next((name for name in FINAL_NORM_NAMES if isinstance(getattr(base, name, None), nn.Module)), None)
+def _blocks_owner(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module holding the model's list of decoder blocks, and the list's attribute name."""
+    list_path = named_decoder_layers(model)[0][0].rsplit(".", 1)[0]
+    owner, _, attribute = list_path.rpartition(".")
+    return (model.get_submodule(owner) if owner else model), attribute
+
+
+def _final_norm_name(owner: nn.Module) -> str | None:
+    """The final norm beside the blocks: by its usual names, else the one child whose class is a norm. A wrong guess
+    cannot pass :func:`stage_split_problem`."""
+    named = next((name for name in FINAL_NORM_NAMES if isinstance(getattr(owner, name, None), nn.Module)), None)
+    norms = [name for name, child in owner.named_children() if "norm" in type(child).__name__.lower()]
+    return named or (norms[0] if len(norms) == 1 else None)
 
 
 @dataclasses.dataclass
@@ -223,6 +237,7 @@ class Pipeline:
         self._schedule: PipelineScheduleSingle | None = None
         self._tied_shape: tuple[int, ...] | None = None
         self._totals: list[Tensor] = []
+        self._stream_layout: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         self._computed: dict[str, Tensor] = {}
         self._parameters: dict[str, nn.Parameter] | None = None
 
@@ -239,11 +254,19 @@ class Pipeline:
             )
         return self._schedule
 
+    def receive_stream_as(self, mesh: DeviceMesh, placements: tuple[Placement, ...] | None) -> None:
+        """Stages send their part of the hidden states (a DTensor's local shard); a stage that did not embed them
+        itself receives them as a DTensor of ``placements`` on ``mesh`` (the tp mesh: how the embedding leaves them
+        under sequence parallel), so that the model's code sees the whole sequence; None: as a whole tensor."""
+        self._stream_layout = (mesh, placements) if placements is not None else None
+
     def stage_forward(self, stream: Tensor, **inputs: Any) -> Tensor:
         """This stage's part of the model: token ids (first stage) or hidden states in, hidden states or logits out."""
+        if not self.first and self._stream_layout is not None:
+            stream = DTensor.from_local(stream, *self._stream_layout, run_check=False)
         given = {"input_ids": stream} if self.first else {"inputs_embeds": stream}
         if self.last:
-            return _local(_original_forward(self.model)(**given, **inputs, use_cache=False).logits)
+            return _original_forward(self.model)(**given, **inputs, use_cache=False).logits
         return _local(self.model.base_model(**given, **inputs, use_cache=False).last_hidden_state)
 
     def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> PipelinedCausalLMOutput:

@@ -25,10 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_automodel.parallel.blocks import named_decoder_layers
+from lightning_automodel.parallel.lora import LoraParallel
 from lightning_automodel.parallel.patterns import keyed_by_position, matches_inside, pattern_matches
 from lightning_automodel.parallel.probe import TensorArg, Trace
 from lightning_automodel.parallel.styles import (
@@ -130,6 +131,33 @@ def _stream_boundaries(blocks: list[str], trace: Trace) -> TPPlan:
         boundaries[last] = SequenceShardedStream(ends=True)
         boundaries[first] = SequenceShardedStream(begins_at=_stream(first, trace)[0], ends=first == last)
     return boundaries
+
+
+def stage_stream_boundaries(styles: Mapping[str, ParallelStyle], blocks: list[str]) -> TPPlan:
+    """``styles`` for a pipeline stage holding ``blocks`` (consecutive blocks of the model's one list): the stream
+    split where the stage's first block begins and gathered where its last ends, as it was where the whole model's
+    blocks began and ended, so that stages hand each other whole tensors."""
+    boundaries = {name: style for name, style in styles.items() if isinstance(style, SequenceShardedStream)}
+    if not boundaries:
+        return dict(styles)
+    begins_at = next(style.begins_at for style in boundaries.values() if style.begins_at is not None)
+    staged = {name: style for name, style in styles.items() if name not in boundaries}
+    first, last = blocks[0], blocks[-1]
+    staged[last] = SequenceShardedStream(ends=True)
+    staged[first] = SequenceShardedStream(begins_at=begins_at, ends=first == last)
+    return staged
+
+
+def stream_placements(styles: Mapping[str, ParallelStyle], embedding: str) -> tuple[Placement, ...] | None:
+    """How the stream leaves the input embedding, when a plan keeps it a DTensor from there (the family plans' sequence
+    parallel: ``Shard(1)``); None when it leaves as a whole tensor. A pipeline stage that receives the stream instead
+    of embedding it receives it so."""
+    style = next((style for pattern, style in styles.items() if pattern_matches(pattern, embedding)), None)
+    style = style.style if isinstance(style, LoraParallel) else style  # a PEFT model's: the style it wraps
+    layouts = getattr(style, "output_layouts", None)
+    if layouts is None or getattr(style, "use_local_output", True) or not layouts[0].is_shard():
+        return None
+    return tuple(layouts)
 
 
 def _stream(block: str, trace: Trace) -> tuple[int | str, TensorArg]:

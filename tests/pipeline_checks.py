@@ -165,7 +165,7 @@ def check_pipeline_refusals(pp: int) -> list[str]:
             raise AssertionError(f"{options} was not refused")
     fits = [
         (AutoModelParallelStrategy(pp=pp), tiny_model(num_hidden_layers=pp - 1), "fewer than the pp"),
-        (AutoModelParallelStrategy(pp=pp, tp=2), tiny_model(num_hidden_layers=LAYERS), "set tp=1"),
+        (AutoModelParallelStrategy(pp=pp, ep=2), tiny_model("qwen3_moe", num_hidden_layers=LAYERS), "set ep=1"),
         (AutoModelParallelStrategy(pp=pp, pp_microbatches=3), tiny_model(num_hidden_layers=LAYERS), "divide"),
     ]
     for strategy, model, expected in fits:
@@ -223,7 +223,7 @@ def check_pipeline_checkpoint_resume(directory: str, resumes: list[tuple[dict, d
     whole, _ = fit({}, 4)
     result = {}
     for saved_at, resumed_at in resumes:
-        checkpoint = Path(directory) / "-".join(f"{name}{size}" for name, size in saved_at.items())
+        checkpoint = Path(directory) / "-".join(["saved", *(f"{name}{size}" for name, size in saved_at.items())])
         if not checkpoint.exists():
             fit(saved_at, 2)[1].save_checkpoint(checkpoint)
         resumed, _ = fit(resumed_at, 4, ckpt_path=checkpoint)

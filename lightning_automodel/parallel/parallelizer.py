@@ -205,7 +205,7 @@ def check_before_collectives(
     problem = expert_parallel_problem(model, ep=ep) if ep > 1 else None
     if problem is not None:
         raise ValueError(f"ep={ep} (expert parallel): {problem}. Use ep=1 for this model.")
-    check_pipeline(model, pp=axis_size(device_mesh, "pp"), tp=tp, ep=ep)
+    check_pipeline(model, pp=axis_size(device_mesh, "pp"), ep=ep)
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
     recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
     if recomputed and (reshard_after_forward or activation_checkpointing):
@@ -230,16 +230,13 @@ def check_before_collectives(
     return Checked(planned, held_by_root=recomputed)
 
 
-def check_pipeline(model: nn.Module, *, pp: int, tp: int, ep: int) -> None:
+def check_pipeline(model: nn.Module, *, pp: int, ep: int) -> None:
     """At pp > 1: the model splits into stages that compute what it computes whole (see
-    :mod:`lightning_automodel.parallel.pipeline`), and the other axes are ones pipelining composes with yet."""
+    :mod:`lightning_automodel.parallel.pipeline`), and expert parallel is off (not composed with pipelining yet)."""
     if pp == 1:
         return
     if ep > 1:
-        raise ValueError(
-            f"pp={pp} with {'tp' if tp > 1 else 'ep'}={tp if tp > 1 else ep}: pipeline parallel composes with"
-            " dp_shard, dp_replicate and activation checkpointing so far; set tp=1 and ep=1."
-        )
+        raise ValueError(f"pp={pp} with ep={ep}: pipeline parallel does not compose with expert parallel yet; set ep=1.")
     problem = pipeline_problem(model, pp=pp) or stage_split_problem(model)
     if problem is not None:
         raise ValueError(f"pp={pp} (pipeline parallel): {problem}. Use pp=1 for this model.")

@@ -236,7 +236,9 @@ def check_pipeline(model: nn.Module, *, pp: int, ep: int) -> None:
     if pp == 1:
         return
     if ep > 1:
-        raise ValueError(f"pp={pp} with ep={ep}: pipeline parallel does not compose with expert parallel yet; set ep=1.")
+        raise ValueError(
+            f"pp={pp} with ep={ep}: pipeline parallel does not compose with expert parallel yet; set ep=1."
+        )
     problem = pipeline_problem(model, pp=pp) or stage_split_problem(model)
     if problem is not None:
         raise ValueError(f"pp={pp} (pipeline parallel): {problem}. Use pp=1 for this model.")

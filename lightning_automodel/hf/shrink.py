@@ -264,17 +264,10 @@ def _fewer_layers(values: dict[str, Any], *, heads: int) -> dict[str, Any]:
     of layer indices (``full_attn_idxs``, ``hybrid_layer_ids``, ...) hold it, and its entry in dicts keyed by layer
     index (``per_layer_config``). Those lists and dicts are cut to the kept layers and renumbered.
     """
-    count_name = next((name for name in LAYER_COUNTS if isinstance(values.get(name), int)), None)
-    if count_name is None:
+    fields = _layer_fields(values)
+    if fields is None:
         return {}
-    count = values[count_name]
-    index_lists = {name: value for name, value in values.items() if _is_layer_index_list(name, value, count)}
-    per_layer = {
-        name: value
-        for name, value in values.items()
-        if isinstance(value, list) and len(value) == count and name not in index_lists
-    }
-    by_layer = {name: value for name, value in values.items() if _is_keyed_by_layer(value, count)}
+    count, index_lists, per_layer, by_layer = fields
 
     def kind(layer: int) -> tuple:
         return (
@@ -288,6 +281,17 @@ def _fewer_layers(values: dict[str, Any], *, heads: int) -> dict[str, Any]:
         if kind(layer) not in {kind(k) for k in kept}:
             kept.append(layer)
     kept = sorted(kept + [layer for layer in range(count) if layer not in kept][: max(MIN_LAYERS - len(kept), 0)])
+    return layers_kept(values, kept, heads=heads)
+
+
+def layers_kept(values: dict[str, Any], kept: list[int], *, heads: int | None = None) -> dict[str, Any]:
+    """The fields of a config dict that describe its layers, for the layers ``kept`` (in order) alone: the layer
+    counts, per-layer lists, lists of layer indices (renumbered) and dicts keyed by layer index (renumbered; their
+    entries shrunk to ``heads`` heads unless None)."""
+    fields = _layer_fields(values)
+    if fields is None:
+        return {}
+    _, index_lists, per_layer, by_layer = fields
     changed: dict[str, Any] = {name: len(kept) for name in LAYER_COUNTS if isinstance(values.get(name), int)}
     changed.update({name: [value[layer] for layer in kept] for name, value in per_layer.items()})
     changed.update(
@@ -306,6 +310,23 @@ def _fewer_layers(values: dict[str, Any], *, heads: int) -> dict[str, Any]:
     return changed
 
 
+def _layer_fields(values: dict[str, Any]) -> tuple[int, dict, dict, dict] | None:
+    """The layer count of a config dict and its fields by layer: lists of layer indices, per-layer lists, dicts keyed
+    by layer index; None without a layer count."""
+    count_name = next((name for name in LAYER_COUNTS if isinstance(values.get(name), int)), None)
+    if count_name is None:
+        return None
+    count = values[count_name]
+    index_lists = {name: value for name, value in values.items() if _is_layer_index_list(name, value, count)}
+    per_layer = {
+        name: value
+        for name, value in values.items()
+        if isinstance(value, list) and len(value) == count and name not in index_lists
+    }
+    by_layer = {name: value for name, value in values.items() if _is_keyed_by_layer(value, count)}
+    return count, index_lists, per_layer, by_layer
+
+
 def _is_layer_index_list(name: str, value: Any, count: int) -> bool:
     return (
         name.endswith(("_idxs", "_ids", "_indices", "_layers"))
@@ -319,7 +340,7 @@ def _is_keyed_by_layer(value: Any, count: int) -> bool:
     return isinstance(value, dict) and bool(value) and all(str(k).isdigit() and int(k) < count for k in value)
 
 
-def _entry(by_layer: dict, layer: int, *, heads: int) -> Any:
+def _entry(by_layer: dict, layer: int, *, heads: int | None) -> Any:
     """The entry of ``layer`` in a dict keyed by layer index (as int, or as a string, possibly zero-padded)."""
     entry = next((v for k, v in by_layer.items() if int(k) == layer), None)
-    return shrink(entry, heads=heads) if isinstance(entry, dict) else entry
+    return shrink(entry, heads=heads) if isinstance(entry, dict) and heads is not None else entry

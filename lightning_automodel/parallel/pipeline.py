@@ -144,7 +144,25 @@ def pipeline_problem(model: nn.Module, *, pp: int) -> str | None:
 
 def stage_split_problem(model: nn.Module) -> str | None:
     """Whether the model's class computes the same logits split in two stages as whole, on a shrunk replica of it
-    (its config made tiny, two decoder layers, random weights), in this process; None if it does."""
+    (its config made tiny, at least two decoder layers, random weights), in this process; None if it does. A class
+    whose replica cannot be built or split is refused with what it raised."""
+    try:
+        error = _split_error(model)
+    except Exception as failure:  # noqa: BLE001 - the model's own code, whatever it raises, refuses the split
+        return (
+            f"{type(model).__name__} fails split into stages on a shrunk replica ({type(failure).__name__}: {failure})"
+        )
+    if not error < 1e-5:
+        return (
+            f"{type(model).__name__} computes other logits split into stages than whole (relative error {error:.2g}"
+            " on a shrunk replica): its forward transforms inputs_embeds or reads per-layer settings it does not hold"
+        )
+    return None
+
+
+def _split_error(model: nn.Module) -> float:
+    """The largest difference of the logits of a shrunk replica of ``model`` split in two stages and whole, relative
+    to the largest logit."""
     from lightning_automodel.hf.shrink import shrunk_config
 
     config = shrunk_config(model.config)
@@ -157,20 +175,11 @@ def stage_split_problem(model: nn.Module) -> str | None:
     with torch.no_grad():
         expected = whole(input_ids=tokens, use_cache=False).logits
         layers = stage_layers(len(named_decoder_layers(whole)), 2)
-        try:
-            split_into_stage(first, layers=layers[0], first=True, last=False)
-            split_into_stage(last, layers=layers[1], first=False, last=True)
-            hidden = first.base_model(input_ids=tokens, use_cache=False).last_hidden_state
-            actual = last(inputs_embeds=hidden, use_cache=False).logits
-        except Exception as error:  # noqa: BLE001 - the model's own code, whatever it raises, refuses the split
-            return f"{type(model).__name__} fails split into stages ({type(error).__name__}: {error})"
-    error = ((actual - expected).abs().max() / expected.abs().max()).item()
-    if not error < 1e-5:
-        return (
-            f"{type(model).__name__} computes other logits split into stages than whole (relative error {error:.2g}"
-            " on a shrunk replica): its forward transforms inputs_embeds or reads per-layer settings by position"
-        )
-    return None
+        split_into_stage(first, layers=layers[0], first=True, last=False)
+        split_into_stage(last, layers=layers[1], first=False, last=True)
+        hidden = first.base_model(input_ids=tokens, use_cache=False).last_hidden_state
+        actual = last(inputs_embeds=hidden, use_cache=False).logits
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def split_into_stage(model: nn.Module, *, layers: range, first: bool, last: bool) -> None:
@@ -182,11 +191,24 @@ def split_into_stage(model: nn.Module, *, layers: range, first: bool, last: bool
     for index in layers:  # a ModuleList iterates its values: the model's own loop runs these layers only
         kept.add_module(str(index), blocks[index])
     setattr(owner, attribute, kept)
+    owner.config = _config_of_layers(owner.config, list(layers))
     if not first and not (last and is_tied(model)):
         model.base_model.set_input_embeddings(None)
     if not last:
         setattr(owner, _final_norm_name(owner), nn.Identity())
         model.set_output_embeddings(None)
+
+
+def _config_of_layers(config: Any, layers: list[int]) -> Any:
+    """A copy of ``config`` describing ``layers`` alone (per-layer settings cut and renumbered), for the module whose
+    loop runs them: models read ``config.layer_types[i]`` by loop position (Gemma 3). The model's own config, which
+    the export writes, stays whole."""
+    from lightning_automodel.hf.shrink import layers_kept
+
+    stage_config = copy.deepcopy(config)
+    for name, value in layers_kept(config.to_dict(), layers).items():
+        setattr(stage_config, name, value)
+    return stage_config
 
 
 def is_tied(model: nn.Module) -> bool:

@@ -1,0 +1,119 @@
+"""Pipeline parallel: each stage's idle share of a training step against the analytic bubble (p-1)/(m+p-1), per
+schedule and micro-batch count, measured side by side in one run; and parameter + AdamW memory per rank against
+1/(pp x tp x dp_shard) of the whole, from the plan report of a 70B-shaped model on 64 ranks.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/pipeline.py      # about 2 minutes on 2 CPU cores
+
+Idle share: a Llama of 8 layers (hidden 256) split in pp=2 stages on 2 gloo processes, one process per core, 16 rows
+of 64 tokens per step. A stage is busy while it computes a micro-batch's forward or backward (torch's
+``forward_one_chunk`` and ``backward_one_chunk``, timed); the rest of the step it waits. The mean over the measured
+steps (after two warm-up steps) is compared with (p-1)/(m+p-1), which assumes equal stages and free communication:
+the embedding and the head make stages unequal, and the stage with more work idles less.
+"""
+
+import os
+import sys
+import time
+from functools import partial
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import torch  # noqa: E402
+from harness import run_checks  # noqa: E402
+
+CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+ROWS, TOKENS, STEPS, WARMUP = 16, 64, 6, 2
+LAYOUTS = [("GPipe", 2), ("GPipe", 8), ("1F1B", 2), ("1F1B", 8)]
+
+
+def idle_share(schedule: str, microbatches: int) -> dict:
+    """This stage's idle share of a step, mean over the measured steps."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import stage as stages
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lightning_automodel import ParallelDims, parallelize
+    from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, pipeline_of
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+    mesh = ParallelDims(pp=2).resolve(dist.get_world_size()).build_mesh("cpu")
+    parallelize(model, mesh, pipeline=PipelineOptions(schedule, microbatches))
+    busy = [0.0]
+    originals = {}
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        original = originals[name] = getattr(stages._PipelineStageBase, name)
+
+        def timed(self, *args, _original=original, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                busy[0] += time.perf_counter() - start
+
+        setattr(stages._PipelineStageBase, name, timed)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS))
+    shares = []
+    try:
+        for step in range(STEPS):
+            dist.barrier()
+            busy[0], start = 0.0, time.perf_counter()
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            elapsed = time.perf_counter() - start
+            if step >= WARMUP:
+                shares.append(1 - busy[0] / elapsed)
+    finally:
+        for name, original in originals.items():
+            setattr(stages._PipelineStageBase, name, original)
+    stage = pipeline_of(model).stage_index
+    return {"stage": stage, "idle": sum(shares) / len(shares), "analytic": bubble_fraction(2, microbatches)}
+
+
+def memory_ratios() -> list[tuple[str, float]]:
+    """Largest stage's parameters + AdamW state per rank over 1/(pp x tp x dp_shard) of the whole model's."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lightning_automodel import ParallelDims, plan_report
+    from lightning_automodel.parallel.pipeline import PipelineOptions
+
+    config = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    ratios = []
+    for pp, tp, dp_shard in ((4, 8, 2), (8, 8, 1), (2, 8, 4)):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        dims = ParallelDims(pp=pp, tp=tp, dp_shard=dp_shard).resolve(64)
+        report = plan_report(model, dims, sp=True, pipeline=PipelineOptions("1F1B", 4 * pp))
+        ideal = report.total_parameters / (pp * tp * dp_shard)
+        ratios.append((f"pp={pp} x tp={tp} x dp_shard={dp_shard}", report.parameters_per_rank / ideal))
+    return ratios
+
+
+def main() -> None:
+    print("idle share of a step per stage (pp=2, 8 layers), measured against (p-1)/(m+p-1):")
+    results = run_checks(2, [partial(idle_share, schedule, m) for schedule, m in LAYOUTS], timeout=600)
+    for (schedule, microbatches), per_rank in zip(LAYOUTS, results.values(), strict=True):
+        analytic = per_rank[0]["analytic"]
+        stages = ", ".join(f"stage {r['stage']} {r['idle']:.2f} ({r['idle'] / analytic:.2f}x)" for r in per_rank)
+        print(f"  {schedule:5} m={microbatches}: analytic {analytic:.2f}; {stages}")
+    print("largest stage's parameters + AdamW state per rank, over 1/(pp x tp x dp_shard) of a 70B-shaped Llama:")
+    for layout, ratio in memory_ratios():
+        print(f"  {layout}: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

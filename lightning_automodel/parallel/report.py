@@ -22,6 +22,7 @@ from lightning_automodel.parallel.patterns import pattern_matches
 from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.simulation import fake_world
+from lightning_automodel.parallel.tensor_parallel import TensorParallelPlan
 
 # Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and
 # exp_avg_sq (all in the parameter's dtype). Activations come on top and depend on the batch.
@@ -130,31 +131,21 @@ def plan_report(
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
     report = PlanReport(type(model).__name__, dims, plan_source="")
     report.total_parameters = sum(p.numel() for p in model.parameters())
-    with fake_world(dims.world_size, rank=rank):
-        mesh = dims.build_mesh("cpu")
-        planned = check_before_collectives(
-            model, mesh, sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears
-        ).planned
-        if planned is not None:
-            choice = planned.choice
-            report.plan_source, report.plan_reason = choice.source, choice.reason
-            names = [name for name, _ in model.named_modules()]
-            for pattern, style in choice.plan.items():
-                report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
-            report.unmatched_patterns = choice.unmatched
-            report.unsharded_weights = choice.unsharded_weights
-            report.replicated = dict(Counter(re.sub(r"\.\d+\.", ".*.", name) for name in planned.replicated))
     options = dict(sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
     if dims.pp == 1:
-        report.parameters_per_rank, report.parameter_bytes_per_rank = _held(model, dims, rank=rank, **options)
+        held = _parallelized(model, dims, rank=rank, report=report, options=options)
+        report.parameters_per_rank, report.parameter_bytes_per_rank = held
         return report
     report.pipeline = pipeline or PipelineOptions()
     layers = stage_layers(len(named_decoder_layers(model)), dims.pp, report.pipeline.layers_per_stage)
     ranks_per_stage = dims.world_size // dims.pp
-    for stage, held_layers in enumerate(layers):
+    copies = [copy.deepcopy(model) for _ in layers]
+    for stage, (held_layers, stage_copy) in enumerate(zip(layers, copies, strict=True)):
         first_rank = stage * ranks_per_stage  # pp is the outermost axis
-        stage_copy = copy.deepcopy(model)
-        held = _held(stage_copy, dims, rank=first_rank, pipeline=report.pipeline, **options)
+        described = report if stage == 0 else None
+        held = _parallelized(
+            stage_copy, dims, rank=first_rank, report=described, options=options, pipeline=report.pipeline
+        )
         ranks = f"{first_rank}-{first_rank + ranks_per_stage - 1}" if ranks_per_stage > 1 else str(first_rank)
         report.stages.append(StageReport(held_layers, stage == dims.pp - 1, ranks, *held))
     largest = max(report.stages, key=lambda stage: stage.parameter_bytes_per_rank)
@@ -163,12 +154,37 @@ def plan_report(
     return report
 
 
-def _held(model: nn.Module, dims: ParallelDims, *, rank: int, **options: object) -> tuple[int, int]:
-    """The parameters and parameter bytes ``rank`` holds once ``model`` is parallelized over ``dims``."""
+def _parallelized(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    rank: int,
+    report: PlanReport | None,
+    options: dict,
+    pipeline: PipelineOptions | None = None,
+) -> tuple[int, int]:
+    """Parallelize ``model`` as ``rank``, describing its plan in ``report`` first (unless None); the parameters and
+    parameter bytes the rank then holds."""
     with fake_world(dims.world_size, rank=rank):
-        parallelize(model, dims.build_mesh("cpu"), **options)
+        mesh = dims.build_mesh("cpu")
+        if report is not None:
+            _describe_plan(report, check_before_collectives(model, mesh, **options).planned, model)
+        parallelize(model, mesh, pipeline=pipeline, **options)
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     return sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local)
+
+
+def _describe_plan(report: PlanReport, planned: TensorParallelPlan | None, model: nn.Module) -> None:
+    if planned is None:
+        return
+    choice = planned.choice
+    report.plan_source, report.plan_reason = choice.source, choice.reason
+    names = [name for name, _ in model.named_modules()]
+    for pattern, style in choice.plan.items():
+        report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
+    report.unmatched_patterns = choice.unmatched
+    report.unsharded_weights = choice.unsharded_weights
+    report.replicated = dict(Counter(re.sub(r"\.\d+\.", ".*.", name) for name in planned.replicated))
 
 
 def _gib(size: int) -> str:

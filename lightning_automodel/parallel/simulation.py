@@ -34,6 +34,7 @@ def fake_world(world_size: int, *, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
 
 
 @contextlib.contextmanager
@@ -42,15 +43,24 @@ def simulated_ranks(world_size: int) -> Iterator[None]:
     rank, collectives (DTensor's included) combine them as a real process group would. Needs a world of that size
     (:func:`fake_world`); meshes built before entering serve, as seen from each rank."""
     from torch.distributed._local_tensor import LocalTensorMode
-    from torch.distributed.tensor import _random
 
     with LocalTensorMode(world_size):
         try:
             yield
         finally:
-            # DTensor's random-state tracker is made for the mesh of the first random op and then kept: it must not
-            # outlive the simulation into a real (or another simulated) world.
-            _random._rng_tracker = None
+            _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor keeps its random-state tracker, made for the mesh of the first random op, and caches sharding
+    decisions with the meshes they were made on (found again by mesh shape): neither may outlive a fake or simulated
+    world into another one, whose meshes of the same shapes have other process groups."""
+    from torch.distributed.tensor import _random
+    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
+
+    _random._rng_tracker = None
+    _clear_python_sharding_prop_cache()
+    _clear_fast_path_sharding_prop_cache()
 
 
 def rank_values(tensor: torch.Tensor) -> list[torch.Tensor]:

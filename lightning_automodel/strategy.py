@@ -105,8 +105,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             embedding on the first, the head on the last), and a schedule of torch.distributed.pipelining runs
             forward and backward of every micro-batch. training_step returns the model's own loss
             (``self.model(input_ids=..., labels=...).loss``): the last stage computes it, and it reaches every rank.
-            Composes with dp_shard, dp_replicate and activation checkpointing; tp and ep are not available with it
-            yet.
+            Composes with tp (and sp), dp_shard, dp_replicate, activation checkpointing and LoRA; not with ep yet.
         pp_schedule: "1F1B" (default) or "GPipe" (torch's schedule names).
         pp_microbatches: micro-batches per step (default: pp); must divide the batch, and be >= pp for "1F1B".
         pp_layers_per_stage: a manual split, the number of decoder layers of each stage; default: an even split in

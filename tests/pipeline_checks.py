@@ -167,6 +167,11 @@ def check_pipeline_refusals(pp: int) -> list[str]:
         (AutoModelParallelStrategy(pp=pp), tiny_model(num_hidden_layers=pp - 1), "fewer than the pp"),
         (AutoModelParallelStrategy(pp=pp, ep=2), tiny_model("qwen3_moe", num_hidden_layers=LAYERS), "set ep=1"),
         (AutoModelParallelStrategy(pp=pp, pp_microbatches=3), tiny_model(num_hidden_layers=LAYERS), "divide"),
+        (
+            AutoModelParallelStrategy(pp=pp, pp_layers_per_stage=[1] * pp),
+            tiny_model(num_hidden_layers=LAYERS),
+            "sums to",
+        ),
     ]
     for strategy, model, expected in fits:
         try:

@@ -131,7 +131,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         pp = axis_size(device_mesh, "pp")
         if pp > 1:
             pipeline = pipeline or PipelineOptions()
-            pipeline.validate(pp)
+            pipeline.validate(pp, num_layers=len(named_decoder_layers(model)))
         ep = axis_size(device_mesh, "ep")
         reduce_dtype = (mp_policy.reduce_dtype or mp_policy.param_dtype) if mp_policy else None
         problem = expert_precision_problem(model, reduce_dtype) if ep > 1 else None

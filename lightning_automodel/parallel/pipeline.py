@@ -9,12 +9,16 @@ loading, checkpoints and the export see the names they always see, each rank hol
 The model's own forward computes each stage: the first from ``input_ids``, the others from the previous stage's
 hidden states given as ``inputs_embeds`` (positions and masks are built as in one process); non-last stages stop at
 the decoder (their final norm is an identity), the last runs the whole head (soft-capping, logit scales). Whether a
-model class composes that way is checked once on a shrunk replica in this process (:func:`stage_split_problem`):
-a model that transforms ``inputs_embeds`` itself, or that indexes per-layer settings by position, is refused there.
+model class composes that way is checked on a shrunk replica in this process (:func:`stage_split_problem`): a model
+that transforms ``inputs_embeds`` itself is refused there. The module that loops over the layers gets a copy of the
+config with the per-layer settings of the layers it holds, since models read them by loop position.
 
 A tied input and output embedding stays tied: the last stage holds a copy of the embedding as its head, and the
 gradients of the two copies are summed over the pp ranks before each optimizer step
 (:meth:`Pipeline.sum_tied_gradients`), so both copies take the same steps as the single tied weight would.
+
+With tensor parallel, stages hand each other their shard of the hidden states, which the next stage receives as the
+DTensor the embedding would have made (:meth:`Pipeline.receive_stream_as`).
 
 Called as usual (``model(input_ids=..., labels=...)``), the model runs one step of the schedule: forward and backward
 of every micro-batch when training, forward only otherwise. The loss is the next-token cross-entropy summed on the
@@ -60,8 +64,9 @@ class PipelineOptions:
     microbatches: int | None = None
     layers_per_stage: Sequence[int] | None = None
 
-    def validate(self, pp: int) -> None:
-        """Refuse a schedule torch lacks or that needs several stages per rank, and too few micro-batches."""
+    def validate(self, pp: int, *, num_layers: int | None = None) -> None:
+        """Refuse a schedule torch lacks or that needs several stages per rank, too few micro-batches, and a manual
+        split not of ``num_layers`` decoder layers (when given)."""
         try:
             schedule_class = get_schedule_class(self.schedule)
         except ValueError as error:
@@ -84,6 +89,8 @@ class PipelineOptions:
             raise ValueError(
                 f"pp_layers_per_stage={list(self.layers_per_stage)}: give pp={pp} positive layer counts, one per stage."
             )
+        if num_layers is not None:
+            stage_layers(num_layers, pp, self.layers_per_stage)
 
     def microbatches_for(self, pp: int) -> int:
         return self.microbatches if self.microbatches is not None else pp

@@ -118,15 +118,10 @@ def test_plan_of_the_70b_pipeline_example(no_pytest_argv):
     """The 64-GPU example planned with 8 of its 80 layers (the whole takes 80 s here; its memory ratios are in
     benchmarks/pipeline.py): 4 stages, the embedding and the head counted as one layer each."""
     report = plan_for_config(str(EXAMPLES / "llama70b_pp_tp_fsdp.yaml"), "--model.config.num_hidden_layers=8")
-    text = str(report)
-    for fragment in [
-        "ParallelDims(pp=4, dp_replicate=1, dp_shard=2, cp=1, tp=8, ep=1)",
-        "pipeline: pp=4 stages, schedule 1F1B, 16 micro-batches per step; idle (bubble) fraction (p-1)/(m+p-1) = 15.8%",
-        "stage 0 (ranks 0-15): embedding, layer 0;",
-        "stage 1 (ranks 16-31): layers 1-3;",
-        "stage 3 (ranks 48-63): layer 7, norm, head;",
-    ]:
-        assert fragment in text, (fragment, text)
+    assert "ParallelDims(pp=4, dp_replicate=1, dp_shard=2, cp=1, tp=8, ep=1)" in str(report)
+    assert "schedule 1F1B, 16 micro-batches per step; idle (bubble) fraction (p-1)/(m+p-1) = 15.8%" in str(report)
+    stages = [(stage.layers, stage.ranks) for stage in report.stages]
+    assert stages == [(range(0, 1), "0-15"), (range(1, 4), "16-31"), (range(4, 7), "32-47"), (range(7, 8), "48-63")]
     held = sum(stage.parameters_per_rank for stage in report.stages) * 16
     assert held == pytest.approx(report.total_parameters, rel=1e-3)
 

@@ -187,7 +187,8 @@ def check_pipeline_refusals(pp: int) -> list[str]:
 def check_pipeline_loaded_weights(pp: int, family: str) -> dict:
     """A model built on the meta device by ``from_pretrained`` and split at pp: each stage holds its layers only (and
     the embedding's copy as the tied head), each weight equal to transformers' own load; one schedule step's loss and
-    this stage's gradients equal transformers' model's."""
+    this stage's gradients equal transformers' model's, and so do the logits of a call without labels in eval mode
+    (on the last stage; None on the others)."""
     directory = saved_checkpoint(family)
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model = from_pretrained(directory, dtype=torch.float32)
@@ -209,7 +210,12 @@ def check_pipeline_loaded_weights(pp: int, family: str) -> dict:
     grads = dict(reference.named_parameters())
     result["loss"] = abs(loss.item() - reference_loss.item()) / reference_loss.item()
     result["grads"] = max(relative_error(p.grad, grads[n].grad) for n, p in model.named_parameters())
-    assert result["weights"] == 0.0 and result["loss"] < FP32_TOLERANCE and result["grads"] < FP32_TOLERANCE, result
+    model.eval()  # without labels, outside training: the forward-only schedule, the logits on the last stage
+    with torch.no_grad():
+        logits, expected_logits = model(input_ids=tokens).logits, reference(input_ids=tokens).logits
+    result["logits"] = relative_error(logits, expected_logits) if pipeline_of(model).last else 0.0
+    assert logits is not None or not pipeline_of(model).last, "the last stage returned no logits"
+    assert result["weights"] == 0.0 and max(result.values()) < FP32_TOLERANCE, result
     remove(directory)
     return result
 

@@ -263,7 +263,8 @@ class Pipeline:
         self.tied = tied
         self.in_schedule = False
         self._loss_scale = torch.tensor(1.0)
-        self._schedule: PipelineScheduleSingle | None = None
+        self._stage: PipelineStage | None = None
+        self._schedules: dict[bool, PipelineScheduleSingle] = {}
         self._tied_shape: tuple[int, ...] | None = None
         self._totals: list[Tensor] = []
         self._stream_layout: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
@@ -274,14 +275,16 @@ class Pipeline:
     def group(self) -> dist.ProcessGroup:
         return self.mesh["pp"].get_group()
 
-    def schedule(self) -> PipelineScheduleSingle:
-        if self._schedule is None:
-            stage = PipelineStage(self.model, self.stage_index, self.pp, self._device(), group=self.group)
+    def schedule(self, *, with_loss: bool) -> PipelineScheduleSingle:
+        """The schedule over this rank's stage (one stage, two schedules): with the loss (training, evaluating with
+        labels) or forward only (logits without labels). Built at first use, once the weights exist."""
+        if with_loss not in self._schedules:
+            if self._stage is None:
+                self._stage = PipelineStage(self.model, self.stage_index, self.pp, self._device(), group=self.group)
             schedule_class = get_schedule_class(self.options.schedule)
-            self._schedule = schedule_class(
-                stage, self.options.microbatches_for(self.pp), loss_fn=self._loss, scale_grads=False
-            )
-        return self._schedule
+            loss = dict(loss_fn=self._loss, scale_grads=False) if with_loss else {}
+            self._schedules[with_loss] = schedule_class(self._stage, self.options.microbatches_for(self.pp), **loss)
+        return self._schedules[with_loss]
 
     def receive_stream_as(self, mesh: DeviceMesh, placements: tuple[Placement, ...] | None) -> None:
         """Stages send their part of the hidden states (a DTensor's local shard); a stage that did not embed them
@@ -319,7 +322,7 @@ class Pipeline:
             )
         if labels is not None:
             self._loss_scale = self._global_token_scale(labels)
-        schedule = self.schedule()
+        schedule = self.schedule(with_loss=labels is not None)
         args = (input_ids,) if self.first else ()
         targets = {"target": labels} if self.last and labels is not None else {}
         self._totals = []

@@ -192,6 +192,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         )
         if cp > 1:
             raise ValueError(f"cp={cp}: context parallelism is not supported yet; set cp=1.")
+        if pp > 1 and cpu_offload:
+            raise ValueError(f"pp={pp} with cpu_offload=True is not supported yet: use one of them.")
         self.pipeline = PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage) if pp > 1 else None
         if self.pipeline is not None:
             self.pipeline.validate(pp)
@@ -417,7 +419,11 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
 
     @property
     def _pipelines(self) -> list[Pipeline]:
-        return [pipeline for model in self._models if (pipeline := pipeline_of(model)) is not None]
+        """The pipelines of the models we parallelized, in the module's order (the same on every rank: each sums its
+        tied gradients in a collective of its own)."""
+        assert self.lightning_module is not None
+        models = [model for model in find_hf_models(self.lightning_module) if model in self._models]
+        return [pipeline for model in models if (pipeline := pipeline_of(model)) is not None]
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -288,3 +288,23 @@ def check_pipeline_lora(pp: int, tp: int, sp: bool) -> dict:
     assert pipeline_of(module.model) is not None
     reference = peft_model()
     return compare_stage_training(module, reference, reference_run(reference, loss=hf_loss))
+
+
+def check_pipeline_batch_shapes(pp: int) -> list[float]:
+    """Batches of other shapes one after another (8 rows, 4 rows, then shorter rows: a last batch, dynamic padding):
+    the stages size their transfers again, and every step's gradients (Gemma 3, tied) equal one process's."""
+    model, reference = (tiny_model("gemma3", num_hidden_layers=LAYERS) for _ in range(2))
+    parallelize(model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"))
+    pipeline = pipeline_of(model)
+    errors = []
+    for rows, length in ((8, 16), (4, 16), (4, 12)):
+        tokens, labels = (tensor[:, :length] for tensor in batch(rows))
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        model(input_ids=tokens, labels=labels).loss.backward()
+        pipeline.sum_tied_gradients()
+        hf_loss(reference, tokens, labels).backward()
+        expected = dict(reference.named_parameters())
+        errors.append(max(relative_error(p.grad, expected[n].grad) for n, p in model.named_parameters()))
+    assert max(errors) < FP32_TOLERANCE, errors
+    return errors

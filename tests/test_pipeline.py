@@ -11,6 +11,7 @@ from pipeline_checks import (
     check_causal_lm_module_pipelined,
     check_loss_from_logits_is_refused,
     check_pipeline_accumulation_and_clipping,
+    check_pipeline_batch_shapes,
     check_pipeline_checkpoint_resume,
     check_pipeline_loaded_weights,
     check_pipeline_lora,
@@ -22,8 +23,8 @@ from pipeline_checks import (
 def test_pipeline_two_stages_against_one_process():
     """World 2 at pp=2: Llama with 1F1B over 4 micro-batches, Gemma 3 (tied embeddings) with GPipe, and with
     accumulate_grad_batches=2 and gradient_clip_val; pretrained Llama and Gemma 3 loaded stage by stage; CausalLMModule
-    unchanged (loss, accuracy, validation metrics); a training_step computing its loss from the logits stops at its
-    first step, naming the call that works."""
+    unchanged (loss, accuracy, validation metrics); batches of other shapes one after another; a training_step
+    computing its loss from the logits stops at its first step, naming the call that works."""
     checks = [
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4),
         partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3"),
@@ -31,6 +32,7 @@ def test_pipeline_two_stages_against_one_process():
         partial(check_pipeline_loaded_weights, 2, "llama"),
         partial(check_pipeline_loaded_weights, 2, "gemma3"),
         partial(check_causal_lm_module_pipelined, 2),
+        partial(check_pipeline_batch_shapes, 2),
         partial(check_loss_from_logits_is_refused, 2),
     ]
     run_checks(2, checks, timeout=400)

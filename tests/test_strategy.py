@@ -101,6 +101,8 @@ def test_constructible_from_lightning_cli():
         (dict(cp=2), "cp=2: context parallelism is not supported yet; set cp=1"),
         (dict(pp=2, pp_schedule="Bogus"), "pp_schedule='Bogus'"),
         (dict(pp=2, pp_schedule="Interleaved1F1B"), "virtual stages"),
+        (dict(pp=2, pp_schedule="PipelineScheduleSingle"), "a base class of torch's schedules"),
+        (dict(pp=2, cpu_offload=True), "pp=2 with cpu_offload=True is not supported yet"),
         (dict(pp=4, pp_microbatches=2), "at least as many micro-batches as stages"),
         (dict(pp=2, pp_layers_per_stage=[1, 1, 1]), "one per stage"),
         (dict(sp=True), "it needs tp > 1"),

@@ -54,6 +54,10 @@ def clip_grad_norm_(
 
 
 def _over_stages(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """The norm over every stage of ``group`` from this stage's (on the group's device: a stage without gradients
+    has a CPU zero)."""
+    if dist.get_backend(group) == "nccl":
+        norm = norm.to(torch.device("cuda", torch.cuda.current_device()))
     if norm_type == float("inf"):
         dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
         return norm

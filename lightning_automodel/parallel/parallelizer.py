@@ -108,7 +108,9 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         :mod:`lightning_automodel.parallel.checkpointing`). ``reshard_after_forward``, ``forward_prefetch`` and
         ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp`. ``pipeline``: how the mesh's
         pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s); see
-        :mod:`lightning_automodel.parallel.pipeline`. Parameters the model pins to
+        :mod:`lightning_automodel.parallel.pipeline`. Without the strategy, a pipelined model with tied embeddings
+        needs ``pipeline_of(model).share_tied_weights()`` once its weights exist and ``.sum_tied_gradients()``
+        before each optimizer step. Parameters the model pins to
         fp32 (Hugging Face's ``_keep_in_fp32_modules_strict``) compute in fp32 under any mixed-precision policy.
 
         Every check that can refuse runs first, on every rank, before any collective: sizes, the tensor-parallel plan

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -71,6 +72,10 @@ class PipelineOptions:
             schedule_class = get_schedule_class(self.schedule)
         except ValueError as error:
             raise ValueError(f"pp_schedule={self.schedule!r}: {error}") from None
+        if inspect.isabstract(schedule_class) or schedule_class is PipelineScheduleSingle:
+            raise ValueError(
+                f"pp_schedule={self.schedule!r} is a base class of torch's schedules: use 'GPipe' or '1F1B'."
+            )
         if not issubclass(schedule_class, PipelineScheduleSingle):
             raise ValueError(
                 f"pp_schedule={self.schedule!r} runs several stages per rank (virtual stages), which is not available"
@@ -265,7 +270,8 @@ class Pipeline:
         self._loss_scale = torch.tensor(1.0)
         self._stage: PipelineStage | None = None
         self._schedules: dict[bool, PipelineScheduleSingle] = {}
-        self._tied_shape: tuple[int, ...] | None = None
+        self._batch_shape: tuple[int, ...] | None = None
+        self._tied_layout: tuple[tuple[int, ...], torch.dtype] | None = None
         self._totals: list[Tensor] = []
         self._stream_layout: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         self._computed: dict[str, Tensor] = {}
@@ -320,8 +326,11 @@ class Pipeline:
                 " from the logits in training_step cannot be: the logits exist on the last stage only, one micro-batch"
                 " at a time."
             )
+        self._check_sequence_split(input_ids)
         if labels is not None:
             self._loss_scale = self._global_token_scale(labels)
+        if tuple(input_ids.shape) != self._batch_shape:  # a stage sizes what it receives at its first step
+            self._stage, self._schedules, self._batch_shape = None, {}, tuple(input_ids.shape)
         schedule = self.schedule(with_loss=labels is not None)
         args = (input_ids,) if self.first else ()
         targets = {"target": labels} if self.last and labels is not None else {}
@@ -392,6 +401,17 @@ class Pipeline:
                     self._parameters[name] = fsdp_param.sharded_param
         return self._parameters
 
+    def _check_sequence_split(self, input_ids: Tensor) -> None:
+        """Stages send their even share of a sequence-sharded stream: the sequence must split evenly over tp."""
+        if self._stream_layout is None:
+            return
+        mesh, _ = self._stream_layout
+        if input_ids.size(1) % mesh.size():
+            raise ValueError(
+                f"A sequence of {input_ids.size(1)} tokens does not split evenly over tp={mesh.size()}, as sequence"
+                " parallel under pp needs: pad the rows to a multiple of tp (or use sp=False)."
+            )
+
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """A micro-batch's share of the global token mean; its summed loss, tokens and next-token hits are kept."""
         loss_sum, tokens = causal_lm_loss_sum(logits, labels)
@@ -426,11 +446,15 @@ class Pipeline:
     def copies(self) -> list[nn.Parameter]:
         """Parameters another stage holds too (the last stage's copy of a tied embedding): a norm over all stages
         counts them once, on the first stage."""
-        if not (self.tied and self.last and not self.first):
-            return []
+        return [self._embedding_weight()] if self.tied and self.last and not self.first else []
+
+    def _embedding_weight(self) -> nn.Parameter:
+        """The (sharded) parameter of the input embedding's weight, under whatever name it has (a PEFT layer's
+        ``base_layer.weight``)."""
         embedding = self.model.get_input_embeddings()
-        name = next(name for name, module in self.model.named_modules() if module is embedding)
-        return [self._sharded_parameters()[f"{name}.weight"]]
+        module = next(name for name, candidate in self.model.named_modules() if candidate is embedding)
+        key = next(key for key, param in embedding.named_parameters() if param is embedding.weight)
+        return self._sharded_parameters()[f"{module}.{key}" if module else key]
 
     def share_tied_weights(self) -> None:
         """Give the last stage's copy of a tied embedding the first stage's values (after initialization)."""
@@ -439,17 +463,18 @@ class Pipeline:
                 dist.broadcast(self._tied_local(gradient=False), group=self.group, group_src=0)
 
     def _tied_local(self, *, gradient: bool) -> Tensor:
-        """This rank's shard of the tied embedding's weight (or gradient), or zeros of its shape on middle stages.
-        The shape comes from the first stage, once."""
-        embedding = self.model.get_input_embeddings() if self.first or self.last else None
-        tensor = None if embedding is None else embedding.weight.grad if gradient else embedding.weight
+        """This rank's shard of the tied embedding's weight (or gradient), or zeros of its shape and dtype on middle
+        stages, which the first stage tells them once."""
+        weight = self._embedding_weight() if self.first or self.last else None
+        tensor = None if weight is None else weight.grad if gradient else weight
         tensor = _local(tensor) if tensor is not None else None
-        if self._tied_shape is None:
-            shapes = [tuple(tensor.shape) if tensor is not None else None]
-            dist.broadcast_object_list(shapes, group=self.group, group_src=0)
-            self._tied_shape = shapes[0]
+        if self._tied_layout is None:
+            layouts = [(tuple(tensor.shape), tensor.dtype) if tensor is not None else None]
+            dist.broadcast_object_list(layouts, group=self.group, group_src=0)
+            self._tied_layout = layouts[0]
         if tensor is None:
-            tensor = torch.zeros(self._tied_shape, device=self._device())
+            shape, dtype = self._tied_layout
+            tensor = torch.zeros(shape, dtype=dtype, device=self._device())
         return tensor
 
     def _device(self) -> torch.device:

@@ -140,18 +140,27 @@ def reference_run(
     return losses, grads
 
 
-def compare_training(module: CausalLM, reference: torch.nn.Module, reference_steps: tuple[list, list]) -> dict:
+def compare_training(
+    module: CausalLM, reference: torch.nn.Module, reference_steps: tuple[list, list], *, stages: bool = False
+) -> dict:
     """Per-step losses and gradients, then the weights after the last step.
 
     AdamW all but ignores a gradient's scale, so a gradient off by a constant factor would pass the weight
-    comparison: the gradients Lightning hands the optimizer are compared too, at every step.
+    comparison: the gradients Lightning hands the optimizer are compared too, at every step. With ``stages``
+    (pipeline parallel) each rank compares the parameters its stage holds, and the stages together must hold every
+    one of the reference's (a tied embedding's copy on two stages).
     """
     reference_losses, reference_grads = reference_steps
-    grad_errors = [
-        max(relative_error(grads[name], ref[name]) for name in ref)
-        for grads, ref in zip(module.grads, reference_grads, strict=True)
-    ]
-    assert all(grads.keys() == ref.keys() for grads, ref in zip(module.grads, reference_grads, strict=True))
+    names = set(module.grads[0])
+    assert all(grads.keys() == names for grads in module.grads), "the gradients' names changed between steps"
+    held = [names]
+    if stages:
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, names)
+    expected = set(reference_grads[0])
+    assert set().union(*held) == expected, f"gradients held for {set().union(*held) ^ expected} are wrong"
+    steps = zip(module.grads, reference_grads, strict=True)
+    grad_errors = [max(relative_error(grads[name], ref[name]) for name in names) for grads, ref in steps]
     errors = [abs(a - b) / abs(b) for a, b in zip(module.losses, reference_losses, strict=True)]
     weights = weight_error(module.model, reference)
     result = {

@@ -7,16 +7,14 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning_checks import GLOBAL_BATCH, CausalLM, data, reference_run, trainer
+from lightning_checks import GLOBAL_BATCH, CausalLM, compare_training, data, reference_run, trainer
 from lm_checks import HPARAMS, RecordingLM, Rows, padded_rows, reference_metrics, reference_training
 from loading_checks import remove, saved_checkpoint
 from lora_checks import peft_model
 from models import batch, tiny_model
 from parity import (
     FP32_TOLERANCE,
-    TRAINED_GRAD_TOLERANCE,
     TRAINED_LOSS_TOLERANCE,
-    WEIGHT_TOLERANCE,
     full,
     relative_error,
 )
@@ -50,34 +48,6 @@ def hf_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) 
     return model(input_ids=tokens, labels=labels).loss
 
 
-def compare_stage_training(module: CausalLM, reference: torch.nn.Module, reference_steps: tuple[list, list]) -> dict:
-    """Every step's loss (each rank has the whole model's), then this stage's gradients at every step and weights
-    after the last; the stages together hold every parameter of the reference, each exactly once but a tied
-    embedding's copy."""
-    reference_losses, reference_grads = reference_steps
-    names = set(module.grads[0])
-    held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, sorted(names))
-    union = set().union(*map(set, held))
-    assert union == set(reference_grads[0]), f"the stages hold {union ^ set(reference_grads[0])} wrong"
-    steps = zip(module.grads, reference_grads, strict=True)
-    grad_errors = [max(relative_error(grads[n], ref[n]) for n in names) for grads, ref in steps]
-    errors = [abs(a - b) / abs(b) for a, b in zip(module.losses, reference_losses, strict=True)]
-    reference_params = dict(reference.named_parameters())
-    weights = max((full(p) - reference_params[n]).abs().max().item() for n, p in module.model.named_parameters())
-    result = {
-        "first_loss": errors[0],
-        "later_losses": max(errors[1:]),
-        "first_grads": grad_errors[0],
-        "later_grads": max(grad_errors[1:]),
-        "weights_after_3_steps": weights,
-    }
-    assert errors[0] < FP32_TOLERANCE and max(errors[1:]) < TRAINED_LOSS_TOLERANCE, result
-    assert grad_errors[0] < FP32_TOLERANCE and max(grad_errors[1:]) < TRAINED_GRAD_TOLERANCE, result
-    assert weights < WEIGHT_TOLERANCE, result
-    return result
-
-
 def check_pipeline_trainer_parity(
     pp: int,
     schedule: str,
@@ -107,7 +77,7 @@ def check_pipeline_trainer_parity(
     pipeline = pipeline_of(module.model)
     assert pipeline is not None and pipeline.pp == pp
     reference = tiny_model(family, num_hidden_layers=LAYERS)
-    result = compare_stage_training(module, reference, reference_run(reference, loss=hf_loss))
+    result = compare_training(module, reference, reference_run(reference, loss=hf_loss), stages=True)
     tokens, labels = batch(GLOBAL_BATCH)
     with torch.no_grad():
         expected = hf_loss(reference, tokens, labels).item()
@@ -132,7 +102,8 @@ def check_pipeline_accumulation_and_clipping(pp: int) -> dict:
     module.losses = [(first + second) / 2 for first, second in pairs]
     reference = tiny_model("gemma3", num_hidden_layers=LAYERS)
     sgd = lambda model: [torch.optim.SGD(model.parameters(), lr=lr)]  # noqa: E731
-    return compare_stage_training(module, reference, reference_run(reference, optimizers=sgd, clip=0.1, loss=hf_loss))
+    steps = reference_run(reference, optimizers=sgd, clip=0.1, loss=hf_loss)
+    return compare_training(module, reference, steps, stages=True)
 
 
 def check_loss_from_logits_is_refused(pp: int) -> str:
@@ -266,7 +237,7 @@ def check_causal_lm_module_pipelined(pp: int) -> dict:
     logged = fit.validate(module, DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp), verbose=False)[0]
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     losses, accuracies, grads = reference_training(reference, train)
-    result = compare_stage_training(module, reference, (losses, grads))
+    result = compare_training(module, reference, (losses, grads), stages=True)
     one_token = 1 / reference_metrics(reference, train)["tokens"].item()
     result["train_accuracy"] = max(abs(a - b) for a, b in zip(module.accuracies, accuracies, strict=True))
     with torch.no_grad():
@@ -287,7 +258,7 @@ def check_pipeline_lora(pp: int, tp: int, sp: bool) -> dict:
     trainer(AutoModelParallelStrategy(tp, sp=sp, pp=pp)).fit(module, data(dist.get_world_size() // pp // tp))
     assert pipeline_of(module.model) is not None
     reference = peft_model()
-    return compare_stage_training(module, reference, reference_run(reference, loss=hf_loss))
+    return compare_training(module, reference, reference_run(reference, loss=hf_loss), stages=True)
 
 
 def check_pipeline_batch_shapes(pp: int) -> list[float]:

@@ -30,7 +30,13 @@ from lightning_automodel.parallel.expert_parallel import (
 )
 from lightning_automodel.parallel.experts import give_every_expert_a_gradient
 from lightning_automodel.parallel.fsdp import ExpertSharding, apply_fsdp
-from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_model, pipeline_problem, stage_split_problem
+from lightning_automodel.parallel.pipeline import (
+    PipelineOptions,
+    name_of,
+    pipeline_model,
+    pipeline_problem,
+    stage_split_problem,
+)
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
 from lightning_automodel.parallel.sequence_parallel import stage_stream_boundaries, stream_placements
@@ -144,7 +150,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             broadcast_from_rank0(model)
         planned = checked.planned
         if pp > 1:
-            embedding = _name_of(model, model.get_input_embeddings())
+            embedding = name_of(model, model.get_input_embeddings())
             stage = pipeline_model(model, device_mesh, pipeline)
             if planned is not None:
                 blocks = [name for name, _ in named_decoder_layers(model)]
@@ -315,10 +321,6 @@ def is_meta(model: nn.Module) -> bool:
     )
     model.to("meta")
     return True
-
-
-def _name_of(model: nn.Module, module: nn.Module) -> str:
-    return next(name for name, candidate in model.named_modules() if candidate is module)
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:

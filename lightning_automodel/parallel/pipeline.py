@@ -223,6 +223,11 @@ def _config_of_layers(config: Any, layers: list[int]) -> Any:
     return stage_config
 
 
+def name_of(model: nn.Module, module: nn.Module) -> str:
+    """The name of ``module`` inside ``model``."""
+    return next(name for name, candidate in model.named_modules() if candidate is module)
+
+
 def is_tied(model: nn.Module) -> bool:
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     return head is not None and embedding is not None and head.weight is embedding.weight
@@ -452,7 +457,7 @@ class Pipeline:
         """The (sharded) parameter of the input embedding's weight, under whatever name it has (a PEFT layer's
         ``base_layer.weight``)."""
         embedding = self.model.get_input_embeddings()
-        module = next(name for name, candidate in self.model.named_modules() if candidate is embedding)
+        module = name_of(self.model, embedding)
         key = next(key for key, param in embedding.named_parameters() if param is embedding.weight)
         return self._sharded_parameters()[f"{module}.{key}" if module else key]
 

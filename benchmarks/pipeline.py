@@ -1,13 +1,13 @@
-"""Pipeline parallel: each stage's idle share of a training step against the analytic bubble (p-1)/(m+p-1), per
-schedule and micro-batch count, measured side by side in one run; and parameter + AdamW memory per rank against
-1/(pp x tp x dp_shard) of the whole, from the plan report of a 70B-shaped model on 64 ranks.
+"""Pipeline parallel: each rank's idle share of a training step against the analytic bubble (p-1)/(vm+p-1), per
+schedule, micro-batch count m and stages per rank v, measured side by side in one run; and parameter + AdamW memory
+per rank against 1/(pp x tp x dp_shard) of the whole, from the plan report of a 70B-shaped model on 64 ranks.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/pipeline.py      # about 2 minutes on 2 CPU cores
 
 Idle share: a Llama of 8 layers (hidden 256) split in pp=2 stages on 2 gloo processes, one process per core, 16 rows
 of 64 tokens per step. A stage is busy while it computes a micro-batch's forward or backward (torch's
 ``forward_one_chunk`` and ``backward_one_chunk``, timed); the rest of the step it waits. The mean over the measured
-steps (after two warm-up steps) is compared with (p-1)/(m+p-1), which assumes equal stages and free communication:
+steps (after two warm-up steps) is compared with (p-1)/(vm+p-1), which assumes equal stages and free communication:
 the embedding and the head make stages unequal, and the stage with more work idles less.
 """
 
@@ -31,11 +31,11 @@ CONFIG = dict(
     tie_word_embeddings=False,
 )
 ROWS, TOKENS, STEPS, WARMUP = 16, 64, 6, 2
-LAYOUTS = [("GPipe", 2), ("GPipe", 8), ("1F1B", 2), ("1F1B", 8)]
+LAYOUTS = [("GPipe", 2, 1), ("GPipe", 8, 1), ("1F1B", 2, 1), ("1F1B", 8, 1), ("Interleaved1F1B", 8, 2)]
 
 
-def idle_share(schedule: str, microbatches: int) -> dict:
-    """This stage's idle share of a step, mean over the measured steps."""
+def idle_share(schedule: str, microbatches: int, stages_per_rank: int) -> dict:
+    """This rank's idle share of a step, mean over the measured steps."""
     import torch.distributed as dist
     from torch.distributed.pipelining import stage as stages
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -46,7 +46,7 @@ def idle_share(schedule: str, microbatches: int) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
     mesh = ParallelDims(pp=2).resolve(dist.get_world_size()).build_mesh("cpu")
-    parallelize(model, mesh, pipeline=PipelineOptions(schedule, microbatches))
+    parallelize(model, mesh, pipeline=PipelineOptions(schedule, microbatches, stages_per_rank=stages_per_rank))
     busy = [0.0]
     originals = {}
     for name in ("forward_one_chunk", "backward_one_chunk"):
@@ -73,8 +73,8 @@ def idle_share(schedule: str, microbatches: int) -> dict:
     finally:
         for name, original in originals.items():
             setattr(stages._PipelineStageBase, name, original)
-    stage = pipeline_of(model).stage_index
-    return {"stage": stage, "idle": sum(shares) / len(shares), "analytic": bubble_fraction(2, microbatches)}
+    analytic = bubble_fraction(2, microbatches, stages_per_rank)
+    return {"stages": pipeline_of(model).stage_indices, "idle": sum(shares) / len(shares), "analytic": analytic}
 
 
 def memory_ratios() -> list[tuple[str, float]]:
@@ -104,12 +104,12 @@ def memory_ratios() -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    print("idle share of a step per stage (pp=2, 8 layers), measured against (p-1)/(m+p-1):")
-    results = run_checks(2, [partial(idle_share, schedule, m) for schedule, m in LAYOUTS], timeout=600)
-    for (schedule, microbatches), per_rank in zip(LAYOUTS, results.values(), strict=True):
+    print("idle share of a step per rank (pp=2, 8 layers), measured against (p-1)/(vm+p-1):")
+    results = run_checks(2, [partial(idle_share, *layout) for layout in LAYOUTS], timeout=600)
+    for (schedule, microbatches, v), per_rank in zip(LAYOUTS, results.values(), strict=True):
         analytic = per_rank[0]["analytic"]
-        stages = ", ".join(f"stage {r['stage']} {r['idle']:.2f} ({r['idle'] / analytic:.2f}x)" for r in per_rank)
-        print(f"  {schedule:5} m={microbatches}: analytic {analytic:.2f}; {stages}")
+        ranks = ", ".join(f"stages {r['stages']} {r['idle']:.2f} ({r['idle'] / analytic:.2f}x)" for r in per_rank)
+        print(f"  {schedule:15} m={microbatches} v={v}: analytic {analytic:.2f}; {ranks}")
     print("largest stage's parameters + AdamW state per rank, over 1/(pp x tp x dp_shard) of a 70B-shaped Llama:")
     for layout, ratio in memory_ratios():
         print(f"  {layout}: {ratio:.3f}")

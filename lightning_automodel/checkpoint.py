@@ -144,7 +144,10 @@ def load_sharded_checkpoint(
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict and not trainable_only))
     for index, optimizer in enumerate(optimizers):
         optimizer_state = get_optimizer_state_dict(module, optimizer)
+        held = [group["params"] for group in optimizer_state["param_groups"]]
         _load({f"optimizer_{index}": optimizer_state}, path, stored, strict=False)
+        for group, params in zip(optimizer_state["param_groups"], held, strict=True):
+            group["params"] = params  # the checkpoint's list is one rank's names: under pp, another stage's
         options = StateDictOptions(cpu_offload=True)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state, options=options)
     return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

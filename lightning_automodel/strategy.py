@@ -106,10 +106,16 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             forward and backward of every micro-batch. training_step returns the model's own loss
             (``self.model(input_ids=..., labels=...).loss``): the last stage computes it, and it reaches every rank.
             Composes with tp (and sp), dp_shard, dp_replicate, activation checkpointing and LoRA; not with ep yet.
-        pp_schedule: "1F1B" (default) or "GPipe" (torch's schedule names).
+        pp_schedule: "1F1B" (default), "GPipe", or with pp_stages_per_rank >= 2 "Interleaved1F1B", "LoopedBFS" or
+            "InterleavedZeroBubble" (torch's schedule names).
         pp_microbatches: micro-batches per step (default: pp); must divide the batch, and be >= pp for "1F1B".
-        pp_layers_per_stage: a manual split, the number of decoder layers of each stage; default: an even split in
-            which the embedding and the head count as one layer each.
+        pp_layers_per_stage: a manual split, the number of decoder layers of each stage (pp x pp_stages_per_rank
+            stages); default: an even split in which the embedding and the head count as one layer each.
+        pp_stages_per_rank: stages each rank holds (virtual stages) for the interleaved schedules: rank r holds
+            stages r, r + pp, ...; the bubble shrinks to (pp - 1) / (pp_stages_per_rank x m + pp - 1).
+        pp_loss_fn: a loss of your own under pp (in YAML, its import path): ``f(logits, labels)`` returns a
+            micro-batch's loss summed over its tokens, which the last stage computes and the pipeline divides by the
+            global batch's scored tokens; default: the next-token cross-entropy.
         tp_plan: a dict of module pattern -> ParallelStyle, an import path to one, or a function
             ``(model, sp) -> dict``; default: the first of the family's registered plan, the model's Hugging Face
             plan and the default Llama-style plan that shards every decoder block.
@@ -155,6 +161,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         pp_schedule: str = "1F1B",
         pp_microbatches: int | None = None,
         pp_layers_per_stage: list[int] | None = None,
+        pp_stages_per_rank: int = 1,
+        pp_loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         tp_plan: PlanSpec | None = None,
         allow_unsharded_linears: bool = False,
         verify_plans: bool = False,
@@ -194,7 +202,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"cp={cp}: context parallelism is not supported yet; set cp=1.")
         if pp > 1 and cpu_offload:
             raise ValueError(f"pp={pp} with cpu_offload=True is not supported yet: use one of them.")
-        self.pipeline = PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage) if pp > 1 else None
+        pipeline = PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn)
+        self.pipeline = pipeline if pp > 1 else None
         if self.pipeline is not None:
             self.pipeline.validate(pp)
         _require_tp_for_sp(sp=sp, tp=tp)
@@ -333,7 +342,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             else:
                 materialize_hf_model(model, device)
         if (pipeline := pipeline_of(model)) is not None:
-            pipeline.share_tied_weights()
+            pipeline.adopt_weights()
 
     def _verify_plan_once(self, model: nn.Module) -> None:
         """Verify the plan of a class met for the first time whose plan no family registered (``verify_plans``).

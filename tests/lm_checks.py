@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import lightning as L
 import torch
 import torch.distributed as dist
 from lightning_checks import assert_experts_distributed, compare_training, trainer
@@ -132,20 +133,27 @@ def check_causal_lm_module(tp: int, sp: bool, family: str = "llama", ep: int = 1
     }
     assert val_errors["val_loss"] < TRAINED_LOSS_TOLERANCE and val_errors["val_perplexity"] < TRAINED_LOSS_TOLERANCE
     assert val_errors["val_accuracy"] <= 1 / expected["tokens"].item(), (logged, expected)
-    # predict: each sequence's summed loss and token count, under tp on vocabulary-sharded logits. Lightning deals
-    # rows r, r + dp, ... to data-parallel rank r.
-    outputs = fit.predict(module, val_loader)
+    predicted = predict_error(fit, module, reference, val, val_loader)
+    return {**result, "train_accuracy": max(accuracy_errors), **val_errors, "predict": predicted}
+
+
+def predict_error(
+    fit: L.Trainer, module: L.LightningModule, reference: torch.nn.Module, rows: dict, loader: DataLoader
+) -> float:
+    """predict's per-sequence summed losses against ``reference``'s (asserted within the trained-loss tolerance), and
+    its token counts (asserted equal). Lightning deals rows r, r + dp, ... to data-parallel rank r."""
+    outputs = fit.predict(module, loader)
     predicted = torch.cat([output["loss_sum"] for output in outputs])
-    dp_rank = fit.strategy.distributed_sampler_kwargs["rank"]
+    dp_rank, dp = (fit.strategy.distributed_sampler_kwargs[key] for key in ("rank", "num_replicas"))
     with torch.no_grad():
-        logits = reference(input_ids=val["input_ids"], attention_mask=val["attention_mask"]).logits
-    targets = torch.nn.functional.pad(val["labels"][:, 1:], (0, 1), value=-100)
+        logits = reference(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"]).logits
+    targets = torch.nn.functional.pad(rows["labels"][:, 1:], (0, 1), value=-100)
     per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     expected_sums = per_token.sum(1)[dp_rank::dp]
-    predict_error = ((predicted - expected_sums).abs().max() / expected_sums.abs().max()).item()
-    assert predict_error < TRAINED_LOSS_TOLERANCE, (predicted, expected_sums)
+    error = ((predicted - expected_sums).abs().max() / expected_sums.abs().max()).item()
+    assert error < TRAINED_LOSS_TOLERANCE, (predicted, expected_sums)
     assert torch.equal(torch.cat([output["tokens"] for output in outputs]), (targets != -100).sum(1)[dp_rank::dp])
-    return {**result, "train_accuracy": max(accuracy_errors), **val_errors, "predict": predict_error}
+    return error
 
 
 def reference_training(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> tuple[list, list, list]:

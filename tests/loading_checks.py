@@ -21,12 +21,12 @@ from lightning_automodel.hf.loading import materialize_pretrained
 from lightning_automodel.mesh import data_mesh
 
 
-def saved_checkpoint(family: str, shard_size: str | None = None) -> Path:
-    """A checkpoint written by save_pretrained (of a model no rank builds by itself: seed 3)."""
+def saved_checkpoint(family: str, shard_size: str | None = None, **config: object) -> Path:
+    """A checkpoint written by save_pretrained (of a model no rank builds by itself: seed 3; ``config``: overrides)."""
     directory = shared_directory()
     if dist.get_rank() == 0:
         options = {"max_shard_size": shard_size} if shard_size else {}
-        tiny_model(family, seed=3).save_pretrained(directory, **options)
+        tiny_model(family, seed=3, **config).save_pretrained(directory, **options)
     dist.barrier()
     return directory
 

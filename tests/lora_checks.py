@@ -42,11 +42,13 @@ def peft_model(
     seed: int = 0,
     targets: tuple[str, ...] = LLAMA_TARGETS,
     adapter_seed: int | None = None,
+    config: dict | None = None,
     **lora: object,
 ) -> torch.nn.Module:
     """A tiny model with LoRA adapters; both adapter matrices random (PEFT's default zero B would give A no
-    gradient at the first step, and hide a wrong one). ``adapter_seed`` (default: ``seed``) seeds the adapters."""
-    model = tiny_model(family, seed=seed)
+    gradient at the first step, and hide a wrong one). ``adapter_seed`` (default: ``seed``) seeds the adapters;
+    ``config``: overrides of the family's tiny config."""
+    model = tiny_model(family, seed=seed, **(config or {}))
     torch.manual_seed(seed if adapter_seed is None else adapter_seed)
     options = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False) | lora
     return get_peft_model(model, LoraConfig(target_modules=list(targets), **options))

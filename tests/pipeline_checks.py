@@ -8,7 +8,15 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning_checks import GLOBAL_BATCH, CausalLM, compare_training, data, reference_run, trainer
-from lm_checks import HPARAMS, RecordingLM, Rows, padded_rows, reference_metrics, reference_training
+from lm_checks import (
+    HPARAMS,
+    RecordingLM,
+    Rows,
+    padded_rows,
+    predict_error,
+    reference_metrics,
+    reference_training,
+)
 from loading_checks import remove, saved_checkpoint
 from lora_checks import peft_model
 from models import batch, tiny_model
@@ -24,7 +32,8 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims, from_pretrained, parallelize
 from lightning_automodel.hf.loading import materialize_pretrained
 from lightning_automodel.lm import CausalLMModule
-from lightning_automodel.parallel.pipeline import pipeline_of
+from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_targets
+from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
 
 LAYERS = 4  # two per stage at pp=2, one per stage at pp=4
 
@@ -48,6 +57,19 @@ def hf_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) 
     return model(input_ids=tokens, labels=labels).loss
 
 
+def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A loss of one's own (``pp_loss_fn``): next-token cross-entropy plus PaLM's z-loss (the squared log-partition,
+    weighted 0.1 here to weigh in), summed over the scored tokens."""
+    scored = next_token_targets(labels) != -100
+    loss_sum, _ = causal_lm_loss_sum(logits, labels)
+    return loss_sum + 0.1 * (logits.float().logsumexp(-1)[scored] ** 2).sum()
+
+
+def z_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """:func:`z_loss_sum` as one process computes it: a token mean."""
+    return z_loss_sum(model(input_ids=tokens).logits, labels) / (next_token_targets(labels) != -100).sum()
+
+
 def check_pipeline_trainer_parity(
     pp: int,
     schedule: str,
@@ -58,29 +80,37 @@ def check_pipeline_trainer_parity(
     activation_checkpointing: bool = False,
     tp: int = 1,
     sp: bool = False,
+    stages_per_rank: int = 1,
+    config: dict | None = None,
+    own_loss: bool = False,
 ) -> dict:
-    """3 AdamW steps through Trainer.fit at pp stages (dp_shard takes the rest) match one process; validate's loss
-    too. The weights every rank starts from differ: rank 0's must win."""
+    """3 AdamW steps through Trainer.fit at pp ranks of ``stages_per_rank`` stages (dp_shard takes the rest) match one
+    process; validate's loss too. The weights every rank starts from differ: rank 0's must win. ``config``: overrides
+    of the family's tiny config; ``own_loss``: the strategy's pp_loss_fn is :func:`z_loss_sum`."""
+    config = dict(config or {}, num_hidden_layers=LAYERS)
     strategy = AutoModelParallelStrategy(
         tp,
         sp=sp,
         pp=pp,
         pp_schedule=schedule,
         pp_microbatches=microbatches,
+        pp_stages_per_rank=stages_per_rank,
+        pp_loss_fn=z_loss_sum if own_loss else None,
         dp_replicate=dp_replicate,
         activation_checkpointing=activation_checkpointing,
     )
-    module = HFLossCausalLM(tiny_model(family, seed=dist.get_rank(), num_hidden_layers=LAYERS))
+    module = HFLossCausalLM(tiny_model(family, seed=dist.get_rank(), **config))
     dp = dist.get_world_size() // pp // tp
     fit = trainer(strategy, limit_val_batches=1)
     fit.fit(module, data(dp), data(dp))
     pipeline = pipeline_of(module.model)
-    assert pipeline is not None and pipeline.pp == pp
-    reference = tiny_model(family, num_hidden_layers=LAYERS)
-    result = compare_training(module, reference, reference_run(reference, loss=hf_loss), stages=True)
+    assert pipeline is not None and pipeline.pp == pp and len(pipeline.stage_modules()) == stages_per_rank
+    reference = tiny_model(family, **config)
+    loss = z_loss if own_loss else hf_loss
+    result = compare_training(module, reference, reference_run(reference, loss=loss), stages=True)
     tokens, labels = batch(GLOBAL_BATCH)
     with torch.no_grad():
-        expected = hf_loss(reference, tokens, labels).item()
+        expected = loss(reference, tokens, labels).item()
     result["validation_loss"] = abs(fit.callback_metrics["val_loss"].item() - expected) / expected
     assert result["validation_loss"] < FP32_TOLERANCE, result
     return result
@@ -112,7 +142,7 @@ def check_loss_from_logits_is_refused(pp: int) -> str:
     try:
         trainer(AutoModelParallelStrategy(pp=pp)).fit(module, data(dist.get_world_size() // pp))
     except ValueError as error:
-        assert "self.model(input_ids=..., labels=...).loss" in str(error), error
+        assert "self.model(input_ids=..., labels=...).loss" in str(error) and "pp_loss_fn" in str(error), error
         return str(error).split(":")[0]
     raise AssertionError("a loss computed from the logits under pp was not refused")
 
@@ -122,7 +152,8 @@ def check_pipeline_refusals(pp: int) -> list[str]:
     refused = []
     cases = [
         (dict(pp=pp, pp_schedule="Bogus"), "Bogus"),
-        (dict(pp=pp, pp_schedule="Interleaved1F1B"), "virtual stages"),
+        (dict(pp=pp, pp_schedule="Interleaved1F1B"), "set pp_stages_per_rank=2"),
+        (dict(pp=pp, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2, pp_layers_per_stage=[1] * pp), "one per"),
         (dict(pp=pp, pp_microbatches=pp - 1), "at least as many"),
         (dict(pp=pp, pp_layers_per_stage=[1] * (pp + 1)), "one per stage"),
     ]
@@ -135,7 +166,19 @@ def check_pipeline_refusals(pp: int) -> list[str]:
         else:
             raise AssertionError(f"{options} was not refused")
     fits = [
-        (AutoModelParallelStrategy(pp=pp), tiny_model(num_hidden_layers=pp - 1), "fewer than the pp"),
+        (AutoModelParallelStrategy(pp=pp), tiny_model(num_hidden_layers=pp - 1), f"fewer than the {pp} stages"),
+        (
+            AutoModelParallelStrategy(pp=pp, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2),
+            tiny_model(num_hidden_layers=2 * pp - 1),
+            f"fewer than the {2 * pp} stages",
+        ),
+        (
+            AutoModelParallelStrategy(
+                pp=pp, pp_schedule="InterleavedZeroBubble", pp_stages_per_rank=2, activation_checkpointing=True
+            ),
+            tiny_model(num_hidden_layers=2 * pp),
+            "recomputes a checkpointed layer twice",
+        ),
         (AutoModelParallelStrategy(pp=pp, ep=2), tiny_model("qwen3_moe", num_hidden_layers=LAYERS), "set ep=1"),
         (AutoModelParallelStrategy(pp=pp, pp_microbatches=3), tiny_model(num_hidden_layers=LAYERS), "divide"),
         (
@@ -155,22 +198,25 @@ def check_pipeline_refusals(pp: int) -> list[str]:
     return [message[:60] for message in refused]
 
 
-def check_pipeline_loaded_weights(pp: int, family: str) -> dict:
-    """A model built on the meta device by ``from_pretrained`` and split at pp: each stage holds its layers only (and
-    the embedding's copy as the tied head), each weight equal to transformers' own load; one schedule step's loss and
-    this stage's gradients equal transformers' model's, and so do the logits of a call without labels in eval mode
-    (on the last stage; None on the others)."""
-    directory = saved_checkpoint(family)
+def check_pipeline_loaded_weights(pp: int, family: str, stages_per_rank: int = 1, **config: object) -> dict:
+    """A model built on the meta device by ``from_pretrained`` and split at pp (one layer per stage; with several
+    stages per rank, Interleaved1F1B): each rank holds its stages' layers only (and the embedding's copy as the tied
+    head), each weight equal to transformers' own load; one schedule step's loss and this rank's gradients equal
+    transformers' model's, and so do the logits of a call without labels in eval mode (on the last stage's rank; None
+    on the others). ``config``: overrides of the family's tiny config."""
+    directory = saved_checkpoint(family, num_hidden_layers=pp * stages_per_rank, **config)
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model = from_pretrained(directory, dtype=torch.float32)
-    parallelize(model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"))
+    schedule = "Interleaved1F1B" if stages_per_rank > 1 else "1F1B"
+    options = PipelineOptions(schedule, stages_per_rank=stages_per_rank)
+    parallelize(model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"), pipeline=options)
     materialize_pretrained(model, torch.device("cpu"))
-    pipeline_of(model).share_tied_weights()
+    pipeline_of(model).adopt_weights()
     expected = reference.state_dict()
     held = model.state_dict()
-    stage = pipeline_of(model).stage_index
-    layers = {name.split(".")[2] for name in held if name.startswith("model.layers.")}
-    assert layers == {str(stage)}, f"stage {stage} holds layers {layers}"
+    stages = options.stages_of_rank(dist.get_rank(), pp)
+    layers = {int(name.split(".")[2]) for name in held if name.startswith("model.layers.")}
+    assert layers == set(stages), f"stages {stages} hold layers {layers}"
     result = {"weights": max((full(t) - expected[n]).abs().max().item() for n, t in held.items())}
     tokens, labels = batch(GLOBAL_BATCH)
     loss = model(input_ids=tokens, labels=labels).loss
@@ -227,14 +273,16 @@ class PretrainedRecordingLM(RecordingLM):
 def check_causal_lm_module_pipelined(pp: int) -> dict:
     """CausalLMModule unchanged under pp (1F1B over 2 micro-batches): 3 steps on padded rows (AdamW with decay
     groups, warm-up then cosine) match transformers' model in one process: the logged loss and accuracy at every step,
-    this stage's gradients, the weights; then validation's loss, perplexity and accuracy."""
+    this stage's gradients, the weights; then validation's loss, perplexity and accuracy, and predict's per-sequence
+    losses on every rank."""
     directory = saved_checkpoint("llama")
     train, val = padded_rows(GLOBAL_BATCH, seed=1), padded_rows(2 * GLOBAL_BATCH, seed=2)
     dp = dist.get_world_size() // pp
     module = PretrainedRecordingLM(directory)
     fit = trainer(AutoModelParallelStrategy(pp=pp))
     fit.fit(module, DataLoader(Rows(train), batch_size=GLOBAL_BATCH // dp))
-    logged = fit.validate(module, DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp), verbose=False)[0]
+    val_loader = DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp)
+    logged = fit.validate(module, val_loader, verbose=False)[0]
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     losses, accuracies, grads = reference_training(reference, train)
     result = compare_training(module, reference, (losses, grads), stages=True)
@@ -247,17 +295,20 @@ def check_causal_lm_module_pipelined(pp: int) -> dict:
     result["val_accuracy"] = abs(logged["val_accuracy"] - expected["accuracy"].item())
     assert result["train_accuracy"] <= one_token and result["val_accuracy"] <= 1 / expected["tokens"].item(), result
     assert max(result["val_loss"], result["val_perplexity"]) < TRAINED_LOSS_TOLERANCE, result
+    result["predict"] = predict_error(fit, module, reference, val, val_loader)
     remove(directory)
     return result
 
 
-def check_pipeline_lora(pp: int, tp: int, sp: bool) -> dict:
+def check_pipeline_lora(pp: int, tp: int, sp: bool, schedule: str = "1F1B", stages_per_rank: int = 1) -> dict:
     """A PEFT model (LoRA on every projection; the base frozen) under pp x tp through the Trainer: the adapters'
     gradients at each step and their weights after 3 AdamW steps match one process."""
-    module = HFLossCausalLM(peft_model(seed=dist.get_rank()))
-    trainer(AutoModelParallelStrategy(tp, sp=sp, pp=pp)).fit(module, data(dist.get_world_size() // pp // tp))
-    assert pipeline_of(module.model) is not None
-    reference = peft_model()
+    config = dict(num_hidden_layers=LAYERS)
+    module = HFLossCausalLM(peft_model(seed=dist.get_rank(), config=config))
+    strategy = AutoModelParallelStrategy(tp, sp=sp, pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank)
+    trainer(strategy).fit(module, data(dist.get_world_size() // pp // tp))
+    assert len(pipeline_of(module.model).stage_modules()) == stages_per_rank
+    reference = peft_model(config=config)
     return compare_training(module, reference, reference_run(reference, loss=hf_loss), stages=True)
 
 

@@ -121,9 +121,25 @@ def test_plan_of_the_70b_pipeline_example(no_pytest_argv):
     assert "ParallelDims(pp=4, dp_replicate=1, dp_shard=2, cp=1, tp=8, ep=1)" in str(report)
     assert "schedule 1F1B, 16 micro-batches per step; idle (bubble) fraction (p-1)/(m+p-1) = 15.8%" in str(report)
     stages = [(stage.layers, stage.ranks) for stage in report.stages]
-    assert stages == [(range(0, 1), "0-15"), (range(1, 4), "16-31"), (range(4, 7), "32-47"), (range(7, 8), "48-63")]
+    assert stages == [
+        ({0: range(0, 1)}, "0-15"),
+        ({1: range(1, 4)}, "16-31"),
+        ({2: range(4, 7)}, "32-47"),
+        ({3: range(7, 8)}, "48-63"),
+    ]
     held = sum(stage.parameters_per_rank for stage in report.stages) * 16
     assert held == pytest.approx(report.total_parameters, rel=1e-3)
+    interleaved = plan_for_config(
+        str(EXAMPLES / "llama70b_pp_tp_fsdp.yaml"),
+        "--model.config.num_hidden_layers=14",
+        "--trainer.strategy.init_args.pp_schedule=Interleaved1F1B",
+        "--trainer.strategy.init_args.pp_stages_per_rank=2",
+    )
+    assert "pp=4 x 2 stages per rank, schedule Interleaved1F1B, 16 micro-batches per step" in str(interleaved)
+    assert "(p-1)/(vm+p-1) = 8.6%" in str(interleaved)
+    assert interleaved.stages[0].layers == {0: range(0, 1), 4: range(7, 9)}, interleaved.stages[0]
+    assert interleaved.stages[3].layers == {3: range(5, 7), 7: range(13, 14)}, interleaved.stages[3]
+    assert "pp rank 3 (ranks 48-63): stage 3: layers 5-6; stage 7: layer 13, norm, head;" in str(interleaved)
 
 
 def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):
@@ -224,6 +240,14 @@ def test_every_example_config_parses(no_pytest_argv):
     with pytest.raises(SystemExit) as exit:
         cli(["fit", f"--config={EXAMPLES / 'demo.yaml'}", "--trainer.strategy.init_args.tq=2", "--print_config"])
     assert exit.value.code != 0
+
+
+def test_a_pipeline_loss_of_ones_own_by_import_path(no_pytest_argv, capsys):
+    """pp_loss_fn in YAML: the import path of a function returning a Tensor."""
+    loss = "--trainer.strategy.init_args.pp_loss_fn=pipeline_checks.z_loss_sum"
+    with pytest.raises(SystemExit) as exit:
+        cli(["fit", f"--config={EXAMPLES / 'llama70b_pp_tp_fsdp.yaml'}", loss, "--print_config"])
+    assert exit.value.code == 0 and "pp_loss_fn: pipeline_checks.z_loss_sum" in capsys.readouterr().out
 
 
 def test_any_data_module(no_pytest_argv):

@@ -1,12 +1,15 @@
 """Pipeline parallel (``pp``) against one process, through a real Trainer: 3 AdamW steps (the loss at each step, this
-stage's gradients at each step, the weights after) and validate's loss, with torch's GPipe and 1F1B schedules; a tied
-embedding (Gemma 3: its two copies' gradients summed); gradient accumulation and clipping; pp=2 x tp=2 with sp,
-pp=2 x dp_shard=2, pp=2 under HSDP; LoRA; pretrained loading; Lightning checkpoints resumed across pp and tp sizes; a
-loss computed from the logits and every bad option refused on every rank."""
+stage's gradients at each step, the weights after) and validate's loss, with torch's GPipe and 1F1B schedules and,
+with two stages per rank, Interleaved1F1B, LoopedBFS and InterleavedZeroBubble; a tied embedding (Gemma 3: its two
+copies' gradients summed); gradient accumulation and clipping; pp=2 x tp=2 with sp, pp=2 x dp_shard=2, pp=2 under
+HSDP; LoRA; pretrained loading; Lightning checkpoints resumed across pp, tp and stages per rank; a loss computed from
+the logits and every bad option refused on every rank."""
 
 from functools import partial
 
+import torch
 from harness import run_checks
+from models import tiny_model
 from pipeline_checks import (
     check_causal_lm_module_pipelined,
     check_loss_from_logits_is_refused,
@@ -19,12 +22,20 @@ from pipeline_checks import (
     check_pipeline_trainer_parity,
 )
 
+from lightning_automodel.parallel.pipeline import pipeline_problem, split_into_stage, stage_view
+
+# Gemma 3 with layers of both kinds, placed so that a stage reading the per-layer settings of the rank's other stage
+# (rank 0 holds layers 0 and 2) computes the wrong attention
+MIXED_LAYERS = dict(layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"])
+
 
 def test_pipeline_two_stages_against_one_process():
     """World 2 at pp=2: Llama with 1F1B over 4 micro-batches, Gemma 3 (tied embeddings) with GPipe, and with
     accumulate_grad_batches=2 and gradient_clip_val; pretrained Llama and Gemma 3 loaded stage by stage; CausalLMModule
     unchanged (loss, accuracy, validation metrics); batches of other shapes one after another; a training_step
-    computing its loss from the logits stops at its first step, naming the call that works."""
+    computing its loss from the logits stops at its first step, naming the call and the hook that work; a loss of
+    one's own (cross-entropy + z-loss, pp_loss_fn) on Qwen3. Two stages per rank: Llama with Interleaved1F1B, Gemma 3
+    (tied, layers of both kinds) with LoopedBFS, and loaded stage by stage."""
     checks = [
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4),
         partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3"),
@@ -34,6 +45,10 @@ def test_pipeline_two_stages_against_one_process():
         partial(check_causal_lm_module_pipelined, 2),
         partial(check_pipeline_batch_shapes, 2),
         partial(check_loss_from_logits_is_refused, 2),
+        partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", microbatches=4, stages_per_rank=2),
+        partial(check_pipeline_trainer_parity, 2, "1F1B", "qwen3", own_loss=True),
+        partial(check_pipeline_trainer_parity, 2, "LoopedBFS", "gemma3", stages_per_rank=2, config=MIXED_LAYERS),
+        partial(check_pipeline_loaded_weights, 2, "gemma3", 2, **MIXED_LAYERS),
     ]
     run_checks(2, checks, timeout=400)
 
@@ -41,17 +56,46 @@ def test_pipeline_two_stages_against_one_process():
 def test_pipeline_with_tensor_and_data_parallel(tmp_path):
     """World 4: Llama at pp=2 x tp=2 with sp (1F1B, 4 micro-batches); Gemma 3 (tied, its embedding vocabulary-parallel)
     at pp=2 x tp=2 with sp (GPipe); Qwen3 at pp=2 x dp_shard=2 with activation checkpointing; Llama at pp=2 under HSDP
-    (dp_replicate=2); LoRA on every projection at pp=2 x tp=2 with sp; checkpoints saved at pp=2 x dp_shard=2 resumed
-    at pp=2 x tp=2 and at pp=1 (dp_shard=4), and saved at pp=1 resumed at pp=2 x tp=2; refusals before any
-    collective."""
-    pp2, pp2_tp2 = dict(pp=2), dict(pp=2, tp=2)
+    (dp_replicate=2); LoRA on every projection at pp=2 x tp=2 with sp; Llama and LoRA with two stages per rank
+    (Interleaved1F1B) at pp=2 x tp=2 with sp; checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2 and at
+    pp=1 (dp_shard=4), saved at pp=1 resumed at pp=2 x tp=2, and between pp=4 and pp=2 with two stages per rank;
+    refusals before any collective."""
+    pp2, pp2_tp2, pp4 = dict(pp=2), dict(pp=2, tp=2), dict(pp=4)
+    interleaved = dict(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)
+    resumes = [(pp2, pp2_tp2), (pp2, {}), ({}, pp2_tp2), (interleaved, pp4), (pp4, interleaved)]
     checks = [
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4, tp=2, sp=True),
+        partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", microbatches=4, tp=2, sp=True, stages_per_rank=2),
         partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3", tp=2, sp=True),
         partial(check_pipeline_trainer_parity, 2, "1F1B", "qwen3", activation_checkpointing=True),
         partial(check_pipeline_trainer_parity, 2, "GPipe", dp_replicate=2),
         partial(check_pipeline_lora, 2, 2, True),
-        partial(check_pipeline_checkpoint_resume, str(tmp_path), [(pp2, pp2_tp2), (pp2, {}), ({}, pp2_tp2)]),
+        partial(check_pipeline_lora, 2, 2, True, "Interleaved1F1B", 2),
+        partial(check_pipeline_checkpoint_resume, str(tmp_path), resumes),
         partial(check_pipeline_refusals, 2),
     ]
     run_checks(4, checks, timeout=400)
+
+
+def test_stage_views_share_the_model_and_refuse_shared_parameters():
+    """Two stages on one rank are views of one model: their blocks, embedding and head are the model's own modules,
+    each view loops over its layers only (with the per-layer settings of those), and the model keeps every layer
+    under its name. A parameter held beside the blocks, which both views would hold, refuses virtual stages."""
+    model = tiny_model("gemma3", num_hidden_layers=4, **MIXED_LAYERS)
+    split_into_stage(model, layers=[0, 2], first=True, last=False)
+    whole_config = tiny_model("gemma3", num_hidden_layers=4, **MIXED_LAYERS).model.config
+    first, later = (
+        stage_view(model, layers=[index], first=index == 0, last=False, config=whole_config) for index in (0, 2)
+    )
+    assert list(model.model.layers._modules) == ["0", "2"] and model.model.layers is not first.model.layers
+    views_layers = [dict(view.model.layers.named_children()) for view in (first, later)]
+    assert views_layers == [{"0": model.model.layers._modules["0"]}, {"2": model.model.layers._modules["2"]}]
+    assert first.model.embed_tokens is model.model.embed_tokens and later.model.embed_tokens is None
+    assert later.model.config.layer_types == ["sliding_attention"], later.model.config.layer_types
+    assert model.model.config.layer_types == ["full_attention", "sliding_attention"]
+    with_scale = tiny_model(num_hidden_layers=4)
+    with_scale.model.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
+    assert pipeline_problem(with_scale, pp=2) is None
+    assert "(model.scale), which a rank's virtual stages would share" in pipeline_problem(
+        with_scale, pp=2, stages_per_rank=2
+    )

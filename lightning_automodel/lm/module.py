@@ -132,21 +132,19 @@ class CausalLMModule(L.LightningModule):
         self._step("test", batch)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities)."""
-        if pipeline_of(self.model) is not None:
-            raise ValueError(
-                "CausalLMModule.predict under pipeline parallel (pp > 1) is not available yet: the logits exist on the"
-                " last stage only. Predict with pp=1 (a checkpoint resumes at any pp)."
-            )
+        """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities).
+        Under pipeline parallel the last stage computes them, and every rank returns them."""
         check_batch(batch, self.hf_config)
         self._batch_shape = tuple(batch["input_ids"].shape)
         logits = self(batch["input_ids"], batch.get("attention_mask"))
-        loss_sums, counts = [], []
-        for row in range(batch["input_ids"].size(0)):
+        rows = batch["input_ids"].size(0)
+        scores = torch.zeros(2, rows, device=batch["input_ids"].device)
+        for row in range(rows if logits is not None else 0):  # None: a pipeline stage before the last
             loss_sum, count = causal_lm_loss_sum(logits[row : row + 1], batch["labels"][row : row + 1])
-            loss_sums.append(_plain(loss_sum).detach())
-            counts.append(count)
-        return {"loss_sum": torch.stack(loss_sums), "tokens": torch.stack(counts)}
+            scores[0, row], scores[1, row] = _plain(loss_sum).detach(), count
+        if (pipeline := pipeline_of(self.model)) is not None:
+            scores = pipeline.from_last_stage(scores)
+        return {"loss_sum": scores[0], "tokens": scores[1].long()}
 
     def _step(self, stage: str, batch: dict[str, Tensor]) -> Tensor:
         check_batch(batch, self.hf_config)

@@ -114,10 +114,10 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         :mod:`lightning_automodel.parallel.checkpointing`). ``reshard_after_forward``, ``forward_prefetch`` and
         ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp`. ``pipeline``: how the mesh's
         pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s); see
-        :mod:`lightning_automodel.parallel.pipeline`. Without the strategy, a pipelined model with tied embeddings
-        needs ``pipeline_of(model).share_tied_weights()`` once its weights exist and ``.sum_tied_gradients()``
-        before each optimizer step. Parameters the model pins to
-        fp32 (Hugging Face's ``_keep_in_fp32_modules_strict``) compute in fp32 under any mixed-precision policy.
+        :mod:`lightning_automodel.parallel.pipeline`. Without the strategy, a pipelined model built on the meta
+        device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
+        ``.sum_tied_gradients()`` before each optimizer step. Parameters the model pins to fp32 (Hugging Face's
+        ``_keep_in_fp32_modules_strict``) compute in fp32 under any mixed-precision policy.
 
         Every check that can refuse runs first, on every rank, before any collective: sizes, the tensor-parallel plan
         and a probe step of the model on the meta device (see :mod:`lightning_automodel.parallel.tensor_parallel`).
@@ -127,19 +127,18 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         materialize after this returns.
         """
         meta = is_meta(model)
+        pp = axis_size(device_mesh, "pp")
+        pipeline = (pipeline or PipelineOptions()) if pp > 1 else None
         checked = check_before_collectives(
             model,
             device_mesh,
+            pipeline=pipeline,
             sp=sp,
             tp_plan=tp_plan,
             allow_unsharded_linears=allow_unsharded_linears,
             reshard_after_forward=reshard_after_forward,
             activation_checkpointing=bool(activation_checkpointing),
         )
-        pp = axis_size(device_mesh, "pp")
-        if pp > 1:
-            pipeline = pipeline or PipelineOptions()
-            pipeline.validate(pp, num_layers=len(named_decoder_layers(model)))
         ep = axis_size(device_mesh, "ep")
         reduce_dtype = (mp_policy.reduce_dtype or mp_policy.param_dtype) if mp_policy else None
         problem = expert_precision_problem(model, reduce_dtype) if ep > 1 else None
@@ -149,13 +148,15 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             model.to(device_mesh.device_type)
             broadcast_from_rank0(model)
         planned = checked.planned
-        if pp > 1:
+        stages = None
+        if pipeline is not None:
             embedding = name_of(model, model.get_input_embeddings())
-            stage = pipeline_model(model, device_mesh, pipeline)
+            stages = pipeline_model(model, device_mesh, pipeline)
             if planned is not None:
-                blocks = [name for name, _ in named_decoder_layers(model)]
+                blocks_list = named_decoder_layers(model)[0][0].rsplit(".", 1)[0]
+                blocks = [[f"{blocks_list}.{index}" for index in layers] for layers in stages.layers.values()]
                 planned = dataclasses.replace(planned, styles=stage_stream_boundaries(planned.styles, blocks))
-                stage.receive_stream_as(tp_mesh(device_mesh), stream_placements(planned.styles, embedding))
+                stages.receive_stream_as(tp_mesh(device_mesh), stream_placements(planned.styles, embedding))
         layers = [layer for name, layer in named_decoder_layers(model) if name not in checked.held_by_root]
         if planned is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), planned)
@@ -167,18 +168,19 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if activation_checkpointing:
             apply_activation_checkpointing(model, layers, mode=activation_checkpointing)
         give_every_expert_a_gradient(model)
-        apply_fsdp(
-            model,
-            layers,
-            fsdp_mesh(device_mesh),
-            experts=experts,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            reshard_after_forward=reshard_after_forward,
-            forward_prefetch=forward_prefetch,
-            backward_prefetch=backward_prefetch,
-            fp32_compute_module_names=fp32_pinned_names(model),
-        )
+        for root in stages.stage_modules() if stages is not None else [model]:  # a root per stage a rank holds
+            apply_fsdp(
+                root,
+                [layer for name, layer in named_decoder_layers(root) if name not in checked.held_by_root],
+                fsdp_mesh(device_mesh),
+                experts=experts,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
+                reshard_after_forward=reshard_after_forward,
+                forward_prefetch=forward_prefetch,
+                backward_prefetch=backward_prefetch,
+                fp32_compute_module_names=fp32_pinned_names(model),
+            )
         return model
 
 
@@ -199,6 +201,7 @@ def check_before_collectives(
     allow_unsharded_linears: bool = False,
     reshard_after_forward: bool | None = None,
     activation_checkpointing: bool = False,
+    pipeline: PipelineOptions | None = None,
 ) -> Checked:
     """Every check of :meth:`DefaultParallelizationStrategy.parallelize` that can refuse, run without a collective:
     sizes, a probe step of the model on the meta device, and at tp > 1 the tensor-parallel plan it then applies.
@@ -213,7 +216,11 @@ def check_before_collectives(
     problem = expert_parallel_problem(model, ep=ep) if ep > 1 else None
     if problem is not None:
         raise ValueError(f"ep={ep} (expert parallel): {problem}. Use ep=1 for this model.")
-    check_pipeline(model, pp=axis_size(device_mesh, "pp"), ep=ep)
+    pp = axis_size(device_mesh, "pp")
+    if pp > 1:
+        check_pipeline(
+            model, pipeline or PipelineOptions(), pp=pp, ep=ep, activation_checkpointing=activation_checkpointing
+        )
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
     recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
     if recomputed and (reshard_after_forward or activation_checkpointing):
@@ -238,16 +245,23 @@ def check_before_collectives(
     return Checked(planned, held_by_root=recomputed)
 
 
-def check_pipeline(model: nn.Module, *, pp: int, ep: int) -> None:
-    """At pp > 1: the model splits into stages that compute what it computes whole (see
+def check_pipeline(
+    model: nn.Module, pipeline: PipelineOptions, *, pp: int, ep: int, activation_checkpointing: bool = False
+) -> None:
+    """At pp > 1: the options suit the model, which splits into stages that compute what it computes whole (see
     :mod:`lightning_automodel.parallel.pipeline`), and expert parallel is off (not composed with pipelining yet)."""
-    if pp == 1:
-        return
+    pipeline.validate(pp, num_layers=len(named_decoder_layers(model)))
+    if activation_checkpointing and pipeline.splits_backward():
+        raise ValueError(
+            f"pp_schedule={pipeline.schedule!r} computes the weights' gradients apart from the inputs' (zero bubble),"
+            " which recomputes a checkpointed layer twice: torch's checkpoint fails there. Use"
+            " pp_schedule='Interleaved1F1B', or activation_checkpointing=False."
+        )
     if ep > 1:
         raise ValueError(
             f"pp={pp} with ep={ep}: pipeline parallel does not compose with expert parallel yet; set ep=1."
         )
-    problem = pipeline_problem(model, pp=pp) or stage_split_problem(model)
+    problem = pipeline_problem(model, pp=pp, stages_per_rank=pipeline.stages_per_rank) or stage_split_problem(model)
     if problem is not None:
         raise ValueError(f"pp={pp} (pipeline parallel): {problem}. Use pp=1 for this model.")
 

@@ -13,6 +13,10 @@ model class composes that way is checked on a shrunk replica in this process (:f
 that transforms ``inputs_embeds`` itself is refused there. The module that loops over the layers gets a copy of the
 config with the per-layer settings of the layers it holds, since models read them by loop position.
 
+A rank may hold several stages (virtual stages, for torch's interleaved schedules): stage s of pp x v goes to rank
+s mod pp. The model then keeps the layers of all of them, and each stage is a view of it (:func:`stage_view`) that
+FSDP makes a root of its own, as torch's multi-stage schedules expect one module per stage.
+
 A tied input and output embedding stays tied: the last stage holds a copy of the embedding as its head, and the
 gradients of the two copies are summed over the pp ranks before each optimizer step
 (:meth:`Pipeline.sum_tied_gradients`), so both copies take the same steps as the single tied weight would.
@@ -34,7 +38,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,7 +48,15 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    _PipelineSchedule,
+    get_schedule_class,
+)
 from torch.distributed.tensor import DTensor, Placement
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -54,51 +66,94 @@ from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hit
 
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "final_norm", "ln_f", "norm_f", "ln_final")
 MODEL_INPUTS = ("attention_mask", "position_ids")  # split into micro-batches and given to every stage
+VIRTUAL_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
     """How to pipeline: ``schedule`` is a name of torch's (``get_schedule_class``); ``microbatches`` per step
-    (default: the pp size); ``layers_per_stage`` a manual split (decoder layers of each stage, in order)."""
+    (default: the pp size); ``layers_per_stage`` a manual split (decoder layers of each stage, in order);
+    ``stages_per_rank``: virtual stages each rank holds, for the schedules that interleave them (Interleaved1F1B,
+    LoopedBFS, InterleavedZeroBubble: rank r holds stages r, r + pp, ...). ``loss_fn``: a loss of your own, which
+    the last stage applies to each micro-batch: ``loss_fn(logits, labels)`` returns the micro-batch's loss summed
+    over its tokens (labels as the model's call got them, unshifted), and the pipeline divides it by the global
+    batch's scored tokens (next-token labels other than -100); default: the next-token cross-entropy."""
 
     schedule: str = "1F1B"
     microbatches: int | None = None
     layers_per_stage: Sequence[int] | None = None
+    stages_per_rank: int = 1
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None
 
     def validate(self, pp: int, *, num_layers: int | None = None) -> None:
-        """Refuse a schedule torch lacks or that needs several stages per rank, too few micro-batches, and a manual
-        split not of ``num_layers`` decoder layers (when given)."""
+        """Refuse a schedule torch lacks, a number of stages per rank it does not run, too few micro-batches, and a
+        manual split not of ``num_layers`` decoder layers (when given)."""
+        multi = self._schedule_runs_several_stages()
+        per_rank = self.stages_per_rank
+        if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
+            raise ValueError(f"pp_stages_per_rank={self.stages_per_rank!r} must be a positive integer.")
+        if multi and self.stages_per_rank < 2:
+            raise ValueError(
+                f"pp_schedule={self.schedule!r} runs several stages on every rank: set pp_stages_per_rank=2 (or more)."
+            )
+        if not multi and self.stages_per_rank > 1:
+            raise ValueError(
+                f"pp_stages_per_rank={self.stages_per_rank} needs a schedule that runs several stages per rank:"
+                f" {', '.join(VIRTUAL_STAGE_SCHEDULES)}; {self.schedule!r} runs one."
+            )
+        if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
+            raise ValueError(f"pp_microbatches={self.microbatches!r} must be a positive integer.")
+        microbatches = self.microbatches_for(pp)
+        if self.schedule.lower() == "1f1b" and microbatches < pp:
+            raise ValueError(
+                f"pp_microbatches={microbatches} with pp={pp}: the 1F1B schedule needs at least as many"
+                f" micro-batches as stages. Use pp_microbatches >= {pp}, or pp_schedule='GPipe'."
+            )
+        rounds = max(1, microbatches // pp)  # torch's interleaved schedules run the micro-batches in equal rounds
+        if multi and microbatches % rounds:
+            raise ValueError(
+                f"pp_microbatches={microbatches} with pp={pp}: {self.schedule} runs micro-batches in rounds of pp, so"
+                f" it needs a number below pp or a multiple of {rounds} (e.g. {rounds * pp})."
+            )
+        stages = pp * self.stages_per_rank
+        if self.layers_per_stage is not None and (
+            len(self.layers_per_stage) != stages or any(count < 1 for count in self.layers_per_stage)
+        ):
+            raise ValueError(
+                f"pp_layers_per_stage={list(self.layers_per_stage)}: give {stages} positive layer counts, one per stage"
+                f" (pp={pp} x pp_stages_per_rank={self.stages_per_rank})."
+            )
+        if num_layers is not None:
+            stage_layers(num_layers, stages, self.layers_per_stage)
+
+    def _schedule_runs_several_stages(self) -> bool:
         try:
             schedule_class = get_schedule_class(self.schedule)
         except ValueError as error:
             raise ValueError(f"pp_schedule={self.schedule!r}: {error}") from None
-        if inspect.isabstract(schedule_class) or schedule_class is PipelineScheduleSingle:
+        if inspect.isabstract(schedule_class) or schedule_class in (PipelineScheduleSingle, PipelineScheduleMulti):
             raise ValueError(
-                f"pp_schedule={self.schedule!r} is a base class of torch's schedules: use 'GPipe' or '1F1B'."
+                f"pp_schedule={self.schedule!r} is a base class of torch's schedules: use 'GPipe', '1F1B' or one of"
+                f" {', '.join(VIRTUAL_STAGE_SCHEDULES)}."
             )
-        if not issubclass(schedule_class, PipelineScheduleSingle):
+        if schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
             raise ValueError(
-                f"pp_schedule={self.schedule!r} runs several stages per rank (virtual stages), which is not available"
-                " yet: use 'GPipe' or '1F1B'."
+                f"pp_schedule={self.schedule!r} places a rank's two stages in a V (the first and the last stage on one"
+                f" rank), which is not available yet: use one of {', '.join(VIRTUAL_STAGE_SCHEDULES)}."
             )
-        if self.microbatches is not None and (isinstance(self.microbatches, bool) or self.microbatches < 1):
-            raise ValueError(f"pp_microbatches={self.microbatches!r} must be a positive integer.")
-        if self.microbatches is not None and self.schedule.lower() == "1f1b" and self.microbatches < pp:
-            raise ValueError(
-                f"pp_microbatches={self.microbatches} with pp={pp}: the 1F1B schedule needs at least as many"
-                f" micro-batches as stages. Use pp_microbatches >= {pp}, or pp_schedule='GPipe'."
-            )
-        if self.layers_per_stage is not None and (
-            len(self.layers_per_stage) != pp or any(count < 1 for count in self.layers_per_stage)
-        ):
-            raise ValueError(
-                f"pp_layers_per_stage={list(self.layers_per_stage)}: give pp={pp} positive layer counts, one per stage."
-            )
-        if num_layers is not None:
-            stage_layers(num_layers, pp, self.layers_per_stage)
+        return not issubclass(schedule_class, PipelineScheduleSingle)
 
     def microbatches_for(self, pp: int) -> int:
         return self.microbatches if self.microbatches is not None else pp
+
+    def splits_backward(self) -> bool:
+        """Whether the schedule computes the weights' gradients apart from the inputs' (zero bubble): each runs the
+        layer's backward, so a checkpointed layer would be recomputed twice."""
+        return issubclass(get_schedule_class(self.schedule), ScheduleInterleavedZeroBubble)
+
+    def stages_of_rank(self, rank: int, pp: int) -> list[int]:
+        """The stages pp rank ``rank`` holds, in order: ``rank``, ``rank + pp``, ... (torch's looped placement)."""
+        return [rank + pp * round_ for round_ in range(self.stages_per_rank)]
 
 
 def stage_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None) -> list[range]:
@@ -122,8 +177,9 @@ def stage_layers(num_layers: int, pp: int, layers_per_stage: Sequence[int] | Non
     return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
-def pipeline_problem(model: nn.Module, *, pp: int) -> str | None:
-    """Why ``model`` cannot be split into ``pp`` stages (None if it can), found without any collective."""
+def pipeline_problem(model: nn.Module, *, pp: int, stages_per_rank: int = 1) -> str | None:
+    """Why ``model`` cannot be split into ``pp`` x ``stages_per_rank`` stages (None if it can), found without any
+    collective."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -148,10 +204,28 @@ def pipeline_problem(model: nn.Module, *, pp: int) -> str | None:
             f"{type(model).__name__} adds its experts' load-balancing loss (output_router_logits=True), over the layers"
             " of the last stage only under pp: set output_router_logits=False"
         )
-    layers = len(named_decoder_layers(model))
-    if layers < pp:
-        return f"{type(model).__name__} has {layers} decoder layers, fewer than the pp={pp} stages"
+    layers, stages = len(named_decoder_layers(model)), pp * stages_per_rank
+    if layers < stages:
+        return (
+            f"{type(model).__name__} has {layers} decoder layers, fewer than the {stages} stages (pp={pp} x"
+            f" {stages_per_rank} per rank)"
+        )
+    if stages_per_rank > 1 and (shared := _parameters_beside_blocks(model)):
+        return (
+            f"{type(model).__name__} holds parameters beside its blocks, embedding, final norm and head"
+            f" ({', '.join(shared)}), which a rank's virtual stages would share: use pp_stages_per_rank=1"
+        )
     return None
+
+
+def _parameters_beside_blocks(model: nn.Module) -> list[str]:
+    """Parameters held directly by the model or a module on the way to its blocks, by name."""
+    return [
+        f"{name}.{key}".lstrip(".")
+        for name, module in _path_to_blocks(model)
+        for key, param in module._parameters.items()
+        if param is not None
+    ]
 
 
 def stage_split_problem(model: nn.Module) -> str | None:
@@ -194,21 +268,57 @@ def _split_error(model: nn.Module) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
-def split_into_stage(model: nn.Module, *, layers: range, first: bool, last: bool) -> None:
+def split_into_stage(
+    model: nn.Module, *, layers: Sequence[int], first: bool, last: bool, config: Any | None = None
+) -> None:
     """Keep this stage of ``model`` in place: its decoder ``layers`` under their names, the embedding on the first
-    stage (and on the last when the head is tied to it), the final norm and the head on the last."""
+    stage (and on the last when the head is tied to it), the final norm and the head on the last. ``config``: the
+    whole model's config of the module looping over the layers (default: that module's own)."""
     owner, attribute = _blocks_owner(model)
     blocks = getattr(owner, attribute)
     kept = nn.ModuleList()
     for index in layers:  # a ModuleList iterates its values: the model's own loop runs these layers only
-        kept.add_module(str(index), blocks[index])
+        kept.add_module(str(index), blocks._modules[str(index)])
     setattr(owner, attribute, kept)
-    owner.config = _config_of_layers(owner.config, list(layers))
+    owner.config = _config_of_layers(config or owner.config, list(layers))
     if not first and not (last and is_tied(model)):
         model.base_model.set_input_embeddings(None)
     if not last:
         setattr(owner, _final_norm_name(owner), nn.Identity())
         model.set_output_embeddings(None)
+
+
+def stage_view(model: nn.Module, *, layers: Sequence[int], first: bool, last: bool, config: Any) -> nn.Module:
+    """One of the stages a rank holds when it holds several (virtual stages): a module computing ``layers`` of
+    ``model`` (already split to this rank's layers) as :func:`split_into_stage` would keep them, sharing every
+    submodule with ``model``. Only the modules on the way to the blocks are copied, with their own children and
+    hooks (FSDP makes each view a root of its own) and the same parameters and buffers (none of their own:
+    :func:`pipeline_problem`); ``model`` stays what checkpoints, loading and the export see. ``config``: the whole
+    model's config of the module looping over the layers."""
+    view = _copy_along(model, [name for name, _ in _path_to_blocks(model)][1:])
+    split_into_stage(view, layers=layers, first=first, last=last, config=config)
+    return view
+
+
+def _copy_along(module: nn.Module, path: list[str]) -> nn.Module:
+    """A shallow copy of ``module`` whose children and hooks are its own, and so on along ``path`` (module names
+    inside ``module``, shortest first)."""
+    clone = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, dict | set) and key not in ("_parameters", "_buffers"):
+            clone.__dict__[key] = copy.copy(value)
+    if path:
+        child = path[0].rsplit(".", 1)[-1]
+        clone._modules[child] = _copy_along(module._modules[child], path[1:])
+    return clone
+
+
+def _path_to_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model`` and the modules between it and its list of blocks (their owner last), by name."""
+    owner_name = name_of(model, _blocks_owner(model)[0])
+    parts = owner_name.split(".") if owner_name else []
+    names = ["", *(".".join(parts[: depth + 1]) for depth in range(len(parts)))]
+    return [(name, model.get_submodule(name)) for name in names]
 
 
 def _config_of_layers(config: Any, layers: list[int]) -> Any:
@@ -261,20 +371,39 @@ class PipelinedCausalLMOutput(CausalLMOutputWithPast):
 
 
 class Pipeline:
-    """One rank's stage of a model and the schedule that runs it (built at the first step, once weights exist)."""
+    """One rank's stages of a model and the schedule that runs them (built at the first step, once weights exist).
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, options: PipelineOptions, *, tied: bool) -> None:
+    With one stage per rank the model itself is the stage; with several (virtual stages) the model holds the layers
+    of all of them and each stage is a view of it (:func:`stage_view`), which FSDP makes a root of its own."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        options: PipelineOptions,
+        *,
+        layers: dict[int, range],
+        tied: bool,
+        blocks_config: Any,
+    ) -> None:
+        """``layers``: the decoder layers of each stage this rank holds, by stage index; ``blocks_config``: the whole
+        model's config of the module looping over them (its stage views cut theirs from it)."""
         self.model = model
         self.mesh = mesh
         self.options = options
         self.pp = axis_size(mesh, "pp")
-        self.stage_index = mesh["pp"].get_local_rank()
-        self.first, self.last = self.stage_index == 0, self.stage_index == self.pp - 1
+        self.num_stages = self.pp * options.stages_per_rank
+        self.layers = layers
+        self._blocks_config = blocks_config
+        self.stage_indices = sorted(layers)
+        self.first, self.last = 0 in layers, self.num_stages - 1 in layers
+        self._stage_of_view = {id(model): self.stage_indices[0]}
         self.tied = tied
         self.in_schedule = False
         self._loss_scale = torch.tensor(1.0)
-        self._stage: PipelineStage | None = None
-        self._schedules: dict[bool, PipelineScheduleSingle] = {}
+        self._views: list[nn.Module] | None = None
+        self._stages: list[PipelineStage] | None = None
+        self._schedules: dict[bool, _PipelineSchedule] = {}
         self._batch_shape: tuple[int, ...] | None = None
         self._tied_layout: tuple[tuple[int, ...], torch.dtype] | None = None
         self._totals: list[Tensor] = []
@@ -282,19 +411,38 @@ class Pipeline:
         self._computed: dict[str, Tensor] = {}
         self._parameters: dict[str, nn.Parameter] | None = None
 
+    def stage_modules(self) -> list[nn.Module]:
+        """The module each of this rank's stages runs, in stage order: the model itself when it holds one stage, else
+        views of it (made at the first call: after tensor parallel and before FSDP, which makes each a root)."""
+        if self._views is None:
+            self._views = (
+                [self.model] if len(self.stage_indices) == 1 else [self._view(index) for index in self.stage_indices]
+            )
+        return self._views
+
+    def _view(self, stage: int) -> nn.Module:
+        first, last = stage == 0, stage == self.num_stages - 1
+        view = stage_view(self.model, layers=self.layers[stage], first=first, last=last, config=self._blocks_config)
+        self._stage_of_view[id(view)] = stage
+        return view
+
     @property
     def group(self) -> dist.ProcessGroup:
         return self.mesh["pp"].get_group()
 
-    def schedule(self, *, with_loss: bool) -> PipelineScheduleSingle:
-        """The schedule over this rank's stage (one stage, two schedules): with the loss (training, evaluating with
-        labels) or forward only (logits without labels). Built at first use, once the weights exist."""
+    def schedule(self, *, with_loss: bool) -> _PipelineSchedule:
+        """The schedule over this rank's stages (the same stages, two schedules): with the loss (training, evaluating
+        with labels) or forward only (logits without labels). Built at first use, once the weights exist."""
         if with_loss not in self._schedules:
-            if self._stage is None:
-                self._stage = PipelineStage(self.model, self.stage_index, self.pp, self._device(), group=self.group)
+            if self._stages is None:
+                self._stages = [
+                    PipelineStage(module, index, self.num_stages, self._device(), group=self.group)
+                    for module, index in zip(self.stage_modules(), self.stage_indices, strict=True)
+                ]
             schedule_class = get_schedule_class(self.options.schedule)
+            stages = self._stages if issubclass(schedule_class, PipelineScheduleMulti) else self._stages[0]
             loss = dict(loss_fn=self._loss, scale_grads=False) if with_loss else {}
-            self._schedules[with_loss] = schedule_class(self._stage, self.options.microbatches_for(self.pp), **loss)
+            self._schedules[with_loss] = schedule_class(stages, self.options.microbatches_for(self.pp), **loss)
         return self._schedules[with_loss]
 
     def receive_stream_as(self, mesh: DeviceMesh, placements: tuple[Placement, ...] | None) -> None:
@@ -303,14 +451,16 @@ class Pipeline:
         under sequence parallel), so that the model's code sees the whole sequence; None: as a whole tensor."""
         self._stream_layout = (mesh, placements) if placements is not None else None
 
-    def stage_forward(self, stream: Tensor, **inputs: Any) -> Tensor:
-        """This stage's part of the model: token ids (first stage) or hidden states in, hidden states or logits out."""
-        if not self.first and self._stream_layout is not None:
+    def stage_forward(self, module: nn.Module, stream: Tensor, **inputs: Any) -> Tensor:
+        """The part of the model a stage's ``module`` computes: token ids (first stage) or hidden states in, hidden
+        states or logits out."""
+        stage = self._stage_of_view[id(module)]
+        if stage > 0 and self._stream_layout is not None:
             stream = DTensor.from_local(stream, *self._stream_layout, run_check=False)
-        given = {"input_ids": stream} if self.first else {"inputs_embeds": stream}
-        if self.last:
-            return _original_forward(self.model)(**given, **inputs, use_cache=False).logits
-        return _local(self.model.base_model(**given, **inputs, use_cache=False).last_hidden_state)
+        given = {"input_ids": stream} if stage == 0 else {"inputs_embeds": stream}
+        if stage == self.num_stages - 1:
+            return _original_forward(module)(**given, **inputs, use_cache=False).logits
+        return _local(module.base_model(**given, **inputs, use_cache=False).last_hidden_state)
 
     def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> PipelinedCausalLMOutput:
         """One schedule step over the whole batch. Trains (forward and backward) when gradients are enabled and the
@@ -329,13 +479,16 @@ class Pipeline:
                 " the last stage computes the loss: call it with labels, as `self.model(input_ids=..., labels=...)"
                 ".loss` (or `self.model(**batch).loss`), and return that loss from training_step. A loss computed"
                 " from the logits in training_step cannot be: the logits exist on the last stage only, one micro-batch"
-                " at a time."
+                " at a time. For a loss of your own, give the strategy pp_loss_fn=f, f(logits, labels) returning a"
+                " micro-batch's loss summed over its tokens: the last stage applies it."
             )
         self._check_sequence_split(input_ids)
         if labels is not None:
             self._loss_scale = self._global_token_scale(labels)
         if tuple(input_ids.shape) != self._batch_shape:  # a stage sizes what it receives at its first step
-            self._stage, self._schedules, self._batch_shape = None, {}, tuple(input_ids.shape)
+            self._stages, self._schedules, self._batch_shape = None, {}, tuple(input_ids.shape)
+        for module in self.stage_modules():  # views: the modules copied for them keep their own mode
+            module.train(self.model.training)
         schedule = self.schedule(with_loss=labels is not None)
         args = (input_ids,) if self.first else ()
         targets = {"target": labels} if self.last and labels is not None else {}
@@ -397,7 +550,7 @@ class Pipeline:
         if self._parameters is None:
             names = {id(module): name for name, module in self.model.named_modules()}
             self._parameters = {}
-            for module in self.model.modules():
+            for module in {id(module): module for module in [*self.model.modules(), *self.stage_modules()]}.values():
                 groups = module._get_fsdp_state()._fsdp_param_groups if isinstance(module, FSDPModule) else []
                 for fsdp_param in (fsdp_param for group in groups for fsdp_param in group.fsdp_params):
                     owner = fsdp_param._module_info
@@ -419,7 +572,10 @@ class Pipeline:
 
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """A micro-batch's share of the global token mean; its summed loss, tokens and next-token hits are kept."""
-        loss_sum, tokens = causal_lm_loss_sum(logits, labels)
+        if self.options.loss_fn is None:
+            loss_sum, tokens = causal_lm_loss_sum(logits, labels)
+        else:
+            loss_sum, tokens = self.options.loss_fn(logits, labels), (next_token_targets(labels) != -100).sum()
         hits, _ = next_token_hits(logits, labels)
         self._totals.append(torch.stack([_local(loss_sum).detach(), tokens.float(), hits.float()]))
         return loss_sum * self._loss_scale
@@ -438,9 +594,13 @@ class Pipeline:
         and the loss once more, before them."""
         microbatches = self.options.microbatches_for(self.pp)
         totals = torch.stack(self._totals[-microbatches:]).sum(0) if self.last else torch.zeros(3)
-        totals = totals.to(device=self._device(), dtype=torch.float32)
-        dist.broadcast(totals, group=self.group, group_src=self.pp - 1)
-        return totals
+        return self.from_last_stage(totals)
+
+    def from_last_stage(self, tensor: Tensor) -> Tensor:
+        """The last stage's ``tensor`` (fp32, of the same shape on every stage) on every stage of the pipeline."""
+        tensor = tensor.to(device=self._device(), dtype=torch.float32)
+        dist.broadcast(tensor, group=self.group, group_src=self.pp - 1)
+        return tensor
 
     def sum_tied_gradients(self) -> None:
         """Sum the gradients of the tied embedding's two copies (first and last stage) over the pp ranks; the stages
@@ -461,8 +621,16 @@ class Pipeline:
         key = next(key for key, param in embedding.named_parameters() if param is embedding.weight)
         return self._sharded_parameters()[f"{module}.{key}" if module else key]
 
-    def share_tied_weights(self) -> None:
-        """Give the last stage's copy of a tied embedding the first stage's values (after initialization)."""
+    def adopt_weights(self) -> None:
+        """Once the weights exist (materialized from the meta device, or loaded): the last stage's copy of a tied
+        embedding takes the first stage's values, and stage views (several stages per rank), FSDP roots the model's
+        ``to_empty`` does not reach, take the parameters it registered."""
+        if len(self.stage_indices) > 1:
+            for view in self.stage_modules():
+                for group in view._get_fsdp_state()._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.reset_sharded_param()
+            self._parameters = None
         if self.tied:
             with torch.no_grad():
                 dist.broadcast(self._tied_local(gradient=False), group=self.group, group_src=0)
@@ -502,7 +670,7 @@ class PipelinedModel(nn.Module):
 
     def forward(self, input_ids: Tensor | None = None, *args: Any, labels: Tensor | None = None, **inputs: Any) -> Any:
         if self.pipeline.in_schedule:
-            return self.pipeline.stage_forward(input_ids, *args, **inputs)
+            return self.pipeline.stage_forward(self, input_ids, *args, **inputs)
         unknown = [name for name, value in inputs.items() if value is not None and name not in MODEL_INPUTS]
         if args or input_ids is None or unknown:
             raise ValueError(
@@ -520,11 +688,12 @@ def pipeline_model(model: nn.Module, mesh: DeviceMesh, options: PipelineOptions)
     Done before tensor parallel and FSDP: they then shard only what the stage holds, and FSDP's root is the stage
     the schedule calls (torch's stage defers FSDP's gradient reduction to the last micro-batch for it)."""
     pp = axis_size(mesh, "pp")
-    stage = mesh["pp"].get_local_rank()
-    layers = stage_layers(len(named_decoder_layers(model)), pp, options.layers_per_stage)[stage]
-    tied = is_tied(model)
-    split_into_stage(model, layers=layers, first=stage == 0, last=stage == pp - 1)
-    pipeline = Pipeline(model, mesh, options, tied=tied)
+    stages = stage_layers(len(named_decoder_layers(model)), pp * options.stages_per_rank, options.layers_per_stage)
+    layers = {stage: stages[stage] for stage in options.stages_of_rank(mesh["pp"].get_local_rank(), pp)}
+    tied, blocks_config = is_tied(model), _blocks_owner(model)[0].config
+    held = [index for stage in sorted(layers) for index in layers[stage]]
+    split_into_stage(model, layers=held, first=0 in layers, last=len(stages) - 1 in layers)
+    pipeline = Pipeline(model, mesh, options, layers=layers, tied=tied, blocks_config=blocks_config)
     model.__class__ = type(f"Pipelined{type(model).__name__}", (PipelinedModel, type(model)), {})
     model.pipeline = pipeline
     return pipeline
@@ -536,9 +705,10 @@ def pipeline_of(model: nn.Module) -> Pipeline | None:
     return getattr(hf_model, "pipeline", None) if isinstance(hf_model, PipelinedModel) else None
 
 
-def bubble_fraction(pp: int, microbatches: int) -> float:
-    """The idle share of a single-stage schedule's step: (p - 1) / (m + p - 1)."""
-    return (pp - 1) / (microbatches + pp - 1)
+def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The idle share of a schedule's step with ``stages_per_rank`` (v) stages per rank: (p - 1) / (v m + p - 1); a
+    rank waits for p - 1 stages' worth of work, each a v-th of its share."""
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
 
 
 __all__ = [

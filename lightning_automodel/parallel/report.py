@@ -84,27 +84,40 @@ class PlanReport:
     def _pipeline_lines(self) -> list[str]:
         assert self.pipeline is not None
         microbatches = self.pipeline.microbatches_for(self.dims.pp)
-        bubble = bubble_fraction(self.dims.pp, microbatches)
+        per_rank = self.pipeline.stages_per_rank
+        bubble = bubble_fraction(self.dims.pp, microbatches, per_rank)
+        virtual = f" x {per_rank} stages per rank" if per_rank > 1 else " stages"
         lines = [
-            f"pipeline: pp={self.dims.pp} stages, schedule {self.pipeline.schedule}, {microbatches} micro-batches per"
-            f" step; idle (bubble) fraction (p-1)/(m+p-1) = {bubble:.1%}"
+            f"pipeline: pp={self.dims.pp}{virtual}, schedule {self.pipeline.schedule}, {microbatches} micro-batches"
+            f" per step; idle (bubble) fraction (p-1)/({'vm' if per_rank > 1 else 'm'}+p-1) = {bubble:.1%}"
         ]
-        for index, stage in enumerate(self.stages):
-            parts = ["embedding"] * (index == 0) + [_layer_span(stage.layers)] + ["norm, head"] * stage.last
+        last = self.dims.pp * per_rank - 1
+        for stage in self.stages:
+            held = [
+                _stage_parts(index, layers, last=last, numbered=per_rank > 1) for index, layers in stage.layers.items()
+            ]
             lines.append(
-                f"  stage {index} (ranks {stage.ranks}): {', '.join(parts)}; {stage.parameters_per_rank:,} parameters"
-                f" per rank, {_gib(_TRAINING_COPIES * stage.parameter_bytes_per_rank)} with gradients and AdamW state"
+                f"  {'pp rank' if per_rank > 1 else 'stage'} {stage.pp_rank} (ranks {stage.ranks}): {'; '.join(held)};"
+                f" {stage.parameters_per_rank:,} parameters per rank,"
+                f" {_gib(_TRAINING_COPIES * stage.parameter_bytes_per_rank)} with gradients and AdamW state"
             )
         return lines
 
 
 @dataclass
 class StageReport:
-    layers: range
-    last: bool
+    """What one pp rank's group of ranks holds: its stages' decoder layers, by stage index."""
+
+    pp_rank: int
+    layers: dict[int, range]
     ranks: str
     parameters_per_rank: int
     parameter_bytes_per_rank: int
+
+
+def _stage_parts(index: int, layers: range, *, last: int, numbered: bool) -> str:
+    parts = ["embedding"] * (index == 0) + [_layer_span(layers)] + ["norm, head"] * (index == last)
+    return f"{f'stage {index}: ' if numbered else ''}{', '.join(parts)}"
 
 
 def _layer_span(layers: range) -> str:
@@ -136,18 +149,18 @@ def plan_report(
         held = _parallelized(model, dims, rank=rank, report=report, options=options)
         report.parameters_per_rank, report.parameter_bytes_per_rank = held
         return report
-    report.pipeline = pipeline or PipelineOptions()
-    layers = stage_layers(len(named_decoder_layers(model)), dims.pp, report.pipeline.layers_per_stage)
+    report.pipeline = pipeline = pipeline or PipelineOptions()
+    stages = dims.pp * pipeline.stages_per_rank
+    layers = stage_layers(len(named_decoder_layers(model)), stages, pipeline.layers_per_stage)
     ranks_per_stage = dims.world_size // dims.pp
-    copies = [copy.deepcopy(model) for _ in layers]
-    for stage, (held_layers, stage_copy) in enumerate(zip(layers, copies, strict=True)):
-        first_rank = stage * ranks_per_stage  # pp is the outermost axis
-        described = report if stage == 0 else None
-        held = _parallelized(
-            stage_copy, dims, rank=first_rank, report=described, options=options, pipeline=report.pipeline
-        )
+    copies = [copy.deepcopy(model) for _ in range(dims.pp)]
+    for pp_rank, stage_copy in enumerate(copies):
+        first_rank = pp_rank * ranks_per_stage  # pp is the outermost axis
+        described = report if pp_rank == 0 else None
+        held = _parallelized(stage_copy, dims, rank=first_rank, report=described, options=options, pipeline=pipeline)
         ranks = f"{first_rank}-{first_rank + ranks_per_stage - 1}" if ranks_per_stage > 1 else str(first_rank)
-        report.stages.append(StageReport(held_layers, stage == dims.pp - 1, ranks, *held))
+        held_layers = {index: layers[index] for index in pipeline.stages_of_rank(pp_rank, dims.pp)}
+        report.stages.append(StageReport(pp_rank, held_layers, ranks, *held))
     largest = max(report.stages, key=lambda stage: stage.parameter_bytes_per_rank)
     report.parameters_per_rank = largest.parameters_per_rank
     report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank

@@ -133,18 +133,19 @@ def _stream_boundaries(blocks: list[str], trace: Trace) -> TPPlan:
     return boundaries
 
 
-def stage_stream_boundaries(styles: Mapping[str, ParallelStyle], blocks: list[str]) -> TPPlan:
-    """``styles`` for a pipeline stage holding ``blocks`` (consecutive blocks of the model's one list): the stream
-    split where the stage's first block begins and gathered where its last ends, as it was where the whole model's
-    blocks began and ended, so that stages hand each other whole tensors."""
+def stage_stream_boundaries(styles: Mapping[str, ParallelStyle], stages: list[list[str]]) -> TPPlan:
+    """``styles`` for a rank holding pipeline ``stages`` (each a list of consecutive blocks of the model's one list):
+    the stream split where each stage's first block begins and gathered where its last ends, as it was where the
+    whole model's blocks began and ended, so that stages hand each other whole tensors."""
     boundaries = {name: style for name, style in styles.items() if isinstance(style, SequenceShardedStream)}
     if not boundaries:
         return dict(styles)
     begins_at = next(style.begins_at for style in boundaries.values() if style.begins_at is not None)
     staged = {name: style for name, style in styles.items() if name not in boundaries}
-    first, last = blocks[0], blocks[-1]
-    staged[last] = SequenceShardedStream(ends=True)
-    staged[first] = SequenceShardedStream(begins_at=begins_at, ends=first == last)
+    for blocks in stages:
+        first, last = blocks[0], blocks[-1]
+        staged[last] = SequenceShardedStream(ends=True)
+        staged[first] = SequenceShardedStream(begins_at=begins_at, ends=first == last)
     return staged
 
 

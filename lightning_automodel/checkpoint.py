@@ -143,14 +143,26 @@ def load_sharded_checkpoint(
     _load({"state_dict": model_state}, path, stored, strict=strict)
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict and not trainable_only))
     for index, optimizer in enumerate(optimizers):
-        optimizer_state = get_optimizer_state_dict(module, optimizer)
-        held = [group["params"] for group in optimizer_state["param_groups"]]
-        _load({f"optimizer_{index}": optimizer_state}, path, stored, strict=False)
-        for group, params in zip(optimizer_state["param_groups"], held, strict=True):
-            group["params"] = params  # the checkpoint's list is one rank's names: under pp, another stage's
-        options = StateDictOptions(cpu_offload=True)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state, options=options)
+        _load_optimizer(path, stored, module, optimizer, key=f"optimizer_{index}")
     return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def _load_optimizer(path: Path, stored: dict[str, Any], module: nn.Module, optimizer: Optimizer, *, key: str) -> None:
+    """Load the state and each param group's settings (learning rate, betas, ...) of ``optimizer`` by the group's
+    position. A checkpoint holds the groups' parameter names once, as one rank saved them: under pipeline parallel
+    the ranks hold other parameters, and torch, matching groups by those names, would give a group of this rank
+    none of the checkpoint's settings (nor one holding no parameter here)."""
+    optimizer_state = get_optimizer_state_dict(module, optimizer)
+    held = [list(group["params"]) for group in optimizer_state["param_groups"]]
+    _load({key: optimizer_state}, path, stored, strict=False)
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer_state["param_groups"]]
+    for group, params in zip(optimizer_state["param_groups"], held, strict=True):
+        group["params"] = params
+    set_optimizer_state_dict(
+        module, optimizer, optim_state_dict=optimizer_state, options=StateDictOptions(cpu_offload=True)
+    )
+    for group, saved in zip(optimizer.param_groups, settings, strict=True):
+        group.update(saved)
 
 
 def check_checkpoint(path: Path) -> None:

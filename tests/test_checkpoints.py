@@ -3,6 +3,8 @@
 from functools import partial
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from checkpoint_checks import (
     FAMILIES,
     assert_converted,
@@ -12,6 +14,10 @@ from checkpoint_checks import (
     check_save_unsharded_resume_sharded,
 )
 from harness import run_checks
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from lightning_automodel.checkpoint import load_sharded_checkpoint
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -29,3 +35,26 @@ def test_resume_exactly_and_into_other_layouts(tmp_path, family):
 def test_data_position_restored_mid_epoch(tmp_path):
     """Resumed mid-epoch at tp=2 x dp_shard=2: a stateful loader continues at the next batch."""
     run_checks(4, [partial(check_data_position_restored, str(tmp_path), 2)])
+
+
+def test_optimizer_settings_load_by_group_position(tmp_path):
+    """A checkpoint holds the param groups' parameter names as one rank saved them; under pp another rank holds other
+    parameters (here: "b" and "c" where "a" and "b" were saved), and a group may hold none. Each group takes the saved
+    settings of the group at its position, and its parameters the state the checkpoint holds for them."""
+    saving = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+    groups = [{"params": saving["a"].parameters(), "lr": 0.1}, {"params": [], "lr": 0.2}]
+    optimizer = torch.optim.AdamW([*groups, {"params": saving["b"].parameters(), "lr": 0.3}], betas=(0.5, 0.6))
+    (saving["a"](torch.ones(1, 2)) + saving["b"](torch.ones(1, 2))).sum().backward()
+    optimizer.step()
+    state = {"state_dict": get_model_state_dict(saving), "optimizer_0": get_optimizer_state_dict(saving, optimizer)}
+    dcp.save(state, checkpoint_id=tmp_path)
+    torch.save({}, tmp_path / _METADATA_FILENAME)
+    stage = torch.nn.ModuleDict({"b": torch.nn.Linear(2, 2), "c": torch.nn.Linear(2, 2)})
+    groups = [{"params": stage["c"].parameters()}, {"params": []}, {"params": stage["b"].parameters()}]
+    resumed = torch.optim.AdamW(groups, lr=1.0)
+    load_sharded_checkpoint(tmp_path, stage, [resumed], strict=False)
+    assert [group["lr"] for group in resumed.param_groups] == [0.1, 0.2, 0.3]
+    assert all(group["betas"] == (0.5, 0.6) for group in resumed.param_groups)
+    saved_moments = optimizer.state[saving["b"].weight]["exp_avg"]
+    assert torch.equal(resumed.state[stage["b"].weight]["exp_avg"], saved_moments)
+    resumed.step()  # every group has what AdamW reads

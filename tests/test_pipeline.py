@@ -80,7 +80,8 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
 def test_stage_views_share_the_model_and_refuse_shared_parameters():
     """Two stages on one rank are views of one model: their blocks, embedding and head are the model's own modules,
     each view loops over its layers only (with the per-layer settings of those), and the model keeps every layer
-    under its name. A parameter held beside the blocks, which both views would hold, refuses virtual stages."""
+    under its name. Parameters beside the blocks, embedding, norm and head (held directly or by another child),
+    which both views would hold, refuse virtual stages."""
     model = tiny_model("gemma3", num_hidden_layers=4, **MIXED_LAYERS)
     split_into_stage(model, layers=[0, 2], first=True, last=False)
     whole_config = tiny_model("gemma3", num_hidden_layers=4, **MIXED_LAYERS).model.config
@@ -96,6 +97,7 @@ def test_stage_views_share_the_model_and_refuse_shared_parameters():
     with_scale = tiny_model(num_hidden_layers=4)
     with_scale.model.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
     assert pipeline_problem(with_scale, pp=2) is None
-    assert "(model.scale), which a rank's virtual stages would share" in pipeline_problem(
+    with_scale.model.add_module("extra", torch.nn.Linear(2, 2, bias=False))
+    assert "(model.scale, model.extra.weight), which a rank's virtual stages would share" in pipeline_problem(
         with_scale, pp=2, stages_per_rank=2
     )

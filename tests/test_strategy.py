@@ -104,7 +104,7 @@ def test_constructible_from_lightning_cli():
         (dict(pp=2, pp_stages_per_rank=2), "needs a schedule that runs several stages per rank"),
         (dict(pp=2, pp_schedule="ZBVZeroBubble", pp_stages_per_rank=2), "in a V"),
         (dict(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=0), "must be a positive integer"),
-        (dict(pp=2, pp_schedule="LoopedBFS", pp_stages_per_rank=2, pp_microbatches=5), "multiple of 2"),
+        (dict(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2, pp_microbatches=5), "2 rounds of equal"),
         (dict(pp=2, pp_schedule="PipelineScheduleSingle"), "a base class of torch's schedules"),
         (dict(pp=2, pp_schedule="PipelineScheduleMulti"), "a base class of torch's schedules"),
         (dict(pp=2, cpu_offload=True), "pp=2 with cpu_offload=True is not supported yet"),

@@ -135,6 +135,8 @@ class CausalLMModule(L.LightningModule):
         """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities).
         Under pipeline parallel the last stage computes them, and every rank returns them."""
         check_batch(batch, self.hf_config)
+        if "labels" not in batch:  # refused on every rank, before any stage waits for the last one
+            raise ValueError("CausalLMModule's predict scores each sequence against its labels: give batches labels.")
         self._batch_shape = tuple(batch["input_ids"].shape)
         logits = self(batch["input_ids"], batch.get("attention_mask"))
         rows = batch["input_ids"].size(0)

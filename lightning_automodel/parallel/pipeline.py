@@ -52,6 +52,7 @@ from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
     _PipelineSchedule,
@@ -110,10 +111,11 @@ class PipelineOptions:
                 f" micro-batches as stages. Use pp_microbatches >= {pp}, or pp_schedule='GPipe'."
             )
         rounds = max(1, microbatches // pp)  # torch's interleaved schedules run the micro-batches in equal rounds
-        if multi and microbatches % rounds:
+        if self._runs_rounds() and microbatches % rounds:
             raise ValueError(
-                f"pp_microbatches={microbatches} with pp={pp}: {self.schedule} runs micro-batches in rounds of pp, so"
-                f" it needs a number below pp or a multiple of {rounds} (e.g. {rounds * pp})."
+                f"pp_microbatches={microbatches} with pp={pp}: {self.schedule} runs the micro-batches in"
+                f" pp_microbatches // pp = {rounds} rounds of equal size, which {microbatches} does not split into:"
+                f" use a multiple of pp (e.g. {rounds * pp}), or fewer micro-batches than pp."
             )
         stages = pp * self.stages_per_rank
         if self.layers_per_stage is not None and (
@@ -145,6 +147,9 @@ class PipelineOptions:
 
     def microbatches_for(self, pp: int) -> int:
         return self.microbatches if self.microbatches is not None else pp
+
+    def _runs_rounds(self) -> bool:
+        return issubclass(get_schedule_class(self.schedule), ScheduleInterleaved1F1B | ScheduleInterleavedZeroBubble)
 
     def splits_backward(self) -> bool:
         """Whether the schedule computes the weights' gradients apart from the inputs' (zero bubble): each runs the
@@ -219,13 +224,13 @@ def pipeline_problem(model: nn.Module, *, pp: int, stages_per_rank: int = 1) -> 
 
 
 def _parameters_beside_blocks(model: nn.Module) -> list[str]:
-    """Parameters held directly by the model or a module on the way to its blocks, by name."""
-    return [
-        f"{name}.{key}".lstrip(".")
-        for name, module in _path_to_blocks(model)
-        for key, param in module._parameters.items()
-        if param is not None
-    ]
+    """Parameters of the model outside its blocks, input embedding, final norm and head, by name: every stage view
+    of a rank would hold them."""
+    owner, attribute = _blocks_owner(model)
+    parts = [getattr(owner, attribute), model.get_input_embeddings(), model.get_output_embeddings()]
+    parts.append(getattr(owner, _final_norm_name(owner)))
+    placed = {id(param) for part in parts if part is not None for param in part.parameters()}
+    return [name for name, param in model.named_parameters() if id(param) not in placed]
 
 
 def stage_split_problem(model: nn.Module) -> str | None:
@@ -280,7 +285,7 @@ def split_into_stage(
     for index in layers:  # a ModuleList iterates its values: the model's own loop runs these layers only
         kept.add_module(str(index), blocks._modules[str(index)])
     setattr(owner, attribute, kept)
-    owner.config = _config_of_layers(config or owner.config, list(layers))
+    owner.config = _config_of_layers(config if config is not None else owner.config, list(layers))
     if not first and not (last and is_tied(model)):
         model.base_model.set_input_embeddings(None)
     if not last:
@@ -294,7 +299,9 @@ def stage_view(model: nn.Module, *, layers: Sequence[int], first: bool, last: bo
     submodule with ``model``. Only the modules on the way to the blocks are copied, with their own children and
     hooks (FSDP makes each view a root of its own) and the same parameters and buffers (none of their own:
     :func:`pipeline_problem`); ``model`` stays what checkpoints, loading and the export see. ``config``: the whole
-    model's config of the module looping over the layers."""
+    model's config of the module looping over the layers. Made after tensor parallel, whose hooks the copies keep:
+    hooks registered on those modules later reach the model only, and casts or moves of the model after FSDP reach
+    the views' units only through :meth:`Pipeline.adopt_weights`."""
     view = _copy_along(model, [name for name, _ in _path_to_blocks(model)][1:])
     split_into_stage(view, layers=layers, first=first, last=last, config=config)
     return view
@@ -426,6 +433,18 @@ class Pipeline:
         self._stage_of_view[id(view)] = stage
         return view
 
+    def _sync_view_modes(self) -> None:
+        """Give the modules copied for the views the training mode of those they copy (the rest they share)."""
+        if len(self.stage_indices) > 1:
+            for view in self.stage_modules():
+                for name, module in _path_to_blocks(view):
+                    module.training = self.model.get_submodule(name).training
+
+    def _fsdp_units(self) -> list[FSDPModule]:
+        """The FSDP units of the model and of its stage views (whose copied modules may be units of their own)."""
+        modules = [*self.model.modules(), *(module for view in self.stage_modules() for module in view.modules())]
+        return list({id(module): module for module in modules if isinstance(module, FSDPModule)}.values())
+
     @property
     def group(self) -> dist.ProcessGroup:
         return self.mesh["pp"].get_group()
@@ -487,8 +506,7 @@ class Pipeline:
             self._loss_scale = self._global_token_scale(labels)
         if tuple(input_ids.shape) != self._batch_shape:  # a stage sizes what it receives at its first step
             self._stages, self._schedules, self._batch_shape = None, {}, tuple(input_ids.shape)
-        for module in self.stage_modules():  # views: the modules copied for them keep their own mode
-            module.train(self.model.training)
+        self._sync_view_modes()
         schedule = self.schedule(with_loss=labels is not None)
         args = (input_ids,) if self.first else ()
         targets = {"target": labels} if self.last and labels is not None else {}
@@ -550,9 +568,8 @@ class Pipeline:
         if self._parameters is None:
             names = {id(module): name for name, module in self.model.named_modules()}
             self._parameters = {}
-            for module in {id(module): module for module in [*self.model.modules(), *self.stage_modules()]}.values():
-                groups = module._get_fsdp_state()._fsdp_param_groups if isinstance(module, FSDPModule) else []
-                for fsdp_param in (fsdp_param for group in groups for fsdp_param in group.fsdp_params):
+            for unit in self._fsdp_units():
+                for fsdp_param in (fsdp_param for group in _param_groups(unit) for fsdp_param in group.fsdp_params):
                     owner = fsdp_param._module_info
                     prefix = names[id(owner.module)]
                     name = f"{prefix}.{owner.param_name}" if prefix else owner.param_name
@@ -623,14 +640,14 @@ class Pipeline:
 
     def adopt_weights(self) -> None:
         """Once the weights exist (materialized from the meta device, or loaded): the last stage's copy of a tied
-        embedding takes the first stage's values, and stage views (several stages per rank), FSDP roots the model's
-        ``to_empty`` does not reach, take the parameters it registered."""
-        if len(self.stage_indices) > 1:
-            for view in self.stage_modules():
-                for group in view._get_fsdp_state()._fsdp_param_groups:
-                    for fsdp_param in group.fsdp_params:
-                        fsdp_param.reset_sharded_param()
-            self._parameters = None
+        embedding takes the first stage's values, and the FSDP units of stage views (several stages per rank) that
+        the model's ``to_empty`` does not reach (the views' copied modules) take the parameters it registered."""
+        in_model = {id(module) for module in self.model.modules()}
+        for unit in self._fsdp_units():
+            if id(unit) not in in_model:
+                for fsdp_param in (param for group in _param_groups(unit) for param in group.fsdp_params):
+                    fsdp_param.reset_sharded_param()
+        self._parameters = None
         if self.tied:
             with torch.no_grad():
                 dist.broadcast(self._tied_local(gradient=False), group=self.group, group_src=0)
@@ -652,6 +669,11 @@ class Pipeline:
 
     def _device(self) -> torch.device:
         return next(iter(self.model.parameters())).device
+
+
+def _param_groups(unit: FSDPModule) -> list:
+    """The parameter groups FSDP's state keeps for ``unit`` (torch's pipeline stage reads them too)."""
+    return unit._get_fsdp_state()._fsdp_param_groups
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ import ctypes
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -125,7 +126,22 @@ def _start(out_dir: Path, launcher: str, world: int, nodes: int, options: list[s
             processes.append(
                 subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
+        if launcher == "torchrun" and index == 0:
+            _wait_for_rendezvous(port, processes[0], out_dir)
     return processes
+
+
+def _wait_for_rendezvous(port: int, agent: subprocess.Popen, out_dir: Path) -> None:
+    """Until the first agent serves the rendezvous store: on a cluster, the node named by ``--rdzv-endpoint`` serves
+    it. Agents started together on one machine would race for the port, and the store would sometimes live in the
+    agent of the node that loses a rank, whose exit then breaks the other agent before it reports its rank's exit."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and agent.poll() is None:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"the first torchrun agent did not serve its rendezvous in 60 s:\n{_logs(out_dir)}")
 
 
 def _wait_for_training(out_dir: Path, processes: list, world: int, after_step: int) -> dict[int, int]:

@@ -7,7 +7,15 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning_checks import GLOBAL_BATCH, CausalLM, compare_training, data, reference_run, trainer
+from lightning_checks import (
+    GLOBAL_BATCH,
+    CausalLM,
+    assert_experts_distributed,
+    compare_training,
+    data,
+    reference_run,
+    trainer,
+)
 from lm_checks import (
     HPARAMS,
     RecordingLM,
@@ -80,6 +88,7 @@ def check_pipeline_trainer_parity(
     activation_checkpointing: bool = False,
     tp: int = 1,
     sp: bool = False,
+    ep: int = 1,
     stages_per_rank: int = 1,
     config: dict | None = None,
     own_loss: bool = False,
@@ -97,6 +106,7 @@ def check_pipeline_trainer_parity(
         pp_stages_per_rank=stages_per_rank,
         pp_loss_fn=z_loss_sum if own_loss else None,
         dp_replicate=dp_replicate,
+        ep=ep,
         activation_checkpointing=activation_checkpointing,
     )
     module = HFLossCausalLM(tiny_model(family, seed=dist.get_rank(), **config))
@@ -105,6 +115,7 @@ def check_pipeline_trainer_parity(
     fit.fit(module, data(dp), data(dp))
     pipeline = pipeline_of(module.model)
     assert pipeline is not None and pipeline.pp == pp and len(pipeline.stage_modules()) == stages_per_rank
+    assert_experts_distributed(module.model, ep=ep)
     reference = tiny_model(family, **config)
     loss = z_loss if own_loss else hf_loss
     result = compare_training(module, reference, reference_run(reference, loss=loss), stages=True)
@@ -116,21 +127,23 @@ def check_pipeline_trainer_parity(
     return result
 
 
-def check_pipeline_accumulation_and_clipping(pp: int) -> dict:
-    """accumulate_grad_batches=2 over half batches and gradient_clip_val under pp, with a tied embedding (Gemma 3).
-    With SGD every update is lr times the clipped gradient, so a norm missing a stage or counting the tied copy twice
-    moves every weight wrong, and so does a micro-step's gradient lost or counted twice."""
+def check_pipeline_accumulation_and_clipping(pp: int, family: str = "gemma3", ep: int = 1) -> dict:
+    """accumulate_grad_batches=2 over half batches and gradient_clip_val under pp, with a tied embedding (Gemma 3), or
+    experts distributed over ``ep`` ranks (their norm over the experts' mesh). With SGD every update is lr times the
+    clipped gradient, so a norm missing a stage, an expert or counting the tied copy twice moves every weight wrong,
+    and so does a micro-step's gradient lost or counted twice."""
     lr = 10.0
-    module = HFLossCausalLM(tiny_model("gemma3", num_hidden_layers=LAYERS), optimizer=torch.optim.SGD, lr=lr)
+    module = HFLossCausalLM(tiny_model(family, num_hidden_layers=LAYERS), optimizer=torch.optim.SGD, lr=lr)
     dp = dist.get_world_size() // pp
     tokens, labels = batch(GLOBAL_BATCH)
     halves = DataLoader(TensorDataset(tokens, labels), batch_size=GLOBAL_BATCH // dp // 2)
-    strategy = AutoModelParallelStrategy(pp=pp, pp_schedule="GPipe", pp_microbatches=2)
+    strategy = AutoModelParallelStrategy(pp=pp, ep=ep, pp_schedule="GPipe", pp_microbatches=2)
     options = dict(accumulate_grad_batches=2, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
     trainer(strategy, **options).fit(module, halves)
+    assert_experts_distributed(module.model, ep=ep)
     pairs = zip(module.losses[::2], module.losses[1::2], strict=True)
     module.losses = [(first + second) / 2 for first, second in pairs]
-    reference = tiny_model("gemma3", num_hidden_layers=LAYERS)
+    reference = tiny_model(family, num_hidden_layers=LAYERS)
     sgd = lambda model: [torch.optim.SGD(model.parameters(), lr=lr)]  # noqa: E731
     steps = reference_run(reference, optimizers=sgd, clip=0.1, loss=hf_loss)
     return compare_training(module, reference, steps, stages=True)
@@ -179,7 +192,6 @@ def check_pipeline_refusals(pp: int) -> list[str]:
             tiny_model(num_hidden_layers=2 * pp),
             "recomputes a checkpointed layer twice",
         ),
-        (AutoModelParallelStrategy(pp=pp, ep=2), tiny_model("qwen3_moe", num_hidden_layers=LAYERS), "set ep=1"),
         (AutoModelParallelStrategy(pp=pp, pp_microbatches=3), tiny_model(num_hidden_layers=LAYERS), "divide"),
         (
             AutoModelParallelStrategy(pp=pp, pp_layers_per_stage=[1] * pp),
@@ -237,12 +249,12 @@ def check_pipeline_loaded_weights(pp: int, family: str, stages_per_rank: int = 1
     return result
 
 
-def check_pipeline_checkpoint_resume(directory: str, resumes: list[tuple[dict, dict]]) -> dict:
-    """Lightning checkpoints (Gemma 3, tied) saved after 2 steps at one layout and resumed at another, for each
-    (saved at, resumed at) pair of strategy sizes: the remaining losses are those of the uninterrupted run."""
+def check_pipeline_checkpoint_resume(directory: str, resumes: list[tuple[dict, dict]], family: str = "gemma3") -> dict:
+    """Lightning checkpoints (default: Gemma 3, tied) saved after 2 steps at one layout and resumed at another, for
+    each (saved at, resumed at) pair of strategy sizes: the remaining losses are those of the uninterrupted run."""
 
     def fit(sizes: dict, steps: int, ckpt_path: Path | None = None) -> tuple[HFLossCausalLM, L.Trainer]:
-        module = HFLossCausalLM(tiny_model("gemma3", seed=5 + dist.get_rank(), num_hidden_layers=LAYERS))
+        module = HFLossCausalLM(tiny_model(family, seed=5 + dist.get_rank(), num_hidden_layers=LAYERS))
         run = trainer(AutoModelParallelStrategy(**sizes), max_steps=steps)
         dp = dist.get_world_size() // sizes.get("pp", 1) // sizes.get("tp", 1)
         run.fit(module, data(dp), ckpt_path=ckpt_path)

@@ -2,8 +2,8 @@
 stage's gradients at each step, the weights after) and validate's loss, with torch's GPipe and 1F1B schedules and,
 with two stages per rank, Interleaved1F1B, LoopedBFS and InterleavedZeroBubble; a tied embedding (Gemma 3: its two
 copies' gradients summed); gradient accumulation and clipping; pp=2 x tp=2 with sp, pp=2 x dp_shard=2, pp=2 under
-HSDP; LoRA; pretrained loading; Lightning checkpoints resumed across pp, tp and stages per rank; a loss computed from
-the logits and every bad option refused on every rank."""
+HSDP; expert parallel (ep=2) under pp; LoRA; pretrained loading; Lightning checkpoints resumed across pp, tp, ep and
+stages per rank; a loss computed from the logits and every bad option refused on every rank."""
 
 from functools import partial
 
@@ -59,7 +59,8 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
     (dp_replicate=2); LoRA on every projection at pp=2 x tp=2 with sp; Llama and LoRA with two stages per rank
     (Interleaved1F1B) at pp=2 x tp=2 with sp; checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2 and at
     pp=1 (dp_shard=4), saved at pp=1 resumed at pp=2 x tp=2, and between pp=4 and pp=2 with two stages per rank;
-    refusals before any collective."""
+    refusals before any collective. Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2): two stages per rank,
+    accumulation and clipping (the experts' norm over their own mesh), a checkpoint resumed at pp=1."""
     pp2, pp2_tp2, pp4 = dict(pp=2), dict(pp=2, tp=2), dict(pp=4)
     interleaved = dict(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)
     resumes = [(pp2, pp2_tp2), (pp2, {}), ({}, pp2_tp2), (interleaved, pp4), (pp4, interleaved)]
@@ -73,6 +74,9 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
         partial(check_pipeline_lora, 2, 2, True, "Interleaved1F1B", 2),
         partial(check_pipeline_checkpoint_resume, str(tmp_path), resumes),
         partial(check_pipeline_refusals, 2),
+        partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", "qwen3_moe", ep=2, stages_per_rank=2),
+        partial(check_pipeline_accumulation_and_clipping, 2, "qwen3_moe", ep=2),
+        partial(check_pipeline_checkpoint_resume, str(tmp_path / "moe"), [(dict(pp=2, ep=2), dict(ep=2))], "qwen3_moe"),
     ]
     run_checks(4, checks, timeout=400)
 

@@ -34,6 +34,12 @@ class ExpertSharding:
     mesh: DeviceMesh
     gradient_divide_factor: int
 
+    def within(self, root: nn.Module) -> ExpertSharding:
+        """Those of the experts modules ``root`` holds: a pipeline rank's stages are roots of their own, each
+        sharding its own experts."""
+        held = {id(module) for module in root.modules()}
+        return replace(self, modules=[module for module in self.modules if id(module) in held])
+
 
 def apply_fsdp(
     model: nn.Module,

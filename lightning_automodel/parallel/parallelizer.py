@@ -173,7 +173,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
                 root,
                 [layer for name, layer in named_decoder_layers(root) if name not in checked.held_by_root],
                 fsdp_mesh(device_mesh),
-                experts=experts,
+                experts=experts.within(root) if experts is not None else None,
                 mp_policy=mp_policy,
                 offload_policy=offload_policy,
                 reshard_after_forward=reshard_after_forward,
@@ -249,17 +249,13 @@ def check_pipeline(
     model: nn.Module, pipeline: PipelineOptions, *, pp: int, ep: int, activation_checkpointing: bool = False
 ) -> None:
     """At pp > 1: the options suit the model, which splits into stages that compute what it computes whole (see
-    :mod:`lightning_automodel.parallel.pipeline`), and expert parallel is off (not composed with pipelining yet)."""
+    :mod:`lightning_automodel.parallel.pipeline`)."""
     pipeline.validate(pp, num_layers=len(named_decoder_layers(model)))
     if activation_checkpointing and pipeline.splits_backward():
         raise ValueError(
             f"pp_schedule={pipeline.schedule!r} computes the weights' gradients apart from the inputs' (zero bubble),"
             " which recomputes a checkpointed layer twice: torch's checkpoint fails there. Use"
             " pp_schedule='Interleaved1F1B', or activation_checkpointing=False."
-        )
-    if ep > 1:
-        raise ValueError(
-            f"pp={pp} with ep={ep}: pipeline parallel does not compose with expert parallel yet; set ep=1."
         )
     problem = pipeline_problem(model, pp=pp, stages_per_rank=pipeline.stages_per_rank) or stage_split_problem(model)
     if problem is not None:

@@ -139,9 +139,12 @@ class PipelineOptions:
                 f" {', '.join(VIRTUAL_STAGE_SCHEDULES)}."
             )
         if schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
+            # torch 2.13's runtime hands the input gradient between the two adjacent stages of the V's middle rank
+            # in steps without backward too (validate, test, predict), and fails there (PipelineStage.
+            # get_local_bwd_output: "can't steal_bwd_input if this stage doesn't have backward").
             raise ValueError(
-                f"pp_schedule={self.schedule!r} places a rank's two stages in a V (the first and the last stage on one"
-                f" rank), which is not available yet: use one of {', '.join(VIRTUAL_STAGE_SCHEDULES)}."
+                f"pp_schedule={self.schedule!r} places a rank's two stages in a V, whose forward-only steps (validate,"
+                f" test, predict) fail in torch's runtime: use one of {', '.join(VIRTUAL_STAGE_SCHEDULES)}."
             )
         return not issubclass(schedule_class, PipelineScheduleSingle)
 

@@ -14,7 +14,6 @@ import copy
 import functools
 import logging
 import math
-import multiprocessing
 import multiprocessing.connection
 import time
 import traceback
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import free_port, init_worker
+from harness import free_port, init_worker, worker_context
 from parity import (
     FP32_TOLERANCE,
     Outputs,
@@ -378,7 +377,7 @@ def measure(
 
 
 def _launch(jobs: list[Job], *, job_timeout: float, check: Check) -> Iterator[tuple[Job, dict[str, Any]]]:
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     port = free_port()
     # One pipe per worker: a send is written before it returns, so a process that dies next loses no report.
     pipes = [context.Pipe(duplex=False) for _ in range(WORLD_SIZE)]

@@ -24,6 +24,19 @@ import pytest
 
 Check = Callable[[], Any]
 
+# What every worker imports, once per test session: workers fork from a server process that imported these (a
+# spawned worker imports them anew, about 4 seconds of a core each on 2 cores, which the hundreds of launches repeat).
+PRELOADED = ("torch", "torch.distributed", "transformers", "peft", "lightning", "lightning_automodel")
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Processes started from a fork server that has imported :data:`PRELOADED`: each starts in a fresh process
+    image, as a spawned one does (nothing of the test process's state but its environment when the server
+    started: workers set theirs in :func:`init_worker`)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))
+    return context
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -78,7 +91,7 @@ def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240
 
     Checks must be picklable (module-level functions or functools.partial of them).
     """
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     results = context.Queue()
     port = free_port()
     processes = [

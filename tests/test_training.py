@@ -1,9 +1,11 @@
-"""Lightning's training features under tp x dp, HSDP and HSDP x TP, each against a single process."""
+"""Lightning's training features under tp x dp, HSDP and HSDP x TP, each against a single process; the eight-rank
+launch also runs the pipeline's pp x tp x dp_shard layout."""
 
 from functools import partial
 
 from harness import run_checks
 from lightning_checks import check_bf16_trainer, check_trainer_parity
+from pipeline_checks import check_pipeline_trainer_parity
 from training_checks import (
     check_evaluation_without_fit,
     check_param_groups,
@@ -36,6 +38,11 @@ def test_four_ranks_hsdp_and_uneven_tokens():
     )
 
 
-def test_eight_ranks_hsdp_times_tp():
-    """dp_replicate=2 x dp_shard=2 x tp=2 with sequence parallel, in one launch of 8 processes."""
-    run_checks(8, [partial(check_trainer_parity, 2, True, False, dp_replicate=2)], timeout=400, pg_timeout=120)
+def test_eight_ranks_hsdp_times_tp_and_pipeline():
+    """dp_replicate=2 x dp_shard=2 x tp=2 with sequence parallel, and the pipeline's layout of 8: pp=2 x tp=2 x
+    dp_shard=2 with sp (1F1B, 4 micro-batches), in one launch of 8 processes."""
+    checks = [
+        partial(check_trainer_parity, 2, True, False, dp_replicate=2),
+        partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4, tp=2, sp=True),
+    ]
+    run_checks(8, checks, timeout=500, pg_timeout=120)

@@ -97,7 +97,10 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         sp: sequence parallel: also split norms and the residual stream on the sequence (needs ``tp > 1``).
         dp_replicate: replicas of the whole sharded model (HSDP across nodes).
         dp_shard: FSDP shard-group size; ``"auto"`` takes what the world size leaves.
-        cp: context-parallel size (not available yet: must be 1).
+        cp: context-parallel size: every sequence is split over cp ranks (2 cp chunks, rank i holding chunks i and
+            2 cp - 1 - i), and attention all-gathers keys and values over them. The model's call takes the whole
+            batch and returns this rank's share of the loss: training_step returns the model's own loss
+            (``self.model(input_ids=..., labels=...).loss``). FSDP shards over dp_shard x cp.
         ep: expert-parallel size: each of ep ranks holds 1/ep of every mixture-of-experts layer's experts, and tokens
             travel to their experts by all-to-all. ep borrows its ranks from dp_shard x cp (it must divide it); FSDP
             shards the experts over what dp_shard x cp leaves, and with tp > 1 each expert is also split over tp.
@@ -198,8 +201,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         self.parallel_dims = ParallelDims(
             pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=1 if self._tp_per_node else tp, ep=ep
         )
-        if cp > 1:
-            raise ValueError(f"cp={cp}: context parallelism is not supported yet; set cp=1.")
+        if cp > 1 and pp > 1:
+            raise ValueError(f"cp={cp} with pp={pp}: context parallel does not compose with pipeline parallel yet.")
         if pp > 1 and cpu_offload:
             raise ValueError(f"pp={pp} with cpu_offload=True is not supported yet: use one of them.")
         pipeline = PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn)

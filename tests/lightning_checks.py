@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -112,6 +113,52 @@ def data(dp: int) -> DataLoader:
     return DataLoader(TensorDataset(tokens, labels), batch_size=GLOBAL_BATCH // dp)
 
 
+class HFLossCausalLM(CausalLM):
+    """What a user writes under pp or cp: the Hugging Face model's own loss, from labels."""
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        loss = self.model(input_ids=tokens, labels=labels).loss
+        self.log("train_loss", loss, sync_dist=True)
+        self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        tokens, labels = batch
+        self.log("val_loss", self.model(input_ids=tokens, labels=labels).loss, sync_dist=True)
+
+
+def hf_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One process's: the Hugging Face loss, without the cache (which would make transformers attend across packed
+    documents)."""
+    return model(input_ids=tokens, labels=labels, use_cache=False).loss
+
+
+def fit_against_one_process(
+    strategy: AutoModelParallelStrategy,
+    family: str,
+    config: dict,
+    *,
+    dp: int,
+    loss: Callable = hf_loss,
+    stages: bool = False,
+) -> tuple[HFLossCausalLM, dict]:
+    """3 AdamW steps of :class:`HFLossCausalLM` through Trainer.fit at ``dp`` data-parallel ranks match one process
+    (see :func:`compare_training`), and validate's loss too. Every rank starts from other weights: rank 0's must
+    win."""
+    module = HFLossCausalLM(tiny_model(family, seed=dist.get_rank(), **config))
+    fit = trainer(strategy, limit_val_batches=1)
+    fit.fit(module, data(dp), data(dp))
+    reference = tiny_model(family, **config)
+    result = compare_training(module, reference, reference_run(reference, loss=loss), stages=stages)
+    tokens, labels = batch(GLOBAL_BATCH)
+    with torch.no_grad():
+        expected = loss(reference, tokens, labels).item()
+    result["validation_loss"] = abs(fit.callback_metrics["val_loss"].item() - expected) / expected
+    assert result["validation_loss"] < FP32_TOLERANCE, result
+    return module, result
+
+
 def reference_run(
     model: torch.nn.Module,
     *,
@@ -202,6 +249,32 @@ def check_trainer_parity(
     assert isinstance(offload, CPUOffloadPolicy) == cpu_offload, offload
     reference = tiny_model(family)
     return compare_training(module, reference, reference_run(reference))
+
+
+def check_checkpoint_resume_across_layouts(
+    directory: str, resumes: list[tuple[dict, dict]], family: str = "gemma3", *, num_hidden_layers: int = 4
+) -> dict:
+    """Lightning checkpoints (default: Gemma 3, tied) saved after 2 steps at one layout and resumed at another, for
+    each (saved at, resumed at) pair of strategy sizes: the remaining losses are those of the uninterrupted run."""
+
+    def fit(sizes: dict, steps: int, ckpt_path: Path | None = None) -> tuple[HFLossCausalLM, L.Trainer]:
+        module = HFLossCausalLM(tiny_model(family, seed=5 + dist.get_rank(), num_hidden_layers=num_hidden_layers))
+        run = trainer(AutoModelParallelStrategy(**sizes), max_steps=steps)
+        dp = dist.get_world_size() // sizes.get("pp", 1) // sizes.get("tp", 1) // sizes.get("cp", 1)
+        run.fit(module, data(dp), ckpt_path=ckpt_path)
+        return module, run
+
+    whole, _ = fit({}, 4)
+    result = {}
+    for saved_at, resumed_at in resumes:
+        checkpoint = Path(directory) / "-".join(["saved", *(f"{name}{size}" for name, size in saved_at.items())])
+        if not checkpoint.exists():
+            fit(saved_at, 2)[1].save_checkpoint(checkpoint)
+        resumed, _ = fit(resumed_at, 4, ckpt_path=checkpoint)
+        errors = [abs(a - b) / b for a, b in zip(resumed.losses, whole.losses[2:], strict=True)]
+        result[f"{saved_at or 'whole'} resumed at {resumed_at or 'whole'}"] = max(errors)
+    assert max(result.values()) < FP32_TOLERANCE, result
+    return result
 
 
 def assert_experts_distributed(model: torch.nn.Module, *, ep: int) -> None:

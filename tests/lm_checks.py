@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning_checks import assert_experts_distributed, compare_training, trainer
+from loading_checks import remove, saved_checkpoint
 from models import SHRUNK, VOCAB, tiny_config
 from parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE
 from torch.utils.data import DataLoader, Dataset
@@ -263,3 +265,50 @@ def check_bad_data_refused_on_every_rank(tp: int) -> dict:
             refused[case] = str(error).replace(str(directory), "DIR")
         assert run.global_step == 0, case
     return refused
+
+
+class PretrainedRecordingLM(RecordingLM):
+    """RecordingLM from a pretrained directory: random init under pp draws per stage, so the reference needs the
+    weights from a file (and takes them so under cp too)."""
+
+    def __init__(self, directory: Path) -> None:
+        CausalLMModule.__init__(self, model=str(directory), **HPARAMS)
+        self.losses, self.accuracies, self.grads = [], [], []
+
+
+def check_causal_lm_module_split(*, pp: int = 1, cp: int = 1) -> dict:
+    """CausalLMModule unchanged when the model's call splits the batch, under pp (1F1B over pp micro-batches) or cp:
+    3 steps on padded rows (AdamW with decay groups, warm-up then cosine) match transformers' model in one process:
+    the logged loss and accuracy at every step, this rank's gradients, the weights; then validation's loss,
+    perplexity and accuracy; predict's per-sequence losses on every rank under pp, refused under cp."""
+    directory = saved_checkpoint("llama")
+    train, val = padded_rows(GLOBAL_BATCH, seed=1), padded_rows(2 * GLOBAL_BATCH, seed=2)
+    dp = dist.get_world_size() // pp // cp
+    module = PretrainedRecordingLM(directory)
+    fit = trainer(AutoModelParallelStrategy(pp=pp, cp=cp))
+    fit.fit(module, DataLoader(Rows(train), batch_size=GLOBAL_BATCH // dp))
+    val_loader = DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp)
+    logged = fit.validate(module, val_loader, verbose=False)[0]
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    losses, accuracies, grads = reference_training(reference, train)
+    result = compare_training(module, reference, (losses, grads), stages=True)
+    one_token = 1 / reference_metrics(reference, train)["tokens"].item()
+    result["train_accuracy"] = max(abs(a - b) for a, b in zip(module.accuracies, accuracies, strict=True))
+    with torch.no_grad():
+        expected = reference_metrics(reference, val)
+    result["val_loss"] = abs(logged["val_loss"] - expected["lm_loss"].item())
+    result["val_perplexity"] = abs(logged["val_perplexity"] / expected["lm_loss"].exp().item() - 1)
+    result["val_accuracy"] = abs(logged["val_accuracy"] - expected["accuracy"].item())
+    assert result["train_accuracy"] <= one_token and result["val_accuracy"] <= 1 / expected["tokens"].item(), result
+    assert max(result["val_loss"], result["val_perplexity"]) < TRAINED_LOSS_TOLERANCE, result
+    if cp == 1:
+        result["predict"] = predict_error(fit, module, reference, val, val_loader)
+    else:
+        try:
+            fit.predict(module, val_loader)
+        except ValueError as error:
+            assert "does not run under cp > 1" in str(error), error
+        else:
+            raise AssertionError("CausalLMModule's predict under cp was not refused")
+    remove(directory)
+    return result

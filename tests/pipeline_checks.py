@@ -2,35 +2,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import lightning as L
 import torch
 import torch.distributed as dist
 from lightning_checks import (
     GLOBAL_BATCH,
     CausalLM,
+    HFLossCausalLM,
     assert_experts_distributed,
     compare_training,
     data,
+    fit_against_one_process,
+    hf_loss,
     reference_run,
     trainer,
-)
-from lm_checks import (
-    HPARAMS,
-    RecordingLM,
-    Rows,
-    padded_rows,
-    predict_error,
-    reference_metrics,
-    reference_training,
 )
 from loading_checks import remove, saved_checkpoint
 from lora_checks import peft_model
 from models import batch, tiny_model
 from parity import (
     FP32_TOLERANCE,
-    TRAINED_LOSS_TOLERANCE,
     full,
     relative_error,
 )
@@ -39,30 +29,10 @@ from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims, from_pretrained, parallelize
 from lightning_automodel.hf.loading import materialize_pretrained
-from lightning_automodel.lm import CausalLMModule
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_targets
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
 
 LAYERS = 4  # two per stage at pp=2, one per stage at pp=4
-
-
-class HFLossCausalLM(CausalLM):
-    """What a user writes under pp: the Hugging Face model's own loss, from labels."""
-
-    def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        loss = self.model(input_ids=tokens, labels=labels).loss
-        self.log("train_loss", loss, sync_dist=True)
-        self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        tokens, labels = batch
-        self.log("val_loss", self.model(input_ids=tokens, labels=labels).loss, sync_dist=True)
-
-
-def hf_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=tokens, labels=labels).loss
 
 
 def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -109,21 +79,17 @@ def check_pipeline_trainer_parity(
         ep=ep,
         activation_checkpointing=activation_checkpointing,
     )
-    module = HFLossCausalLM(tiny_model(family, seed=dist.get_rank(), **config))
-    dp = dist.get_world_size() // pp // tp
-    fit = trainer(strategy, limit_val_batches=1)
-    fit.fit(module, data(dp), data(dp))
+    module, result = fit_against_one_process(
+        strategy,
+        family,
+        config,
+        dp=dist.get_world_size() // pp // tp,
+        loss=z_loss if own_loss else hf_loss,
+        stages=True,
+    )
     pipeline = pipeline_of(module.model)
     assert pipeline is not None and pipeline.pp == pp and len(pipeline.stage_modules()) == stages_per_rank
     assert_experts_distributed(module.model, ep=ep)
-    reference = tiny_model(family, **config)
-    loss = z_loss if own_loss else hf_loss
-    result = compare_training(module, reference, reference_run(reference, loss=loss), stages=True)
-    tokens, labels = batch(GLOBAL_BATCH)
-    with torch.no_grad():
-        expected = loss(reference, tokens, labels).item()
-    result["validation_loss"] = abs(fit.callback_metrics["val_loss"].item() - expected) / expected
-    assert result["validation_loss"] < FP32_TOLERANCE, result
     return result
 
 
@@ -245,69 +211,6 @@ def check_pipeline_loaded_weights(pp: int, family: str, stages_per_rank: int = 1
     result["logits"] = relative_error(logits, expected_logits) if pipeline_of(model).last else 0.0
     assert logits is not None or not pipeline_of(model).last, "the last stage returned no logits"
     assert result["weights"] == 0.0 and max(result.values()) < FP32_TOLERANCE, result
-    remove(directory)
-    return result
-
-
-def check_pipeline_checkpoint_resume(directory: str, resumes: list[tuple[dict, dict]], family: str = "gemma3") -> dict:
-    """Lightning checkpoints (default: Gemma 3, tied) saved after 2 steps at one layout and resumed at another, for
-    each (saved at, resumed at) pair of strategy sizes: the remaining losses are those of the uninterrupted run."""
-
-    def fit(sizes: dict, steps: int, ckpt_path: Path | None = None) -> tuple[HFLossCausalLM, L.Trainer]:
-        module = HFLossCausalLM(tiny_model(family, seed=5 + dist.get_rank(), num_hidden_layers=LAYERS))
-        run = trainer(AutoModelParallelStrategy(**sizes), max_steps=steps)
-        dp = dist.get_world_size() // sizes.get("pp", 1) // sizes.get("tp", 1)
-        run.fit(module, data(dp), ckpt_path=ckpt_path)
-        return module, run
-
-    whole, _ = fit({}, 4)
-    result = {}
-    for saved_at, resumed_at in resumes:
-        checkpoint = Path(directory) / "-".join(["saved", *(f"{name}{size}" for name, size in saved_at.items())])
-        if not checkpoint.exists():
-            fit(saved_at, 2)[1].save_checkpoint(checkpoint)
-        resumed, _ = fit(resumed_at, 4, ckpt_path=checkpoint)
-        errors = [abs(a - b) / b for a, b in zip(resumed.losses, whole.losses[2:], strict=True)]
-        result[f"{saved_at or 'pp=1'} resumed at {resumed_at or 'pp=1'}"] = max(errors)
-    assert max(result.values()) < FP32_TOLERANCE, result
-    return result
-
-
-class PretrainedRecordingLM(RecordingLM):
-    """RecordingLM from a pretrained directory: random init under pp draws per stage, so the reference needs the
-    weights from a file."""
-
-    def __init__(self, directory: Path) -> None:
-        CausalLMModule.__init__(self, model=str(directory), **HPARAMS)
-        self.losses, self.accuracies, self.grads = [], [], []
-
-
-def check_causal_lm_module_pipelined(pp: int) -> dict:
-    """CausalLMModule unchanged under pp (1F1B over 2 micro-batches): 3 steps on padded rows (AdamW with decay
-    groups, warm-up then cosine) match transformers' model in one process: the logged loss and accuracy at every step,
-    this stage's gradients, the weights; then validation's loss, perplexity and accuracy, and predict's per-sequence
-    losses on every rank."""
-    directory = saved_checkpoint("llama")
-    train, val = padded_rows(GLOBAL_BATCH, seed=1), padded_rows(2 * GLOBAL_BATCH, seed=2)
-    dp = dist.get_world_size() // pp
-    module = PretrainedRecordingLM(directory)
-    fit = trainer(AutoModelParallelStrategy(pp=pp))
-    fit.fit(module, DataLoader(Rows(train), batch_size=GLOBAL_BATCH // dp))
-    val_loader = DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp)
-    logged = fit.validate(module, val_loader, verbose=False)[0]
-    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    losses, accuracies, grads = reference_training(reference, train)
-    result = compare_training(module, reference, (losses, grads), stages=True)
-    one_token = 1 / reference_metrics(reference, train)["tokens"].item()
-    result["train_accuracy"] = max(abs(a - b) for a, b in zip(module.accuracies, accuracies, strict=True))
-    with torch.no_grad():
-        expected = reference_metrics(reference, val)
-    result["val_loss"] = abs(logged["val_loss"] - expected["lm_loss"].item())
-    result["val_perplexity"] = abs(logged["val_perplexity"] / expected["lm_loss"].exp().item() - 1)
-    result["val_accuracy"] = abs(logged["val_accuracy"] - expected["accuracy"].item())
-    assert result["train_accuracy"] <= one_token and result["val_accuracy"] <= 1 / expected["tokens"].item(), result
-    assert max(result["val_loss"], result["val_perplexity"]) < TRAINED_LOSS_TOLERANCE, result
-    result["predict"] = predict_error(fit, module, reference, val, val_loader)
     remove(directory)
     return result
 

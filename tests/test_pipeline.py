@@ -9,13 +9,13 @@ from functools import partial
 
 import torch
 from harness import run_checks
+from lightning_checks import check_checkpoint_resume_across_layouts
+from lm_checks import check_causal_lm_module_split
 from models import tiny_model
 from pipeline_checks import (
-    check_causal_lm_module_pipelined,
     check_loss_from_logits_is_refused,
     check_pipeline_accumulation_and_clipping,
     check_pipeline_batch_shapes,
-    check_pipeline_checkpoint_resume,
     check_pipeline_loaded_weights,
     check_pipeline_lora,
     check_pipeline_refusals,
@@ -42,7 +42,7 @@ def test_pipeline_two_stages_against_one_process():
         partial(check_pipeline_accumulation_and_clipping, 2),
         partial(check_pipeline_loaded_weights, 2, "llama"),
         partial(check_pipeline_loaded_weights, 2, "gemma3"),
-        partial(check_causal_lm_module_pipelined, 2),
+        partial(check_causal_lm_module_split, pp=2),
         partial(check_pipeline_batch_shapes, 2),
         partial(check_loss_from_logits_is_refused, 2),
         partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", microbatches=4, stages_per_rank=2),
@@ -72,11 +72,13 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
         partial(check_pipeline_trainer_parity, 2, "GPipe", dp_replicate=2),
         partial(check_pipeline_lora, 2, 2, True),
         partial(check_pipeline_lora, 2, 2, True, "Interleaved1F1B", 2),
-        partial(check_pipeline_checkpoint_resume, str(tmp_path), resumes),
+        partial(check_checkpoint_resume_across_layouts, str(tmp_path), resumes),
         partial(check_pipeline_refusals, 2),
         partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", "qwen3_moe", ep=2, stages_per_rank=2),
         partial(check_pipeline_accumulation_and_clipping, 2, "qwen3_moe", ep=2),
-        partial(check_pipeline_checkpoint_resume, str(tmp_path / "moe"), [(dict(pp=2, ep=2), dict(ep=2))], "qwen3_moe"),
+        partial(
+            check_checkpoint_resume_across_layouts, str(tmp_path / "moe"), [(dict(pp=2, ep=2), dict(ep=2))], "qwen3_moe"
+        ),
     ]
     run_checks(4, checks, timeout=400)
 

@@ -98,7 +98,7 @@ def test_constructible_from_lightning_cli():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(cp=2), "cp=2: context parallelism is not supported yet; set cp=1"),
+        (dict(cp=2, pp=2), "cp=2 with pp=2: context parallel does not compose with pipeline parallel yet"),
         (dict(pp=2, pp_schedule="Bogus"), "pp_schedule='Bogus'"),
         (dict(pp=2, pp_schedule="Interleaved1F1B"), "set pp_stages_per_rank=2"),
         (dict(pp=2, pp_stages_per_rank=2), "needs a schedule that runs several stages per rank"),

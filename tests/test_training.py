@@ -1,8 +1,9 @@
 """Lightning's training features under tp x dp, HSDP and HSDP x TP, each against a single process; the eight-rank
-launch also runs the pipeline's pp x tp x dp_shard layout."""
+launch also runs the pipeline's pp x tp x dp_shard layout and HSDP x cp."""
 
 from functools import partial
 
+from context_parallel_checks import check_context_parallel_trainer_parity
 from harness import run_checks
 from lightning_checks import check_bf16_trainer, check_trainer_parity
 from pipeline_checks import check_pipeline_trainer_parity
@@ -38,11 +39,12 @@ def test_four_ranks_hsdp_and_uneven_tokens():
     )
 
 
-def test_eight_ranks_hsdp_times_tp_and_pipeline():
-    """dp_replicate=2 x dp_shard=2 x tp=2 with sequence parallel, and the pipeline's layout of 8: pp=2 x tp=2 x
-    dp_shard=2 with sp (1F1B, 4 micro-batches), in one launch of 8 processes."""
+def test_eight_ranks_hsdp_times_tp_pipeline_and_context():
+    """dp_replicate=2 x dp_shard=2 x tp=2 with sequence parallel; the pipeline's layout of 8: pp=2 x tp=2 x dp_shard=2
+    with sp (1F1B, 4 micro-batches); HSDP x cp: dp_replicate=2 x dp_shard=2 x cp=2; in one launch of 8 processes."""
     checks = [
         partial(check_trainer_parity, 2, True, False, dp_replicate=2),
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4, tp=2, sp=True),
+        partial(check_context_parallel_trainer_parity, 2, dp_replicate=2),
     ]
     run_checks(8, checks, timeout=500, pg_timeout=120)

@@ -30,6 +30,7 @@ from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
 from lightning_automodel.lm.summary import TrainingSummary
 from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
 from lightning_automodel.mesh import reduction_mesh
+from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.load_balancing import load_balancing_loss
 from lightning_automodel.parallel.loss import (
     causal_lm_loss_sum,
@@ -135,6 +136,8 @@ class CausalLMModule(L.LightningModule):
         """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities).
         Under pipeline parallel the last stage computes them, and every rank returns them."""
         check_batch(batch, self.hf_config)
+        if context_parallel_of(self.model) is not None:
+            raise ValueError("CausalLMModule's predict does not run under cp > 1 yet: predict with cp=1.")
         if "labels" not in batch:  # refused on every rank, before any stage waits for the last one
             raise ValueError("CausalLMModule's predict scores each sequence against its labels: give batches labels.")
         self._batch_shape = tuple(batch["input_ids"].shape)
@@ -151,8 +154,8 @@ class CausalLMModule(L.LightningModule):
     def _step(self, stage: str, batch: dict[str, Tensor]) -> Tensor:
         check_batch(batch, self.hf_config)
         self._batch_shape = tuple(batch["input_ids"].shape)
-        if pipeline_of(self.model) is not None:
-            loss, loss_sum, tokens, hits = self._pipelined_step(batch)
+        if pipeline_of(self.model) is not None or context_parallel_of(self.model) is not None:
+            loss, loss_sum, tokens, hits = self._split_step(batch)
         else:
             loss, loss_sum, tokens, hits = self._whole_step(stage, batch)
         metrics = getattr(self, f"{stage}_metrics")
@@ -175,8 +178,9 @@ class CausalLMModule(L.LightningModule):
         hits, _ = next_token_hits(outputs.logits, labels)
         return loss, _plain(loss_sum), tokens, hits
 
-    def _pipelined_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The same under pipeline parallel: the last stage computes them, micro-batch by micro-batch."""
+    def _split_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The same when the model's call splits the batch: under pipeline parallel the last stage computes them,
+        micro-batch by micro-batch; under context parallel each rank its share of the sequences."""
         outputs = self.model(
             input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"]
         )

@@ -63,7 +63,12 @@ def causal_lm_loss(
 def causal_lm_loss_sum(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     """The summed next-token cross-entropy over this rank's tokens, and how many tokens it sums (see
     :func:`causal_lm_loss` for the label convention)."""
-    targets = next_token_targets(labels, ignore_index=ignore_index)
+    return token_loss_sum(logits, next_token_targets(labels, ignore_index=ignore_index), ignore_index=ignore_index)
+
+
+def token_loss_sum(logits: Tensor, targets: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """The summed cross-entropy of ``logits`` against ``targets`` aligned with them (labels already shifted, as
+    context parallel shifts them before splitting a sequence), and how many tokens it sums."""
     loss_sum = F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
@@ -83,7 +88,12 @@ def next_token_hits(logits: Tensor, labels: Tensor, *, ignore_index: int = -100)
     shard's largest logit and the target's logit where its shard holds the target, and one all-reduce (max) of
     those two numbers per token decides. A tie with the target counts as a hit.
     """
-    targets = next_token_targets(labels, ignore_index=ignore_index)
+    return token_hits(logits, next_token_targets(labels, ignore_index=ignore_index), ignore_index=ignore_index)
+
+
+@torch.no_grad()
+def token_hits(logits: Tensor, targets: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """:func:`next_token_hits` against ``targets`` aligned with the logits (labels already shifted)."""
     scored = targets != ignore_index
     local, group, offset = _vocab_shard(logits)
     index = targets.clamp_min(0).unsqueeze(-1) - offset

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from lightning_automodel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
+from lightning_automodel.parallel.context_parallel import context_parallel_model, context_parallel_problem
 from lightning_automodel.parallel.expert_parallel import (
     apply_expert_parallel,
     expert_parallel_problem,
@@ -157,6 +158,8 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
                 blocks = [[f"{blocks_list}.{index}" for index in layers] for layers in stages.layers.values()]
                 planned = dataclasses.replace(planned, styles=stage_stream_boundaries(planned.styles, blocks))
                 stages.receive_stream_as(tp_mesh(device_mesh), stream_placements(planned.styles, embedding))
+        if axis_size(device_mesh, "cp") > 1:
+            context_parallel_model(model, device_mesh)
         layers = [layer for name, layer in named_decoder_layers(model) if name not in checked.held_by_root]
         if planned is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), planned)
@@ -221,6 +224,9 @@ def check_before_collectives(
         check_pipeline(
             model, pipeline or PipelineOptions(), pp=pp, ep=ep, activation_checkpointing=activation_checkpointing
         )
+    cp = axis_size(device_mesh, "cp")
+    if cp > 1:
+        check_context_parallel(model, cp=cp, pp=pp)
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
     recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
     if recomputed and (reshard_after_forward or activation_checkpointing):
@@ -260,6 +266,16 @@ def check_pipeline(
     problem = pipeline_problem(model, pp=pp, stages_per_rank=pipeline.stages_per_rank) or stage_split_problem(model)
     if problem is not None:
         raise ValueError(f"pp={pp} (pipeline parallel): {problem}. Use pp=1 for this model.")
+
+
+def check_context_parallel(model: nn.Module, *, cp: int, pp: int) -> None:
+    """At cp > 1: the model splits its sequences over cp ranks and computes what it computes whole (see
+    :mod:`lightning_automodel.parallel.context_parallel`); pipeline parallel is off (not composed with it yet)."""
+    if pp > 1:
+        raise ValueError(f"cp={cp} with pp={pp}: context parallel does not compose with pipeline parallel yet.")
+    problem = context_parallel_problem(model)
+    if problem is not None:
+        raise ValueError(f"cp={cp} (context parallel): {problem}. Use cp=1 for this model.")
 
 
 def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:

@@ -59,11 +59,16 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 from torch.distributed.tensor import DTensor, Placement
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_automodel.mesh import axis_size, reduction_mesh
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hits, next_token_targets
+from lightning_automodel.parallel.model_calls import (
+    ParallelCausalLMOutput,
+    take_over_calls,
+    taken_over,
+    training_call,
+)
 
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "final_norm", "ln_f", "norm_f", "ln_final")
 MODEL_INPUTS = ("attention_mask", "position_ids")  # split into micro-batches and given to every stage
@@ -368,18 +373,6 @@ def _final_norm_name(owner: nn.Module) -> str | None:
     return named or (norms[0] if len(norms) == 1 else None)
 
 
-@dataclasses.dataclass
-class PipelinedCausalLMOutput(CausalLMOutputWithPast):
-    """What a pipelined model's call returns: ``loss`` (this rank's share of the global token mean: the mean over the
-    data-parallel ranks is the global batch's loss) and the totals of this rank's batch it came from, on every rank:
-    ``loss_sum`` (summed next-token cross-entropy), ``num_tokens`` (scored tokens), ``num_hits`` (tokens whose
-    target the logits rank first). ``logits``: the last stage's, when not training; None elsewhere."""
-
-    loss_sum: Tensor | None = None
-    num_tokens: Tensor | None = None
-    num_hits: Tensor | None = None
-
-
 class Pipeline:
     """One rank's stages of a model and the schedule that runs them (built at the first step, once weights exist).
 
@@ -484,7 +477,7 @@ class Pipeline:
             return _original_forward(module)(**given, **inputs, use_cache=False).logits
         return _local(module.base_model(**given, **inputs, use_cache=False).last_hidden_state)
 
-    def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> PipelinedCausalLMOutput:
+    def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> ParallelCausalLMOutput:
         """One schedule step over the whole batch. Trains (forward and backward) when gradients are enabled and the
         model is in training mode; otherwise runs forward only. With labels, the loss and its totals reach every
         rank; the logits exist on the last stage only (None elsewhere), and only when not training."""
@@ -494,16 +487,14 @@ class Pipeline:
                 f"pp_microbatches={microbatches} does not divide this batch of {input_ids.size(0)} rows: make the"
                 " batch size a multiple of it (or drop the last, smaller batch: DataLoader(drop_last=True))."
             )
-        training = torch.is_grad_enabled() and self.model.training
-        if training and labels is None:
-            raise ValueError(
-                "Under pipeline parallel (pp > 1) the model's call runs forward and backward of every micro-batch, and"
-                " the last stage computes the loss: call it with labels, as `self.model(input_ids=..., labels=...)"
-                ".loss` (or `self.model(**batch).loss`), and return that loss from training_step. A loss computed"
-                " from the logits in training_step cannot be: the logits exist on the last stage only, one micro-batch"
-                " at a time. For a loss of your own, give the strategy pp_loss_fn=f, f(logits, labels) returning a"
-                " micro-batch's loss summed over its tokens: the last stage applies it."
-            )
+        training = training_call(
+            self.model,
+            labels,
+            why="Under pipeline parallel (pp > 1) the model's call runs forward and backward of every micro-batch, and"
+            " the last stage computes the loss, from logits that exist there only, one micro-batch at a time",
+            instead=" For a loss of your own, give the strategy pp_loss_fn=f, f(logits, labels) returning a"
+            " micro-batch's loss summed over its tokens: the last stage applies it.",
+        )
         self._check_sequence_split(input_ids)
         if labels is not None:
             self._loss_scale = self._global_token_scale(labels)
@@ -524,12 +515,12 @@ class Pipeline:
         finally:
             self.in_schedule = False
         if labels is None:
-            return PipelinedCausalLMOutput(logits=logits)
+            return ParallelCausalLMOutput(logits=logits)
         loss_sum, tokens, hits = self._totals_on_every_rank()
         loss = loss_sum * self._loss_scale
         if training:
             loss = self._backward_applies_gradients(loss)
-        return PipelinedCausalLMOutput(loss=loss, logits=logits, loss_sum=loss_sum, num_tokens=tokens, num_hits=hits)
+        return ParallelCausalLMOutput(loss=loss, logits=logits, loss_sum=loss_sum, num_tokens=tokens, num_hits=hits)
 
     @contextmanager
     def _gradients_held_back(self) -> Iterator[None]:
@@ -688,8 +679,8 @@ def _original_forward(model: nn.Module):
 
 
 class PipelinedModel(nn.Module):
-    """The forward of a pipelined model (a class made for each model class, as FSDP2 makes its own): called by the
-    schedule, it computes this rank's stage; called by anyone else, it runs one schedule step."""
+    """The forward of a pipelined model (see :func:`take_over_calls`): called by the schedule, it computes this
+    rank's stage; called by anyone else, it runs one schedule step."""
 
     pipeline: Pipeline
 
@@ -719,15 +710,13 @@ def pipeline_model(model: nn.Module, mesh: DeviceMesh, options: PipelineOptions)
     held = [index for stage in sorted(layers) for index in layers[stage]]
     split_into_stage(model, layers=held, first=0 in layers, last=len(stages) - 1 in layers)
     pipeline = Pipeline(model, mesh, options, layers=layers, tied=tied, blocks_config=blocks_config)
-    model.__class__ = type(f"Pipelined{type(model).__name__}", (PipelinedModel, type(model)), {})
-    model.pipeline = pipeline
+    take_over_calls(model, PipelinedModel, prefix="Pipelined", pipeline=pipeline)
     return pipeline
 
 
 def pipeline_of(model: nn.Module) -> Pipeline | None:
     """The pipeline of a model :func:`pipeline_model` split (a PEFT model's base), or None."""
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(hf_model, "pipeline", None) if isinstance(hf_model, PipelinedModel) else None
+    return taken_over(model, PipelinedModel, "pipeline")
 
 
 def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:

@@ -1,0 +1,374 @@
+"""Context parallel (``cp``): every sequence split over cp ranks, attention over all of it (Llama 3's way).
+
+Each rank keeps its share of a sequence's tokens through every layer; only attention needs the others', and it
+gathers them: each rank keeps its queries, all-gathers keys and values over cp (cheap under grouped KV heads), and
+masks in global token positions. The gather's backward sums every rank's gradient into the keys' and values'
+owner. The sequence is cut into 2 cp chunks and rank i holds chunks i and 2 cp - 1 - i, so that under the causal
+mask every rank does the same attention work.
+
+torch's ``context_parallel()`` handles only the flash, efficient and cuDNN SDPA kernels (nothing on CPU) and no
+masks of Hugging Face's (sliding windows, packed documents, padding). The attention here is a function of
+transformers' attention registry (``AttentionInterface``), which every modern family calls with its own
+projections, rotary embeddings and per-layer settings (``sliding_window``): the model's own attention code path.
+Its mask is built from the whole batch, which every rank of a cp group holds: positions in the sequence (causal,
+sliding windows), documents (packed rows: a document starts where the position ids do not continue) and padding
+(a key the attention mask hides). A query never sees less than itself (a padding query's row is never empty).
+
+The model's call takes the whole batch, as without cp (``self.model(input_ids=..., labels=...)``), and splits it
+(:class:`ContextParallelModel`): labels are shifted for next-token prediction before the split, position ids are
+the global ones, and rows are padded on the right to a multiple of 2 cp tokens (ignored by the loss, and never seen
+by an earlier token). The loss is this rank's share of the global batch's token mean, as under pp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from lightning_automodel.mesh import axis_size, reduction_mesh
+from lightning_automodel.parallel.loss import next_token_targets, token_hits, token_loss_sum
+from lightning_automodel.parallel.model_calls import (
+    ParallelCausalLMOutput,
+    take_over_calls,
+    taken_over,
+    training_call,
+)
+
+ATTENTION = "lightning_automodel_cp"  # the name of the attention function in transformers' registry
+
+
+def token_indices(seq_len: int, cp: int, rank: int) -> Tensor:
+    """The positions in a sequence of ``seq_len`` (a multiple of 2 ``cp``) that cp rank ``rank`` holds: chunks
+    ``rank`` and ``2 cp - 1 - rank`` of 2 cp."""
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def documents(position_ids: Tensor) -> Tensor:
+    """Each token's document in its row: a new one starts wherever the position ids do not continue the previous
+    token's (packed rows restart them)."""
+    starts = torch.ones_like(position_ids, dtype=torch.long)
+    starts[:, 1:] = (position_ids[:, 1:] != position_ids[:, :-1] + 1).long()
+    return starts.cumsum(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSplit:
+    """How a batch's sequences are split over a cp group, for the attention of the queries this rank holds against
+    the keys of every rank (gathered in rank order). ``group``: the cp ranks; None simulates the split in one
+    process (the queries and keys are then the same tokens)."""
+
+    query_index: Tensor  # [S / cp] positions of this rank's tokens in the sequence
+    key_index: Tensor  # [S] positions of the gathered keys
+    query_document: Tensor  # [B, S / cp]
+    key_document: Tensor  # [B, S]
+    key_visible: Tensor  # [B, S] False where the attention mask hides a key (padding)
+    group: dist.ProcessGroup | None
+
+    def mask(self, sliding_window: int | None) -> Tensor:
+        """[B, 1, S / cp, S]: which keys each query attends to (True), Hugging Face's conventions: causal, a
+        sliding window of ``sliding_window`` tokens including the query's own, within one document, visible keys."""
+        query, key = self.query_index[:, None], self.key_index[None, :]
+        allowed = key <= query
+        if sliding_window is not None:
+            allowed = allowed & (key > query - sliding_window)
+        allowed = allowed[None] & (self.query_document[:, :, None] == self.key_document[:, None, :])
+        allowed = (allowed & self.key_visible[:, None, :]) | (key == query)[None]
+        return allowed[:, None]
+
+    def gather(self, tensor: Tensor) -> Tensor:
+        """Keys or values [B, heads, S / cp, D] of every cp rank, concatenated in rank order along the sequence."""
+        if self.group is None:
+            return tensor
+        gathered = funcol.all_gather_single_autograd(tensor.transpose(0, 2).contiguous(), 0, self.group)
+        return funcol.wait_tensor(gathered).transpose(0, 2)
+
+
+def context_parallel_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    sequence_split: SequenceSplit | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Attention of this rank's queries over every rank's keys (transformers' attention-function signature:
+    [B, heads, S, D] in, [B, S, heads, D] out). Soft-capped logits (``softcap``, Gemma 2) and attention sinks
+    (``s_aux``, GPT-OSS: a logit per head that takes a share of the softmax and gives nothing) are computed as
+    transformers' eager attention computes them; otherwise by SDPA."""
+    if sequence_split is None:
+        raise RuntimeError(
+            f"{type(module).__name__} ran context-parallel attention without the call's sequence split: its model"
+            " does not hand the call's keyword arguments to its attention, which cp needs."
+        )
+    keys, values = sequence_split.gather(key), sequence_split.gather(value)
+    mask = sequence_split.mask(sliding_window)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap is None and sinks is None:
+        output = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=query.size(1) != keys.size(1),
+        )
+    else:
+        output = _eager_attention(
+            query, keys, values, mask, scaling=scaling, softcap=softcap, sinks=sinks, dropout=dropout
+        )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _eager_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    *,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+    dropout: float,
+) -> Tensor:
+    """Attention with its logits soft-capped (tanh, before the mask) and a sink logit per head appended to every
+    row's softmax, as transformers' eager attention of Gemma 2 and GPT-OSS computes them."""
+    groups = query.size(1) // keys.size(1)
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = query @ keys.transpose(2, 3) * (scaling if scaling is not None else query.size(-1) ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if sinks is not None:
+        sinks = sinks.to_local() if isinstance(sinks, DTensor) else sinks
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.size(0), -1, scores.size(2), 1)
+        scores = torch.cat([scores, sink.to(scores.dtype)], dim=-1)
+    probabilities = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        probabilities = probabilities[..., :-1]
+    return F.dropout(probabilities, p=dropout) @ values if dropout else probabilities @ values
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The mask transformers would build: none (the attention builds its own from the whole batch)."""
+    return None
+
+
+AttentionInterface.register(ATTENTION, context_parallel_attention)
+AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+class ContextParallel:
+    """A model's context-parallel split: the cp group, and what a call needs to split its batch."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.cp = axis_size(mesh, "cp")
+        self.group = mesh["cp"].get_group() if self.cp > 1 else None
+        self.rank = mesh["cp"].get_local_rank() if self.cp > 1 else 0
+
+    def run(
+        self,
+        input_ids: Tensor,
+        *,
+        labels: Tensor | None,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        **inputs: Any,
+    ) -> ParallelCausalLMOutput:
+        """The model's call on this rank's share of the batch; with labels, the loss (this rank's share of the
+        global token mean) and the totals of this rank's tokens. The logits are this rank's tokens' (in the order of
+        :func:`token_indices`)."""
+        training_call(
+            self.model,
+            labels,
+            why="Under context parallel (cp > 1) each rank computes the logits of its share of every sequence only",
+        )
+        length = input_ids.size(1)
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.size(0), -1)
+        visible = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        targets = next_token_targets(labels) if labels is not None else None
+        extra = -length % (2 * self.cp)
+        if extra:  # padding on the right: no earlier token attends to it, and the loss ignores it
+            follow = position_ids[:, -1:] + 1 + torch.arange(extra, device=input_ids.device)
+            input_ids, visible = F.pad(input_ids, (0, extra)), F.pad(visible, (0, extra), value=False)
+            position_ids = torch.cat([position_ids, follow], dim=1)
+            targets = F.pad(targets, (0, extra), value=-100) if targets is not None else None
+        split = self.split(position_ids, visible, length + extra)
+        index = split.query_index.to(input_ids.device)
+        outputs = _original_forward(self.model)(
+            input_ids=input_ids[:, index],
+            position_ids=position_ids[:, index],
+            sequence_split=split,
+            use_cache=False,
+            **inputs,
+        )
+        if targets is None:
+            return ParallelCausalLMOutput(logits=outputs.logits)
+        return self._with_loss(outputs.logits, targets[:, index])
+
+    def split(self, position_ids: Tensor, visible: Tensor, length: int) -> SequenceSplit:
+        """The split of a batch of ``length`` tokens a row (a multiple of 2 cp)."""
+        held = [token_indices(length, self.cp, rank) for rank in range(self.cp)]
+        query_index, key_index = held[self.rank], torch.cat(held)
+        document = documents(position_ids)
+        return SequenceSplit(
+            query_index=query_index,
+            key_index=key_index,
+            query_document=document[:, query_index],
+            key_document=document[:, key_index],
+            key_visible=visible[:, key_index],
+            group=self.group,
+        )
+
+    def _with_loss(self, logits: Tensor, targets: Tensor) -> ParallelCausalLMOutput:
+        loss_sum, tokens = token_loss_sum(logits, targets)
+        hits, _ = token_hits(logits, targets)
+        total = tokens.detach().float().clone()
+        group = reduction_mesh(self.mesh).get_group()
+        dist.all_reduce(total, group=group)
+        loss = loss_sum * (dist.get_world_size(group) / total.clamp_min(1))
+        return ParallelCausalLMOutput(
+            loss=loss, logits=logits, loss_sum=loss_sum.detach(), num_tokens=tokens, num_hits=hits
+        )
+
+
+def _original_forward(model: nn.Module):
+    return super(ContextParallelModel, model).forward
+
+
+class ContextParallelModel(nn.Module):
+    """The forward of a context-parallel model (see :func:`take_over_calls`): it splits the batch it is called with
+    over the cp ranks."""
+
+    context: ContextParallel
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        *args: Any,
+        labels: Tensor | None = None,
+        **inputs: Any,
+    ) -> ParallelCausalLMOutput:
+        if args or input_ids is None:
+            raise ValueError(
+                "Under context parallel (cp > 1) the model takes input_ids, labels, attention_mask and position_ids"
+                f" as keywords (got {len(args)} more positional arguments"
+                f"{'' if input_ids is not None else ', no input_ids'})."
+            )
+        given = {name: value for name, value in inputs.items() if value is not None}
+        return self.context.run(
+            input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids, **given
+        )
+
+
+def context_parallel_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot split its sequences over cp ranks (None if it can), found without any collective: a
+    shrunk replica of it (random weights, in this process) must compute the same logits on its tokens in the order
+    of a cp=2 split, through the attention here, as whole. A model whose attention does not run through
+    transformers' attention functions (linear attention, state-space layers) or that derives positions from where
+    a token sits rather than from ``position_ids`` computes others, and is refused."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return f"{type(model).__name__} is not a Hugging Face model; context parallel splits those only"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return f"{type(model).__name__} is an encoder-decoder model; context parallel splits decoder-only models"
+    if getattr(model.config, "output_router_logits", False):
+        return (
+            f"{type(model).__name__} adds its experts' load-balancing loss (output_router_logits=True), which would be"
+            " over this rank's tokens only: set output_router_logits=False"
+        )
+    try:
+        error = _split_error(model)
+    except Exception as failure:  # noqa: BLE001 - the model's own code, whatever it raises, refuses the split
+        return (
+            f"{type(model).__name__} fails with its sequences split, on a shrunk replica"
+            f" ({type(failure).__name__}: {failure})"
+        )
+    if not error < 1e-5:
+        return (
+            f"{type(model).__name__} computes other logits with its sequences split than whole (relative error"
+            f" {error:.2g} on a shrunk replica): its attention does not run through transformers' attention"
+            " functions (linear attention, state-space layers), or its positions are not read from position_ids"
+        )
+    return None
+
+
+def _split_error(model: nn.Module, *, cp: int = 2, length: int = 16) -> float:
+    """The largest difference of a shrunk replica's logits computed on its tokens reordered as ``cp`` ranks hold
+    them (all of them one rank's queries and keys, so no collective) and whole, relative to the largest logit."""
+    from lightning_automodel.hf.shrink import shrunk_config
+
+    config = shrunk_config(model.config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        whole = type(model)(config).eval()
+        tokens = torch.randint(0, config.vocab_size, (2, length))
+    order = torch.cat([token_indices(length, cp, rank) for rank in range(cp)])
+    positions = torch.arange(length).expand(2, -1)
+    split = SequenceSplit(
+        query_index=order,
+        key_index=order,
+        query_document=torch.ones(2, length, dtype=torch.long),
+        key_document=torch.ones(2, length, dtype=torch.long),
+        key_visible=torch.ones(2, length, dtype=torch.bool),
+        group=None,
+    )
+    with torch.no_grad():
+        expected = whole(input_ids=tokens, use_cache=False).logits
+        whole.set_attn_implementation(ATTENTION)
+        reordered = whole(
+            input_ids=tokens[:, order], position_ids=positions[:, order], sequence_split=split, use_cache=False
+        ).logits
+    actual = torch.empty_like(reordered)
+    actual[:, order] = reordered
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> ContextParallel:
+    """Make ``model``'s calls split their batch over the cp ranks of ``mesh``, its attention gather the rest."""
+    model.set_attn_implementation(ATTENTION)
+    context = ContextParallel(model, mesh)
+    take_over_calls(model, ContextParallelModel, prefix="ContextParallel", context=context)
+    return context
+
+
+def context_parallel_of(model: nn.Module) -> ContextParallel | None:
+    """The context-parallel split of a model :func:`context_parallel_model` made (a PEFT model's base), or None."""
+    return taken_over(model, ContextParallelModel, "context")
+
+
+__all__ = [
+    "ATTENTION",
+    "ContextParallel",
+    "ContextParallelModel",
+    "SequenceSplit",
+    "context_parallel_attention",
+    "context_parallel_model",
+    "context_parallel_of",
+    "context_parallel_problem",
+    "documents",
+    "token_indices",
+]

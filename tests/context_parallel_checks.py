@@ -1,0 +1,137 @@
+"""Context-parallel checks inside gloo workers: a real Trainer against one process, the model's call on packed and
+padded rows, and the refusals."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from lightning_checks import (
+    CausalLM,
+    HFLossCausalLM,
+    compare_training,
+    data,
+    fit_against_one_process,
+    hf_loss,
+    reference_run,
+    trainer,
+)
+from lora_checks import peft_model
+from models import CONFIGS, SHRUNK, batch, tiny_model
+from parity import FP32_TOLERANCE, relative_error
+from transformers import AutoModelForCausalLM
+
+from lightning_automodel import AutoModelParallelStrategy, ParallelDims
+from lightning_automodel.hf import shrink
+from lightning_automodel.parallel.context_parallel import context_parallel_model, context_parallel_of, token_indices
+
+LAYERS = 2
+
+
+def check_context_parallel_trainer_parity(
+    cp: int,
+    family: str = "llama",
+    *,
+    tp: int = 1,
+    sp: bool = False,
+    dp_replicate: int = 1,
+    activation_checkpointing: bool = False,
+    config: dict | None = None,
+) -> dict:
+    """3 AdamW steps through Trainer.fit with every sequence split over ``cp`` ranks (dp_shard takes the rest) match
+    one process on the whole batch; validate's loss too."""
+    strategy = AutoModelParallelStrategy(
+        tp, sp=sp, cp=cp, dp_replicate=dp_replicate, activation_checkpointing=activation_checkpointing
+    )
+    config = dict(config or {}, num_hidden_layers=LAYERS)
+    module, result = fit_against_one_process(strategy, family, config, dp=dist.get_world_size() // cp // tp)
+    assert context_parallel_of(module.model) is not None and strategy.device_mesh["cp"].size() == cp
+    return result
+
+
+def check_rows_split_over_cp(family: str, *, packed: bool, padded: bool, length: int, **config: object) -> dict:
+    """The model's call at cp = world size on rows of ``length`` tokens (padded to a multiple of 2 cp inside the
+    call when it is not one): packed documents (position ids restarting, so attention must not cross them) and
+    right padding (an attention mask hiding the last tokens, labels ignoring them). The loss (the mean of the
+    ranks' shares), each rank's logits and every gradient against one process on the whole rows."""
+    cp = dist.get_world_size()
+    mesh = ParallelDims(cp=cp).resolve(cp).build_mesh("cpu")
+    model, reference = any_model(family, **config), any_model(family, **config)
+    tokens, labels = batch(4)
+    tokens, labels = tokens[:, :length], labels[:, :length].clone()
+    inputs = {}
+    if packed:  # three documents a row
+        cuts = [length // 3, length - 2 * (length // 3), length // 3]
+        inputs["position_ids"] = torch.cat([torch.arange(cut) for cut in cuts]).expand(tokens.size(0), -1)
+    if padded:
+        inputs["attention_mask"] = torch.ones_like(tokens)
+        inputs["attention_mask"][:, -3:] = 0
+        labels[:, -3:] = -100
+    context = context_parallel_model(model, mesh)
+    outputs = model(input_ids=tokens, labels=labels, **inputs)
+    outputs.loss.backward()
+    expected = reference(input_ids=tokens, labels=labels, use_cache=False, **inputs)
+    expected.loss.backward()
+    loss = outputs.loss.detach().clone()
+    dist.all_reduce(loss)
+    held = token_indices(-(-length // (2 * cp)) * 2 * cp, cp, context.rank)
+    real = held < length - (3 if padded else 0)  # neither the call's padding nor the rows' (whose logits are noise)
+    logits, expected_logits = outputs.logits[:, real], expected.logits[:, held[real]]
+    reference_params = dict(reference.named_parameters())
+    grads = 0.0
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)  # each rank's share of the gradient, as FSDP's reduction over dp_shard x cp sums them
+        grads = max(grads, relative_error(grad / cp, reference_params[name].grad))
+    result = {
+        "loss": abs(loss.item() / cp - expected.loss.item()) / expected.loss.item(),
+        "logits": relative_error(logits, expected_logits),
+        "grads": grads,
+    }
+    assert max(result.values()) < FP32_TOLERANCE, result
+    return result
+
+
+def any_model(family: str, **config: object) -> torch.nn.Module:
+    """The tests' tiny model of ``family``, or the coverage report's tiny one of any other model type."""
+    if family in CONFIGS or family in SHRUNK:
+        return tiny_model(family, **config)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(shrink.tiny_config(family))
+
+
+def check_context_parallel_refusals(cp: int) -> list[str]:
+    """Refused on every rank before any collective, naming the fix: cp with pp, a model that computes other logits
+    with its sequences split (Mamba: a state-space model, no attention to gather), a training step computing its
+    loss from the logits (each rank holds its share of the sequence's logits only)."""
+    refused = []
+    try:
+        AutoModelParallelStrategy(cp=cp, pp=2)
+    except ValueError as error:
+        assert "does not compose with pipeline parallel" in str(error), error
+        refused.append(str(error))
+    else:
+        raise AssertionError("cp with pp was not refused")
+    fits = [
+        (HFLossCausalLM(any_model("mamba")), "computes other logits with its sequences split than whole"),
+        (CausalLM(tiny_model(num_hidden_layers=LAYERS)), "call the model with labels"),
+    ]
+    for module, expected in fits:
+        try:
+            trainer(AutoModelParallelStrategy(cp=cp)).fit(module, data(dist.get_world_size() // cp))
+        except ValueError as error:
+            assert expected in str(error), error
+            refused.append(str(error))
+        else:
+            raise AssertionError(f"{expected!r} was not refused")
+    return [message[:80] for message in refused]
+
+
+def check_context_parallel_lora(cp: int, tp: int = 1, sp: bool = False) -> dict:
+    """A PEFT model (LoRA on every projection; the base frozen) with its sequences split over ``cp`` ranks through the
+    Trainer: the adapters' gradients at each step and their weights after 3 AdamW steps match one process."""
+    config = dict(num_hidden_layers=LAYERS)
+    module = HFLossCausalLM(peft_model(seed=dist.get_rank(), config=config))
+    trainer(AutoModelParallelStrategy(tp, sp=sp, cp=cp)).fit(module, data(dist.get_world_size() // cp // tp))
+    assert context_parallel_of(module.model) is not None
+    reference = peft_model(config=config)
+    return compare_training(module, reference, reference_run(reference, loss=hf_loss))

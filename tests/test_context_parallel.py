@@ -1,0 +1,72 @@
+"""Context parallel (``cp``) against one process on the whole batch: 3 AdamW steps through a real Trainer (the loss
+at each step, every gradient at each step, the weights after) and validate's loss; the model's call on packed
+documents, right-padded rows of a length 2 cp does not divide, soft-capped attention (Gemma 2) and attention sinks
+(GPT-OSS): the loss, this rank's logits and every gradient; sliding windows shorter and longer than a rank's chunk
+(rows of 16 tokens: chunks of 4 at cp=2); CausalLMModule; LoRA; a checkpoint saved at cp=2 resumed at cp=1; and the
+refusals."""
+
+from functools import partial
+
+import torch
+from context_parallel_checks import (
+    check_context_parallel_lora,
+    check_context_parallel_refusals,
+    check_context_parallel_trainer_parity,
+    check_rows_split_over_cp,
+)
+from harness import run_checks
+from lightning_checks import check_checkpoint_resume_across_layouts
+from lm_checks import check_causal_lm_module_split
+
+from lightning_automodel.parallel.context_parallel import documents, token_indices
+
+# Gemma 3 with a full-attention and a sliding layer, its window (3 tokens) shorter than a rank's chunk (4)
+GEMMA3_SHORT_WINDOW = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=3)
+
+
+def test_context_parallel_on_two_ranks(tmp_path):
+    """World 2 at cp=2: Llama, and Gemma 3 with a window shorter than a chunk, through the Trainer; the model's call
+    on three packed documents a row (Llama; Mistral with a window longer than a chunk), on right-padded rows of 15
+    tokens, with Gemma 2's soft-capped logits and GPT-OSS's sinks; CausalLMModule unchanged; LoRA; a checkpoint
+    saved at cp=2 resumed at cp=1 with the uninterrupted run's losses; refusals."""
+    rows = partial(check_rows_split_over_cp, length=16, packed=False, padded=False)
+    checks = [
+        partial(check_context_parallel_trainer_parity, 2),
+        partial(check_context_parallel_trainer_parity, 2, "gemma3", config=GEMMA3_SHORT_WINDOW),
+        partial(rows, "llama", packed=True),
+        partial(rows, "mistral", packed=True, sliding_window=6),
+        partial(rows, "llama", padded=True, length=15),
+        partial(rows, "gemma2"),
+        partial(rows, "gpt_oss"),
+        partial(check_causal_lm_module_split, cp=2),
+        partial(check_context_parallel_lora, 2),
+        partial(check_checkpoint_resume_across_layouts, str(tmp_path), [(dict(cp=2), {})], "llama"),
+        partial(check_context_parallel_refusals, 2),
+    ]
+    run_checks(2, checks, timeout=400)
+
+
+def test_context_parallel_with_tensor_and_data_parallel():
+    """World 4: Llama at cp=2 x tp=2 with sp; Qwen3 at cp=2 x dp_shard=2 with activation checkpointing; Mistral with a
+    3-token window at cp=2 x tp=2."""
+    checks = [
+        partial(check_context_parallel_trainer_parity, 2, tp=2, sp=True),
+        partial(check_context_parallel_trainer_parity, 2, "qwen3", activation_checkpointing=True),
+        partial(check_context_parallel_trainer_parity, 2, "mistral", tp=2, config=dict(sliding_window=3)),
+    ]
+    run_checks(4, checks, timeout=400)
+
+
+def test_split_covers_every_token_once_and_balances_causal_work():
+    """Rank i holds chunks i and 2 cp - 1 - i of 2 cp: together the ranks hold each position once, and under the
+    causal mask each rank's queries see as many keys as any other's. Documents start where positions do not
+    continue."""
+    for cp, length in ((2, 16), (4, 64), (8, 128)):
+        held = [token_indices(length, cp, rank) for rank in range(cp)]
+        assert sorted(torch.cat(held).tolist()) == list(range(length))
+        work = {int((positions[:, None] >= torch.arange(length)).sum()) for positions in held}
+        assert len(work) == 1, (cp, work)
+    assert documents(torch.tensor([[0, 1, 2, 0, 1, 0], [5, 6, 7, 8, 9, 10]])).tolist() == [
+        [1, 1, 1, 2, 2, 3],
+        [1, 1, 1, 1, 1, 1],
+    ]

@@ -114,6 +114,16 @@ def test_plan_of_a_config(no_pytest_argv):
     assert "PL_GLOBAL_SEED" not in os.environ
 
 
+def test_plan_of_the_128k_context_example(no_pytest_argv):
+    """The 32-GPU long-context example: cp=4 x tp=8, FSDP over dp_shard x cp, and the keys and values each rank
+    receives per token and layer: 2 (K, V) x 1 KV head (8 / tp) x 128 x 4 bytes x 3/4 of the row."""
+    report = str(plan_for_config(str(EXAMPLES / "llama8b_128k_cp_tp.yaml")))
+    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=4, tp=8, ep=1)" in report
+    assert "context parallel: cp=4, each rank holds 1/4 of every sequence (chunks i and 7-i of 8" in report
+    assert "768 bytes received per token of a row, per layer and rank" in report
+    assert "8,030,261,248 in all, 251,003,904 per rank (3.13%; ideal 1/32)" in report
+
+
 def test_plan_of_the_70b_pipeline_example(no_pytest_argv):
     """The 64-GPU example planned with 8 of its 80 layers (the whole takes 80 s here; its memory ratios are in
     benchmarks/pipeline.py): 4 stages, the embedding and the head counted as one layer each."""

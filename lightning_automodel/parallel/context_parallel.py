@@ -75,6 +75,18 @@ class SequenceSplit:
     key_document: Tensor  # [B, S]
     key_visible: Tensor  # [B, S] False where the attention mask hides a key (padding)
     group: dist.ProcessGroup | None
+    _biases: dict[tuple, Tensor] = dataclasses.field(default_factory=dict, compare=False)
+
+    def bias(self, sliding_window: int | None, like: Tensor) -> Tensor:
+        """:meth:`mask` as an additive bias (0 or the lowest value of ``like``'s dtype, on its device), made once per
+        call and window for every layer: SDPA would otherwise turn each layer's boolean mask into a bias of its own,
+        which autograd keeps for backward, layer after layer ([B, 1, S / cp, S] each)."""
+        key = (sliding_window, like.dtype, like.device)
+        if key not in self._biases:
+            allowed = self.mask(sliding_window).to(like.device)
+            bias = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
+            self._biases[key] = bias.masked_fill_(~allowed, torch.finfo(like.dtype).min)
+        return self._biases[key]
 
     def mask(self, sliding_window: int | None) -> Tensor:
         """[B, 1, S / cp, S]: which keys each query attends to (True), Hugging Face's conventions: causal, a
@@ -118,21 +130,21 @@ def context_parallel_attention(
             " does not hand the call's keyword arguments to its attention, which cp needs."
         )
     keys, values = sequence_split.gather(key), sequence_split.gather(value)
-    mask = sequence_split.mask(sliding_window)
+    bias = sequence_split.bias(sliding_window, like=query)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if softcap is None and sinks is None:
         output = F.scaled_dot_product_attention(
             query,
             keys,
             values,
-            attn_mask=mask,
+            attn_mask=bias,
             dropout_p=dropout,
             scale=scaling,
             enable_gqa=query.size(1) != keys.size(1),
         )
     else:
         output = _eager_attention(
-            query, keys, values, mask, scaling=scaling, softcap=softcap, sinks=sinks, dropout=dropout
+            query, keys, values, bias, scaling=scaling, softcap=softcap, sinks=sinks, dropout=dropout
         )
     return output.transpose(1, 2).contiguous(), None
 
@@ -141,7 +153,7 @@ def _eager_attention(
     query: Tensor,
     keys: Tensor,
     values: Tensor,
-    mask: Tensor,
+    bias: Tensor,
     *,
     scaling: float | None,
     softcap: float | None,
@@ -155,7 +167,7 @@ def _eager_attention(
     scores = query @ keys.transpose(2, 3) * (scaling if scaling is not None else query.size(-1) ** -0.5)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    scores = scores + bias
     if sinks is not None:
         sinks = sinks.to_local() if isinstance(sinks, DTensor) else sinks
         sink = sinks.reshape(1, -1, 1, 1).expand(scores.size(0), -1, scores.size(2), 1)
@@ -219,8 +231,7 @@ class ContextParallel:
             input_ids=input_ids[:, index],
             position_ids=position_ids[:, index],
             sequence_split=split,
-            use_cache=False,
-            **inputs,
+            **{**inputs, "use_cache": False},  # a cache of this rank's keys and values would serve nothing
         )
         if targets is None:
             return ParallelCausalLMOutput(logits=outputs.logits)

@@ -44,6 +44,7 @@ class PlanReport:
     parameter_bytes_per_rank: int = 0
     pipeline: PipelineOptions | None = None
     stages: list[StageReport] = field(default_factory=list)  # under pp: what each stage's ranks hold
+    gathered_bytes_per_token: int = 0  # under cp: keys and values a rank receives per token of a row and layer
 
     @property
     def training_bytes_per_rank(self) -> int:
@@ -68,6 +69,14 @@ class PlanReport:
             lines.append(
                 f"expert parallel: ep={self.dims.ep}, each rank holds 1/{self.dims.ep} of every layer's experts,"
                 f" FSDP-sharded over efsdp={self.dims.efsdp}"
+            )
+        if self.dims.cp > 1:
+            cp = self.dims.cp
+            lines.append(
+                f"context parallel: cp={cp}, each rank holds 1/{cp} of every sequence (chunks i and {2 * cp - 1}-i of"
+                f" {2 * cp}; rows padded to a multiple of {2 * cp} tokens); attention all-gathers keys and values:"
+                f" {self.gathered_bytes_per_token:,} bytes received per token of a row, per layer and rank (in the"
+                " weights' dtype; bf16 activations halve fp32's)"
             )
         if self.stages:
             lines += self._pipeline_lines()
@@ -144,6 +153,7 @@ def plan_report(
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
     report = PlanReport(type(model).__name__, dims, plan_source="")
     report.total_parameters = sum(p.numel() for p in model.parameters())
+    report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
     options = dict(sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
     if dims.pp == 1:
         held = _parallelized(model, dims, rank=rank, report=report, options=options)
@@ -165,6 +175,18 @@ def plan_report(
     report.parameters_per_rank = largest.parameters_per_rank
     report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank
     return report
+
+
+def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:
+    """The key and value bytes a rank receives per token of a row and per layer under cp: the other ranks' share
+    ((cp - 1) / cp) of the tokens' keys and values for the rank's tp share of the KV heads, in the weights' dtype."""
+    if dims.cp == 1:
+        return 0
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype_bytes = next(model.parameters()).element_size()
+    return round(2 * heads / dims.tp * head_dim * dtype_bytes * (dims.cp - 1) / dims.cp)
 
 
 def _parallelized(

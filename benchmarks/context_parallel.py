@@ -1,0 +1,110 @@
+"""Context parallel: activation memory per rank, step time and the keys and values all-gathered per layer, at cp=1,
+2 and 4 on one long sequence, measured side by side in one run; ratios against 1/cp and the analytic K/V volume.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/context_parallel.py [TOKENS]   # about a minute on 2 CPU cores
+
+A Llama of 4 layers (hidden 256, 8 heads, 2 KV heads) on one row of TOKENS tokens (default 4096), cp gloo processes
+(cp=4 shares the 2 cores, so step times there measure contention as much as work: the ratio that matters is memory).
+Activation memory: the bytes of the tensors autograd saves for backward during the forward (storages counted once),
+the memory a step holds at its peak beside weights and optimizer state. The ideal is 1/cp of cp=1's; above it: each
+layer's gathered keys and values (the whole row's, which attention saves for its backward) and the attention bias
+of the rank's queries against every key ([rows, S/cp, S], one for all layers), where cp=1 uses SDPA's causal kernel
+without one. Gathered:
+the bytes each rank receives per layer (the attention function counted through transformers' registry), against
+the analytic 2 x KV heads x head_dim x (cp - 1)/cp x tokens x 4 bytes. Time: the median forward + backward of 3 steps
+after one warm-up, over cp=1's.
+"""
+
+import os
+import sys
+import time
+from functools import partial
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import torch  # noqa: E402
+from harness import run_checks  # noqa: E402
+
+CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1 << 20,
+    tie_word_embeddings=False,
+)
+STEPS, WARMUP = 3, 1
+
+
+def measure(tokens: int) -> dict:
+    """This rank's saved-activation bytes, received K/V bytes per layer and median step seconds."""
+    import torch.distributed as dist
+    from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
+
+    from lightning_automodel import ParallelDims, parallelize
+    from lightning_automodel.parallel.context_parallel import ATTENTION, context_parallel_attention
+
+    cp = dist.get_world_size()
+    received = []
+
+    def counted(module, query, key, value, *args, **kwargs):
+        received.append(2 * key.numel() * key.element_size() * (cp - 1))  # keys and values of the other ranks
+        return context_parallel_attention(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register(ATTENTION, counted)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
+    if cp > 1:
+        parallelize(model, ParallelDims(cp=cp).resolve(cp).build_mesh("cpu"))
+    ids = torch.randint(1, CONFIG["vocab_size"], (1, tokens))
+    times, saved = [], 0
+    for step in range(WARMUP + STEPS):
+        storages: dict[int, int] = {}
+        received.clear()
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(partial(_note_storage, storages), lambda tensor: tensor):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        if step >= WARMUP:
+            times.append(time.perf_counter() - start)
+        saved = sum(storages.values())
+        model.zero_grad(set_to_none=True)
+    per_layer = received[0] if received else 0
+    return {"saved": saved, "received_per_layer": per_layer, "seconds": sorted(times)[len(times) // 2]}
+
+
+def _note_storage(storages: dict[int, int], tensor: torch.Tensor) -> torch.Tensor:
+    """A saved-tensors hook: note the tensor's storage and size (a storage saved twice counts once)."""
+    storage = tensor.untyped_storage()
+    storages[storage.data_ptr()] = storage.nbytes()
+    return tensor
+
+
+def main() -> None:
+    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    results = {}
+    for cp in (1, 2, 4):
+        results[cp] = next(iter(run_checks(cp, [partial(measure, tokens)], timeout=900).values()))
+    base = results[1][0]
+    kv_heads, head_dim = CONFIG["num_key_value_heads"], CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+    print(f"one row of {tokens} tokens, Llama of {CONFIG['num_hidden_layers']} layers; ratios against cp=1")
+    print(
+        "| cp | saved activations per rank (MiB, worst rank) | over cp=1 | ideal 1/cp | received K/V per layer (KiB) |"
+        " analytic (KiB) | step time over cp=1 |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for cp, ranks in results.items():
+        saved = max(rank["saved"] for rank in ranks)
+        received = max(rank["received_per_layer"] for rank in ranks)
+        analytic = 2 * kv_heads * head_dim * tokens * (cp - 1) / cp * 4
+        seconds = max(rank["seconds"] for rank in ranks)
+        print(
+            f"| {cp} | {saved / 2**20:.1f} | {saved / base['saved']:.3f} | {1 / cp:.3f} | {received / 1024:.1f} |"
+            f" {analytic / 1024:.1f} | {seconds / base['seconds']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

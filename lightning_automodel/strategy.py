@@ -58,6 +58,7 @@ from lightning_automodel.hf.loading import materialize_pretrained, pretrained_ch
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
 from lightning_automodel.parallel.checkpointing import ACMode, validate_ac_mode
+from lightning_automodel.parallel.context_parallel import check_cp_with_pp
 from lightning_automodel.parallel.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.fsdp import validate_prefetch
 from lightning_automodel.parallel.grad_norm import clip_grad_norm_
@@ -201,8 +202,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         self.parallel_dims = ParallelDims(
             pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=1 if self._tp_per_node else tp, ep=ep
         )
-        if cp > 1 and pp > 1:
-            raise ValueError(f"cp={cp} with pp={pp}: context parallel does not compose with pipeline parallel yet.")
+        check_cp_with_pp(cp=cp, pp=pp)
         if pp > 1 and cpu_offload:
             raise ValueError(f"pp={pp} with cpu_offload=True is not supported yet: use one of them.")
         pipeline = PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn)

@@ -103,7 +103,8 @@ def any_model(family: str, **config: object) -> torch.nn.Module:
 def check_context_parallel_refusals(cp: int) -> list[str]:
     """Refused on every rank before any collective, naming the fix: cp with pp, a model that computes other logits
     with its sequences split (Mamba: a state-space model, no attention to gather), a training step computing its
-    loss from the logits (each rank holds its share of the sequence's logits only)."""
+    loss from the logits (each rank holds its share of the sequence's logits only); calls the split cannot serve
+    (a 4D mask, a cache, generation) and, in one small all-reduce, rows that differ between the cp peers."""
     refused = []
     try:
         AutoModelParallelStrategy(cp=cp, pp=2)
@@ -119,6 +120,23 @@ def check_context_parallel_refusals(cp: int) -> list[str]:
     for module, expected in fits:
         try:
             trainer(AutoModelParallelStrategy(cp=cp)).fit(module, data(dist.get_world_size() // cp))
+        except ValueError as error:
+            assert expected in str(error), error
+            refused.append(str(error))
+        else:
+            raise AssertionError(f"{expected!r} was not refused")
+    model = fits[1][0].model.eval()  # parallelized before its first step failed
+    tokens, labels = batch(2)
+    calls = [
+        (lambda: model(input_ids=tokens, attention_mask=torch.ones(2, 1, 16, 16)), "shape (2, 16), as input_ids"),
+        (lambda: model(input_ids=tokens, past_key_values=object()), "past_key_values"),
+        (lambda: model.generate(tokens), "generate with cp=1"),
+        (lambda: model(input_ids=tokens + dist.get_rank(), labels=labels), "other rows than its cp peers"),
+    ]
+    for call, expected in calls:
+        try:
+            with torch.no_grad():
+                call()
         except ValueError as error:
             assert expected in str(error), error
             refused.append(str(error))

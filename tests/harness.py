@@ -84,14 +84,23 @@ def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], resu
         dist.destroy_process_group()
 
 
-def run_checks(world_size: int, checks: Sequence[Check], *, timeout: float = 240, pg_timeout: float = 60) -> dict:
+def run_checks(
+    world_size: int,
+    checks: Sequence[Check],
+    *,
+    timeout: float = 240,
+    pg_timeout: float = 60,
+    fresh_interpreters: bool = False,
+) -> dict:
     """Run ``checks`` in order on ``world_size`` gloo ranks; return {check name: [result of rank 0, 1, ...]}.
 
     The whole launch must report within ``timeout`` seconds; ``pg_timeout`` bounds each collective.
+    ``fresh_interpreters``: spawn each rank as launchers do, with a hash seed of its own (ranks forked from one server
+    share the server's, and iterate sets alike: a rank order that differs between ranks would go unseen).
 
     Checks must be picklable (module-level functions or functools.partial of them).
     """
-    context = worker_context()
+    context = multiprocessing.get_context("spawn") if fresh_interpreters else worker_context()
     results = context.Queue()
     port = free_port()
     processes = [

@@ -276,16 +276,17 @@ class PretrainedRecordingLM(RecordingLM):
         self.losses, self.accuracies, self.grads = [], [], []
 
 
-def check_causal_lm_module_split(*, pp: int = 1, cp: int = 1) -> dict:
-    """CausalLMModule unchanged when the model's call splits the batch, under pp (1F1B over pp micro-batches) or cp:
+def check_causal_lm_module_split(*, pp: int = 1, cp: int = 1, tp: int = 1) -> dict:
+    """CausalLMModule unchanged when the model's call splits the batch, under pp (1F1B over pp micro-batches) or cp
+    (also x tp, whose vocabulary-sharded logits make the summed loss a DTensor):
     3 steps on padded rows (AdamW with decay groups, warm-up then cosine) match transformers' model in one process:
     the logged loss and accuracy at every step, this rank's gradients, the weights; then validation's loss,
     perplexity and accuracy; predict's per-sequence losses on every rank under pp, refused under cp."""
     directory = saved_checkpoint("llama")
     train, val = padded_rows(GLOBAL_BATCH, seed=1), padded_rows(2 * GLOBAL_BATCH, seed=2)
-    dp = dist.get_world_size() // pp // cp
+    dp = dist.get_world_size() // pp // cp // tp
     module = PretrainedRecordingLM(directory)
-    fit = trainer(AutoModelParallelStrategy(pp=pp, cp=cp))
+    fit = trainer(AutoModelParallelStrategy(tp, pp=pp, cp=cp))
     fit.fit(module, DataLoader(Rows(train), batch_size=GLOBAL_BATCH // dp))
     val_loader = DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp)
     logged = fit.validate(module, val_loader, verbose=False)[0]

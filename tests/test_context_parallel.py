@@ -48,11 +48,12 @@ def test_context_parallel_on_two_ranks(tmp_path):
 
 def test_context_parallel_with_tensor_and_data_parallel():
     """World 4: Llama at cp=2 x tp=2 with sp; Qwen3 at cp=2 x dp_shard=2 with activation checkpointing; Mistral with a
-    3-token window at cp=2 x tp=2."""
+    3-token window at cp=2 x tp=2; CausalLMModule at cp=2 x tp=2."""
     checks = [
         partial(check_context_parallel_trainer_parity, 2, tp=2, sp=True),
         partial(check_context_parallel_trainer_parity, 2, "qwen3", activation_checkpointing=True),
         partial(check_context_parallel_trainer_parity, 2, "mistral", tp=2, config=dict(sliding_window=3)),
+        partial(check_causal_lm_module_split, cp=2, tp=2),
     ]
     run_checks(4, checks, timeout=400)
 

@@ -29,7 +29,8 @@ AC = (False, True)
 
 
 def test_trainer_on_two_ranks():
-    """tp=2, tp=2 with sp and dp_shard=2, each with and without activation checkpointing; then the wiring."""
+    """tp=2, tp=2 with sp and dp_shard=2, each with and without activation checkpointing; then the wiring. Ranks
+    spawned as launchers start them (each its own interpreter and hash seed), unlike the other tests' forked ones."""
     checks = [partial(check_trainer_parity, tp, sp, ac) for tp, sp in ((2, False), (2, True), (1, False)) for ac in AC]
     checks += [
         partial(check_trainer_parity, 2, True, False, "llama", True),  # CPU offload, on a CPU-only machine too
@@ -45,7 +46,7 @@ def test_trainer_on_two_ranks():
         check_verify_plans_refuses_a_wrong_plan_everywhere,
         check_verify_plans_failing_on_one_rank_stops_every_rank,
     ]
-    results = run_checks(2, checks)
+    results = run_checks(2, checks, fresh_interpreters=True)
     refusals = results["check_verify_plans_refuses_a_wrong_plan_everywhere()"]
     assert refusals[0] == refusals[1], refusals
     rank0, rank1 = results["check_verify_plans_failing_on_one_rank_stops_every_rank()"]

@@ -4,7 +4,9 @@ Each rank keeps its share of a sequence's tokens through every layer; only atten
 gathers them: each rank keeps its queries, all-gathers keys and values over cp (cheap under grouped KV heads), and
 masks in global token positions. The gather's backward sums every rank's gradient into the keys' and values'
 owner. The sequence is cut into 2 cp chunks and rank i holds chunks i and 2 cp - 1 - i, so that under the causal
-mask every rank does the same attention work.
+mask every rank's queries see as many keys: equal work for a kernel that skips masked blocks. The portable path here
+(SDPA over a dense bias of the rank's queries against every key) computes S / cp x S scores on every rank, and the
+bias is quadratic in the row: rows of 128k tokens need a block-sparse kernel (flex attention), not built yet.
 
 torch's ``context_parallel()`` handles only the flash, efficient and cuDNN SDPA kernels (nothing on CPU) and no
 masks of Hugging Face's (sliding windows, packed documents, padding). The attention here is a function of
@@ -22,7 +24,6 @@ by an earlier token). The loss is this rank's share of the global batch's token 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from lightning_automodel.mesh import axis_size, reduction_mesh
 from lightning_automodel.parallel.loss import next_token_targets, token_hits, token_loss_sum
 from lightning_automodel.parallel.model_calls import (
     ParallelCausalLMOutput,
+    own_forward,
     take_over_calls,
     taken_over,
     training_call,
@@ -47,12 +49,12 @@ from lightning_automodel.parallel.model_calls import (
 ATTENTION = "lightning_automodel_cp"  # the name of the attention function in transformers' registry
 
 
-def token_indices(seq_len: int, cp: int, rank: int) -> Tensor:
+def token_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
     """The positions in a sequence of ``seq_len`` (a multiple of 2 ``cp``) that cp rank ``rank`` holds: chunks
     ``rank`` and ``2 cp - 1 - rank`` of 2 cp."""
     chunk = seq_len // (2 * cp)
     first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)]).to(device)
 
 
 def documents(position_ids: Tensor) -> Tensor:
@@ -63,19 +65,29 @@ def documents(position_ids: Tensor) -> Tensor:
     return starts.cumsum(-1)
 
 
-@dataclasses.dataclass(frozen=True)
 class SequenceSplit:
     """How a batch's sequences are split over a cp group, for the attention of the queries this rank holds against
     the keys of every rank (gathered in rank order). ``group``: the cp ranks; None simulates the split in one
-    process (the queries and keys are then the same tokens)."""
+    process (the queries and keys are then the same tokens). A plain class, not a dataclass: FSDP's mixed-precision
+    input cast copies dataclasses it finds in a layer's arguments, which would give every layer a cache of its own."""
 
-    query_index: Tensor  # [S / cp] positions of this rank's tokens in the sequence
-    key_index: Tensor  # [S] positions of the gathered keys
-    query_document: Tensor  # [B, S / cp]
-    key_document: Tensor  # [B, S]
-    key_visible: Tensor  # [B, S] False where the attention mask hides a key (padding)
-    group: dist.ProcessGroup | None
-    _biases: dict[tuple, Tensor] = dataclasses.field(default_factory=dict, compare=False)
+    def __init__(
+        self,
+        *,
+        query_index: Tensor,
+        key_index: Tensor,
+        query_document: Tensor,
+        key_document: Tensor,
+        key_visible: Tensor,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.query_index = query_index  # [S / cp] positions of this rank's tokens in the sequence
+        self.key_index = key_index  # [S] positions of the gathered keys
+        self.query_document = query_document  # [B, S / cp]
+        self.key_document = key_document  # [B, S]
+        self.key_visible = key_visible  # [B, S] False where the attention mask hides a key (padding)
+        self.group = group
+        self._biases: dict[tuple, Tensor] = {}
 
     def bias(self, sliding_window: int | None, like: Tensor) -> Tensor:
         """:meth:`mask` as an additive bias (0 or the lowest value of ``like``'s dtype, on its device), made once per
@@ -132,6 +144,9 @@ def context_parallel_attention(
     keys, values = sequence_split.gather(key), sequence_split.gather(value)
     bias = sequence_split.bias(sliding_window, like=query)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if query.device.type != "cpu" and query.size(1) != keys.size(1):  # as transformers: GQA with a mask on CUDA
+        groups = query.size(1) // keys.size(1)  # would fall back to SDPA's math kernel: expand the KV heads instead
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
     if softcap is None and sinks is None:
         output = F.scaled_dot_product_attention(
             query,
@@ -214,20 +229,20 @@ class ContextParallel:
             labels,
             why="Under context parallel (cp > 1) each rank computes the logits of its share of every sequence only",
         )
+        self._check_same_rows(input_ids)
         length = input_ids.size(1)
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.size(0), -1)
         visible = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         targets = next_token_targets(labels) if labels is not None else None
         extra = -length % (2 * self.cp)
-        if extra:  # padding on the right: no earlier token attends to it, and the loss ignores it
-            follow = position_ids[:, -1:] + 1 + torch.arange(extra, device=input_ids.device)
+        if extra:  # padding on the right, at the last position: nothing attends to it, and the loss ignores it
             input_ids, visible = F.pad(input_ids, (0, extra)), F.pad(visible, (0, extra), value=False)
-            position_ids = torch.cat([position_ids, follow], dim=1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(-1, extra)], dim=1)
             targets = F.pad(targets, (0, extra), value=-100) if targets is not None else None
         split = self.split(position_ids, visible, length + extra)
-        index = split.query_index.to(input_ids.device)
-        outputs = _original_forward(self.model)(
+        index = split.query_index
+        outputs = own_forward(self.model, ContextParallelModel)(
             input_ids=input_ids[:, index],
             position_ids=position_ids[:, index],
             sequence_split=split,
@@ -237,9 +252,22 @@ class ContextParallel:
             return ParallelCausalLMOutput(logits=outputs.logits)
         return self._with_loss(outputs.logits, targets[:, index])
 
+    def _check_same_rows(self, input_ids: Tensor) -> None:
+        """The ranks of a cp group split the same rows (the sampler deals them by dp rank): rows of other shapes would
+        gather mismatched keys, other tokens would be attended to as if they were these. One small all-reduce."""
+        summary = torch.tensor([*input_ids.shape, int(input_ids.sum())], device=input_ids.device)
+        extremes = torch.cat([summary, -summary])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(extremes[:3], -extremes[3:]):
+            raise ValueError(
+                f"cp rank {self.rank} was given other rows than its cp peers (shape {tuple(input_ids.shape)}): every"
+                " rank of a cp group must call the model with the same batch, as Lightning's sampler deals it by"
+                " data-parallel rank. A sampler or data module of your own must deal by dp rank, not by global rank."
+            )
+
     def split(self, position_ids: Tensor, visible: Tensor, length: int) -> SequenceSplit:
         """The split of a batch of ``length`` tokens a row (a multiple of 2 cp)."""
-        held = [token_indices(length, self.cp, rank) for rank in range(self.cp)]
+        held = [token_indices(length, self.cp, rank, position_ids.device) for rank in range(self.cp)]
         query_index, key_index = held[self.rank], torch.cat(held)
         document = documents(position_ids)
         return SequenceSplit(
@@ -258,13 +286,11 @@ class ContextParallel:
         group = reduction_mesh(self.mesh).get_group()
         dist.all_reduce(total, group=group)
         loss = loss_sum * (dist.get_world_size(group) / total.clamp_min(1))
-        return ParallelCausalLMOutput(
-            loss=loss, logits=logits, loss_sum=loss_sum.detach(), num_tokens=tokens, num_hits=hits
-        )
+        plain_sum = (loss_sum.to_local() if isinstance(loss_sum, DTensor) else loss_sum).detach()  # tp: replicated
+        return ParallelCausalLMOutput(loss=loss, logits=logits, loss_sum=plain_sum, num_tokens=tokens, num_hits=hits)
 
 
-def _original_forward(model: nn.Module):
-    return super(ContextParallelModel, model).forward
+REFUSED_INPUTS = ("past_key_values", "cache_position", "inputs_embeds")  # a split of whole rows of token ids only
 
 
 class ContextParallelModel(nn.Module):
@@ -272,6 +298,9 @@ class ContextParallelModel(nn.Module):
     over the cp ranks."""
 
     context: ContextParallel
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("Under context parallel (cp > 1) the model trains and evaluates; generate with cp=1.")
 
     def forward(
         self,
@@ -282,16 +311,31 @@ class ContextParallelModel(nn.Module):
         labels: Tensor | None = None,
         **inputs: Any,
     ) -> ParallelCausalLMOutput:
-        if args or input_ids is None:
-            raise ValueError(
-                "Under context parallel (cp > 1) the model takes input_ids, labels, attention_mask and position_ids"
-                f" as keywords (got {len(args)} more positional arguments"
-                f"{'' if input_ids is not None else ', no input_ids'})."
-            )
         given = {name: value for name, value in inputs.items() if value is not None}
+        refused = [name for name in REFUSED_INPUTS if name in given] + (
+            ["return_dict=False"] if given.get("return_dict") is False else []
+        )
+        if args or input_ids is None or refused:
+            raise ValueError(
+                "Under context parallel (cp > 1) the model's call splits whole rows over the cp ranks: it takes"
+                " input_ids, labels, a 2D attention_mask and position_ids as keywords (got"
+                f" {len(args)} more positional arguments{'' if input_ids is not None else ', no input_ids'}"
+                f"{', ' + ', '.join(refused) if refused else ''}); no cache, no generation: generate with cp=1."
+            )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"Under context parallel (cp > 1) the attention mask marks each token of the rows: shape"
+                f" {tuple(input_ids.shape)}, as input_ids (got {tuple(attention_mask.shape)})."
+            )
         return self.context.run(
             input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids, **given
         )
+
+
+def check_cp_with_pp(*, cp: int, pp: int) -> None:
+    """Context parallel does not compose with pipeline parallel yet: refused."""
+    if cp > 1 and pp > 1:
+        raise ValueError(f"cp={cp} with pp={pp}: context parallel does not compose with pipeline parallel yet.")
 
 
 def context_parallel_problem(model: nn.Module) -> str | None:
@@ -379,6 +423,7 @@ __all__ = [
     "context_parallel_attention",
     "context_parallel_model",
     "context_parallel_of",
+    "check_cp_with_pp",
     "context_parallel_problem",
     "documents",
     "token_indices",

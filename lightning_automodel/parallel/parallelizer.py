@@ -22,7 +22,11 @@ from torch.distributed.tensor import DTensor
 from lightning_automodel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
-from lightning_automodel.parallel.context_parallel import context_parallel_model, context_parallel_problem
+from lightning_automodel.parallel.context_parallel import (
+    check_cp_with_pp,
+    context_parallel_model,
+    context_parallel_problem,
+)
 from lightning_automodel.parallel.expert_parallel import (
     apply_expert_parallel,
     expert_parallel_problem,
@@ -271,8 +275,7 @@ def check_pipeline(
 def check_context_parallel(model: nn.Module, *, cp: int, pp: int) -> None:
     """At cp > 1: the model splits its sequences over cp ranks and computes what it computes whole (see
     :mod:`lightning_automodel.parallel.context_parallel`); pipeline parallel is off (not composed with it yet)."""
-    if pp > 1:
-        raise ValueError(f"cp={cp} with pp={pp}: context parallel does not compose with pipeline parallel yet.")
+    check_cp_with_pp(cp=cp, pp=pp)
     problem = context_parallel_problem(model)
     if problem is not None:
         raise ValueError(f"cp={cp} (context parallel): {problem}. Use cp=1 for this model.")

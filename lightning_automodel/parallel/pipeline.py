@@ -65,6 +65,7 @@ from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hits, next_token_targets
 from lightning_automodel.parallel.model_calls import (
     ParallelCausalLMOutput,
+    own_forward,
     take_over_calls,
     taken_over,
     training_call,
@@ -474,7 +475,7 @@ class Pipeline:
             stream = DTensor.from_local(stream, *self._stream_layout, run_check=False)
         given = {"input_ids": stream} if stage == 0 else {"inputs_embeds": stream}
         if stage == self.num_stages - 1:
-            return _original_forward(module)(**given, **inputs, use_cache=False).logits
+            return own_forward(module, PipelinedModel)(**given, **inputs, use_cache=False).logits
         return _local(module.base_model(**given, **inputs, use_cache=False).last_hidden_state)
 
     def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> ParallelCausalLMOutput:
@@ -672,10 +673,6 @@ def _param_groups(unit: FSDPModule) -> list:
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _original_forward(model: nn.Module):
-    return super(PipelinedModel, model).forward
 
 
 class PipelinedModel(nn.Module):

@@ -186,7 +186,7 @@ def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype_bytes = next(model.parameters()).element_size()
-    return round(2 * heads / dims.tp * head_dim * dtype_bytes * (dims.cp - 1) / dims.cp)
+    return round(2 * (heads // dims.tp) * head_dim * dtype_bytes * (dims.cp - 1) / dims.cp)
 
 
 def _parallelized(

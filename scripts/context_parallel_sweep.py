@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from _pytest.outcomes import Failed  # noqa: E402
 from context_parallel_checks import check_context_parallel_trainer_parity  # noqa: E402
 from harness import check_name, run_checks  # noqa: E402
+from lightning_checks import parity_row  # noqa: E402
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3_gqa", "granite",
@@ -34,7 +35,6 @@ LAYOUTS = (
     ("cp=2 x tp=2 + sp", 4, dict(tp=2, sp=True)),
     ("cp=2 x dp_shard=2", 4, {}),
 )
-KEYS = ("first_loss", "first_grads", "later_grads", "weights_after_3_steps", "validation_loss")
 
 
 def main() -> None:
@@ -47,15 +47,10 @@ def main() -> None:
             try:
                 results = run_checks(world, [check], timeout=900)
             except Failed as failure:
-                error = next(
-                    line for line in reversed([*str(failure).splitlines(), "?"]) if "Error" in line or line == "?"
-                )
-                print(f"| {family} | {name} | failed: {error.strip()[:150]} | | | |", flush=True)
+                errors = [line.strip() for line in str(failure).splitlines() if "Error" in line] or ["?"]
+                print(f"| {family} | {name} | failed: {errors[-1][:150]} | | | |", flush=True)
                 continue
-            worst = {key: f"{max(rank[key] for rank in results[check_name(check)]):.1e}" for key in KEYS}
-            first_loss, first_grads, later_grads, weights, validation = worst.values()
-            row = f"| {family} | {name} | {first_loss} | {first_grads} / {later_grads} | {weights} | {validation} |"
-            print(row, flush=True)
+            print(parity_row(family, name, results[check_name(check)]), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import check_name, run_checks  # noqa: E402
+from lightning_checks import parity_row  # noqa: E402
 from pipeline_checks import check_pipeline_trainer_parity  # noqa: E402
 
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -47,7 +48,6 @@ LAYOUTS = (
         dict(activation_checkpointing=True, stages_per_rank=2),
     ),
 )
-KEYS = ("first_loss", "first_grads", "later_grads", "weights_after_3_steps", "validation_loss")
 
 
 def main() -> None:
@@ -58,10 +58,7 @@ def main() -> None:
         checks = [partial(check_pipeline_trainer_parity, pp, schedule, family, **options) for family in FAMILIES]
         results = run_checks(world, checks, timeout=900)
         for family, check in zip(FAMILIES, checks, strict=True):
-            worst = {key: f"{max(rank[key] for rank in results[check_name(check)]):.1e}" for key in KEYS}
-            first_loss, first_grads, later_grads, weights, validation = worst.values()
-            row = f"| {family} | {name} | {first_loss} | {first_grads} / {later_grads} | {weights} | {validation} |"
-            print(row, flush=True)
+            print(parity_row(family, name, results[check_name(check)]), flush=True)
 
 
 if __name__ == "__main__":

@@ -251,6 +251,17 @@ def check_trainer_parity(
     return compare_training(module, reference, reference_run(reference))
 
 
+PARITY_KEYS = ("first_loss", "first_grads", "later_grads", "weights_after_3_steps", "validation_loss")
+
+
+def parity_row(family: str, layout: str, ranks: list[dict]) -> str:
+    """A sweep's table row of :func:`fit_against_one_process`'s errors, the worst rank's of each."""
+    first_loss, first_grads, later_grads, weights, validation = (
+        f"{max(rank[key] for rank in ranks):.1e}" for key in PARITY_KEYS
+    )
+    return f"| {family} | {layout} | {first_loss} | {first_grads} / {later_grads} | {weights} | {validation} |"
+
+
 def check_checkpoint_resume_across_layouts(
     directory: str, resumes: list[tuple[dict, dict]], family: str = "gemma3", *, num_hidden_layers: int = 4
 ) -> dict:

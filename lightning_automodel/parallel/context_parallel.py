@@ -36,8 +36,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from lightning_automodel.mesh import axis_size, reduction_mesh
-from lightning_automodel.parallel.loss import next_token_targets, token_hits, token_loss_sum
+from lightning_automodel.mesh import axis_size
+from lightning_automodel.parallel.loss import global_token_mean, next_token_targets, token_hits, token_loss_sum
 from lightning_automodel.parallel.model_calls import (
     ParallelCausalLMOutput,
     own_forward,
@@ -209,8 +209,8 @@ class ContextParallel:
         self.model = model
         self.mesh = mesh
         self.cp = axis_size(mesh, "cp")
-        self.group = mesh["cp"].get_group() if self.cp > 1 else None
-        self.rank = mesh["cp"].get_local_rank() if self.cp > 1 else 0
+        self.group = mesh["cp"].get_group()
+        self.rank = mesh["cp"].get_local_rank()
 
     def run(
         self,
@@ -282,10 +282,7 @@ class ContextParallel:
     def _with_loss(self, logits: Tensor, targets: Tensor) -> ParallelCausalLMOutput:
         loss_sum, tokens = token_loss_sum(logits, targets)
         hits, _ = token_hits(logits, targets)
-        total = tokens.detach().float().clone()
-        group = reduction_mesh(self.mesh).get_group()
-        dist.all_reduce(total, group=group)
-        loss = loss_sum * (dist.get_world_size(group) / total.clamp_min(1))
+        loss = global_token_mean(loss_sum, tokens, self.mesh)
         plain_sum = (loss_sum.to_local() if isinstance(loss_sum, DTensor) else loss_sum).detach()  # tp: replicated
         return ParallelCausalLMOutput(loss=loss, logits=logits, loss_sum=plain_sum, num_tokens=tokens, num_hits=hits)
 

@@ -13,6 +13,11 @@ without one. Gathered:
 the bytes each rank receives per layer (the attention function counted through transformers' registry), against
 the analytic 2 x KV heads x head_dim x (cp - 1)/cp x tokens x 4 bytes. Time: the median forward + backward of 3 steps
 after one warm-up, over cp=1's.
+
+Then the kernels at cp=2 in one evaluation call (flex attention has no backward on CPU): the logits of
+``cp_attention="flex"`` against ``"sdpa"``'s, and the mask each keeps for a call: the dense bias ([rows, S/cp, S] of
+the compute dtype) against flex attention's block mask (block indices, linear in S^2 / 128^2). Flex attention runs
+uncompiled on CPU (its fused kernels are GPUs'): its speed is not measured here.
 """
 
 import os
@@ -75,6 +80,41 @@ def measure(tokens: int) -> dict:
     return {"saved": saved, "received_per_layer": per_layer, "seconds": sorted(times)[len(times) // 2]}
 
 
+def compare_kernels(tokens: int) -> dict:
+    """At cp = world size, one evaluation call under each kernel: the largest logit difference relative to the
+    largest logit; and the bytes of the mask each builds for such a call."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lightning_automodel import ParallelDims, parallelize
+    from lightning_automodel.parallel.context_parallel import context_parallel_of
+
+    cp = dist.get_world_size()
+    ids = torch.randint(1, CONFIG["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for kernel in ("sdpa", "flex"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, attn_implementation="sdpa")).eval()
+        parallelize(model, ParallelDims(cp=cp).resolve(cp).build_mesh("cpu"), cp_attention=kernel)
+        with torch.no_grad():
+            logits[kernel] = model(input_ids=ids).logits
+    split = context_parallel_of(model).split(torch.arange(tokens)[None], torch.ones_like(ids, dtype=torch.bool), tokens)
+    like = torch.empty(0)
+    return {
+        "error": ((logits["flex"] - logits["sdpa"]).abs().max() / logits["sdpa"].abs().max()).item(),
+        "bias_bytes": _mask_bytes(split.bias(None, like=like)),
+        "block_mask_bytes": _mask_bytes(split.block_mask(None, like=like)),
+    }
+
+
+def _mask_bytes(mask: object) -> int:
+    """The bytes of a dense bias, or of the tensors a block mask holds."""
+    if isinstance(mask, torch.Tensor):
+        return mask.numel() * mask.element_size()
+    tensors = [value for value in vars(mask).values() if isinstance(value, torch.Tensor)]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
 def _note_storage(storages: dict[int, int], tensor: torch.Tensor) -> torch.Tensor:
     """A saved-tensors hook: note the tensor's storage and size (a storage saved twice counts once)."""
     storage = tensor.untyped_storage()
@@ -104,6 +144,15 @@ def main() -> None:
             f"| {cp} | {saved / 2**20:.1f} | {saved / base['saved']:.3f} | {1 / cp:.3f} | {received / 1024:.1f} |"
             f" {analytic / 1024:.1f} | {seconds / base['seconds']:.2f} |"
         )
+    kernels = next(iter(run_checks(2, [partial(compare_kernels, tokens)], timeout=900).values()))
+    print(f"\ncp=2, one evaluation call of {tokens} tokens: flex against sdpa")
+    print("| logits, relative difference | dense bias (KiB) | block mask (KiB) | block mask over bias |")
+    print("|---|---|---|---|")
+    worst = max(kernels, key=lambda rank: rank["error"])
+    print(
+        f"| {worst['error']:.1e} | {worst['bias_bytes'] / 1024:.0f} | {worst['block_mask_bytes'] / 1024:.1f} |"
+        f" {worst['block_mask_bytes'] / worst['bias_bytes']:.4f} |"
+    )
 
 
 if __name__ == "__main__":

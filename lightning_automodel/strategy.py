@@ -58,7 +58,7 @@ from lightning_automodel.hf.loading import materialize_pretrained, pretrained_ch
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
 from lightning_automodel.parallel.checkpointing import ACMode, validate_ac_mode
-from lightning_automodel.parallel.context_parallel import check_cp_with_pp
+from lightning_automodel.parallel.context_parallel import CPAttention, attention_kernel, check_cp_with_pp
 from lightning_automodel.parallel.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.fsdp import validate_prefetch
 from lightning_automodel.parallel.grad_norm import clip_grad_norm_
@@ -102,6 +102,10 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             2 cp - 1 - i), and attention all-gathers keys and values over them. The model's call takes the whole
             batch and returns this rank's share of the loss: training_step returns the model's own loss
             (``self.model(input_ids=..., labels=...).loss``). FSDP shards over dp_shard x cp.
+        cp_attention: the attention kernel at cp > 1: "flex" (flex attention over a block mask: the masked blocks
+            skipped, nothing quadratic in the sequence stored; trains on GPUs only, torch has no CPU backward),
+            "sdpa" (SDPA over a dense [S / cp, S] mask a row: any device, memory quadratic in the sequence) or
+            "auto" (default: flex on GPUs, sdpa elsewhere).
         ep: expert-parallel size: each of ep ranks holds 1/ep of every mixture-of-experts layer's experts, and tokens
             travel to their experts by all-to-all. ep borrows its ranks from dp_shard x cp (it must divide it); FSDP
             shards the experts over what dp_shard x cp leaves, and with tp > 1 each expert is also split over tp.
@@ -109,7 +113,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             embedding on the first, the head on the last), and a schedule of torch.distributed.pipelining runs
             forward and backward of every micro-batch. training_step returns the model's own loss
             (``self.model(input_ids=..., labels=...).loss``): the last stage computes it, and it reaches every rank.
-            Composes with tp (and sp), dp_shard, dp_replicate, activation checkpointing and LoRA; not with ep yet.
+            Composes with tp (and sp), dp_shard, dp_replicate, ep, activation checkpointing and LoRA; not with cp yet.
         pp_schedule: "1F1B" (default), "GPipe", or with pp_stages_per_rank >= 2 "Interleaved1F1B", "LoopedBFS" or
             "InterleavedZeroBubble" (torch's schedule names).
         pp_microbatches: micro-batches per step (default: pp); must divide the batch, and be >= pp for "1F1B".
@@ -160,6 +164,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         dp_replicate: int = 1,
         dp_shard: int | Literal["auto"] = "auto",
         cp: int = 1,
+        cp_attention: CPAttention = "auto",
         pp: int = 1,
         ep: int = 1,
         pp_schedule: str = "1F1B",
@@ -203,6 +208,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=1 if self._tp_per_node else tp, ep=ep
         )
         check_cp_with_pp(cp=cp, pp=pp)
+        attention_kernel(cp_attention, "cpu")  # a name it does not know is refused here
+        self.cp_attention = cp_attention
         if pp > 1 and cpu_offload:
             raise ValueError(f"pp={pp} with cpu_offload=True is not supported yet: use one of them.")
         pipeline = PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn)
@@ -336,6 +343,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             mp_policy=self._mixed_precision_policy(),
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else None,
             pipeline=self.pipeline,
+            cp_attention=self.cp_attention,
             **self.fsdp_options,
         )
         if meta:

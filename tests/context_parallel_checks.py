@@ -49,11 +49,14 @@ def check_context_parallel_trainer_parity(
     return result
 
 
-def check_rows_split_over_cp(family: str, *, packed: bool, padded: bool, length: int, **config: object) -> dict:
+def check_rows_split_over_cp(
+    family: str, *, packed: bool, padded: bool, length: int, attention: str = "sdpa", **config: object
+) -> dict:
     """The model's call at cp = world size on rows of ``length`` tokens (padded to a multiple of 2 cp inside the
     call when it is not one): packed documents (position ids restarting, so attention must not cross them) and
     right padding (an attention mask hiding the last tokens, labels ignoring them). The loss (the mean of the
-    ranks' shares), each rank's logits and every gradient against one process on the whole rows."""
+    ranks' shares), each rank's logits and every gradient against one process on the whole rows. Flex attention
+    (``attention="flex"``) has no backward on CPU: its call is compared without gradients, and training refused."""
     cp = dist.get_world_size()
     mesh = ParallelDims(cp=cp).resolve(cp).build_mesh("cpu")
     model, reference = any_model(family, **config), any_model(family, **config)
@@ -67,27 +70,37 @@ def check_rows_split_over_cp(family: str, *, packed: bool, padded: bool, length:
         inputs["attention_mask"] = torch.ones_like(tokens)
         inputs["attention_mask"][:, -3:] = 0
         labels[:, -3:] = -100
-    context = context_parallel_model(model, mesh)
-    outputs = model(input_ids=tokens, labels=labels, **inputs)
-    outputs.loss.backward()
-    expected = reference(input_ids=tokens, labels=labels, use_cache=False, **inputs)
-    expected.loss.backward()
+    context = context_parallel_model(model, mesh, attention=attention)
+    trains = attention == "sdpa"
+    if not trains:
+        try:
+            model(input_ids=tokens, labels=labels, **inputs)
+        except ValueError as error:
+            assert "cannot train on CPU" in str(error), error
+        else:
+            raise AssertionError("training with flex attention on CPU was not refused")
+    with torch.set_grad_enabled(trains):
+        outputs = model(input_ids=tokens, labels=labels, **inputs)
+        expected = reference(input_ids=tokens, labels=labels, use_cache=False, **inputs)
+    if trains:
+        outputs.loss.backward()
+        expected.loss.backward()
     loss = outputs.loss.detach().clone()
     dist.all_reduce(loss)
     held = token_indices(-(-length // (2 * cp)) * 2 * cp, cp, context.rank)
     real = held < length - (3 if padded else 0)  # neither the call's padding nor the rows' (whose logits are noise)
     logits, expected_logits = outputs.logits[:, real], expected.logits[:, held[real]]
-    reference_params = dict(reference.named_parameters())
-    grads = 0.0
-    for name, param in model.named_parameters():
-        grad = param.grad.clone()
-        dist.all_reduce(grad)  # each rank's share of the gradient, as FSDP's reduction over dp_shard x cp sums them
-        grads = max(grads, relative_error(grad / cp, reference_params[name].grad))
     result = {
         "loss": abs(loss.item() / cp - expected.loss.item()) / expected.loss.item(),
         "logits": relative_error(logits, expected_logits),
-        "grads": grads,
     }
+    if trains:
+        reference_params = dict(reference.named_parameters())
+        result["grads"] = 0.0
+        for name, param in model.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad)  # each rank's share of the gradient, as FSDP's reduction over dp_shard x cp sums
+            result["grads"] = max(result["grads"], relative_error(grad / cp, reference_params[name].grad))
     assert max(result.values()) < FP32_TOLERANCE, result
     return result
 

@@ -1,12 +1,14 @@
 """Context parallel (``cp``) against one process on the whole batch: 3 AdamW steps through a real Trainer (the loss
 at each step, every gradient at each step, the weights after) and validate's loss; the model's call on packed
 documents, right-padded rows of a length 2 cp does not divide, soft-capped attention (Gemma 2) and attention sinks
-(GPT-OSS): the loss, this rank's logits and every gradient; sliding windows shorter and longer than a rank's chunk
+(GPT-OSS): the loss, this rank's logits and every gradient, and under flex attention the loss and logits of an
+evaluation call (its backward does not run on CPU); sliding windows shorter and longer than a rank's chunk
 (rows of 16 tokens: chunks of 4 at cp=2); CausalLMModule; LoRA; a checkpoint saved at cp=2 resumed at cp=1; and the
 refusals."""
 
 from functools import partial
 
+import pytest
 import torch
 from context_parallel_checks import (
     check_context_parallel_lora,
@@ -15,10 +17,11 @@ from context_parallel_checks import (
     check_rows_split_over_cp,
 )
 from harness import run_checks
-from lightning_checks import check_checkpoint_resume_across_layouts
+from lightning_checks import check_bf16_trainer, check_checkpoint_resume_across_layouts
 from lm_checks import check_causal_lm_module_split
 
-from lightning_automodel.parallel.context_parallel import documents, token_indices
+from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.parallel.context_parallel import attention_kernel, documents, token_indices
 
 # Gemma 3 with a full-attention and a sliding layer, its window (3 tokens) shorter than a rank's chunk (4)
 GEMMA3_SHORT_WINDOW = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=3)
@@ -27,8 +30,10 @@ GEMMA3_SHORT_WINDOW = dict(layer_types=["full_attention", "sliding_attention"], 
 def test_context_parallel_on_two_ranks(tmp_path):
     """World 2 at cp=2: Llama, and Gemma 3 with a window shorter than a chunk, through the Trainer; the model's call
     on three packed documents a row (Llama; Mistral with a window longer than a chunk), on right-padded rows of 15
-    tokens, with Gemma 2's soft-capped logits and GPT-OSS's sinks; CausalLMModule unchanged; LoRA; a checkpoint
-    saved at cp=2 resumed at cp=1 with the uninterrupted run's losses; refusals."""
+    tokens, with Gemma 2's soft-capped logits and GPT-OSS's sinks; under flex attention (evaluation calls, training
+    refused on CPU) packed and padded rows, Gemma 3's mixed windows, soft-capping and sinks; CausalLMModule
+    unchanged; bf16 (mixed and true) as close to fp32 as one bf16 process; LoRA; a checkpoint saved at cp=2 resumed
+    at cp=1 with the uninterrupted run's losses; refusals."""
     rows = partial(check_rows_split_over_cp, length=16, packed=False, padded=False)
     checks = [
         partial(check_context_parallel_trainer_parity, 2),
@@ -38,7 +43,14 @@ def test_context_parallel_on_two_ranks(tmp_path):
         partial(rows, "llama", padded=True, length=15),
         partial(rows, "gemma2"),
         partial(rows, "gpt_oss"),
+        partial(rows, "llama", packed=True, attention="flex"),
+        partial(rows, "llama", padded=True, length=15, attention="flex"),
+        partial(rows, "gemma3", attention="flex", **GEMMA3_SHORT_WINDOW),
+        partial(rows, "gemma2", attention="flex"),
+        partial(rows, "gpt_oss", attention="flex"),
         partial(check_causal_lm_module_split, cp=2),
+        partial(check_bf16_trainer, 1, "bf16-mixed", cp=2),
+        partial(check_bf16_trainer, 1, "bf16-true", cp=2),
         partial(check_context_parallel_lora, 2),
         partial(check_checkpoint_resume_across_layouts, str(tmp_path), [(dict(cp=2), {})], "llama"),
         partial(check_context_parallel_refusals, 2),
@@ -71,3 +83,12 @@ def test_split_covers_every_token_once_and_balances_causal_work():
         [1, 1, 1, 2, 2, 3],
         [1, 1, 1, 1, 1, 1],
     ]
+
+
+def test_attention_kernel_by_device_and_name():
+    """ "auto" is flex attention on GPUs (fused, block-sparse) and SDPA on CPU (where flex attention cannot train); an
+    unknown kernel is refused when the strategy is built."""
+    assert [attention_kernel("auto", device) for device in ("cuda", "cpu")] == ["flex", "sdpa"]
+    assert attention_kernel("flex", "cpu") == "flex"
+    with pytest.raises(ValueError, match="use 'auto'"):
+        AutoModelParallelStrategy(cp=2, cp_attention="ring")

@@ -4,9 +4,9 @@ Each rank keeps its share of a sequence's tokens through every layer; only atten
 gathers them: each rank keeps its queries, all-gathers keys and values over cp (cheap under grouped KV heads), and
 masks in global token positions. The gather's backward sums every rank's gradient into the keys' and values'
 owner. The sequence is cut into 2 cp chunks and rank i holds chunks i and 2 cp - 1 - i, so that under the causal
-mask every rank's queries see as many keys: equal work for a kernel that skips masked blocks. The portable path here
-(SDPA over a dense bias of the rank's queries against every key) computes S / cp x S scores on every rank, and the
-bias is quadratic in the row: rows of 128k tokens need a block-sparse kernel (flex attention), not built yet.
+mask every rank's queries see as many keys: equal work for a kernel that skips masked blocks, flex attention over a
+block mask (on GPUs: torch has no flex-attention backward on CPU). The portable kernel, SDPA over a dense bias of the
+rank's queries against every key, computes S / cp x S scores on every rank and its bias is quadratic in the row.
 
 torch's ``context_parallel()`` handles only the flash, efficient and cuDNN SDPA kernels (nothing on CPU) and no
 masks of Hugging Face's (sliding windows, packed documents, padding). The attention here is a function of
@@ -24,7 +24,9 @@ by an earlier token). The loss is this rank's share of the global batch's token 
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -47,6 +50,16 @@ from lightning_automodel.parallel.model_calls import (
 )
 
 ATTENTION = "lightning_automodel_cp"  # the name of the attention function in transformers' registry
+CPAttention = Literal["auto", "flex", "sdpa"]  # the attention kernel under cp; "auto": flex on GPUs, SDPA elsewhere
+
+
+def attention_kernel(attention: CPAttention, device_type: str) -> str:
+    """The kernel ``attention`` names on ``device_type``: "flex" or "sdpa"."""
+    if attention not in ("auto", "flex", "sdpa"):
+        raise ValueError(f"cp_attention={attention!r}: use 'auto' (flex on GPUs, SDPA elsewhere), 'flex' or 'sdpa'.")
+    if attention == "auto":
+        return "sdpa" if device_type == "cpu" else "flex"
+    return attention
 
 
 def token_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
@@ -80,6 +93,7 @@ class SequenceSplit:
         key_document: Tensor,
         key_visible: Tensor,
         group: dist.ProcessGroup | None,
+        kernel: str = "sdpa",
     ) -> None:
         self.query_index = query_index  # [S / cp] positions of this rank's tokens in the sequence
         self.key_index = key_index  # [S] positions of the gathered keys
@@ -87,29 +101,54 @@ class SequenceSplit:
         self.key_document = key_document  # [B, S]
         self.key_visible = key_visible  # [B, S] False where the attention mask hides a key (padding)
         self.group = group
-        self._biases: dict[tuple, Tensor] = {}
+        self.kernel = kernel
+        self._masks: dict[tuple, Tensor | BlockMask] = {}
 
     def bias(self, sliding_window: int | None, like: Tensor) -> Tensor:
         """:meth:`mask` as an additive bias (0 or the lowest value of ``like``'s dtype, on its device), made once per
         call and window for every layer: SDPA would otherwise turn each layer's boolean mask into a bias of its own,
         which autograd keeps for backward, layer after layer ([B, 1, S / cp, S] each)."""
-        key = (sliding_window, like.dtype, like.device)
-        if key not in self._biases:
+        key = ("bias", sliding_window, like.dtype, like.device)
+        if key not in self._masks:
             allowed = self.mask(sliding_window).to(like.device)
             bias = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
-            self._biases[key] = bias.masked_fill_(~allowed, torch.finfo(like.dtype).min)
-        return self._biases[key]
+            self._masks[key] = bias.masked_fill_(~allowed, torch.finfo(like.dtype).min)
+        return self._masks[key]
+
+    def block_mask(self, sliding_window: int | None, like: Tensor) -> BlockMask:
+        """:meth:`allows` as flex attention's block mask (on ``like``'s device), made once per call and window: the
+        kernel skips the blocks it hides, and nothing quadratic in the row is stored."""
+        key = ("block", sliding_window, like.device)
+        if key not in self._masks:
+            batch, queries, keys = self.query_document.size(0), self.query_index.numel(), self.key_index.numel()
+            self._masks[key] = create_block_mask(
+                lambda b, h, query, key: self.allows(b, query, key, sliding_window),
+                batch,
+                None,
+                queries,
+                keys,
+                device=like.device,
+                _compile=like.device.type != "cpu",  # chunked, never the whole [B, S / cp, S] mask at once
+            )
+        return self._masks[key]
 
     def mask(self, sliding_window: int | None) -> Tensor:
-        """[B, 1, S / cp, S]: which keys each query attends to (True), Hugging Face's conventions: causal, a
-        sliding window of ``sliding_window`` tokens including the query's own, within one document, visible keys."""
-        query, key = self.query_index[:, None], self.key_index[None, :]
-        allowed = key <= query
+        """[B, 1, S / cp, S]: :meth:`allows` for every query and key."""
+        batch = torch.arange(self.query_document.size(0), device=self.query_index.device)[:, None, None]
+        query = torch.arange(self.query_index.numel(), device=self.query_index.device)[None, :, None]
+        key = torch.arange(self.key_index.numel(), device=self.query_index.device)[None, None, :]
+        return self.allows(batch, query, key, sliding_window)[:, None]
+
+    def allows(self, batch: Tensor, query: Tensor, key: Tensor, sliding_window: int | None) -> Tensor:
+        """Whether the query at ``query`` (of this rank's) of row ``batch`` attends to the gathered key at ``key``
+        (indices, broadcast together), Hugging Face's conventions: causal, a sliding window of ``sliding_window``
+        tokens including the query's own, within one document, visible keys."""
+        query_position, key_position = self.query_index[query], self.key_index[key]
+        allowed = key_position <= query_position
         if sliding_window is not None:
-            allowed = allowed & (key > query - sliding_window)
-        allowed = allowed[None] & (self.query_document[:, :, None] == self.key_document[:, None, :])
-        allowed = (allowed & self.key_visible[:, None, :]) | (key == query)[None]
-        return allowed[:, None]
+            allowed = allowed & (key_position > query_position - sliding_window)
+        allowed = allowed & (self.query_document[batch, query] == self.key_document[batch, key])
+        return (allowed & self.key_visible[batch, key]) | (key_position == query_position)
 
     def gather(self, tensor: Tensor) -> Tensor:
         """Keys or values [B, heads, S / cp, D] of every cp rank, concatenated in rank order along the sequence."""
@@ -135,15 +174,29 @@ def context_parallel_attention(
     """Attention of this rank's queries over every rank's keys (transformers' attention-function signature:
     [B, heads, S, D] in, [B, S, heads, D] out). Soft-capped logits (``softcap``, Gemma 2) and attention sinks
     (``s_aux``, GPT-OSS: a logit per head that takes a share of the softmax and gives nothing) are computed as
-    transformers' eager attention computes them; otherwise by SDPA."""
+    transformers' eager attention computes them. The kernel is the split's: flex attention over a block mask, or
+    SDPA over a dense bias (and always under attention dropout, which flex attention lacks)."""
     if sequence_split is None:
         raise RuntimeError(
             f"{type(module).__name__} ran context-parallel attention without the call's sequence split: its model"
             " does not hand the call's keyword arguments to its attention, which cp needs."
         )
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    sinks = sinks.to_local() if isinstance(sinks, DTensor) else sinks
+    if sequence_split.kernel == "flex" and not dropout:
+        output = _flex_attention(
+            query,
+            key,
+            value,
+            sequence_split,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        return output.transpose(1, 2).contiguous(), None
     keys, values = sequence_split.gather(key), sequence_split.gather(value)
     bias = sequence_split.bias(sliding_window, like=query)
-    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if query.device.type != "cpu" and query.size(1) != keys.size(1):  # as transformers: GQA with a mask on CUDA
         groups = query.size(1) // keys.size(1)  # would fall back to SDPA's math kernel: expand the KV heads instead
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
@@ -162,6 +215,51 @@ def context_parallel_attention(
             query, keys, values, bias, scaling=scaling, softcap=softcap, sinks=sinks, dropout=dropout
         )
     return output.transpose(1, 2).contiguous(), None
+
+
+def _flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    split: SequenceSplit,
+    *,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    """Flex attention over the split's block mask ([B, heads, S / cp, D] out): soft-capping as a score modification;
+    sinks from the softmax's log-normalizer (a sink logit s leaves each output the share 1 / (1 + exp(s - lse)) =
+    sigmoid(lse - s) of its value, exactly as a sink column in the softmax does)."""
+    if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+        raise ValueError(
+            "cp_attention='flex' cannot train on CPU: torch has no flex-attention backward there. Use"
+            " cp_attention='sdpa' (the default on CPU) to train; flex attention serves evaluation on CPU."
+        )
+    keys, values = split.gather(key), split.gather(value)
+    score_mod = None if softcap is None else (lambda score, b, h, q, k: torch.tanh(score / softcap) * softcap)
+    output = _flex_kernel(query.device.type)(
+        query,
+        keys,
+        values,
+        score_mod=score_mod,
+        block_mask=split.block_mask(sliding_window, like=query),
+        scale=scaling,
+        enable_gqa=query.size(1) != keys.size(1),
+        return_aux=AuxRequest(lse=True) if sinks is not None else None,
+    )
+    if sinks is None:
+        return output
+    output, aux = output
+    kept = torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype).reshape(1, -1, 1))
+    return output * kept.unsqueeze(-1).to(output.dtype)
+
+
+@functools.cache
+def _flex_kernel(device_type: str) -> Callable[..., Any]:
+    """Flex attention compiled into a fused kernel, except on CPU (where it only evaluates, and compiling costs more
+    than it saves): uncompiled it computes the whole score matrix."""
+    return flex_attention if device_type == "cpu" else torch.compile(flex_attention)
 
 
 def _eager_attention(
@@ -184,7 +282,6 @@ def _eager_attention(
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores + bias
     if sinks is not None:
-        sinks = sinks.to_local() if isinstance(sinks, DTensor) else sinks
         sink = sinks.reshape(1, -1, 1, 1).expand(scores.size(0), -1, scores.size(2), 1)
         scores = torch.cat([scores, sink.to(scores.dtype)], dim=-1)
     probabilities = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
@@ -205,12 +302,13 @@ AttentionMaskInterface.register(ATTENTION, _no_mask)
 class ContextParallel:
     """A model's context-parallel split: the cp group, and what a call needs to split its batch."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, *, attention: CPAttention = "auto") -> None:
         self.model = model
         self.mesh = mesh
         self.cp = axis_size(mesh, "cp")
         self.group = mesh["cp"].get_group()
         self.rank = mesh["cp"].get_local_rank()
+        self.kernel = attention_kernel(attention, mesh.device_type)
 
     def run(
         self,
@@ -277,6 +375,7 @@ class ContextParallel:
             key_document=document[:, key_index],
             key_visible=visible[:, key_index],
             group=self.group,
+            kernel=self.kernel,
         )
 
     def _with_loss(self, logits: Tensor, targets: Tensor) -> ParallelCausalLMOutput:
@@ -399,10 +498,11 @@ def _split_error(model: nn.Module, *, cp: int = 2, length: int = 16) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
-def context_parallel_model(model: nn.Module, mesh: DeviceMesh) -> ContextParallel:
-    """Make ``model``'s calls split their batch over the cp ranks of ``mesh``, its attention gather the rest."""
+def context_parallel_model(model: nn.Module, mesh: DeviceMesh, *, attention: CPAttention = "auto") -> ContextParallel:
+    """Make ``model``'s calls split their batch over the cp ranks of ``mesh``, its attention gather the rest (with the
+    kernel ``attention`` names)."""
     model.set_attn_implementation(ATTENTION)
-    context = ContextParallel(model, mesh)
+    context = ContextParallel(model, mesh, attention=attention)
     take_over_calls(model, ContextParallelModel, prefix="ContextParallel", context=context)
     return context
 
@@ -414,9 +514,11 @@ def context_parallel_of(model: nn.Module) -> ContextParallel | None:
 
 __all__ = [
     "ATTENTION",
+    "CPAttention",
     "ContextParallel",
     "ContextParallelModel",
     "SequenceSplit",
+    "attention_kernel",
     "context_parallel_attention",
     "context_parallel_model",
     "context_parallel_of",

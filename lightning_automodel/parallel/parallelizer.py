@@ -23,6 +23,7 @@ from lightning_automodel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, f
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
 from lightning_automodel.parallel.context_parallel import (
+    CPAttention,
     check_cp_with_pp,
     context_parallel_model,
     context_parallel_problem,
@@ -114,11 +115,13 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         backward_prefetch: int = 1,
         allow_unsharded_linears: bool = False,
         pipeline: PipelineOptions | None = None,
+        cp_attention: CPAttention = "auto",
     ) -> nn.Module:
         """``activation_checkpointing``: False, True (= "full"), "full", "selective" or "submodule" (see
         :mod:`lightning_automodel.parallel.checkpointing`). ``reshard_after_forward``, ``forward_prefetch`` and
-        ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp`. ``pipeline``: how the mesh's
-        pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s); see
+        ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp`. ``cp_attention``: the
+        attention kernel at cp > 1 (see :mod:`lightning_automodel.parallel.context_parallel`). ``pipeline``: how the
+        mesh's pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s); see
         :mod:`lightning_automodel.parallel.pipeline`. Without the strategy, a pipelined model built on the meta
         device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
         ``.sum_tied_gradients()`` before each optimizer step. Parameters the model pins to fp32 (Hugging Face's
@@ -163,7 +166,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
                 planned = dataclasses.replace(planned, styles=stage_stream_boundaries(planned.styles, blocks))
                 stages.receive_stream_as(tp_mesh(device_mesh), stream_placements(planned.styles, embedding))
         if axis_size(device_mesh, "cp") > 1:
-            context_parallel_model(model, device_mesh)
+            context_parallel_model(model, device_mesh, attention=cp_attention)
         layers = [layer for name, layer in named_decoder_layers(model) if name not in checked.held_by_root]
         if planned is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), planned)

@@ -58,6 +58,7 @@ from lightning_automodel.hf.loading import materialize_pretrained, pretrained_ch
 from lightning_automodel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel import parallelize
 from lightning_automodel.parallel.checkpointing import ACMode, validate_ac_mode
+from lightning_automodel.parallel.compilation import CompileSpec, check_compile, compile_options
 from lightning_automodel.parallel.context_parallel import CPAttention, attention_kernel, check_cp_with_pp
 from lightning_automodel.parallel.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.fsdp import validate_prefetch
@@ -135,6 +136,10 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             every rank before any collective. Costs seconds per class (a child process on every rank).
         activation_checkpointing: recompute activations in backward: True or "full" (whole decoder layers),
             "selective" (keep attention and every other matmul output) or "submodule" (attention and MLP apart).
+        compile: compile every decoder block's forward with torch.compile after tensor parallel and activation
+            checkpointing, before FSDP2: False (default), True (torch's defaults) or a dict of torch.compile's
+            keyword arguments (e.g. ``{"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}``). The blocks share
+            one graph; composes with activation_checkpointing="full" (the other modes are refused).
         mp_policy: FSDP2 MixedPrecisionPolicy; default: derived from ``Trainer(precision=...)``.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
         reshard_after_forward: None (default): free every decoder layer's gathered weights after its forward but
@@ -176,6 +181,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         allow_unsharded_linears: bool = False,
         verify_plans: bool = False,
         activation_checkpointing: bool | ACMode = False,
+        compile: CompileSpec = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         cpu_offload: bool = False,
         reshard_after_forward: bool | None = None,
@@ -218,6 +224,8 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             self.pipeline.validate(pp)
         _require_tp_for_sp(sp=sp, tp=tp)
         validate_ac_mode(activation_checkpointing)
+        compile_options(compile)
+        check_compile(compile=compile, activation_checkpointing=activation_checkpointing, ep=ep)
         validate_prefetch(forward_prefetch, backward_prefetch)
         if save_trainable_only and not save_distributed_checkpoint:
             raise ValueError(
@@ -229,6 +237,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         self.verify_plans = verify_plans
         self._verified_classes: set[type] = set()
         self.activation_checkpointing = activation_checkpointing
+        self.compile = compile
         self.mp_policy = mp_policy
         self.cpu_offload = cpu_offload
         self.fsdp_options = dict(
@@ -344,6 +353,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else None,
             pipeline=self.pipeline,
             cp_attention=self.cp_attention,
+            compile=self.compile,
             **self.fsdp_options,
         )
         if meta:

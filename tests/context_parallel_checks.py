@@ -8,14 +8,11 @@ import torch.distributed as dist
 from lightning_checks import (
     CausalLM,
     HFLossCausalLM,
-    compare_training,
     data,
     fit_against_one_process,
-    hf_loss,
-    reference_run,
     trainer,
 )
-from lora_checks import peft_model
+from lora_checks import fit_lora_against_one_process
 from models import CONFIGS, SHRUNK, batch, tiny_model
 from parity import FP32_TOLERANCE, relative_error
 from transformers import AutoModelForCausalLM
@@ -161,9 +158,7 @@ def check_context_parallel_refusals(cp: int) -> list[str]:
 def check_context_parallel_lora(cp: int, tp: int = 1, sp: bool = False) -> dict:
     """A PEFT model (LoRA on every projection; the base frozen) with its sequences split over ``cp`` ranks through the
     Trainer: the adapters' gradients at each step and their weights after 3 AdamW steps match one process."""
-    config = dict(num_hidden_layers=LAYERS)
-    module = HFLossCausalLM(peft_model(seed=dist.get_rank(), config=config))
-    trainer(AutoModelParallelStrategy(tp, sp=sp, cp=cp)).fit(module, data(dist.get_world_size() // cp // tp))
+    strategy = AutoModelParallelStrategy(tp, sp=sp, cp=cp)
+    module, result = fit_lora_against_one_process(strategy, dp=dist.get_world_size() // cp // tp, layers=LAYERS)
     assert context_parallel_of(module.model) is not None
-    reference = peft_model(config=config)
-    return compare_training(module, reference, reference_run(reference, loss=hf_loss))
+    return result

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lightning as L
@@ -142,12 +142,13 @@ def fit_against_one_process(
     dp: int,
     loss: Callable = hf_loss,
     stages: bool = False,
+    callbacks: Sequence[L.Callback] = (),
 ) -> tuple[HFLossCausalLM, dict]:
     """3 AdamW steps of :class:`HFLossCausalLM` through Trainer.fit at ``dp`` data-parallel ranks match one process
     (see :func:`compare_training`), and validate's loss too. Every rank starts from other weights: rank 0's must
     win."""
     module = HFLossCausalLM(tiny_model(family, seed=dist.get_rank(), **config))
-    fit = trainer(strategy, limit_val_batches=1)
+    fit = trainer(strategy, limit_val_batches=1, callbacks=list(callbacks))
     fit.fit(module, data(dp), data(dp))
     reference = tiny_model(family, **config)
     result = compare_training(module, reference, reference_run(reference, loss=loss), stages=stages)
@@ -324,14 +325,17 @@ def check_self_parallelized_module_left_alone() -> dict:
     return compare_training(module, reference, reference_run(reference))
 
 
-def check_bf16_trainer(tp: int, precision: str, family: str = "llama", ep: int = 1, cp: int = 1) -> dict:
+def check_bf16_trainer(
+    tp: int, precision: str, family: str = "llama", ep: int = 1, cp: int = 1, compile: bool | dict = False
+) -> dict:
     """Trainer(precision="bf16-mixed") gives FSDP2 a bf16 policy with fp32 gradient reduction over fp32
     weights; "bf16-true" casts the weights to bf16 before sharding, except those the model pins to fp32 (Ernie's
     MoE router). Either run's losses must be as close to fp32 as a single-process bf16 run's (twice its error at
     most: see parity.within_bf16_noise). At cp > 1 the step returns the model's own loss, and the losses must be
-    within that noise of the same run's with the sequences whole (cp=1, the ranks data-parallel)."""
+    within that noise of the same run's with the sequences whole (cp=1, the ranks data-parallel). ``compile``: the
+    strategy's option."""
     module = (HFLossCausalLM if cp > 1 else CausalLM)(tiny_model(family))
-    trainer(AutoModelParallelStrategy(tp=tp, ep=ep, cp=cp), precision=precision).fit(
+    trainer(AutoModelParallelStrategy(tp=tp, ep=ep, cp=cp, compile=compile), precision=precision).fit(
         module, data(dist.get_world_size() // tp // cp)
     )
     assert_experts_distributed(module.model, ep=ep)

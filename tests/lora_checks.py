@@ -9,7 +9,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from harness import shared_directory
-from lightning_checks import CausalLM, compare_training, data, reference_run, trainer
+from lightning_checks import CausalLM, HFLossCausalLM, compare_training, data, hf_loss, reference_run, trainer
 from models import batch, tiny_model
 from parity import (
     FP32_TOLERANCE,
@@ -52,6 +52,20 @@ def peft_model(
     torch.manual_seed(seed if adapter_seed is None else adapter_seed)
     options = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False) | lora
     return get_peft_model(model, LoraConfig(target_modules=list(targets), **options))
+
+
+def fit_lora_against_one_process(
+    strategy: AutoModelParallelStrategy, *, dp: int, layers: int, validate: bool = False, callbacks: list = ()
+) -> tuple[HFLossCausalLM, dict]:
+    """A PEFT model (LoRA on every projection; the base frozen) trained through the Trainer (its own loss, 3 AdamW
+    steps; with ``validate``, a validation batch after each): the adapters' gradients at each step and their weights
+    after match one process's."""
+    config = dict(num_hidden_layers=layers)
+    module = HFLossCausalLM(peft_model(seed=dist.get_rank(), config=config))
+    fit = trainer(strategy, limit_val_batches=1 if validate else 0, callbacks=list(callbacks))
+    fit.fit(module, data(dp), data(dp) if validate else None)
+    reference = peft_model(config=config)
+    return module, compare_training(module, reference, reference_run(reference, loss=hf_loss))
 
 
 def counts(model: torch.nn.Module) -> dict[str, int]:

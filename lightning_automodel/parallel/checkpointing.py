@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_automodel.parallel.model_calls import build_no_cache
+
 ACMode = Literal["full", "selective", "submodule"]
 
 # Names Hugging Face decoder layers give their attention and MLP blocks.
@@ -50,9 +52,7 @@ def apply_activation_checkpointing(model: nn.Module, layers: Sequence[nn.Module]
             f"activation_checkpointing found no decoder layers in {type(model).__name__}: it needs a ModuleList of"
             " transformer blocks (model.layers in Hugging Face models)."
         )
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = False  # a KV cache built in the first forward would be built again on recompute
+    build_no_cache(model)  # a KV cache built in the first forward would be built again on recompute
     for layer in layers:
         if mode == "full":
             checkpoint(layer)

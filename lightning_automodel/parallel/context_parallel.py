@@ -231,7 +231,7 @@ def _flex_attention(
     """Flex attention over the split's block mask ([B, heads, S / cp, D] out): soft-capping as a score modification;
     sinks from the softmax's log-normalizer (a sink logit s leaves each output the share 1 / (1 + exp(s - lse)) =
     sigmoid(lse - s) of its value, exactly as a sink column in the softmax does)."""
-    if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+    if query.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         raise ValueError(
             "cp_attention='flex' cannot train on CPU: torch has no flex-attention backward there. Use"
             " cp_attention='sdpa' (the default on CPU) to train; flex attention serves evaluation on CPU."

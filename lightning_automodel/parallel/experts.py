@@ -18,7 +18,6 @@ the rounding of the sum it joins), and its gradient is summed likewise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from types import MethodType
 from typing import Any
@@ -79,8 +78,8 @@ class ExpertTensorParallel(ParallelStyle):
             param = getattr(module, name)
             sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        forward = partial(_local_forward, mesh=device_mesh, forward=type(module).forward)
-        module.forward = MethodType(forward, module)
+        module.tp_mesh = device_mesh
+        module.forward = MethodType(_local_forward, module)  # one function for all layers: one compiled graph
         return module
 
 
@@ -127,12 +126,14 @@ def _stored_in_out(module: nn.Module) -> bool:
     return in_out
 
 
-def _local_forward(self: nn.Module, *args: Any, mesh: DeviceMesh, forward: Callable, **kwargs: Any) -> torch.Tensor:
-    """The module's own forward on this rank's parameters; the partial outputs summed over tp, into a tensor of their
-    own (a view made by DTensor's autograd Function may not be modified in place, and Llama 4 adds to it)."""
+def _local_forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The module's own forward (its class's) on this rank's parameters; the partial outputs summed over tp, into a
+    tensor of their own (a view made by DTensor's autograd Function may not be modified in place, and Llama 4 adds to
+    it)."""
+    mesh = self.tp_mesh
     args, kwargs = tree_map(partial(_whole_input, mesh=mesh), (args, kwargs))
     with local_parameters(self, partial(_this_ranks_part, mesh=mesh)):
-        output = forward(self, *args, **kwargs)
+        output = type(self).forward(self, *args, **kwargs)
     summed = DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
     return summed.to_local().clone()
 

@@ -54,3 +54,15 @@ def training_call(model: nn.Module, labels: Tensor | None, *, why: str, instead:
 def own_forward(model: nn.Module, forward: type[nn.Module]) -> Any:
     """The forward of ``model``'s own class, past the ``forward`` :func:`take_over_calls` put before it."""
     return super(forward, model).forward
+
+
+def build_no_cache(model: nn.Module) -> None:
+    """Make ``model``'s calls build no key/value cache unless asked (``use_cache=False`` in its config, and in its
+    text model's for a multimodal one): training and a loss never read one, and recomputation (activation
+    checkpointing) or compilation (dynamo guards on the cache's state, layer by layer) suffer from one. ``generate``
+    asks for its cache itself (its generation config's ``use_cache``). Saved with the model's config."""
+    config = getattr(model, "config", None)
+    configs = [config, config.get_text_config(decoder=True)] if config is not None else []
+    for each in configs:
+        if hasattr(each, "use_cache"):
+            each.use_cache = False

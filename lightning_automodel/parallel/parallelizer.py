@@ -22,6 +22,12 @@ from torch.distributed.tensor import DTensor
 from lightning_automodel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.blocks import named_decoder_layers
 from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
+from lightning_automodel.parallel.compilation import (
+    CompileSpec,
+    apply_compile,
+    check_compile,
+    compile_options,
+)
 from lightning_automodel.parallel.context_parallel import (
     CPAttention,
     check_cp_with_pp,
@@ -116,11 +122,14 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         allow_unsharded_linears: bool = False,
         pipeline: PipelineOptions | None = None,
         cp_attention: CPAttention = "auto",
+        compile: CompileSpec = False,
     ) -> nn.Module:
         """``activation_checkpointing``: False, True (= "full"), "full", "selective" or "submodule" (see
         :mod:`lightning_automodel.parallel.checkpointing`). ``reshard_after_forward``, ``forward_prefetch`` and
         ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp`. ``cp_attention``: the
-        attention kernel at cp > 1 (see :mod:`lightning_automodel.parallel.context_parallel`). ``pipeline``: how the
+        attention kernel at cp > 1 (see :mod:`lightning_automodel.parallel.context_parallel`). ``compile``: False,
+        True or a dict of ``torch.compile``'s arguments, for every decoder block (see
+        :mod:`lightning_automodel.parallel.compilation`). ``pipeline``: how the
         mesh's pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s); see
         :mod:`lightning_automodel.parallel.pipeline`. Without the strategy, a pipelined model built on the meta
         device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
@@ -135,6 +144,10 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         materialize after this returns.
         """
         meta = is_meta(model)
+        compiled = compile_options(compile)
+        check_compile(
+            compile=compile, activation_checkpointing=activation_checkpointing, ep=axis_size(device_mesh, "ep")
+        )
         pp = axis_size(device_mesh, "pp")
         pipeline = (pipeline or PipelineOptions()) if pp > 1 else None
         checked = check_before_collectives(
@@ -177,6 +190,8 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             experts = ExpertSharding(modules, expert_fsdp_mesh(device_mesh), axis_size(device_mesh, "dp_cp"))
         if activation_checkpointing:
             apply_activation_checkpointing(model, layers, mode=activation_checkpointing)
+        if compiled is not None:
+            apply_compile(model, layers, compiled)
         give_every_expert_a_gradient(model)
         for root in stages.stage_modules() if stages is not None else [model]:  # a root per stage a rank holds
             apply_fsdp(

@@ -113,7 +113,8 @@ class PackedColwiseParallel(ParallelStyle):
             placement = [_StridedShard(output_dims[name], split_factor=self.parts)]
             sharded = distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.forward = MethodType(partial(_packed_forward, mesh=device_mesh), module)
+        module.tp_mesh = device_mesh
+        module.forward = MethodType(_packed_forward, module)  # one function for all layers: one compiled graph
         return module
 
 
@@ -163,10 +164,10 @@ def packed_block_keys(keys: Iterable[str]) -> dict[str, list[str]]:
     return {name: sorted(group, key=lambda key: int(key.rpartition(".block")[2])) for name, group in blocks.items()}
 
 
-def _packed_forward(self: nn.Module, hidden: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:
+def _packed_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if not isinstance(hidden, DTensor):
-        hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
-    hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        hidden = DTensor.from_local(hidden, self.tp_mesh, [Replicate()], run_check=False)
+    hidden = hidden.redistribute(self.tp_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     bias = self.bias.to_local() if self.bias is not None else None
     weight = self.weight.to_local()
     return F.linear(hidden, weight.t() if is_conv1d(self) else weight, bias)
@@ -419,14 +420,15 @@ class HeadShardedParameters(_NamedParameters):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)
-        forward = partial(_forward_on_local_parameters, names=self.names, forward=type(module).forward)
-        module.forward = MethodType(forward, module)
+        module.head_sharded_names = self.names
+        module.forward = MethodType(_forward_on_local_parameters, module)  # one function for all layers: one graph
         return module
 
 
-def _forward_on_local_parameters(self: nn.Module, *args, names: tuple[str, ...], forward: Callable, **kwargs):
-    with local_parameters(self, names=names):
-        return forward(self, *args, **kwargs)
+def _forward_on_local_parameters(self: nn.Module, *args, **kwargs):
+    """The module's own forward (its class's) on this rank's entries of its head-sharded parameters."""
+    with local_parameters(self, names=self.head_sharded_names):
+        return type(self).forward(self, *args, **kwargs)
 
 
 @contextmanager

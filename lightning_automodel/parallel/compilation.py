@@ -1,0 +1,118 @@
+"""``compile``: every decoder block's forward compiled by ``torch.compile``, after tensor parallel and activation
+checkpointing, before FSDP2 (torchtitan's order).
+
+Blocks, not the whole model: a model's blocks share one graph (dynamo treats their parameters as inputs), so the
+compile cost is one block's whatever the depth, and nothing outside them (embeddings, the head, the loss, Lightning's
+loop) has to trace. The block's ``forward`` is replaced, not its call: the module hooks around it stay eager, so
+FSDP2's all-gathers and reshards and the composable activation checkpoint run as without compile, and parameter
+names stay the model's (an ``OptimizedModule`` wrapper would add ``_orig_mod.`` to every one of them). Tensor
+parallel's and sequence parallel's hooks on the projections inside a block are traced with it.
+
+Activation checkpointing composes in its ``"full"`` mode (the checkpoint wraps the compiled forward and recomputes
+it). ``"selective"`` chooses what to keep op by op as the forward dispatches them, which a compiled forward does not
+do, and ``"submodule"`` puts checkpoint hooks inside the traced forward (torch's recomputation then sees other
+tensor metadata): both are refused with compile. So is expert parallel, whose token dispatch is a function of each
+layer's own (a graph per layer).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+from transformers.cache_utils import Cache
+
+from lightning_automodel.parallel.model_calls import build_no_cache
+
+CompileSpec = bool | dict[str, Any]
+
+_COMPILE_OPTIONS = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
+
+
+def compile_options(compile: CompileSpec) -> dict[str, Any] | None:
+    """The keyword arguments of ``torch.compile`` that ``compile`` asks for (None: no compile). True is torch's
+    defaults; a dict is passed as it is, after its names are checked."""
+    if compile is False:
+        return None
+    if compile is True:
+        return {}
+    if not isinstance(compile, dict):
+        raise ValueError(f"compile={compile!r}: use False, True or a dict of torch.compile's keyword arguments.")
+    unknown = sorted(set(compile) - _COMPILE_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"compile={compile!r}: {', '.join(unknown)} not among torch.compile's keyword arguments"
+            f" ({', '.join(sorted(_COMPILE_OPTIONS))})."
+        )
+    return dict(compile)
+
+
+def check_compile(*, compile: CompileSpec, activation_checkpointing: bool | str, ep: int) -> None:
+    """Compile composes with full activation checkpointing only, and not with expert parallel (see the module's
+    docstring)."""
+    if compile is False:
+        return
+    why = {
+        "selective": "a compiled block dispatches no op for its policy to choose from",
+        "submodule": "a compiled block would trace the checkpoint hooks of its attention and MLP",
+    }
+    if activation_checkpointing in why:
+        raise ValueError(
+            f"compile with activation_checkpointing={activation_checkpointing!r} is not supported:"
+            f" {why[activation_checkpointing]}. Use activation_checkpointing='full' (or True), or compile=False."
+        )
+    if ep > 1:
+        raise ValueError(
+            f"compile with ep={ep} is not supported yet: the experts' token dispatch is a function of each layer's own,"
+            " which would compile a graph per layer (and run eagerly past dynamo's recompile limit). Use compile=False"
+            " or ep=1."
+        )
+
+
+def apply_compile(model: nn.Module, layers: Sequence[nn.Module], options: dict[str, Any]) -> None:
+    """Compile each layer's forward in place with ``torch.compile(**options)``; calls with a cache run it eagerly.
+
+    A key/value cache is state each layer updates in place (its index, whether its slot is filled): dynamo guards on
+    it, so that every layer would compile a graph of its own, and past its recompile limit (8) run eagerly. The
+    model's calls build none unless asked (:func:`build_no_cache`); ``generate``'s calls, which ask, run the blocks
+    eagerly."""
+    if not layers:
+        raise ValueError(
+            f"compile found no decoder layers in {type(model).__name__}: it compiles each block of a ModuleList of"
+            " transformer blocks (model.layers in Hugging Face models)."
+        )
+    build_no_cache(model)
+    for layer in layers:
+        layer.compiled_forward = torch.compile(type(layer).forward, **options)
+        layer.forward = MethodType(_compiled_unless_cached, layer)  # a module-level function: deepcopy rebinds it
+
+
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")  # decoder layers' names
+
+
+def _compiled_unless_cached(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The layer's compiled forward, or its class's own when the call carries a cache."""
+    if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS) or any(isinstance(a, Cache) for a in args):
+        return type(self).forward(self, *args, **kwargs)
+    args, kwargs = tree_map(_landed, (args, kwargs))
+    return self.compiled_forward(self, *args, **kwargs)
+
+
+def _landed(value: Any) -> Any:
+    """``value``, or a DTensor whose shard is still in flight (tensor parallel's output redistributions are
+    asynchronous: sequence parallel's first block receives the embedding's output as one) as a landed copy. Compiled
+    for one and called with the other, a graph's runtime fails (torch 2.13 reads the in-flight wrapper's fields);
+    and the first block would compile a graph of its own."""
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, AsyncCollectiveTensor):
+        return value.clone()  # any op but a view waits for the collective and gives a DTensor of a plain tensor
+    return value
+
+
+__all__ = ["CompileSpec", "apply_compile", "check_compile", "compile_options"]

@@ -1,0 +1,284 @@
+"""Ours against what a user would pick instead, side by side in one run: the same Llama-shaped model, layout and data.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/peers.py   # about a minute on 2 CPU cores
+
+World 4 (gloo), tp=2 with sequence parallel x dp_shard=2, fp32, AdamW. The peers:
+- ours: ``parallelize(model, mesh, sp=True)``, the call AutoModelParallelStrategy makes;
+- transformers' own: ``from_pretrained(distributed_config=DistributedConfig(tp_size, tp_plan="auto",
+  enable_sequence_parallel=True, fsdp_size))``, in a plain loop;
+- Lightning's ModelParallelStrategy with the plan an expert writes in ``configure_model`` (torchtitan's: q/k/v, gate
+  and up column-parallel, o and down row-parallel onto the sequence-sharded stream, the norms sequence-parallel, the
+  embedding's output and lm_head's input on the stream, logits left sharded for loss parallel; FSDP2 per block over
+  the data-parallel ranks, every block but the last resharded after forward, as ours). Lightning's strategy only
+  builds the mesh and calls ``configure_model``, so the plan runs here on the same mesh shape, in the same loop.
+Each rank builds both models and alternates their steps (ours, the peer's, ours, ...), so that load on the shared
+cores falls on both alike. For each: the first step's loss against one process on the whole batch (else its time
+is void), the median step over the slowest rank relative to ours, the bytes of each collective per step and rank
+(the whole tensor a collective gathers or reduces, counted by a dispatch mode) against the analytic minimum of the
+layout, and the parameter + gradient + AdamW state bytes per rank against the ideal 1/(tp x dp_shard) of the model's.
+
+Analytic minimum per step and rank (fp32, b rows of S tokens per dp rank, hidden H, L layers, P parameters):
+sequence parallel gathers the stream before attention and before the MLP and reduce-scatters it after each, in
+forward and again in backward, and once more around the embedding and lm_head: (8 L + 4) x b S H x 4 bytes; FSDP
+gathers each block's 1/tp of the weights in forward, again in backward for the resharded ones (L - 1 blocks: the
+memory/traffic trade both make), and reduce-scatters the gradients once: P/tp x 4 bytes each way (+ the resharded
+blocks' second gather); loss parallel all-reduces a few numbers per token. An all-reduce moves twice the bytes of a
+reduce-scatter of the same tensor (it is one, then an all-gather). torchtitan's trainer is not among the peers yet.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import defaultdict
+from functools import partial
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import torch  # noqa: E402
+from harness import run_checks  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+CONFIG = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+ROWS, TOKENS, STEPS, WARMUP = 8, 256, 10, 2  # ROWS: the global batch
+PEERS = ("ours", "expert", "transformers")
+
+
+NOT_COLLECTIVES = ("wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd")
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """The bytes of every collective dispatched, by kind: the whole tensor it gathers, reduces or scatters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        namespace, name = func.namespace, func.__name__.split(".")[0]
+        if namespace in ("c10d", "_c10d_functional") and name not in NOT_COLLECTIVES:
+            self.bytes[_kind(name)] += _whole_bytes(name, args)
+        return func(*args, **kwargs)
+
+
+def _kind(name: str) -> str:
+    for kind in ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce", "broadcast", "all_to_all"):
+        if name.startswith(kind) or name.startswith(f"_{kind}"):
+            return kind.replace("allgather", "all_gather").replace("allreduce", "all_reduce")
+    return name
+
+
+def _whole_bytes(name: str, args: tuple) -> int:
+    tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    if name == "all_gather_into_tensor":  # the functional one: (input, group_size, group_name)
+        return sizes[0] * args[1]
+    if name in ("allgather_", "reduce_scatter_"):  # lists: the gathered outputs, the inputs reduced
+        return sum(sizes) - (sizes[-1] if name == "allgather_" else sizes[0])
+    return max(sizes)
+
+
+def build(kind: str, mesh_shape: tuple[int, int]):
+    """The model of ``kind`` ("ours", "expert" or "transformers") parallelized over (dp_shard, tp)."""
+    import torch.distributed as dist
+    from harness import shared_directory
+    from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
+    if kind == "transformers":  # its own tensor parallel, sequence parallel and FSDP2, applied while loading
+        directory = shared_directory()
+        if dist.get_rank() == 0:
+            model.save_pretrained(directory)
+        dist.barrier()
+        dp, tp = mesh_shape
+        layout = DistributedConfig(tp_size=tp, tp_plan="auto", enable_sequence_parallel=True, fsdp_size=dp)
+        model = AutoModelForCausalLM.from_pretrained(directory, distributed_config=layout, attn_implementation="sdpa")
+    elif kind == "ours":
+        from lightning_automodel import ParallelDims, parallelize
+
+        dp, tp = mesh_shape
+        parallelize(model, ParallelDims(dp_shard=dp, tp=tp).resolve(dp * tp).build_mesh("cpu"), sp=True)
+    else:
+        _expert_plan(model, mesh_shape)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _expert_plan(model, mesh_shape: tuple[int, int]) -> None:
+    """What an expert writes in configure_model under Lightning's ModelParallelStrategy (torchtitan's Llama plan)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
+    tp = mesh["tensor_parallel"]
+    parallelize_module(
+        model,
+        tp,
+        {
+            # the stream stays a DTensor: the model derives positions and the mask from the embedding's output shape
+            "model.embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            ),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
+    block_plan = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    layers = model.model.layers
+    for layer in layers:
+        parallelize_module(layer, tp, block_plan)
+    for index, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh["data_parallel"], reshard_after_forward=index < len(layers) - 1)
+    fully_shard(model, mesh=mesh["data_parallel"], reshard_after_forward=False)
+
+
+def step(model, optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    """One AdamW step on next-token cross-entropy over the vocabulary-sharded logits; the loss."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    optimizer.zero_grad(set_to_none=True)
+    with loss_parallel():
+        logits = model(input_ids=tokens, use_cache=False).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def measure(mesh_shape: tuple[int, int]) -> dict:
+    """On this rank: each peer's first loss (mean over dp), median step seconds, collective bytes of one step and
+    parameter + gradient + AdamW state bytes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    dp, tp = mesh_shape
+    rank = dist.get_rank()
+    tokens = torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
+    mine = tokens.chunk(dp)[rank // tp]  # tp is the inner axis of both meshes
+    peers = {kind: build(kind, mesh_shape) for kind in PEERS}
+    result = {kind: {"seconds": []} for kind in peers}
+    for index in range(WARMUP + STEPS):
+        for kind, (model, optimizer) in peers.items():
+            dist.barrier()
+            counter = CollectiveBytes() if index == WARMUP else None
+            start = time.perf_counter()
+            if counter is not None:
+                with counter:
+                    loss = step(model, optimizer, mine)
+            else:
+                loss = step(model, optimizer, mine)
+            elapsed = time.perf_counter() - start
+            if index == 0:
+                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                dist.all_reduce(loss)
+                result[kind]["first_loss"] = loss.item() / dist.get_world_size()
+            if counter is not None:
+                result[kind]["collective_bytes"] = dict(counter.bytes)
+            if index >= WARMUP:
+                result[kind]["seconds"].append(elapsed)
+    for kind, (model, optimizer) in peers.items():
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        state = [t.to_local() if isinstance(t, DTensor) else t for t in state]
+        nbytes = sum(t.numel() * t.element_size() for t in local) * 2  # parameters and their gradients
+        result[kind]["state_bytes"] = nbytes + sum(t.numel() * t.element_size() for t in state if t.dim() > 0)
+    return result
+
+
+def one_process_loss() -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
+    tokens = torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=tokens, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    return loss.item(), sum(p.numel() for p in model.parameters())
+
+
+def analytic(parameters: int, *, dp: int, tp: int) -> dict[str, float]:
+    """The minimum bytes per step and rank of each collective kind, and what resharding every block but the last
+    after forward adds (see the module docstring)."""
+    layers, hidden = CONFIG["num_hidden_layers"], CONFIG["hidden_size"]
+    stream = ROWS // dp * TOKENS * hidden * 4
+    weights = parameters / tp * 4
+    block = (parameters - 2 * CONFIG["vocab_size"] * hidden - hidden) / layers / tp * 4
+    return {
+        "all_gather": (4 * layers + 2) * stream + weights,
+        "reduce_scatter": (4 * layers + 2) * stream + weights,
+        "resharded": (layers - 1) * block,
+    }
+
+
+def main() -> None:
+    dp, tp = 2, 2
+    reference, parameters = one_process_loss()
+    ranks = next(iter(run_checks(dp * tp, [partial(measure, (dp, tp))], timeout=900).values()))
+    ideal = parameters * 4 * 4 / (dp * tp)  # parameters, gradients, AdamW's two moments
+    minimum = analytic(parameters, dp=dp, tp=tp)
+    ours = sorted(max(rank["ours"]["seconds"][i] for rank in ranks) for i in range(STEPS))[STEPS // 2]
+    print(f"Llama of {CONFIG['num_hidden_layers']} layers, {parameters:,} parameters; {ROWS} x {TOKENS} tokens;")
+    print(f"tp={tp} + sp x dp_shard={dp} (world {dp * tp}, gloo); one process's first loss {reference:.6f}\n")
+    print(
+        "| peer | first loss vs one process | step time over ours | all-gather (MiB) | reduce-scatter (MiB)"
+        " | all-reduce (MiB) | state per rank over ideal |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for kind in PEERS:
+        seconds = sorted(max(rank[kind]["seconds"][i] for rank in ranks) for i in range(STEPS))[STEPS // 2]
+        sent = ranks[0][kind]["collective_bytes"]
+        state = max(rank[kind]["state_bytes"] for rank in ranks)
+        error = abs(ranks[0][kind]["first_loss"] - reference) / reference
+        print(
+            f"| {kind} | {error:.1e} | {seconds / ours:.2f} |"
+            f" {sent.get('all_gather', 0) / 2**20:.1f} | {sent.get('reduce_scatter', 0) / 2**20:.1f} |"
+            f" {sent.get('all_reduce', 0) / 2**20:.2f} | {state / ideal:.3f} |"
+        )
+    print(
+        f"| analytic minimum | | | {minimum['all_gather'] / 2**20:.1f} (+{minimum['resharded'] / 2**20:.1f} resharded"
+        f" blocks gathered again) | {minimum['reduce_scatter'] / 2**20:.1f} | 0 (a few numbers a token) | 1 |"
+    )
+    print("\nevery collective of rank 0 (bytes):", {kind: ranks[0][kind]["collective_bytes"] for kind in PEERS})
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,9 @@ Each rank builds both models and alternates their steps (ours, the peer's, ours,
 cores falls on both alike. For each: the first step's loss against one process on the whole batch (else its time
 is void), the median step over the slowest rank relative to ours, the bytes of each collective per step and rank
 (the whole tensor a collective gathers or reduces, counted by a dispatch mode) against the analytic minimum of the
-layout, and the parameter + gradient + AdamW state bytes per rank against the ideal 1/(tp x dp_shard) of the model's.
+layout, the activations autograd saves for backward per rank (storages counted once: the memory a step holds at its
+peak beside the weights and optimizer state; CPU has no allocator statistics), and the parameter + gradient + AdamW
+state bytes per rank against the ideal 1/(tp x dp_shard) of the model's.
 
 Analytic minimum per step and rank (fp32, b rows of S tokens per dp rank, hidden H, L layers, P parameters):
 sequence parallel gathers the stream before attention and before the MLP and reduce-scatters it after each, in
@@ -199,10 +201,12 @@ def measure(mesh_shape: tuple[int, int]) -> dict:
         for kind, (model, optimizer) in peers.items():
             dist.barrier()
             counter = CollectiveBytes() if index == WARMUP else None
+            saved: dict[int, int] = {}
             start = time.perf_counter()
             if counter is not None:
-                with counter:
+                with counter, torch.autograd.graph.saved_tensors_hooks(partial(_note_storage, saved), _unpacked):
                     loss = step(model, optimizer, mine)
+                result[kind]["saved_bytes"] = sum(saved.values())
             else:
                 loss = step(model, optimizer, mine)
             elapsed = time.perf_counter() - start
@@ -221,6 +225,23 @@ def measure(mesh_shape: tuple[int, int]) -> dict:
         nbytes = sum(t.numel() * t.element_size() for t in local) * 2  # parameters and their gradients
         result[kind]["state_bytes"] = nbytes + sum(t.numel() * t.element_size() for t in state if t.dim() > 0)
     return result
+
+
+def _note_storage(storages: dict[int, int], tensor: torch.Tensor) -> torch.Tensor:
+    """A saved-tensors hook: note the storage of what autograd keeps for backward (a DTensor's local shard's; a
+    collective's result still in flight, its buffer's)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    local = local.elem if isinstance(local, AsyncCollectiveTensor) else local
+    storage = local.untyped_storage()
+    storages[storage.data_ptr()] = storage.nbytes()
+    return tensor
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def one_process_loss() -> tuple[float, int]:
@@ -260,22 +281,23 @@ def main() -> None:
     print(f"tp={tp} + sp x dp_shard={dp} (world {dp * tp}, gloo); one process's first loss {reference:.6f}\n")
     print(
         "| peer | first loss vs one process | step time over ours | all-gather (MiB) | reduce-scatter (MiB)"
-        " | all-reduce (MiB) | state per rank over ideal |"
+        " | all-reduce (MiB) | saved activations per rank (MiB) | state per rank over ideal |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for kind in PEERS:
         seconds = sorted(max(rank[kind]["seconds"][i] for rank in ranks) for i in range(STEPS))[STEPS // 2]
         sent = ranks[0][kind]["collective_bytes"]
         state = max(rank[kind]["state_bytes"] for rank in ranks)
+        saved = max(rank[kind]["saved_bytes"] for rank in ranks)
         error = abs(ranks[0][kind]["first_loss"] - reference) / reference
         print(
             f"| {kind} | {error:.1e} | {seconds / ours:.2f} |"
             f" {sent.get('all_gather', 0) / 2**20:.1f} | {sent.get('reduce_scatter', 0) / 2**20:.1f} |"
-            f" {sent.get('all_reduce', 0) / 2**20:.2f} | {state / ideal:.3f} |"
+            f" {sent.get('all_reduce', 0) / 2**20:.2f} | {saved / 2**20:.1f} | {state / ideal:.3f} |"
         )
     print(
         f"| analytic minimum | | | {minimum['all_gather'] / 2**20:.1f} (+{minimum['resharded'] / 2**20:.1f} resharded"
-        f" blocks gathered again) | {minimum['reduce_scatter'] / 2**20:.1f} | 0 (a few numbers a token) | 1 |"
+        f" blocks gathered again) | {minimum['reduce_scatter'] / 2**20:.1f} | 0 (a few numbers a token) | | 1 |"
     )
     print("\nevery collective of rank 0 (bytes):", {kind: ranks[0][kind]["collective_bytes"] for kind in PEERS})
 

@@ -1,8 +1,9 @@
 """Ours against what a user would pick instead, side by side in one run: the same Llama-shaped model, layout and data.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/peers.py   # about a minute on 2 CPU cores
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/peers.py   # about two minutes on 2 CPU cores
 
-World 4 (gloo), tp=2 with sequence parallel x dp_shard=2, fp32, AdamW. The peers:
+tp=2 with sequence parallel x dp_shard=2 (world 4), dp_shard=2 and tp=2 with sequence parallel (world 2); gloo, fp32,
+AdamW. The peers:
 - ours: ``parallelize(model, mesh, sp=True)``, the call AutoModelParallelStrategy makes;
 - transformers' own: ``from_pretrained(distributed_config=DistributedConfig(tp_size, tp_plan="auto",
   enable_sequence_parallel=True, fsdp_size))``, in a plain loop;
@@ -54,6 +55,7 @@ CONFIG = dict(
 )
 ROWS, TOKENS, STEPS, WARMUP = 8, 256, 10, 2  # ROWS: the global batch
 PEERS = ("ours", "expert", "transformers")
+LAYOUTS = ((2, 2), (2, 1), (1, 2))  # (dp_shard, tp); sequence parallel wherever tp > 1
 
 
 NOT_COLLECTIVES = ("wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd")
@@ -105,13 +107,18 @@ def build(kind: str, mesh_shape: tuple[int, int]):
             model.save_pretrained(directory)
         dist.barrier()
         dp, tp = mesh_shape
-        layout = DistributedConfig(tp_size=tp, tp_plan="auto", enable_sequence_parallel=True, fsdp_size=dp)
+        layout = DistributedConfig(
+            tp_size=tp if tp > 1 else None,
+            tp_plan="auto" if tp > 1 else None,
+            enable_sequence_parallel=tp > 1,
+            fsdp_size=dp if dp > 1 else None,
+        )
         model = AutoModelForCausalLM.from_pretrained(directory, distributed_config=layout, attn_implementation="sdpa")
     elif kind == "ours":
         from lightning_automodel import ParallelDims, parallelize
 
         dp, tp = mesh_shape
-        parallelize(model, ParallelDims(dp_shard=dp, tp=tp).resolve(dp * tp).build_mesh("cpu"), sp=True)
+        parallelize(model, ParallelDims(dp_shard=dp, tp=tp).resolve(dp * tp).build_mesh("cpu"), sp=tp > 1)
     else:
         _expert_plan(model, mesh_shape)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -121,6 +128,19 @@ def _expert_plan(model, mesh_shape: tuple[int, int]) -> None:
     """What an expert writes in configure_model under Lightning's ModelParallelStrategy (torchtitan's Llama plan)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
+    if mesh_shape[1] > 1:
+        _expert_tensor_parallel(model, mesh["tensor_parallel"])
+    if mesh_shape[0] > 1:
+        layers = model.model.layers
+        for index, layer in enumerate(layers):
+            fully_shard(layer, mesh=mesh["data_parallel"], reshard_after_forward=index < len(layers) - 1)
+        fully_shard(model, mesh=mesh["data_parallel"], reshard_after_forward=False)
+
+
+def _expert_tensor_parallel(model, tp) -> None:
+    """torchtitan's Llama plan on Hugging Face's module names: tensor parallel with sequence parallel."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -130,8 +150,6 @@ def _expert_plan(model, mesh_shape: tuple[int, int]) -> None:
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
-    tp = mesh["tensor_parallel"]
     parallelize_module(
         model,
         tp,
@@ -163,12 +181,8 @@ def _expert_plan(model, mesh_shape: tuple[int, int]) -> None:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
-    layers = model.model.layers
-    for layer in layers:
+    for layer in model.model.layers:
         parallelize_module(layer, tp, block_plan)
-    for index, layer in enumerate(layers):
-        fully_shard(layer, mesh=mesh["data_parallel"], reshard_after_forward=index < len(layers) - 1)
-    fully_shard(model, mesh=mesh["data_parallel"], reshard_after_forward=False)
 
 
 def step(model, optimizer, tokens: torch.Tensor) -> torch.Tensor:
@@ -260,25 +274,32 @@ def analytic(parameters: int, *, dp: int, tp: int) -> dict[str, float]:
     """The minimum bytes per step and rank of each collective kind, and what resharding every block but the last
     after forward adds (see the module docstring)."""
     layers, hidden = CONFIG["num_hidden_layers"], CONFIG["hidden_size"]
-    stream = ROWS // dp * TOKENS * hidden * 4
-    weights = parameters / tp * 4
-    block = (parameters - 2 * CONFIG["vocab_size"] * hidden - hidden) / layers / tp * 4
-    return {
-        "all_gather": (4 * layers + 2) * stream + weights,
-        "reduce_scatter": (4 * layers + 2) * stream + weights,
-        "resharded": (layers - 1) * block,
-    }
+    stream = (4 * layers + 2) * ROWS // dp * TOKENS * hidden * 4 if tp > 1 else 0
+    weights = parameters / tp * 4 if dp > 1 else 0
+    block = (parameters - 2 * CONFIG["vocab_size"] * hidden - hidden) / layers / tp * 4 if dp > 1 else 0
+    return {"all_gather": stream + weights, "reduce_scatter": stream + weights, "resharded": (layers - 1) * block}
 
 
 def main() -> None:
-    dp, tp = 2, 2
     reference, parameters = one_process_loss()
-    ranks = next(iter(run_checks(dp * tp, [partial(measure, (dp, tp))], timeout=900).values()))
+    print(f"Llama of {CONFIG['num_hidden_layers']} layers, {parameters:,} parameters; {ROWS} x {TOKENS} tokens;")
+    print(f"one process's first loss {reference:.6f}; gloo")
+    for dp, tp in LAYOUTS:
+        print(f"\n**dp_shard={dp}{f' x tp={tp} + sp' if tp > 1 else ''}** (world {dp * tp})\n")
+        report(
+            next(iter(run_checks(dp * tp, [partial(measure, (dp, tp))], timeout=900).values())),
+            dp=dp,
+            tp=tp,
+            reference=reference,
+            parameters=parameters,
+        )
+
+
+def report(ranks: list[dict], *, dp: int, tp: int, reference: float, parameters: int) -> None:
+    """One layout's table: each peer's numbers, worst rank's (rank 0's collectives)."""
     ideal = parameters * 4 * 4 / (dp * tp)  # parameters, gradients, AdamW's two moments
     minimum = analytic(parameters, dp=dp, tp=tp)
     ours = sorted(max(rank["ours"]["seconds"][i] for rank in ranks) for i in range(STEPS))[STEPS // 2]
-    print(f"Llama of {CONFIG['num_hidden_layers']} layers, {parameters:,} parameters; {ROWS} x {TOKENS} tokens;")
-    print(f"tp={tp} + sp x dp_shard={dp} (world {dp * tp}, gloo); one process's first loss {reference:.6f}\n")
     print(
         "| peer | first loss vs one process | step time over ours | all-gather (MiB) | reduce-scatter (MiB)"
         " | all-reduce (MiB) | saved activations per rank (MiB) | state per rank over ideal |"

@@ -12,13 +12,13 @@ AdamW. The peers:
   embedding's output and lm_head's input on the stream, logits left sharded for loss parallel; FSDP2 per block over
   the data-parallel ranks, every block but the last resharded after forward, as ours). Lightning's strategy only
   builds the mesh and calls ``configure_model``, so the plan runs here on the same mesh shape, in the same loop.
-Each rank builds both models and alternates their steps (ours, the peer's, ours, ...), so that load on the shared
-cores falls on both alike. For each: the first step's loss against one process on the whole batch (else its time
-is void), the median step over the slowest rank relative to ours, the bytes of each collective per step and rank
-(the whole tensor a collective gathers or reduces, counted by a dispatch mode) against the analytic minimum of the
-layout, the activations autograd saves for backward per rank (storages counted once: the memory a step holds at its
-peak beside the weights and optimizer state; CPU has no allocator statistics), and the parameter + gradient + AdamW
-state bytes per rank against the ideal 1/(tp x dp_shard) of the model's.
+Each rank builds every peer's model and alternates their steps, each peer going first in turn, so that load on the
+shared cores and the cost of following another's step fall on all alike. For each: the first step's loss against one
+process on the whole batch (else its time is void), the median step over the slowest rank relative to ours, the bytes of
+each collective per step and rank (the whole tensor a collective gathers or reduces, counted by a dispatch mode) against
+the analytic minimum of the layout, the activations autograd saves for backward per rank (storages counted once: the
+memory a step holds at its peak beside the weights and optimizer state; CPU has no allocator statistics), and the
+parameter + gradient + AdamW state bytes per rank against the ideal 1/(tp x dp_shard) of the model's.
 
 Analytic minimum per step and rank (fp32, b rows of S tokens per dp rank, hidden H, L layers, P parameters):
 sequence parallel gathers the stream before attention and before the MLP and reduce-scatters it after each, in
@@ -212,7 +212,8 @@ def measure(mesh_shape: tuple[int, int]) -> dict:
     peers = {kind: build(kind, mesh_shape) for kind in PEERS}
     result = {kind: {"seconds": []} for kind in peers}
     for index in range(WARMUP + STEPS):
-        for kind, (model, optimizer) in peers.items():
+        for kind in PEERS[index % len(PEERS) :] + PEERS[: index % len(PEERS)]:  # each goes first in turn
+            model, optimizer = peers[kind]
             dist.barrier()
             counter = CollectiveBytes() if index == WARMUP else None
             saved: dict[int, int] = {}

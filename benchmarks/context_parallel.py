@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch  # noqa: E402
 from harness import run_checks  # noqa: E402
+from saved_activations import saved_activations  # noqa: E402
 
 CONFIG = dict(
     vocab_size=1024,
@@ -66,10 +67,9 @@ def measure(tokens: int) -> dict:
     ids = torch.randint(1, CONFIG["vocab_size"], (1, tokens))
     times, saved = [], 0
     for step in range(WARMUP + STEPS):
-        storages: dict[int, int] = {}
         received.clear()
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(partial(_note_storage, storages), lambda tensor: tensor):
+        with saved_activations() as storages:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         if step >= WARMUP:
@@ -113,13 +113,6 @@ def _mask_bytes(mask: object) -> int:
         return mask.numel() * mask.element_size()
     tensors = [value for value in vars(mask).values() if isinstance(value, torch.Tensor)]
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
-def _note_storage(storages: dict[int, int], tensor: torch.Tensor) -> torch.Tensor:
-    """A saved-tensors hook: note the tensor's storage and size (a storage saved twice counts once)."""
-    storage = tensor.untyped_storage()
-    storages[storage.data_ptr()] = storage.nbytes()
-    return tensor
 
 
 def main() -> None:

@@ -35,12 +35,14 @@ import os
 import sys
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch  # noqa: E402
 from harness import run_checks  # noqa: E402
+from saved_activations import saved_activations  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 CONFIG = dict(
@@ -215,22 +217,21 @@ def measure(mesh_shape: tuple[int, int]) -> dict:
         for kind in PEERS[index % len(PEERS) :] + PEERS[: index % len(PEERS)]:  # each goes first in turn
             model, optimizer = peers[kind]
             dist.barrier()
-            counter = CollectiveBytes() if index == WARMUP else None
-            saved: dict[int, int] = {}
+            counted = index == WARMUP - 1  # the last warm-up step: its collectives and saved activations counted
             start = time.perf_counter()
-            if counter is not None:
-                with counter, torch.autograd.graph.saved_tensors_hooks(partial(_note_storage, saved), _unpacked):
-                    loss = step(model, optimizer, mine)
-                result[kind]["saved_bytes"] = sum(saved.values())
-            else:
+            with (
+                CollectiveBytes() if counted else nullcontext() as sent,
+                saved_activations() if counted else nullcontext() as saved,
+            ):
                 loss = step(model, optimizer, mine)
             elapsed = time.perf_counter() - start
+            if counted:
+                result[kind]["collective_bytes"] = dict(sent.bytes)
+                result[kind]["saved_bytes"] = sum(saved.values())
             if index == 0:
                 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 dist.all_reduce(loss)
                 result[kind]["first_loss"] = loss.item() / dist.get_world_size()
-            if counter is not None:
-                result[kind]["collective_bytes"] = dict(counter.bytes)
             if index >= WARMUP:
                 result[kind]["seconds"].append(elapsed)
     for kind, (model, optimizer) in peers.items():
@@ -240,23 +241,6 @@ def measure(mesh_shape: tuple[int, int]) -> dict:
         nbytes = sum(t.numel() * t.element_size() for t in local) * 2  # parameters and their gradients
         result[kind]["state_bytes"] = nbytes + sum(t.numel() * t.element_size() for t in state if t.dim() > 0)
     return result
-
-
-def _note_storage(storages: dict[int, int], tensor: torch.Tensor) -> torch.Tensor:
-    """A saved-tensors hook: note the storage of what autograd keeps for backward (a DTensor's local shard's; a
-    collective's result still in flight, its buffer's)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-    local = local.elem if isinstance(local, AsyncCollectiveTensor) else local
-    storage = local.untyped_storage()
-    storages[storage.data_ptr()] = storage.nbytes()
-    return tensor
-
-
-def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def one_process_loss() -> tuple[float, int]:

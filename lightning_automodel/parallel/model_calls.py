@@ -62,7 +62,7 @@ def build_no_cache(model: nn.Module) -> None:
     checkpointing) or compilation (dynamo guards on the cache's state, layer by layer) suffer from one. ``generate``
     asks for its cache itself (its generation config's ``use_cache``). Saved with the model's config."""
     config = getattr(model, "config", None)
-    configs = [config, config.get_text_config(decoder=True)] if config is not None else []
-    for each in configs:
+    text_config = getattr(config, "get_text_config", None)
+    for each in (config, text_config(decoder=True) if text_config is not None else None):
         if hasattr(each, "use_cache"):
             each.use_cache = False

@@ -2,7 +2,7 @@
 
     lightning-automodel fit --config config.yaml        # validate, test and predict alike (LightningCLI)
     lightning-automodel fit --config config.yaml --print_config
-    lightning-automodel plan --config config.yaml [--world_size 64] [--verify] [fit's overrides]
+    lightning-automodel plan --config config.yaml [--world_size 64] [--verify] [--activations] [fit's overrides]
     lightning-automodel export CHECKPOINT --output DIR
 
 ``fit``/``validate``/``test``/``predict`` are Lightning's own LightningCLI over :class:`CausalLMModule` and any
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -30,7 +31,7 @@ from lightning_automodel.lm.progress import StepProgressBar
 from lightning_automodel.mesh import ParallelDims
 from lightning_automodel.parallel.report import PlanReport, plan_report
 from lightning_automodel.parallel.verify import verify_plan
-from lightning_automodel.strategy import AutoModelParallelStrategy
+from lightning_automodel.strategy import AutoModelParallelStrategy, mixed_precision_policy
 
 TRAINER_DEFAULTS = {
     "strategy": "automodel",
@@ -105,9 +106,20 @@ def plan_command(argv: list[str]) -> None:
         help="also verify the tensor-parallel plan: one step of a shrunk replica of the model, the tp ranks simulated"
         " on CPU, against one process (loss, logits, every gradient); exit with 1 if they differ",
     )
+    parser.add_argument(
+        "--activations",
+        action="store_true",
+        help="also estimate the activation memory per rank of a training step, under each activation-checkpointing"
+        " mode, at the data module's batch_size and seq_len (one fake-tensor step of the model per mode)",
+    )
+    parser.add_argument("--batch_size", type=int, help="rows per data-parallel rank and step (implies --activations)")
+    parser.add_argument("--seq_len", type=int, help="tokens a row (implies --activations)")
     args, overrides = parser.parse_known_args(argv)
-    model, strategy, dims = configured(args.config, *overrides, world_size=args.world_size)
-    print(_plan_of(model, strategy, dims))
+    config = configured(args.config, *overrides, world_size=args.world_size)
+    estimate = args.activations or args.batch_size is not None or args.seq_len is not None
+    batch_shape = config.batch_shape(batch_size=args.batch_size, seq_len=args.seq_len) if estimate else None
+    print(_plan_of(config, batch_shape=batch_shape))
+    model, strategy, dims = config.model, config.strategy, config.dims
     if args.verify and dims.tp == 1:
         print("--verify: tp=1, no tensor-parallel plan to verify (FSDP2 alone needs none)")
     elif args.verify:
@@ -137,17 +149,39 @@ class _ConfigOnly(AutomodelCLI):
         return None
 
 
-def plan_for_config(path: str, *overrides: str, world_size: int | None = None) -> PlanReport:
+def plan_for_config(
+    path: str, *overrides: str, world_size: int | None = None, batch_shape: tuple[int, int] | None = None
+) -> PlanReport:
     """The plan report of a ``lightning-automodel fit`` config (with `fit`'s command-line overrides): its model on
-    its strategy's mesh."""
-    return _plan_of(*configured(path, *overrides, world_size=world_size))
+    its strategy's mesh; with ``batch_shape`` (rows, tokens a row), its activation memory too."""
+    return _plan_of(configured(path, *overrides, world_size=world_size), batch_shape=batch_shape)
 
 
-def configured(
-    path: str, *overrides: str, world_size: int | None = None
-) -> tuple[nn.Module, AutoModelParallelStrategy, ParallelDims]:
-    """What a ``lightning-automodel fit`` config (with `fit`'s command-line overrides) trains, and how: its model on
-    the meta device, its strategy, and the strategy's sizes resolved for the world."""
+@dataclass
+class Configured:
+    """What a ``lightning-automodel fit`` config trains, and how: its model on the meta device, its strategy, the
+    strategy's sizes resolved for the world, and the data module and Trainer settings that size a step."""
+
+    model: nn.Module
+    strategy: AutoModelParallelStrategy
+    dims: ParallelDims
+    datamodule: Any
+    precision: str
+
+    def batch_shape(self, *, batch_size: int | None = None, seq_len: int | None = None) -> tuple[int, int]:
+        """Rows per data-parallel rank and step and tokens a row: those given, else the data module's."""
+        rows = batch_size if batch_size is not None else getattr(self.datamodule, "batch_size", None)
+        tokens = seq_len if seq_len is not None else getattr(self.datamodule, "seq_len", None)
+        if rows is None or tokens is None:
+            raise ValueError(
+                f"The config's data module ({type(self.datamodule).__name__}) gives no batch_size or seq_len: pass"
+                " --batch_size and --seq_len, the rows per data-parallel rank and the tokens a row."
+            )
+        return rows, tokens
+
+
+def configured(path: str, *overrides: str, world_size: int | None = None) -> Configured:
+    """What a ``lightning-automodel fit`` config (with `fit`'s command-line overrides) trains, and how."""
     # run=False: no subcommand. No seeding: seed_everything would seed this process and export PL_GLOBAL_SEED,
     # which every later Trainer (and the processes it starts) would then re-seed from.
     arguments = [f"--config={path}", *overrides, "--seed_everything=false"]
@@ -166,17 +200,23 @@ def configured(
     needs_tokenizer = module.hparams.model is None and "vocab_size" not in (module.hparams.config or {})
     tokenizer = getattr(parsed.datamodule, "tokenizer", None) if needs_tokenizer else None
     model = module.build_model(tokenizer, meta=True, seq_len=getattr(parsed.datamodule, "seq_len", None))
-    return model, strategy, strategy.parallel_dims.resolve(world_size)
+    dims = strategy.parallel_dims.resolve(world_size)
+    precision = str(trainer["precision"] or "32-true")
+    return Configured(model, strategy, dims, datamodule=parsed.datamodule, precision=precision)
 
 
-def _plan_of(model: nn.Module, strategy: AutoModelParallelStrategy, dims: ParallelDims) -> PlanReport:
+def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) -> PlanReport:
+    strategy = config.strategy
+    policy = strategy.mp_policy if strategy.mp_policy is not None else mixed_precision_policy(config.precision)
     return plan_report(
-        model,
-        dims,
+        config.model,
+        config.dims,
         sp=strategy.sp,
         tp_plan=strategy.tp_plan,
         allow_unsharded_linears=strategy.allow_unsharded_linears,
         pipeline=strategy.pipeline,
+        batch_shape=batch_shape,
+        step_options=dict(mp_policy=policy, cp_attention=strategy.cp_attention),
     )
 
 

@@ -280,3 +280,10 @@ def commonest_byte_share() -> float:
     tokens = torch.cat([data.datasets["val"][i]["labels"] for i in range(len(data.datasets["val"]))])
     tokens = tokens[tokens >= 0]
     return tokens.bincount().max().item() / len(tokens)
+
+
+def test_plan_command_estimates_at_the_config_batch(capsys, no_pytest_argv):
+    main(["plan", "--config", str(EXAMPLES / "demo.yaml"), "--batch_size", "2", "--seq_len", "64"])
+    out = capsys.readouterr().out
+    assert "activations per rank, 2 rows x 64 tokens a step" in out
+    assert "checkpointing full" in out

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
@@ -353,6 +354,8 @@ class ContextParallel:
     def _check_same_rows(self, input_ids: Tensor) -> None:
         """The ranks of a cp group split the same rows (the sampler deals them by dp rank): rows of other shapes would
         gather mismatched keys, other tokens would be attended to as if they were these. One small all-reduce."""
+        if is_fake(input_ids):  # a memory estimate (parallel/memory.py): rows without values to compare
+            return
         summary = torch.tensor([*input_ids.shape, int(input_ids.sum())], device=input_ids.device)
         extremes = torch.cat([summary, -summary])
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.mesh import ParallelDims
 from lightning_automodel.parallel.blocks import named_decoder_layers
+from lightning_automodel.parallel.memory import activation_bytes
 from lightning_automodel.parallel.parallelizer import check_before_collectives, parallelize
 from lightning_automodel.parallel.patterns import pattern_matches
 from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
@@ -45,6 +46,9 @@ class PlanReport:
     pipeline: PipelineOptions | None = None
     stages: list[StageReport] = field(default_factory=list)  # under pp: what each stage's ranks hold
     gathered_bytes_per_token: int = 0  # under cp: keys and values a rank receives per token of a row and layer
+    batch_shape: tuple[int, int] | None = None  # (rows, tokens a row) the activation estimates are for
+    # activation checkpointing mode -> the step's peak per rank (or why it has no estimate)
+    activation_bytes: dict[str, int | str] = field(default_factory=dict)
 
     @property
     def training_bytes_per_rank(self) -> int:
@@ -86,9 +90,28 @@ class PlanReport:
             f"parameters: {self.total_parameters:,} in all, {self.parameters_per_rank:,} per rank"
             f" ({share:.2%}; ideal 1/{ideal}){' on the largest stage' if self.stages else ''}",
             f"memory per rank: {_gib(self.parameter_bytes_per_rank)} parameters,"
-            f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state (activations not included)",
+            f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state"
+            f"{'' if self.activation_bytes else ' (activations not included)'}",
         ]
-        return "\n".join(lines)
+        return "\n".join(lines + self._activation_lines())
+
+    def _activation_lines(self) -> list[str]:
+        if self.batch_shape is None:
+            return []
+        rows, tokens = self.batch_shape
+        if not self.activation_bytes:
+            return [f"activations per rank, {rows} rows x {tokens:,} tokens a step: not estimated under pp > 1 yet"]
+        lines = [
+            f"activations per rank, {rows} rows x {tokens:,} tokens a step (the step's peak above parameters and"
+            " gradients; the total adds them and AdamW's state):"
+        ]
+        width = max(len(mode) for mode in self.activation_bytes)
+        lines += [
+            f"  checkpointing {mode:<{width}}  "
+            + (size if isinstance(size, str) else f"{_gib(size)}  total {_gib(size + self.training_bytes_per_rank)}")
+            for mode, size in self.activation_bytes.items()
+        ]
+        return lines
 
     def _pipeline_lines(self) -> list[str]:
         assert self.pipeline is not None
@@ -141,6 +164,8 @@ def plan_report(
     tp_plan: PlanSpec | None = None,
     allow_unsharded_linears: bool = False,
     pipeline: PipelineOptions | None = None,
+    batch_shape: tuple[int, int] | None = None,
+    step_options: dict | None = None,
     rank: int = 0,
 ) -> PlanReport:
     """Parallelize ``model`` (on the meta device) as ``rank`` of a fake world of ``dims`` and describe the result.
@@ -148,6 +173,10 @@ def plan_report(
     ``dims`` must be resolved (a world size is needed). Must be called outside any real process group. A plan that
     training would refuse is refused here too, with the same message. Under pp, each stage is parallelized (as its
     first rank) on a copy of the model, for its layers and per-rank memory; the largest is the report's per rank.
+
+    With ``batch_shape`` (rows per data-parallel rank and step, tokens a row), the report adds the activation memory
+    of a training step under each activation-checkpointing mode (see :mod:`lightning_automodel.parallel.memory`);
+    ``step_options``: parallelize's options that shape it but not the plan (``mp_policy``, ``cp_attention``).
     """
     if not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
@@ -155,7 +184,10 @@ def plan_report(
     report.total_parameters = sum(p.numel() for p in model.parameters())
     report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
     options = dict(sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
+    report.batch_shape = batch_shape
     if dims.pp == 1:
+        if batch_shape is not None:
+            report.activation_bytes = _activations(model, dims, batch_shape, rank=rank, **options, **step_options or {})
         held = _parallelized(model, dims, rank=rank, report=report, options=options)
         report.parameters_per_rank, report.parameter_bytes_per_rank = held
         return report
@@ -175,6 +207,22 @@ def plan_report(
     report.parameters_per_rank = largest.parameters_per_rank
     report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank
     return report
+
+
+def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, int], **options) -> dict[str, int | str]:
+    """The activation estimate of every checkpointing mode, each on a copy of ``model``; where the fake step fails
+    (selective checkpointing under a mixed-precision policy: torch's checkpoint finds FSDP2's profiler marks in the
+    recomputation only), the reason instead of a number."""
+    rows, tokens = batch_shape
+    estimates: dict[str, int | str] = {}
+    for mode in (False, "selective", "submodule", "full"):
+        try:
+            estimates[str(mode or "off")] = activation_bytes(
+                copy.deepcopy(model), dims, micro_batch=rows, seq_len=tokens, activation_checkpointing=mode, **options
+            )
+        except RuntimeError as error:
+            estimates[str(mode or "off")] = f"not estimated ({str(error).splitlines()[0][:120]})"
+    return estimates
 
 
 def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:

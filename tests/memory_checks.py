@@ -1,0 +1,57 @@
+"""Checks run on every rank for test_memory.py: the memory a real training step takes on CPU, read from the process's
+resident set, to hold the fake-tensor estimate of parallel/memory.py against."""
+
+from __future__ import annotations
+
+import ctypes
+from contextlib import nullcontext
+
+import torch
+from models import tiny_model
+from torch.distributed.tensor.parallel import loss_parallel
+
+from lightning_automodel import ParallelDims
+from lightning_automodel.parallel.memory import training_loss
+from lightning_automodel.parallel.parallelizer import parallelize
+
+# Large enough that activations dwarf what Python and gloo allocate on the side (a few MiB).
+MEMORY_MODEL = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def measured_activation_bytes(dims: ParallelDims, micro_batch: int, seq_len: int, **options) -> int:
+    """The resident memory one training step adds on this rank at its peak, above the parameters and gradients it
+    held before (a step ran first, so nothing is allocated for the first time).
+
+    CPU tensors come from malloc: glibc is told to map every allocation above 64 KiB on its own and unmap it when
+    freed, so the resident set rises and falls with the live tensors, and its high-water mark (reset through
+    /proc/self/clear_refs) is the step's peak."""
+    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    model = tiny_model(vocab_size=8000, **MEMORY_MODEL)
+    mesh = dims.resolve(torch.distributed.get_world_size()).build_mesh("cpu")
+    parallelize(model, mesh, **options)
+    input_ids = torch.randint(8000, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
+    _step(model, input_ids=input_ids, mesh=mesh, tp=dims.tp)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the high-water mark starts again from the resident set now
+    held = _resident()["VmRSS"]
+    _step(model, input_ids=input_ids, mesh=mesh, tp=dims.tp)
+    return _resident()["VmHWM"] - held
+
+
+def _step(model, *, input_ids, mesh, tp: int) -> None:
+    with loss_parallel() if tp > 1 else nullcontext():
+        training_loss(model, input_ids=input_ids, mesh=mesh).backward()
+
+
+def _resident() -> dict[str, int]:
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return {name: int(fields[name].split()[0]) * 1024 for name in ("VmRSS", "VmHWM")}

@@ -24,8 +24,10 @@ import lightning as L
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_automodel.convert import convert
+from lightning_automodel.fitting import Fitting, Hardware, fitting_layouts
 from lightning_automodel.lm import CausalLMModule  # the package also brings its data modules' short names
 from lightning_automodel.lm.progress import StepProgressBar
 from lightning_automodel.mesh import ParallelDims
@@ -112,12 +114,22 @@ def plan_command(argv: list[str]) -> None:
         help="also estimate the activation memory per rank of a training step, under each activation-checkpointing"
         " mode, at the data module's batch_size and seq_len (one fake-tensor step of the model per mode)",
     )
+    parser.add_argument(
+        "--fit",
+        type=float,
+        metavar="GPU_MEMORY",
+        help="instead of the config's layout, list the tp x cp x dp_shard layouts of the world whose step fits GPUs of"
+        " this many GiB, each with the checkpointing mode that recomputes least, best estimated throughput first",
+    )
     parser.add_argument("--batch_size", type=int, help="rows per data-parallel rank and step (implies --activations)")
     parser.add_argument("--seq_len", type=int, help="tokens a row (implies --activations)")
     args, overrides = parser.parse_known_args(argv)
     config = configured(args.config, *overrides, world_size=args.world_size)
-    estimate = args.activations or args.batch_size is not None or args.seq_len is not None
+    estimate = args.activations or args.fit is not None or args.batch_size is not None or args.seq_len is not None
     batch_shape = config.batch_shape(batch_size=args.batch_size, seq_len=args.seq_len) if estimate else None
+    if args.fit is not None:
+        print(_fitting_of(config, memory_gib=args.fit, batch_shape=batch_shape))
+        return
     print(_plan_of(config, batch_shape=batch_shape))
     model, strategy, dims = config.model, config.strategy, config.dims
     if args.verify and dims.tp == 1:
@@ -168,6 +180,12 @@ class Configured:
     datamodule: Any
     precision: str
 
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's policy, as the strategy would take it from the Trainer's precision."""
+        policy = self.strategy.mp_policy
+        return policy if policy is not None else mixed_precision_policy(self.precision)
+
     def batch_shape(self, *, batch_size: int | None = None, seq_len: int | None = None) -> tuple[int, int]:
         """Rows per data-parallel rank and step and tokens a row: those given, else the data module's."""
         rows = batch_size if batch_size is not None else getattr(self.datamodule, "batch_size", None)
@@ -207,7 +225,6 @@ def configured(path: str, *overrides: str, world_size: int | None = None) -> Con
 
 def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) -> PlanReport:
     strategy = config.strategy
-    policy = strategy.mp_policy if strategy.mp_policy is not None else mixed_precision_policy(config.precision)
     return plan_report(
         config.model,
         config.dims,
@@ -216,7 +233,19 @@ def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) 
         allow_unsharded_linears=strategy.allow_unsharded_linears,
         pipeline=strategy.pipeline,
         batch_shape=batch_shape,
-        step_options=dict(mp_policy=policy, cp_attention=strategy.cp_attention),
+        step_options=dict(mp_policy=config.mp_policy, cp_attention=strategy.cp_attention),
+    )
+
+
+def _fitting_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int, int]) -> Fitting:
+    return fitting_layouts(
+        config.model,
+        config.dims.world_size,
+        hardware=Hardware(memory_gib),
+        batch_shape=batch_shape,
+        mp_policy=config.mp_policy,
+        tp_plan=config.strategy.tp_plan,
+        cp_attention=config.strategy.cp_attention,
     )
 
 

@@ -140,6 +140,7 @@ def check_context_parallel_refusals(cp: int) -> list[str]:
     calls = [
         (lambda: model(input_ids=tokens, attention_mask=torch.ones(2, 1, 16, 16)), "shape (2, 16), as input_ids"),
         (lambda: model(input_ids=tokens, past_key_values=object()), "past_key_values"),
+        (lambda: model(input_ids=tokens, cache=object()), "cache"),  # the name since transformers 5.24
         (lambda: model.generate(tokens), "generate with cp=1"),
         (lambda: model(input_ids=tokens + dist.get_rank(), labels=labels), "other rows than its cp peers"),
     ]

@@ -326,18 +326,25 @@ def check_self_parallelized_module_left_alone() -> dict:
 
 
 def check_bf16_trainer(
-    tp: int, precision: str, family: str = "llama", ep: int = 1, cp: int = 1, compile: bool | dict = False
+    tp: int,
+    precision: str,
+    family: str = "llama",
+    ep: int = 1,
+    cp: int = 1,
+    compile: bool | dict = False,
+    activation_checkpointing: bool | str = False,
 ) -> dict:
     """Trainer(precision="bf16-mixed") gives FSDP2 a bf16 policy with fp32 gradient reduction over fp32
     weights; "bf16-true" casts the weights to bf16 before sharding, except those the model pins to fp32 (Ernie's
     MoE router). Either run's losses must be as close to fp32 as a single-process bf16 run's (twice its error at
     most: see parity.within_bf16_noise). At cp > 1 the step returns the model's own loss, and the losses must be
-    within that noise of the same run's with the sequences whole (cp=1, the ranks data-parallel). ``compile``: the
-    strategy's option."""
+    within that noise of the same run's with the sequences whole (cp=1, the ranks data-parallel). ``compile`` and
+    ``activation_checkpointing``: the strategy's options."""
     module = (HFLossCausalLM if cp > 1 else CausalLM)(tiny_model(family))
-    trainer(AutoModelParallelStrategy(tp=tp, ep=ep, cp=cp, compile=compile), precision=precision).fit(
-        module, data(dist.get_world_size() // tp // cp)
+    strategy = AutoModelParallelStrategy(
+        tp=tp, ep=ep, cp=cp, compile=compile, activation_checkpointing=activation_checkpointing
     )
+    trainer(strategy, precision=precision).fit(module, data(dist.get_world_size() // tp // cp))
     assert_experts_distributed(module.model, ep=ep)
     pinned = {id(t) for _, _, t in pinned_to_fp32(module.model, fp32_pinned_names(module.model))}
     if precision == "bf16-mixed":

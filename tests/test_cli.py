@@ -287,3 +287,11 @@ def test_plan_command_estimates_at_the_config_batch(capsys, no_pytest_argv):
     out = capsys.readouterr().out
     assert "activations per rank, 2 rows x 64 tokens a step" in out
     assert "checkpointing full" in out
+
+
+def test_plan_command_lists_the_layouts_that_fit(capsys, no_pytest_argv):
+    main(["plan", "--config", str(EXAMPLES / "demo.yaml"), "--fit", "0.05", "--batch_size", "2", "--seq_len", "64"])
+    out = capsys.readouterr().out
+    assert "layouts that fit 0.05 GiB per GPU" in out
+    assert "2 rows x 64 tokens per data-parallel rank" in out
+    assert "throughput model: 989 TFLOP/s" in out

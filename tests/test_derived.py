@@ -95,9 +95,9 @@ def test_each_module_of_a_block_gets_the_style_its_data_flow_needs(model_type):
 
 
 def test_the_derived_plan_is_chosen_where_no_other_shards_the_blocks_and_named_so():
-    choice = select_tp_plan(coverage_model("gptj"), sp=False)
-    assert choice.source == "derived plan (entries column-, exits row-parallel) for GPTJForCausalLM", choice
-    assert "the default Llama-style plan leaves transformer.h.0.attn.k_proj" in choice.reason
+    choice = select_tp_plan(coverage_model("xglm"), sp=False)
+    assert choice.source == "derived plan (entries column-, exits row-parallel) for XGLMForCausalLM", choice
+    assert "the default Llama-style plan leaves model.layers.0.self_attn.out_proj" in choice.reason
     assert choice.unsharded_weights == []
 
 

@@ -13,13 +13,15 @@ Hugging Face model, so state dicts, checkpoints and exports need no renaming.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_automodel.parallel.model_calls import build_no_cache
@@ -74,9 +76,32 @@ def _attention_and_mlp(layer: nn.Module) -> list[nn.Module]:
 
 
 def _selective_contexts() -> tuple:
-    """One context pair per layer call: the forward and its recompute must count matmuls the same way."""
+    """One context pair per layer call: the forward and its recompute must count matmuls the same way. Profiler marks
+    pass both by (see :class:`_ProfilerMarksPass`)."""
     counts: dict[str, int] = defaultdict(int)
-    return create_selective_checkpoint_contexts(partial(_keep_attention_and_every_other_matmul, counts))
+    forward, recompute = create_selective_checkpoint_contexts(partial(_keep_attention_and_every_other_matmul, counts))
+    return _marks_passing(forward), _marks_passing(recompute)
+
+
+@contextmanager
+def _marks_passing(context: AbstractContextManager) -> Iterator[None]:
+    with context, _ProfilerMarksPass():
+        yield
+
+
+class _ProfilerMarksPass(TorchDispatchMode):
+    """Runs profiler marks (``record_function``'s ops) past the selective checkpoint's modes beneath it.
+
+    Under a mixed-precision policy, torch 2.13's FSDP2 casts a layer's inputs inside a ``record_function`` before
+    the checkpoint's hook in the forward, and again inside the recomputation: the recomputation meets a mark the
+    forward never stored, and the checkpoint raises ("profiler._record_function_enter_new.default encountered during
+    backward but not found in storage"). Marks compute nothing; neither pass stores them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        if func.namespace == "profiler":
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 def _keep_attention_and_every_other_matmul(

@@ -94,12 +94,15 @@ def apply_compile(model: nn.Module, layers: Sequence[nn.Module], options: dict[s
         layer.forward = MethodType(_compiled_unless_cached, layer)  # a module-level function: deepcopy rebinds it
 
 
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")  # decoder layers' names
+# Decoder layers' names for caches that are no transformers Cache (tuples, Mamba's state); transformers 5.24 renamed
+# past_key_values to cache.
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
 
 
 def _compiled_unless_cached(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The layer's compiled forward, or its class's own when the call carries a cache."""
-    if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS) or any(isinstance(a, Cache) for a in args):
+    cached = any(isinstance(value, Cache) for value in [*args, *kwargs.values()])
+    if cached or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
         return type(self).forward(self, *args, **kwargs)
     args, kwargs = tree_map(_landed, (args, kwargs))
     return self.compiled_forward(self, *args, **kwargs)

@@ -389,7 +389,8 @@ class ContextParallel:
         return ParallelCausalLMOutput(loss=loss, logits=logits, loss_sum=plain_sum, num_tokens=tokens, num_hits=hits)
 
 
-REFUSED_INPUTS = ("past_key_values", "cache_position", "inputs_embeds")  # a split of whole rows of token ids only
+# A split of whole rows of token ids only: no cache (named cache since transformers 5.24), no embeddings.
+REFUSED_INPUTS = ("cache", "past_key_values", "cache_position", "inputs_embeds")
 
 
 class ContextParallelModel(nn.Module):

@@ -47,8 +47,7 @@ class PlanReport:
     stages: list[StageReport] = field(default_factory=list)  # under pp: what each stage's ranks hold
     gathered_bytes_per_token: int = 0  # under cp: keys and values a rank receives per token of a row and layer
     batch_shape: tuple[int, int] | None = None  # (rows, tokens a row) the activation estimates are for
-    # activation checkpointing mode -> the step's peak per rank (or why it has no estimate)
-    activation_bytes: dict[str, int | str] = field(default_factory=dict)
+    activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
 
     @property
     def training_bytes_per_rank(self) -> int:
@@ -107,8 +106,7 @@ class PlanReport:
         ]
         width = max(len(mode) for mode in self.activation_bytes)
         lines += [
-            f"  checkpointing {mode:<{width}}  "
-            + (size if isinstance(size, str) else f"{_gib(size)}  total {_gib(size + self.training_bytes_per_rank)}")
+            f"  checkpointing {mode:<{width}}  {_gib(size)}  total {_gib(size + self.training_bytes_per_rank)}"
             for mode, size in self.activation_bytes.items()
         ]
         return lines
@@ -209,20 +207,15 @@ def plan_report(
     return report
 
 
-def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, int], **options) -> dict[str, int | str]:
-    """The activation estimate of every checkpointing mode, each on a copy of ``model``; where the fake step fails
-    (selective checkpointing under a mixed-precision policy: torch's checkpoint finds FSDP2's profiler marks in the
-    recomputation only), the reason instead of a number."""
+def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, int], **options) -> dict[str, int]:
+    """The activation estimate of every checkpointing mode, each on a copy of ``model``."""
     rows, tokens = batch_shape
-    estimates: dict[str, int | str] = {}
-    for mode in (False, "selective", "submodule", "full"):
-        try:
-            estimates[str(mode or "off")] = activation_bytes(
-                copy.deepcopy(model), dims, micro_batch=rows, seq_len=tokens, activation_checkpointing=mode, **options
-            )
-        except RuntimeError as error:
-            estimates[str(mode or "off")] = f"not estimated ({str(error).splitlines()[0][:120]})"
-    return estimates
+    return {
+        str(mode or "off"): activation_bytes(
+            copy.deepcopy(model), dims, micro_batch=rows, seq_len=tokens, activation_checkpointing=mode, **options
+        )
+        for mode in (False, "selective", "submodule", "full")
+    }
 
 
 def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import nn
@@ -31,6 +32,8 @@ from lightning_automodel.fitting import Fitting, Hardware, fitting_layouts
 from lightning_automodel.lm import CausalLMModule  # the package also brings its data modules' short names
 from lightning_automodel.lm.progress import StepProgressBar
 from lightning_automodel.mesh import ParallelDims
+from lightning_automodel.parallel.dtypes import keep_pinned_fp32
+from lightning_automodel.parallel.parallelizer import fp32_pinned_names
 from lightning_automodel.parallel.report import PlanReport, plan_report
 from lightning_automodel.parallel.verify import verify_plan
 from lightning_automodel.strategy import AutoModelParallelStrategy, mixed_precision_policy
@@ -124,6 +127,8 @@ def plan_command(argv: list[str]) -> None:
     parser.add_argument("--batch_size", type=int, help="rows per data-parallel rank and step (implies --activations)")
     parser.add_argument("--seq_len", type=int, help="tokens a row (implies --activations)")
     args, overrides = parser.parse_known_args(argv)
+    if args.fit is not None and args.verify:
+        parser.error("--fit lists other layouts than the config's: verify the one you pick, without --fit")
     config = configured(args.config, *overrides, world_size=args.world_size)
     estimate = args.activations or args.fit is not None or args.batch_size is not None or args.seq_len is not None
     batch_shape = config.batch_shape(batch_size=args.batch_size, seq_len=args.seq_len) if estimate else None
@@ -171,14 +176,20 @@ def plan_for_config(
 
 @dataclass
 class Configured:
-    """What a ``lightning-automodel fit`` config trains, and how: its model on the meta device, its strategy, the
-    strategy's sizes resolved for the world, and the data module and Trainer settings that size a step."""
+    """What a ``lightning-automodel fit`` config trains, and how: its model on the meta device (in the Trainer's
+    precision where it casts weights), its strategy, the world size, and the data module and Trainer settings that size
+    a step."""
 
     model: nn.Module
     strategy: AutoModelParallelStrategy
-    dims: ParallelDims
+    world_size: int
     datamodule: Any
     precision: str
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The strategy's sizes resolved for the world (`plan --fit` needs the world size only)."""
+        return self.strategy.parallel_dims.resolve(self.world_size)
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy | None:
@@ -218,9 +229,14 @@ def configured(path: str, *overrides: str, world_size: int | None = None) -> Con
     needs_tokenizer = module.hparams.model is None and "vocab_size" not in (module.hparams.config or {})
     tokenizer = getattr(parsed.datamodule, "tokenizer", None) if needs_tokenizer else None
     model = module.build_model(tokenizer, meta=True, seq_len=getattr(parsed.datamodule, "seq_len", None))
-    dims = strategy.parallel_dims.resolve(world_size)
     precision = str(trainer["precision"] or "32-true")
-    return Configured(model, strategy, dims, datamodule=parsed.datamodule, precision=precision)
+    if precision in _CAST_WEIGHTS:  # as the strategy casts them, what the model pins to fp32 kept so
+        with keep_pinned_fp32(model, fp32_pinned_names(model)):
+            model.to(_CAST_WEIGHTS[precision])
+    return Configured(model, strategy, world_size, datamodule=parsed.datamodule, precision=precision)
+
+
+_CAST_WEIGHTS = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # the "-true" flags the strategy takes
 
 
 def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) -> PlanReport:
@@ -240,12 +256,12 @@ def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) 
 def _fitting_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int, int]) -> Fitting:
     return fitting_layouts(
         config.model,
-        config.dims.world_size,
+        config.world_size,
         hardware=Hardware(memory_gib),
         batch_shape=batch_shape,
         mp_policy=config.mp_policy,
         tp_plan=config.strategy.tp_plan,
-        cp_attention=config.strategy.cp_attention,
+        allow_unsharded_linears=config.strategy.allow_unsharded_linears,
     )
 
 

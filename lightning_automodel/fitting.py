@@ -9,6 +9,11 @@ collectives exposed (they sit between the matmuls that need them); FSDP2's gathe
 compute up to its length. Its constants are :class:`Hardware`'s, an H100 node by default. It ranks layouts; measure
 the chosen one.
 
+Each data-parallel rank keeps the rows it is given (the data module's ``batch_size``): a layout with more tp or cp
+ranks trains a smaller global batch, and tokens/s per GPU compares the layouts at their own batches. Under cp the
+activation estimate counts SDPA's dense mask (see :mod:`~lightning_automodel.parallel.memory`), which flex attention
+on a GPU does not hold: cp layouts are listed with more memory than they take there.
+
 Not yet: pipeline parallel (the activation estimate does not run under pp), and HSDP (every data-parallel rank
 shards).
 """
@@ -17,30 +22,31 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_automodel.lm.flops import flops_per_token
 from lightning_automodel.mesh import ParallelDims
+from lightning_automodel.parallel.checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.memory import activation_bytes
-from lightning_automodel.parallel.report import plan_report
+from lightning_automodel.parallel.report import gathered_bytes_per_token, plan_report
 
 
-class _Mode(NamedTuple):
-    argument: bool | str  # parallelize's activation_checkpointing
+class _Recomputation(NamedTuple):
     compute: float  # the step's FLOPs with the recomputation, over those without
     forward_again: bool  # whether a layer's forward collectives run again in backward
 
 
-# From least to most recomputation. The forward is a third of a step's FLOPs: "selective" recomputes every other
-# matmul of it (and keeps attention), "submodule" and "full" all of it, collectives included.
-CHECKPOINTING = {
-    "off": _Mode(False, 1.0, forward_again=False),
-    "selective": _Mode("selective", 7 / 6, forward_again=False),
-    "submodule": _Mode("submodule", 4 / 3, forward_again=True),
-    "full": _Mode("full", 4 / 3, forward_again=True),
+# The forward is a third of a step's FLOPs. "selective" recomputes every other matmul (about half of them: which
+# half depends on their sizes) and every collective between them (its policy keeps attention and matmuls only);
+# "submodule" and "full" recompute the whole forward.
+RECOMPUTATION = {
+    "off": _Recomputation(1.0, forward_again=False),
+    "selective": _Recomputation(7 / 6, forward_again=True),
+    "submodule": _Recomputation(4 / 3, forward_again=True),
+    "full": _Recomputation(4 / 3, forward_again=True),
 }
 # What a GPU's memory holds besides tensors: the CUDA context, NCCL's buffers, the allocator's fragmentation.
 HEADROOM = 0.1
@@ -62,9 +68,9 @@ class Hardware:
 @dataclass
 class LayoutFit:
     dims: ParallelDims
-    checkpointing: str
+    checkpointing: str  # a name of AC_SETTINGS
     memory_bytes: int  # parameters, gradients, AdamW state and activations per rank
-    tokens_per_second: float  # estimated, per GPU
+    tokens_per_second: float | None = None  # estimated, per GPU (for a layout that fits)
 
 
 @dataclass
@@ -80,7 +86,8 @@ class Fitting:
         budget = (1 - HEADROOM) * self.hardware.memory_gib
         lines = [
             f"layouts that fit {self.hardware.memory_gib:g} GiB per GPU ({budget:.1f} GiB for tensors), {rows} rows x"
-            f" {tokens:,} tokens per data-parallel rank and step; best estimated throughput first:",
+            f" {tokens:,} tokens per data-parallel rank and step (the global batch shrinks as tp x cp grows); best"
+            " estimated throughput first:",
             f"  {'tp':>3} {'cp':>3} {'dp_shard':>8}  {'checkpointing':<13} {'memory/GPU':>10}  est. tokens/s/GPU",
         ]
         lines += [_row(layout) for layout in self.fits] or ["  (none)"]
@@ -94,14 +101,19 @@ class Fitting:
             f" GB/s within a node of {hardware.gpus_per_node}, {hardware.network_gbps:g} GB/s between nodes (see"
             " lightning_automodel/fitting.py); measure the layout you pick"
         )
+        if any(layout.dims.cp > 1 for layout in [*self.fits, *self.too_large]):
+            lines.append(
+                "cp layouts: counted with SDPA's dense [rows, S/cp, S] mask, which flex attention on GPUs does not hold"
+            )
         return "\n".join(lines)
 
 
 def _row(layout: LayoutFit) -> str:
     dims = layout.dims
+    speed = f"{layout.tokens_per_second:>10,.0f}" if layout.tokens_per_second is not None else ""
     return (
         f"  {dims.tp:>3} {dims.cp:>3} {dims.dp_shard:>8}  {layout.checkpointing:<13}"
-        f" {layout.memory_bytes / 2**30:>6.1f} GiB  {layout.tokens_per_second:>10,.0f}"
+        f" {layout.memory_bytes / 2**30:>6.2f} GiB  {speed}"
     )
 
 
@@ -111,58 +123,71 @@ def fitting_layouts(
     *,
     hardware: Hardware,
     batch_shape: tuple[int, int],
-    mp_policy: MixedPrecisionPolicy | None = None,
-    **options,
+    **options: Any,
 ) -> Fitting:
-    """Every tp x cp x dp_shard layout of ``world_size`` ranks (tp within a node, sp on where tp > 1), each with the
-    least recomputing checkpointing mode that fits ``hardware.memory_gib`` less :data:`HEADROOM`.
+    """Every tp x cp x dp_shard layout of ``world_size`` ranks (tp dividing a node, sp on where tp > 1), each with the
+    least recomputing checkpointing setting that fits ``hardware.memory_gib`` less :data:`HEADROOM`.
 
-    ``model`` is on the meta device (left as it is: each layout parallelizes a copy); ``options``: parallelize's
-    (``tp_plan``, ``cp_attention``, ...)."""
+    ``model`` is on the meta device (left as it is: each layout parallelizes copies); ``options``: parallelize's
+    (``tp_plan``, ``allow_unsharded_linears``, ``mp_policy``, ...). A layout the plan or the step refuses is listed
+    with the refusal's first line."""
     fitting = Fitting(hardware, batch_shape)
     budget = (1 - HEADROOM) * hardware.memory_gib * 2**30
     for dims in _layouts(world_size, gpus_per_node=hardware.gpus_per_node):
-        plan_options = dict(sp=dims.tp > 1, tp_plan=options.get("tp_plan"))
+        layout_options = {**options, "sp": dims.tp > 1}
         try:
-            report = plan_report(copy.deepcopy(model), dims, **plan_options)
+            fit = _least_recomputing_fit(model, dims, budget=budget, batch_shape=batch_shape, **layout_options)
         except ValueError as refusal:
             fitting.refused[_name(dims)] = str(refusal).splitlines()[0]
             continue
-        for label, mode in CHECKPOINTING.items():
-            activations = activation_bytes(
-                copy.deepcopy(model),
-                dims,
-                micro_batch=batch_shape[0],
-                seq_len=batch_shape[1],
-                activation_checkpointing=mode.argument,
-                mp_policy=mp_policy,
-                **{**options, **plan_options},
-            )
-            memory = report.training_bytes_per_rank + activations
-            speed = _tokens_per_second(
-                model,
-                dims,
-                batch_shape=batch_shape,
-                mode=mode,
-                gathered_per_token=report.gathered_bytes_per_token,
-                hardware=hardware,
-                mp_policy=mp_policy,
-            )
-            layout = LayoutFit(dims, label, memory, speed)
-            if memory <= budget:
-                fitting.fits.append(layout)
-                break
-        else:
-            fitting.too_large.append(layout)
+        if fit.memory_bytes > budget:
+            fitting.too_large.append(fit)
+            continue
+        fit.tokens_per_second = _tokens_per_second(
+            model, dims, batch_shape=batch_shape, setting=fit.checkpointing, hardware=hardware, **layout_options
+        )
+        fitting.fits.append(fit)
     fitting.fits.sort(key=lambda layout: -layout.tokens_per_second)
     return fitting
+
+
+_PLAN_OPTIONS = ("sp", "tp_plan", "allow_unsharded_linears")
+
+
+def _least_recomputing_fit(
+    model: nn.Module, dims: ParallelDims, *, budget: float, batch_shape: tuple[int, int], **options: Any
+) -> LayoutFit:
+    """The layout with the first setting (from "off" on) whose memory fits ``budget``; with "full", the least
+    recomputing, when none does. "full" is estimated first: a layout too large for it costs one estimate."""
+    plan_options = {name: options[name] for name in _PLAN_OPTIONS if name in options}
+    state = plan_report(copy.deepcopy(model), dims, **plan_options).training_bytes_per_rank
+    rows, tokens = batch_shape
+
+    def with_setting(name: str) -> LayoutFit:
+        activations = activation_bytes(
+            copy.deepcopy(model),
+            dims,
+            micro_batch=rows,
+            seq_len=tokens,
+            activation_checkpointing=AC_SETTINGS[name],
+            **options,
+        )
+        return LayoutFit(dims, name, state + activations)
+
+    full = with_setting("full")
+    if full.memory_bytes > budget:
+        return full
+    for name in list(AC_SETTINGS)[:-1]:
+        if (fit := with_setting(name)).memory_bytes <= budget:
+            return fit
+    return full
 
 
 def _layouts(world_size: int, *, gpus_per_node: int) -> list[ParallelDims]:
     return [
         ParallelDims(tp=tp, cp=cp, dp_shard=world_size // (tp * cp)).resolve(world_size)
         for tp in _divisors(world_size)
-        if tp <= gpus_per_node
+        if gpus_per_node % tp == 0
         for cp in _divisors(world_size // tp)
     ]
 
@@ -180,34 +205,35 @@ def _tokens_per_second(
     dims: ParallelDims,
     *,
     batch_shape: tuple[int, int],
-    mode: _Mode,
-    gathered_per_token: int,
+    setting: str,
     hardware: Hardware,
-    mp_policy: MixedPrecisionPolicy | None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    **_: Any,
 ) -> float:
     """Estimated tokens per second and GPU: a data-parallel rank's rows x tokens, shared by its tp x cp ranks, over
-    the step time of the model in this module's docstring. ``gathered_per_token``: the plan report's key and value
-    bytes a rank receives per token of a row and layer under cp, in the weights' dtype."""
+    the step time of the model in this module's docstring."""
     rows, tokens = batch_shape
     config = model.config.get_text_config()
+    recomputation = RECOMPUTATION[setting]
     weight_bytes = next(model.parameters()).itemsize
     compute_bytes = mp_policy.param_dtype.itemsize if mp_policy and mp_policy.param_dtype else weight_bytes
     reduce_bytes = mp_policy.reduce_dtype.itemsize if mp_policy and mp_policy.reduce_dtype else compute_bytes
     local_tokens = rows * tokens // dims.cp
-    flops = flops_per_token(model, tokens) * local_tokens / dims.tp * mode.compute
+    flops = flops_per_token(model, tokens) * local_tokens / dims.tp * recomputation.compute
     compute = flops / (hardware.tflops * 1e12 * hardware.matmul_efficiency)
-    passes = 2 + mode.forward_again  # forward, backward, the recomputed forward
+    passes = 2 + recomputation.forward_again  # forward, backward, the recomputed forward
     # Per layer and pass, two all-reduces (attention's and the MLP's output; sp's halves move as much), each moving
     # 2 (tp - 1) / tp of the activation; cp gathers keys and values forward and reduces their gradients backward.
     tp_bytes = 2 * passes * 2 * (dims.tp - 1) / dims.tp * local_tokens * config.hidden_size * compute_bytes
-    cp_bytes = passes * gathered_per_token * rows * tokens * compute_bytes / weight_bytes
+    cp_bytes = passes * gathered_bytes_per_token(model, dims) * rows * tokens * compute_bytes / weight_bytes
+    # FSDP2 shards over dp_shard x cp: it gathers the weights in forward and again in backward, and reduce-scatters
+    # their gradients.
+    shards = dims.dp_shard * dims.cp
     weights = sum(p.numel() for p in model.parameters()) / dims.tp
-    # FSDP2 gathers the weights in forward and again in backward, and reduce-scatters their gradients.
-    fsdp_bytes = weights * (dims.dp_shard - 1) / dims.dp_shard * (2 * compute_bytes + reduce_bytes)
-    inside_node = dims.tp * dims.cp <= hardware.gpus_per_node
-    model_parallel = (hardware.node_gbps if inside_node else hardware.network_gbps) * 1e9
-    spans_nodes = dims.world_size > hardware.gpus_per_node
-    data_parallel = (hardware.network_gbps if spans_nodes else hardware.node_gbps) * 1e9
-    exposed = config.num_hidden_layers * (tp_bytes + cp_bytes) / model_parallel
-    step = compute + exposed + max(0.0, fsdp_bytes / data_parallel - compute)
+    fsdp_bytes = weights * (shards - 1) / shards * (2 * compute_bytes + reduce_bytes)
+    node, network = hardware.node_gbps * 1e9, hardware.network_gbps * 1e9
+    cp_link = node if dims.tp * dims.cp <= hardware.gpus_per_node else network  # tp, the inner axis, stays in a node
+    fsdp_link = node if dims.world_size <= hardware.gpus_per_node else network
+    exposed = config.num_hidden_layers * (tp_bytes / node + cp_bytes / cp_link)
+    step = compute + exposed + max(0.0, fsdp_bytes / fsdp_link - compute)
     return rows * tokens / (dims.tp * dims.cp * step)

@@ -1,5 +1,5 @@
-"""`plan --fit`: the layouts of a world that fit a GPU, each with the checkpointing mode that recomputes least, and the
-throughput model that ranks them (no processes: fake process groups and fake tensors)."""
+"""`plan --fit`: the layouts of a world that fit a GPU, each with the checkpointing setting that recomputes least, and
+the throughput model that ranks them (no processes: fake process groups and fake tensors)."""
 
 import pytest
 import torch
@@ -7,8 +7,9 @@ from models import tiny_config
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, plan_report
-from lightning_automodel.fitting import CHECKPOINTING, HEADROOM, Hardware, _tokens_per_second, fitting_layouts
+from lightning_automodel.fitting import HEADROOM, Hardware, _layouts, _tokens_per_second, fitting_layouts
 from lightning_automodel.lm.flops import flops_per_token
+from lightning_automodel.parallel.checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.memory import activation_bytes
 
 ROWS, TOKENS = 2, 128
@@ -19,20 +20,20 @@ def _on_meta():
         return AutoModelForCausalLM.from_config(tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256))
 
 
-def _memory(dims: ParallelDims, mode: str) -> int:
+def _memory(dims: ParallelDims, setting: str) -> int:
     state = plan_report(_on_meta(), dims, sp=dims.tp > 1).training_bytes_per_rank
-    argument = CHECKPOINTING[mode].argument
+    checkpointing = AC_SETTINGS[setting]
     extra = activation_bytes(
-        _on_meta(), dims, micro_batch=ROWS, seq_len=TOKENS, sp=dims.tp > 1, activation_checkpointing=argument
+        _on_meta(), dims, micro_batch=ROWS, seq_len=TOKENS, sp=dims.tp > 1, activation_checkpointing=checkpointing
     )
     return state + extra
 
 
-def test_each_layout_takes_the_least_recomputing_mode_that_fits():
-    """A budget between a layout's no-checkpointing and full-checkpointing memory: the layout is listed with the first
-    mode (off, selective, submodule, full) whose memory fits, and that memory is the plan's state plus the activation
-    estimate of the mode; a layout the tiny model's 2 KV heads cannot split over tp=4 is refused with the plan's
-    reason; the listed layouts come best estimated throughput first."""
+def test_each_layout_takes_the_least_recomputing_setting_that_fits():
+    """A budget between a layout's memory without and with full checkpointing: the layout is listed with the first
+    setting (off, selective, submodule, full) whose memory fits, that memory being the plan's state plus the setting's
+    activation estimate; a layout the tiny model's 2 KV heads cannot split over tp=4 is refused with the plan's
+    reason, printed."""
     single = ParallelDims(dp_shard=4).resolve(4)
     off, full = _memory(single, "off"), _memory(single, "full")
     assert full < off
@@ -43,40 +44,67 @@ def test_each_layout_takes_the_least_recomputing_mode_that_fits():
     listed = {(layout.dims.tp, layout.dims.cp): layout for layout in [*fitting.fits, *fitting.too_large]}
     assert set(listed) == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
     assert list(fitting.refused) == ["tp=4 cp=1 dp_shard=1"]
-    data_parallel = listed[(1, 1)]
-    assert data_parallel in fitting.fits and data_parallel.checkpointing != "off"
+    assert listed[(1, 1)] in fitting.fits and listed[(1, 1)].checkpointing != "off"
     for layout in fitting.fits:
         assert layout.memory_bytes == _memory(layout.dims, layout.checkpointing) <= budget
-        earlier = list(CHECKPOINTING)[: list(CHECKPOINTING).index(layout.checkpointing)]
-        assert all(_memory(layout.dims, mode) > budget for mode in earlier), layout
-    speeds = [layout.tokens_per_second for layout in fitting.fits]
-    assert speeds == sorted(speeds, reverse=True)
+        earlier = list(AC_SETTINGS)[: list(AC_SETTINGS).index(layout.checkpointing)]
+        assert all(_memory(layout.dims, setting) > budget for setting in earlier), layout
+    for layout in fitting.too_large:
+        assert layout.checkpointing == "full" and layout.memory_bytes == _memory(layout.dims, "full") > budget
     text = str(fitting)
-    assert "best estimated throughput first" in text and "refused: tp=4 cp=1 dp_shard=1" in text
+    assert "refused: tp=4 cp=1 dp_shard=1: " in text
+    assert "counted with SDPA's dense [rows, S/cp, S] mask" in text
+
+
+def test_tensor_parallel_stays_inside_a_node():
+    """tp divides a node's GPUs: on nodes of 8, a world of 12 is split with tp 1, 2 and 4, never 3, 6 or 12."""
+    assert sorted({dims.tp for dims in _layouts(12, gpus_per_node=8)}) == [1, 2, 4]
+
+
+class _Throughput:
+    """The model's numbers worked by hand for the tiny Llama at ROWS x TOKENS, in fp32."""
+
+    def __init__(self, hardware: Hardware):
+        self.model, self.hardware = _on_meta(), hardware
+        config = self.model.config
+        self.layers, self.hidden = config.num_hidden_layers, config.hidden_size
+        self.kv_width = config.num_key_value_heads * config.hidden_size // config.num_attention_heads
+        self.weights = sum(p.numel() for p in self.model.parameters())
+        flops = flops_per_token(self.model, TOKENS) * ROWS * TOKENS
+        self.compute = flops / (hardware.tflops * 1e12 * hardware.matmul_efficiency)
+
+    def speed(self, dims: ParallelDims, setting: str) -> float:
+        return _tokens_per_second(
+            self.model,
+            dims.resolve(dims.tp * dims.cp * dims.dp_shard),
+            batch_shape=(ROWS, TOKENS),
+            setting=setting,
+            hardware=self.hardware,
+        )
 
 
 def test_the_throughput_model_by_hand():
-    """One GPU: the step is its FLOPs at the assumed share of the peak. tp=2 adds its collectives, exposed: per layer
-    and pass two all-reduces moving 2 (tp - 1) / tp of a [tokens, hidden] activation each; full checkpointing adds a
-    third of the FLOPs and a third pass."""
-    model, hardware = _on_meta(), Hardware(memory_gib=80)
-    config = model.config
-    flops = flops_per_token(model, TOKENS) * ROWS * TOKENS
-    compute = flops / (hardware.tflops * 1e12 * hardware.matmul_efficiency)
+    """One GPU: the step is its FLOPs at the assumed share of the peak, a third more with full checkpointing. tp=2:
+    per layer and pass two all-reduces moving 2 (tp - 1) / tp of a [tokens, hidden] activation, exposed at the node's
+    bandwidth; selective checkpointing runs them in a third pass, as full does."""
+    model = _Throughput(Hardware(memory_gib=80))
+    tokens, node = ROWS * TOKENS, model.hardware.node_gbps * 1e9
+    assert model.speed(ParallelDims(dp_shard=1), "off") == pytest.approx(tokens / model.compute)
+    assert model.speed(ParallelDims(dp_shard=1), "full") == pytest.approx(tokens / (model.compute * 4 / 3))
+    all_reduce = 2 * (2 - 1) / 2 * tokens * model.hidden * 4
+    for setting, compute, passes in [("off", 1.0, 2), ("selective", 7 / 6, 3)]:
+        exposed = model.layers * 2 * passes * all_reduce / node
+        expected = tokens / 2 / (model.compute * compute / 2 + exposed)
+        assert model.speed(ParallelDims(tp=2, dp_shard=1), setting) == pytest.approx(expected), setting
 
-    def speed(dims, mode):
-        return _tokens_per_second(
-            model,
-            dims.resolve(dims.tp),
-            batch_shape=(ROWS, TOKENS),
-            mode=CHECKPOINTING[mode],
-            gathered_per_token=0,
-            hardware=hardware,
-            mp_policy=None,
-        )
 
-    assert speed(ParallelDims(dp_shard=1), "off") == pytest.approx(ROWS * TOKENS / compute)
-    assert speed(ParallelDims(dp_shard=1), "full") == pytest.approx(ROWS * TOKENS / (compute * 4 / 3))
-    all_reduce = 2 * (2 - 1) / 2 * ROWS * TOKENS * config.hidden_size * 4
-    exposed = config.num_hidden_layers * 2 * 2 * all_reduce / (hardware.node_gbps * 1e9)
-    assert speed(ParallelDims(tp=2), "off") == pytest.approx(ROWS * TOKENS / 2 / (compute / 2 + exposed))
+def test_context_parallel_traffic_and_its_fsdp_group():
+    """cp=2 on one node, compute made negligible (a GPU of 1e9 TFLOP/s): the step is cp's key and value traffic
+    (the other rank's half of each row's keys and values per layer, forward and backward) plus FSDP2's, which shards
+    over dp_shard x cp = 2 even at dp_shard=1 (gathers twice, reduces once: 12 bytes per fp32 weight, halved)."""
+    model = _Throughput(Hardware(memory_gib=80, tflops=1e9))
+    node = model.hardware.node_gbps * 1e9
+    gathered = 2 * model.kv_width * 4 * (2 - 1) / 2 * ROWS * TOKENS  # bytes per layer and pass
+    fsdp = model.weights * (2 - 1) / 2 * (2 * 4 + 4)
+    step = model.compute / 2 + model.layers * 2 * gathered / node + max(0.0, fsdp / node - model.compute / 2)
+    assert model.speed(ParallelDims(cp=2, dp_shard=1), "off") == pytest.approx(ROWS * TOKENS / 2 / step)

@@ -1,6 +1,6 @@
 """The activation estimate (parallel/memory.py) against the peak a real training step reaches on CPU, per rank, for
-each activation-checkpointing mode, tensor and sequence parallel, FSDP2 and context parallel; and the plan report's
-and `plan`'s lines built on it."""
+each activation-checkpointing mode, tensor and sequence parallel, FSDP2, context parallel and a bf16 mixed-precision
+policy; and the plan report's lines built on it."""
 
 from functools import partial
 
@@ -9,12 +9,14 @@ import torch
 from harness import run_checks
 from memory_checks import MEMORY_MODEL, measured_activation_bytes
 from models import tiny_config
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.memory import activation_bytes
 
 ROWS, TOKENS = 4, 512
+BF16_MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # The issue asks for 15%; the estimate runs the step's own code, and lands within 0.2% of every measured peak.
 TOLERANCE = 0.02
 LAYOUTS = [
@@ -25,6 +27,7 @@ LAYOUTS = [
     (ParallelDims(tp=2), dict(sp=True)),
     (ParallelDims(tp=2), dict(activation_checkpointing="full")),
     (ParallelDims(cp=2), dict(activation_checkpointing=False)),
+    (ParallelDims(dp_shard=2), dict(activation_checkpointing="selective", mp_policy=BF16_MIXED)),
 ]
 
 
@@ -57,8 +60,10 @@ def test_the_report_estimates_every_mode():
     assert "(activations not included)" not in text
 
 
-def test_plan_under_pp_says_it_has_no_estimate():
-    model = _on_meta(num_hidden_layers=4)
-    report = plan_report(model, ParallelDims(pp=2).resolve(2), batch_shape=(2, 32))
+def test_pp_has_no_estimate_yet():
+    """The report says so; the estimate itself refuses, naming why."""
+    report = plan_report(_on_meta(num_hidden_layers=4), ParallelDims(pp=2).resolve(2), batch_shape=(2, 32))
     assert report.activation_bytes == {}
     assert "not estimated under pp > 1 yet" in str(report)
+    with pytest.raises(ValueError, match="pickled objects, which a fake process group cannot carry"):
+        activation_bytes(_on_meta(num_hidden_layers=4), ParallelDims(pp=2).resolve(2), micro_batch=2, seq_len=32)

@@ -27,6 +27,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from lightning_automodel.parallel.model_calls import build_no_cache
 
 ACMode = Literal["full", "selective", "submodule"]
+# Every setting by name, from the least recomputation to the most (what plan reports list).
+AC_SETTINGS: dict[str, ACMode | bool] = {
+    "off": False,
+    "selective": "selective",
+    "submodule": "submodule",
+    "full": "full",
+}
 
 # Names Hugging Face decoder layers give their attention and MLP blocks.
 _SUBMODULE_NAMES = ("self_attn", "attention", "attn", "mlp", "feed_forward")
@@ -90,7 +97,8 @@ def _marks_passing(context: AbstractContextManager) -> Iterator[None]:
 
 
 class _ProfilerMarksPass(TorchDispatchMode):
-    """Runs profiler marks (``record_function``'s ops) past the selective checkpoint's modes beneath it.
+    """Runs profiler marks (``record_function``'s ops) past every dispatch mode beneath it: the selective
+    checkpoint's, and any other (a memory tracker, a FLOP counter), to which a mark is nothing.
 
     Under a mixed-precision policy, torch 2.13's FSDP2 casts a layer's inputs inside a ``record_function`` before
     the checkpoint's hook in the forward, and again inside the recomputation: the recomputation meets a mark the

@@ -3,14 +3,18 @@
 The model is parallelized for real in a fake process group (as for the plan report), its weights made fake CPU
 tensors (shapes and dtypes, no data), and one forward and backward of a micro-batch runs through the code training
 runs: tensor parallel, sequence parallel, FSDP2's gathers, activation checkpointing and its recomputation, context
-parallel's split, the pipeline's schedule, the loss. torch's ``MemTracker`` follows every tensor the step allocates
-and frees; the estimate is its peak above what the rank held before the step (parameters and their gradients).
-Nothing is re-derived by hand, so the estimate cannot drift from the code, and an 8B model at a long sequence is
-counted in seconds.
+parallel's split, the loss. torch's ``MemTracker`` follows every tensor the step allocates and frees; the estimate
+is its peak above what the rank held before the step (parameters, and gradients already allocated: a step after
+the first, or an upper bound for a first whose gradients appear as it goes). Nothing is re-derived by hand, so the
+estimate cannot drift from the code, and an 8B model at a long sequence is counted in seconds.
 
 Fake CPU tensors, not the meta device: the attention kernel is chosen by device, and on meta tensors SDPA falls back
 to its math path, which keeps the [heads, S, S] scores a fused kernel (CPU's flash attention, as on a GPU) never
-holds.
+holds. Under context parallel the kernel is therefore SDPA over a dense [rows, S/cp, S] mask, which flex attention's
+block mask (the GPU's default) does not hold: the estimate counts it.
+
+Not under pipeline parallel: torch's pipeline stages exchange their shapes as pickled objects at their first step,
+which a fake process group cannot carry.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_automodel.mesh import ParallelDims
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean
 from lightning_automodel.parallel.parallelizer import parallelize
-from lightning_automodel.parallel.pipeline import pipeline_of
 from lightning_automodel.parallel.simulation import fake_world
 
 _CPU = torch.device("cpu")
@@ -41,12 +45,18 @@ def activation_bytes(
     recomputed, gathered FSDP2 layers, the logits and the loss.
 
     ``model`` is on the meta device and is parallelized here (pass a copy to keep it); ``options`` are
-    :func:`~lightning_automodel.parallel.parallelizer.parallelize`'s. Must run outside any process group.
+    :func:`~lightning_automodel.parallel.parallelizer.parallelize`'s (``cp_attention`` is SDPA's: see the module's
+    docstring). Must run outside any process group.
     """
+    if dims.pp > 1:
+        raise ValueError(
+            f"activation_bytes does not estimate pipeline parallel (pp={dims.pp}) yet: torch's pipeline stages exchange"
+            " their shapes as pickled objects, which a fake process group cannot carry. Estimate at pp=1."
+        )
     with fake_world(dims.world_size, rank=rank):
         mesh = dims.build_mesh("cpu")
-        parallelize(model, mesh, **options)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        parallelize(model, mesh, **{**options, "cp_attention": "sdpa"})
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
             model.to_empty(device=_CPU)
             for parameter in model.parameters():
                 if parameter.requires_grad:
@@ -54,36 +64,23 @@ def activation_bytes(
             input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         # The step runs on the fake tensors with their mode left: DTensor then propagates shapes in a fake mode of its
         # own, whose global-shape tensors the tracker leaves out (in the step's mode it would count them as memory).
-        with _StepTracker() as tracker, loss_parallel() if dims.tp > 1 else contextlib.nullcontext():
-            tracker.track_external(model)
-            held = tracker.get_tracker_snapshot()[_CPU]["Total"]
-            training_loss(model, input_ids=input_ids, mesh=mesh).backward()
-            peak = tracker.get_tracker_snapshot("peak")[_CPU]["Total"]
+        try:
+            with MemTracker() as tracker, loss_parallel() if dims.tp > 1 else contextlib.nullcontext():
+                tracker.track_external(model)
+                held = tracker.get_tracker_snapshot()[_CPU]["Total"]
+                training_loss(model, input_ids=input_ids, mesh=mesh).backward()
+                peak = tracker.get_tracker_snapshot("peak")[_CPU]["Total"]
+        finally:
+            fake_mode.cache_clear()  # its dispatch cache is the class's, and would keep this model's entries
     return peak - held
 
 
-def training_loss(model: nn.Module, *, input_ids: torch.Tensor, mesh) -> torch.Tensor:
-    """The loss CausalLMModule trains on (see its ``_step``): the model's own under pp or cp, which split the batch
-    in its call; otherwise the token mean over the data-parallel ranks, from the (vocabulary-sharded) logits."""
-    if pipeline_of(model) is not None or context_parallel_of(model) is not None:
+def training_loss(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The loss CausalLMModule trains on (its ``_step``, without its accuracy metric): under cp the model's own,
+    which splits the batch in its call; otherwise the token mean over the data-parallel ranks, from the
+    (vocabulary-sharded) logits."""
+    if context_parallel_of(model) is not None:
         return model(input_ids=input_ids, labels=input_ids).loss
     logits = model(input_ids=input_ids).logits
     loss_sum, tokens = causal_lm_loss_sum(logits, input_ids)
     return global_token_mean(loss_sum, tokens, mesh)
-
-
-class _StepTracker(MemTracker):
-    """torch's MemTracker, its totals only: its statistics per module refuse a module called twice in one step,
-    which a pipeline stage is, once per micro-batch."""
-
-    def _pre_fw_hook(self, module: nn.Module, inputs: object) -> None:
-        pass
-
-    def _post_fw_hook(self, module: nn.Module, inputs: object, outputs: object) -> None:
-        pass
-
-    def _pre_bw_hook(self, module: nn.Module, args: object) -> None:
-        pass
-
-    def _post_bw_hook(self, module: nn.Module, args: object) -> None:
-        pass

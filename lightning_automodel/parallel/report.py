@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.mesh import ParallelDims
 from lightning_automodel.parallel.blocks import named_decoder_layers
+from lightning_automodel.parallel.checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.memory import activation_bytes
 from lightning_automodel.parallel.parallelizer import check_before_collectives, parallelize
 from lightning_automodel.parallel.patterns import pattern_matches
@@ -184,10 +185,12 @@ def plan_report(
     options = dict(sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
     report.batch_shape = batch_shape
     if dims.pp == 1:
-        if batch_shape is not None:
-            report.activation_bytes = _activations(model, dims, batch_shape, rank=rank, **options, **step_options or {})
-        held = _parallelized(model, dims, rank=rank, report=report, options=options)
+        pristine = copy.deepcopy(model) if batch_shape is not None else None
+        held = _parallelized(model, dims, rank=rank, report=report, options=options)  # the plan's refusals first
         report.parameters_per_rank, report.parameter_bytes_per_rank = held
+        if pristine is not None:
+            estimate = dict(rank=rank, **options, **step_options or {})
+            report.activation_bytes = _activations(pristine, dims, batch_shape, **estimate)
         return report
     report.pipeline = pipeline = pipeline or PipelineOptions()
     stages = dims.pp * pipeline.stages_per_rank
@@ -208,13 +211,13 @@ def plan_report(
 
 
 def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, int], **options) -> dict[str, int]:
-    """The activation estimate of every checkpointing mode, each on a copy of ``model``."""
+    """The activation estimate of every checkpointing setting, each on a copy of ``model``."""
     rows, tokens = batch_shape
     return {
-        str(mode or "off"): activation_bytes(
-            copy.deepcopy(model), dims, micro_batch=rows, seq_len=tokens, activation_checkpointing=mode, **options
+        name: activation_bytes(
+            copy.deepcopy(model), dims, micro_batch=rows, seq_len=tokens, activation_checkpointing=setting, **options
         )
-        for mode in (False, "selective", "submodule", "full")
+        for name, setting in AC_SETTINGS.items()
     }
 
 

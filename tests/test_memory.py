@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.memory import activation_bytes
 
-ROWS, TOKENS = 4, 512
+ROWS, TOKENS = 4, 256
 BF16_MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # The issue asks for 15%; the estimate runs the step's own code, and lands within 0.2% of every measured peak.
 TOLERANCE = 0.02
@@ -49,14 +49,14 @@ def test_estimate_matches_the_measured_peak_of_every_layout():
 def test_the_report_estimates_every_mode():
     """Off keeps every activation, full each layer's input; selective (the matmuls' outputs) and submodule (the
     norms' and residuals') lie between, in an order the shapes decide."""
-    model = _on_meta(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4)
-    report = plan_report(model, ParallelDims(tp=2).resolve(4), sp=True, batch_shape=(2, 256))
+    model = _on_meta(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2)
+    report = plan_report(model, ParallelDims(tp=2).resolve(4), sp=True, batch_shape=(2, 128))
     sizes = report.activation_bytes
     assert list(sizes) == ["off", "selective", "submodule", "full"]
     assert sizes["off"] > max(sizes["selective"], sizes["submodule"])
     assert min(sizes["selective"], sizes["submodule"]) > sizes["full"] > 0
     text = str(report)
-    assert "activations per rank, 2 rows x 256 tokens a step" in text
+    assert "activations per rank, 2 rows x 128 tokens a step" in text
     assert "(activations not included)" not in text
 
 

@@ -4,14 +4,12 @@ resident set, to hold the fake-tensor estimate of parallel/memory.py against."""
 from __future__ import annotations
 
 import ctypes
-from contextlib import nullcontext
 
 import torch
 from models import tiny_model
-from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_automodel import ParallelDims
-from lightning_automodel.parallel.memory import training_loss
+from lightning_automodel.parallel.memory import training_step
 from lightning_automodel.parallel.parallelizer import parallelize
 
 # Large enough that activations dwarf what Python and gloo allocate on the side (a few MiB).
@@ -38,17 +36,12 @@ def measured_activation_bytes(dims: ParallelDims, micro_batch: int, seq_len: int
     mesh = dims.resolve(torch.distributed.get_world_size()).build_mesh("cpu")
     parallelize(model, mesh, **options)
     input_ids = torch.randint(8000, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
-    _step(model, input_ids=input_ids, mesh=mesh, tp=dims.tp)
+    training_step(model, input_ids=input_ids, mesh=mesh)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # the high-water mark starts again from the resident set now
     held = _resident()["VmRSS"]
-    _step(model, input_ids=input_ids, mesh=mesh, tp=dims.tp)
+    training_step(model, input_ids=input_ids, mesh=mesh)
     return _resident()["VmHWM"] - held
-
-
-def _step(model, *, input_ids, mesh, tp: int) -> None:
-    with loss_parallel() if tp > 1 else nullcontext():
-        training_loss(model, input_ids=input_ids, mesh=mesh).backward()
 
 
 def _resident() -> dict[str, int]:

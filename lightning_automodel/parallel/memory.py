@@ -28,7 +28,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from lightning_automodel.mesh import ParallelDims
+from lightning_automodel.mesh import ParallelDims, axis_size
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean
 from lightning_automodel.parallel.parallelizer import parallelize
@@ -65,22 +65,25 @@ def activation_bytes(
         # The step runs on the fake tensors with their mode left: DTensor then propagates shapes in a fake mode of its
         # own, whose global-shape tensors the tracker leaves out (in the step's mode it would count them as memory).
         try:
-            with MemTracker() as tracker, loss_parallel() if dims.tp > 1 else contextlib.nullcontext():
+            with MemTracker() as tracker:
                 tracker.track_external(model)
                 held = tracker.get_tracker_snapshot()[_CPU]["Total"]
-                training_loss(model, input_ids=input_ids, mesh=mesh).backward()
+                training_step(model, input_ids=input_ids, mesh=mesh)
                 peak = tracker.get_tracker_snapshot("peak")[_CPU]["Total"]
         finally:
             fake_mode.cache_clear()  # its dispatch cache is the class's, and would keep this model's entries
     return peak - held
 
 
-def training_loss(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """The loss CausalLMModule trains on (its ``_step``, without its accuracy metric): under cp the model's own,
-    which splits the batch in its call; otherwise the token mean over the data-parallel ranks, from the
-    (vocabulary-sharded) logits."""
-    if context_parallel_of(model) is not None:
-        return model(input_ids=input_ids, labels=input_ids).loss
-    logits = model(input_ids=input_ids).logits
-    loss_sum, tokens = causal_lm_loss_sum(logits, input_ids)
-    return global_token_mean(loss_sum, tokens, mesh)
+def training_step(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh) -> None:
+    """Forward and backward of the loss CausalLMModule trains on (its ``_step``, without its accuracy metric): under
+    cp the model's own, which splits the batch in its call; otherwise the token mean over the data-parallel ranks,
+    from the logits (vocabulary-sharded under tp, hence ``loss_parallel``). Also what the tests measure real steps
+    with."""
+    with loss_parallel() if axis_size(mesh, "tp") > 1 else contextlib.nullcontext():
+        if context_parallel_of(model) is not None:
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        else:
+            loss_sum, tokens = causal_lm_loss_sum(model(input_ids=input_ids).logits, input_ids)
+            loss = global_token_mean(loss_sum, tokens, mesh)
+        loss.backward()

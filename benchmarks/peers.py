@@ -9,16 +9,21 @@ AdamW. The peers:
   enable_sequence_parallel=True, fsdp_size))``, in a plain loop;
 - Lightning's ModelParallelStrategy with the plan an expert writes in ``configure_model`` (torchtitan's: q/k/v, gate
   and up column-parallel, o and down row-parallel onto the sequence-sharded stream, the norms sequence-parallel, the
-  embedding's output and lm_head's input on the stream, logits left sharded for loss parallel; FSDP2 per block over
-  the data-parallel ranks, every block but the last resharded after forward, as ours). Lightning's strategy only
-  builds the mesh and calls ``configure_model``, so the plan runs here on the same mesh shape, in the same loop.
+  embedding's output and lm_head's input on the stream, attention's and the MLP's inputs gathered as DTensors (so
+  that their gradients are reduce-scattered back onto the stream, not all-reduced), logits left sharded for loss
+  parallel; FSDP2 per block over the data-parallel ranks, every block but the last resharded after forward, as ours).
+  Lightning's strategy only builds the mesh and calls ``configure_model``, so the plan runs here on the same mesh
+  shape, in the same loop.
 Each rank builds every peer's model and alternates their steps, each peer going first in turn, so that load on the
 shared cores and the cost of following another's step fall on all alike. For each: the first step's loss against one
-process on the whole batch (else its time is void), the median step over the slowest rank relative to ours, the bytes of
-each collective per step and rank (the whole tensor a collective gathers or reduces, counted by a dispatch mode) against
-the analytic minimum of the layout, the activations autograd saves for backward per rank (storages counted once: the
-memory a step holds at its peak beside the weights and optimizer state; CPU has no allocator statistics), and the
-parameter + gradient + AdamW state bytes per rank against the ideal 1/(tp x dp_shard) of the model's.
+process on the whole batch (else its time is void); the step time over ours, the median over steps of each step's
+ratio (the slowest rank's times, same round) with the ratios' quartiles, the noise a difference must exceed; then,
+after the timed steps, the bytes of each collective per step and rank (the whole tensor a collective gathers or
+reduces, counted by a dispatch mode) against the analytic minimum of the layout, the activations autograd saves for
+backward per rank (storages counted once), the peak memory per rank (torch's MemTracker on the real step: every
+tensor alive at the peak, weights, gradients, AdamW state and unsharded weights included) and the parameter +
+gradient + AdamW state bytes per rank against the ideal 1/(tp x dp_shard) of the model's. torchtitan's own trainer,
+on its own Llama, is compared with ours in benchmarks/torchtitan_peer.py.
 
 Analytic minimum per step and rank (fp32, b rows of S tokens per dp rank, hidden H, L layers, P parameters):
 sequence parallel gathers the stream before attention and before the MLP and reduce-scatters it after each, in
@@ -26,7 +31,7 @@ forward and again in backward, and once more around the embedding and lm_head: (
 gathers each block's 1/tp of the weights in forward, again in backward for the resharded ones (L - 1 blocks: the
 memory/traffic trade both make), and reduce-scatters the gradients once: P/tp x 4 bytes each way (+ the resharded
 blocks' second gather); loss parallel all-reduces a few numbers per token. An all-reduce moves twice the bytes of a
-reduce-scatter of the same tensor (it is one, then an all-gather). torchtitan's trainer is not among the peers yet.
+reduce-scatter of the same tensor (it is one, then an all-gather).
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ import os
 import sys
 import time
 from collections import defaultdict
-from contextlib import nullcontext
 from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -55,7 +59,7 @@ CONFIG = dict(
     max_position_embeddings=1024,
     tie_word_embeddings=False,
 )
-ROWS, TOKENS, STEPS, WARMUP = 8, 256, 10, 2  # ROWS: the global batch
+ROWS, TOKENS, STEPS, WARMUP = 8, 256, 20, 2  # ROWS: the global batch
 PEERS = ("ours", "expert", "transformers")
 LAYOUTS = ((2, 2), (2, 1), (1, 2))  # (dp_shard, tp); sequence parallel wherever tp > 1
 
@@ -169,16 +173,13 @@ def _expert_tensor_parallel(model, tp) -> None:
         "self_attn": PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=True,
         ),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
@@ -201,46 +202,74 @@ def step(model, optimizer, tokens: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
-def measure(mesh_shape: tuple[int, int]) -> dict:
-    """On this rank: each peer's first loss (mean over dp), median step seconds, collective bytes of one step and
-    parameter + gradient + AdamW state bytes."""
+def timings(mesh_shape: tuple[int, int]) -> dict:
+    """On this rank: each peer's first loss (mean over dp) and the seconds of each step after the warm-up."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    dp, tp = mesh_shape
-    rank = dist.get_rank()
-    tokens = torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
-    mine = tokens.chunk(dp)[rank // tp]  # tp is the inner axis of both meshes
     peers = {kind: build(kind, mesh_shape) for kind in PEERS}
+    rows = _rank_rows(mesh_shape)
     result = {kind: {"seconds": []} for kind in peers}
     for index in range(WARMUP + STEPS):
         for kind in PEERS[index % len(PEERS) :] + PEERS[: index % len(PEERS)]:  # each goes first in turn
             model, optimizer = peers[kind]
             dist.barrier()
-            counted = index == WARMUP - 1  # the last warm-up step: its collectives and saved activations counted
             start = time.perf_counter()
-            with (
-                CollectiveBytes() if counted else nullcontext() as sent,
-                saved_activations() if counted else nullcontext() as saved,
-            ):
-                loss = step(model, optimizer, mine)
+            loss = step(model, optimizer, rows)
             elapsed = time.perf_counter() - start
-            if counted:
-                result[kind]["collective_bytes"] = dict(sent.bytes)
-                result[kind]["saved_bytes"] = sum(saved.values())
             if index == 0:
                 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                 dist.all_reduce(loss)
                 result[kind]["first_loss"] = loss.item() / dist.get_world_size()
             if index >= WARMUP:
                 result[kind]["seconds"].append(elapsed)
-    for kind, (model, optimizer) in peers.items():
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-        state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        state = [t.to_local() if isinstance(t, DTensor) else t for t in state]
-        nbytes = sum(t.numel() * t.element_size() for t in local) * 2  # parameters and their gradients
-        result[kind]["state_bytes"] = nbytes + sum(t.numel() * t.element_size() for t in state if t.dim() > 0)
     return result
+
+
+def footprint(mesh_shape: tuple[int, int]) -> dict:
+    """On this rank, each peer's second step, after every peer's first (which allocates for good what later steps
+    reuse): the bytes of each collective, the activations saved for backward, the peak memory (every tensor alive at
+    the step's peak, the weights and AdamW state it started with included, followed by torch's ``MemTracker``) and
+    the parameter + gradient + AdamW state bytes. After the timed steps: counting slows a step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    peers = {kind: build(kind, mesh_shape) for kind in PEERS}
+    for model, optimizer in peers.values():
+        step(model, optimizer, _rank_rows(mesh_shape))
+    result = {}
+    for kind, (model, optimizer) in peers.items():
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with CollectiveBytes() as sent, saved_activations() as saved, tracker:
+            step(model, optimizer, _rank_rows(mesh_shape))
+            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        result[kind] = {
+            "collective_bytes": dict(sent.bytes),
+            "saved_bytes": sum(saved.values()),
+            "peak_bytes": peak,
+            "state_bytes": _local_bytes(model.parameters()) * 2 + _local_bytes(_optimizer_state(optimizer)),
+        }
+    return result
+
+
+def _rank_rows(mesh_shape: tuple[int, int]) -> torch.Tensor:
+    """This rank's rows of the global batch (tp is the inner axis of every peer's mesh)."""
+    import torch.distributed as dist
+
+    dp, tp = mesh_shape
+    tokens = torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
+    return tokens.chunk(dp)[dist.get_rank() // tp]
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def one_process_loss() -> tuple[float, int]:
@@ -271,41 +300,44 @@ def main() -> None:
     print(f"one process's first loss {reference:.6f}; gloo")
     for dp, tp in LAYOUTS:
         print(f"\n**dp_shard={dp}{f' x tp={tp} + sp' if tp > 1 else ''}** (world {dp * tp})\n")
-        report(
-            next(iter(run_checks(dp * tp, [partial(measure, (dp, tp))], timeout=900).values())),
-            dp=dp,
-            tp=tp,
-            reference=reference,
-            parameters=parameters,
+        measured = run_checks(dp * tp, [partial(timings, (dp, tp)), partial(footprint, (dp, tp))], timeout=900)
+        timed, footprints = (
+            next(v for name, v in measured.items() if name.startswith(f"{f.__name__}(")) for f in (timings, footprint)
         )
+        report(timed, footprints, dp=dp, tp=tp, reference=reference, parameters=parameters)
 
 
-def report(ranks: list[dict], *, dp: int, tp: int, reference: float, parameters: int) -> None:
-    """One layout's table: each peer's numbers, worst rank's (rank 0's collectives)."""
+def report(timed: list[dict], footprints: list[dict], *, dp: int, tp: int, reference: float, parameters: int) -> None:
+    """One layout's table, each figure the worst rank's but the collectives (rank 0's). A step's time is its slowest
+    rank's; the ratio to ours is the median over steps of each step's ratio to ours in the same round, with the
+    quartiles of those ratios: the noise a difference must exceed."""
     ideal = parameters * 4 * 4 / (dp * tp)  # parameters, gradients, AdamW's two moments
     minimum = analytic(parameters, dp=dp, tp=tp)
-    ours = sorted(max(rank["ours"]["seconds"][i] for rank in ranks) for i in range(STEPS))[STEPS // 2]
+    slowest = {kind: [max(rank[kind]["seconds"][i] for rank in timed) for i in range(STEPS)] for kind in PEERS}
     print(
-        "| peer | first loss vs one process | step time over ours | all-gather (MiB) | reduce-scatter (MiB)"
-        " | all-reduce (MiB) | saved activations per rank (MiB) | state per rank over ideal |"
+        "| peer | first loss vs one process | step time over ours (quartiles) | all-gather (MiB) | reduce-scatter"
+        " (MiB) | all-reduce (MiB) | saved activations (MiB) | peak memory (MiB) | state over ideal |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind in PEERS:
-        seconds = sorted(max(rank[kind]["seconds"][i] for rank in ranks) for i in range(STEPS))[STEPS // 2]
-        sent = ranks[0][kind]["collective_bytes"]
-        state = max(rank[kind]["state_bytes"] for rank in ranks)
-        saved = max(rank[kind]["saved_bytes"] for rank in ranks)
-        error = abs(ranks[0][kind]["first_loss"] - reference) / reference
+        ratios = sorted(peer / ours for peer, ours in zip(slowest[kind], slowest["ours"], strict=True))
+        quartiles = f" ({ratios[STEPS // 4]:.2f}-{ratios[3 * STEPS // 4]:.2f})" if kind != "ours" else ""
+        sent = footprints[0][kind]["collective_bytes"]
+        worst = {
+            key: max(rank[kind][key] for rank in footprints) for key in ("state_bytes", "saved_bytes", "peak_bytes")
+        }
+        error = abs(timed[0][kind]["first_loss"] - reference) / reference
         print(
-            f"| {kind} | {error:.1e} | {seconds / ours:.2f} |"
+            f"| {kind} | {error:.1e} | {ratios[STEPS // 2]:.2f}{quartiles} |"
             f" {sent.get('all_gather', 0) / 2**20:.1f} | {sent.get('reduce_scatter', 0) / 2**20:.1f} |"
-            f" {sent.get('all_reduce', 0) / 2**20:.2f} | {saved / 2**20:.1f} | {state / ideal:.3f} |"
+            f" {sent.get('all_reduce', 0) / 2**20:.2f} | {worst['saved_bytes'] / 2**20:.1f} |"
+            f" {worst['peak_bytes'] / 2**20:.1f} | {worst['state_bytes'] / ideal:.3f} |"
         )
     print(
         f"| analytic minimum | | | {minimum['all_gather'] / 2**20:.1f} (+{minimum['resharded'] / 2**20:.1f} resharded"
-        f" blocks gathered again) | {minimum['reduce_scatter'] / 2**20:.1f} | 0 (a few numbers a token) | | 1 |"
+        f" blocks gathered again) | {minimum['reduce_scatter'] / 2**20:.1f} | 0 (a few numbers a token) | | | 1 |"
     )
-    print("\nevery collective of rank 0 (bytes):", {kind: ranks[0][kind]["collective_bytes"] for kind in PEERS})
+    print("\nevery collective of rank 0 (bytes):", {kind: footprints[0][kind]["collective_bytes"] for kind in PEERS})
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_automodel.lm.flops import flops_per_token
 from lightning_automodel.mesh import ParallelDims
 from lightning_automodel.parallel.checkpointing import AC_SETTINGS
+from lightning_automodel.parallel.layer_extrapolation import over_layers
 from lightning_automodel.parallel.memory import activation_bytes
 from lightning_automodel.parallel.report import gathered_bytes_per_token, plan_report
 
@@ -160,7 +161,9 @@ def _least_recomputing_fit(
     """The layout with the first setting (from "off" on) whose memory fits ``budget``; with "full", the least
     recomputing, when none does. "full" is estimated first: a layout too large for it costs one estimate."""
     plan_options = {name: options[name] for name in _PLAN_OPTIONS if name in options}
-    state = plan_report(copy.deepcopy(model), dims, **plan_options).training_bytes_per_rank
+    state = over_layers(
+        lambda copied: plan_report(copied, dims, **plan_options).training_bytes_per_rank, copy.deepcopy(model)
+    )
     rows, tokens = batch_shape
 
     def with_setting(name: str) -> LayoutFit:

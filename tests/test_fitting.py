@@ -10,6 +10,7 @@ from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.fitting import HEADROOM, Hardware, _layouts, _tokens_per_second, fitting_layouts
 from lightning_automodel.lm.flops import flops_per_token
 from lightning_automodel.parallel.checkpointing import AC_SETTINGS
+from lightning_automodel.parallel.layer_extrapolation import over_layers
 from lightning_automodel.parallel.memory import activation_bytes
 
 ROWS, TOKENS = 2, 64
@@ -109,3 +110,22 @@ def test_context_parallel_traffic_and_its_fsdp_group():
     fsdp = model.weights * (2 - 1) / 2 * (2 * 4 + 4)
     step = model.compute / 2 + model.layers * 2 * gathered / node + max(0.0, fsdp / node - model.compute / 2)
     assert model.speed(ParallelDims(cp=2, dp_shard=1), "off") == pytest.approx(ROWS * TOKENS / 2 / step)
+
+
+def test_the_state_of_many_alike_layers_is_extrapolated_exactly():
+    """The plan's parameters, gradients and AdamW state per rank, like the activations, from three to five layers."""
+
+    def model():
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(tiny_config(hidden_size=128, num_hidden_layers=11))
+
+    dims = ParallelDims(tp=2, dp_shard=2).resolve(4)
+
+    measured = []
+
+    def state(copied):
+        measured.append(len(copied.model.layers))
+        return plan_report(copied, dims, sp=True).training_bytes_per_rank
+
+    assert over_layers(state, model()) == state(model())
+    assert measured == [3, 4, 5, 11]

@@ -310,6 +310,24 @@ def layers_kept(values: dict[str, Any], kept: list[int], *, heads: int | None = 
     return changed
 
 
+def layers_alike(values: dict[str, Any]) -> bool:
+    """Whether a config dict describes every layer alike: each per-layer list holds one value, each list of layer
+    indices is empty or names every layer, each dict keyed by layer index gives every layer the same entry."""
+    fields = _layer_fields(values)
+    if fields is None:
+        return True
+    count, index_lists, per_layer, by_layer = fields
+    return (
+        all(len({repr(entry) for entry in value}) <= 1 for value in per_layer.values())
+        and all(len(value) in (0, count) for value in index_lists.values())
+        and all(
+            len(value) == count and len({repr(entry) for entry in value.values()}) == 1
+            for name, value in by_layer.items()
+            if name not in ("id2label", "label2id")  # keyed by class, not by layer
+        )
+    )
+
+
 def _layer_fields(values: dict[str, Any]) -> tuple[int, dict, dict, dict] | None:
     """The layer count of a config dict and its fields by layer: lists of layer indices, per-layer lists, dicts keyed
     by layer index; None without a layer count."""

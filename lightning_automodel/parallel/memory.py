@@ -20,6 +20,7 @@ which a fake process group cannot carry.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_automodel.mesh import ParallelDims, axis_size
 from lightning_automodel.parallel.context_parallel import context_parallel_of
+from lightning_automodel.parallel.layer_extrapolation import FEW_LAYERS, over_layers
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.simulation import fake_world
@@ -44,15 +46,26 @@ def activation_bytes(
     above its parameters and gradients: saved activations, the working memory of the layer being computed or
     recomputed, gathered FSDP2 layers, the logits and the loss.
 
-    ``model`` is on the meta device and is parallelized here (pass a copy to keep it); ``options`` are
+    ``model`` is on the meta device and is consumed here (pass a copy to keep it); ``options`` are
     :func:`~lightning_automodel.parallel.parallelizer.parallelize`'s (``cp_attention`` is SDPA's: see the module's
     docstring). Must run outside any process group.
+
+    A model of many alike decoder layers is stepped with a few of them and the peak extrapolated (see
+    :mod:`~lightning_automodel.parallel.layer_extrapolation`).
     """
     if dims.pp > 1:
         raise ValueError(
             f"activation_bytes does not estimate pipeline parallel (pp={dims.pp}) yet: torch's pipeline stages exchange"
             " their shapes as pickled objects, which a fake process group cannot carry. Estimate at pp=1."
         )
+    step = partial(_step_peak, dims=dims, micro_batch=micro_batch, seq_len=seq_len, rank=rank, **options)
+    # layers within FSDP2's prefetch window each add a gathered layer too: the few measured lie beyond it
+    window = max(options.get("forward_prefetch", 0), options.get("backward_prefetch", 1))
+    return over_layers(step, model, few=tuple(count + max(0, window - 1) for count in FEW_LAYERS))
+
+
+def _step_peak(model: nn.Module, *, dims: ParallelDims, micro_batch: int, seq_len: int, rank: int, **options) -> int:
+    """The peak of one step of ``model`` as it is (see :func:`activation_bytes`)."""
     with fake_world(dims.world_size, rank=rank):
         mesh = dims.build_mesh("cpu")
         parallelize(model, mesh, **{**options, "cp_attention": "sdpa"})

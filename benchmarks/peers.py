@@ -103,10 +103,9 @@ def build(kind: str, mesh_shape: tuple[int, int]):
     """The model of ``kind`` ("ours", "expert" or "transformers") parallelized over (dp_shard, tp)."""
     import torch.distributed as dist
     from harness import shared_directory
-    from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig
+    from transformers import AutoModelForCausalLM, DistributedConfig
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
+    model = seeded_model()
     if kind == "transformers":  # its own tensor parallel, sequence parallel and FSDP2, applied while loading
         directory = shared_directory()
         if dist.get_rank() == 0:
@@ -257,8 +256,7 @@ def _rank_rows(mesh_shape: tuple[int, int]) -> torch.Tensor:
     import torch.distributed as dist
 
     dp, tp = mesh_shape
-    tokens = torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
-    return tokens.chunk(dp)[dist.get_rank() // tp]
+    return global_batch().chunk(dp)[dist.get_rank() // tp]
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -272,12 +270,27 @@ def _local_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def one_process_loss() -> tuple[float, int]:
+def seeded_model():
+    """The Llama every peer starts from, the same weights in every process."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
-    tokens = torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
+    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
+
+
+def global_batch() -> torch.Tensor:
+    return torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
+
+
+def over_ours(seconds: list[float], ours: list[float]) -> str:
+    """A peer's step time over ours: the median of each step's ratio to ours in the same round, with the quartiles
+    of those ratios, the noise a difference must exceed."""
+    ratios = sorted(peer / mine for peer, mine in zip(seconds, ours, strict=True))
+    return f"{ratios[len(ratios) // 2]:.2f} ({ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f})"
+
+
+def one_process_loss() -> tuple[float, int]:
+    model, tokens = seeded_model(), global_batch()
     with torch.no_grad():
         logits = model(input_ids=tokens, use_cache=False).logits
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
@@ -308,9 +321,8 @@ def main() -> None:
 
 
 def report(timed: list[dict], footprints: list[dict], *, dp: int, tp: int, reference: float, parameters: int) -> None:
-    """One layout's table, each figure the worst rank's but the collectives (rank 0's). A step's time is its slowest
-    rank's; the ratio to ours is the median over steps of each step's ratio to ours in the same round, with the
-    quartiles of those ratios: the noise a difference must exceed."""
+    """One layout's table, each figure the worst rank's but the collectives (rank 0's); a step's time is its slowest
+    rank's (see :func:`over_ours`)."""
     ideal = parameters * 4 * 4 / (dp * tp)  # parameters, gradients, AdamW's two moments
     minimum = analytic(parameters, dp=dp, tp=tp)
     slowest = {kind: [max(rank[kind]["seconds"][i] for rank in timed) for i in range(STEPS)] for kind in PEERS}
@@ -320,15 +332,14 @@ def report(timed: list[dict], footprints: list[dict], *, dp: int, tp: int, refer
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for kind in PEERS:
-        ratios = sorted(peer / ours for peer, ours in zip(slowest[kind], slowest["ours"], strict=True))
-        quartiles = f" ({ratios[STEPS // 4]:.2f}-{ratios[3 * STEPS // 4]:.2f})" if kind != "ours" else ""
+        ratio = over_ours(slowest[kind], slowest["ours"]) if kind != "ours" else "1.00"
         sent = footprints[0][kind]["collective_bytes"]
         worst = {
             key: max(rank[kind][key] for rank in footprints) for key in ("state_bytes", "saved_bytes", "peak_bytes")
         }
         error = abs(timed[0][kind]["first_loss"] - reference) / reference
         print(
-            f"| {kind} | {error:.1e} | {ratios[STEPS // 2]:.2f}{quartiles} |"
+            f"| {kind} | {error:.1e} | {ratio} |"
             f" {sent.get('all_gather', 0) / 2**20:.1f} | {sent.get('reduce_scatter', 0) / 2**20:.1f} |"
             f" {sent.get('all_reduce', 0) / 2**20:.2f} | {worst['saved_bytes'] / 2**20:.1f} |"
             f" {worst['peak_bytes'] / 2**20:.1f} | {worst['state_bytes'] / ideal:.3f} |"

@@ -51,7 +51,21 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from peers import CONFIG, LAYOUTS, ROWS, STEPS, TOKENS, WARMUP, CollectiveBytes, build, one_process_loss, step
+from peers import (
+    CONFIG,
+    LAYOUTS,
+    ROWS,
+    STEPS,
+    TOKENS,
+    WARMUP,
+    CollectiveBytes,
+    build,
+    global_batch,
+    one_process_loss,
+    over_ours,
+    seeded_model,
+    step,
+)
 
 PEERS = ("ours", "torchtitan")
 TOLERANCE = 1e-5  # relative: fp32 losses of the same weights and rows, summed in another order
@@ -134,11 +148,6 @@ def mean_over_ranks(loss: torch.Tensor) -> float:
     return loss.item() / dist.get_world_size()
 
 
-def global_batch() -> torch.Tensor:
-    """peers.py's batch."""
-    return torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
-
-
 def report(ranks: list[tuple[dict, dict]], first: dict[str, float], *, dp: int, tp: int) -> None:
     """One layout's table: times the worst rank's, collectives rank 0's."""
     reference, parameters = one_process_loss()
@@ -152,21 +161,16 @@ def report(ranks: list[tuple[dict, dict]], first: dict[str, float], *, dp: int, 
     print("|---|---|---|---|" + "---|" * len(kinds))
     for name in PEERS:
         error = abs(first[name] - reference) / reference
-        ratios = sorted(peer / ours for peer, ours in zip(slowest[name], slowest["ours"], strict=True))
-        over = f"{ratios[STEPS // 2]:.2f} ({ratios[STEPS // 4]:.2f}-{ratios[3 * STEPS // 4]:.2f})"
+        over = over_ours(slowest[name], slowest["ours"])
         timing = f"{statistics.median(slowest[name]):.3f} | {over}" if error < TOLERANCE else "void | void"
         print(f"| {name} | {error:.1e} | {timing} |", end="")
         print("".join(f" {sent[name].get(kind, 0) / 2**20:.2f} |" for kind in kinds))
 
 
 def save_seeded_weights(directory: str) -> None:
-    """The model ``build`` starts from, as safetensors where torchtitan's checkpointer looks (rank 0 writes)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
+    """The model every peer starts from, as safetensors where torchtitan's checkpointer looks (rank 0 writes)."""
     if dist.get_rank() == 0:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
-        model.save_pretrained(directory)
+        seeded_model().save_pretrained(directory)
     dist.barrier()
 
 

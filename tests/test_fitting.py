@@ -120,7 +120,6 @@ def test_the_state_of_many_alike_layers_is_extrapolated_exactly():
             return AutoModelForCausalLM.from_config(tiny_config(hidden_size=128, num_hidden_layers=11))
 
     dims = ParallelDims(tp=2, dp_shard=2).resolve(4)
-
     measured = []
 
     def state(copied):

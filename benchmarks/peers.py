@@ -230,18 +230,13 @@ def footprint(mesh_shape: tuple[int, int]) -> dict:
     reuse): the bytes of each collective, the activations saved for backward, the peak memory (every tensor alive at
     the step's peak, the weights and AdamW state it started with included, followed by torch's ``MemTracker``) and
     the parameter + gradient + AdamW state bytes. After the timed steps: counting slows a step."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     peers = {kind: build(kind, mesh_shape) for kind in PEERS}
     for model, optimizer in peers.values():
         step(model, optimizer, _rank_rows(mesh_shape))
     result = {}
     for kind, (model, optimizer) in peers.items():
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        with CollectiveBytes() as sent, saved_activations() as saved, tracker:
-            step(model, optimizer, _rank_rows(mesh_shape))
-            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        with CollectiveBytes() as sent, saved_activations() as saved:
+            peak = peak_bytes(partial(step, model, optimizer, _rank_rows(mesh_shape)), model, optimizer)
         result[kind] = {
             "collective_bytes": dict(sent.bytes),
             "saved_bytes": sum(saved.values()),
@@ -249,6 +244,29 @@ def footprint(mesh_shape: tuple[int, int]) -> dict:
             "state_bytes": _local_bytes(model.parameters()) * 2 + _local_bytes(_optimizer_state(optimizer)),
         }
     return result
+
+
+def peak_bytes(run, *held) -> int:
+    """The peak memory of one call of ``run`` on this rank: the bytes of every tensor alive at its highest point,
+    those ``held`` (modules, optimizers) start it with included, as torch's MemTracker counts them (storages once;
+    FSDP2's freed and regrown unsharded weights as they are)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class TotalsTracker(MemTracker):
+        """MemTracker's totals without its statistics by module, which refuse a module called twice at the top of
+        one step (torchtitan's chunked loss calls lm_head once a chunk). The totals come from its dispatch mode and
+        storage hooks alone."""
+
+        def _pre_fw_hook(self, *args) -> None: ...
+        def _post_fw_hook(self, *args) -> None: ...
+        def _pre_bw_hook(self, *args) -> None: ...
+        def _post_bw_hook(self, *args) -> None: ...
+
+    tracker = TotalsTracker()
+    tracker.track_external(*held)
+    with tracker:
+        run()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 def _rank_rows(mesh_shape: tuple[int, int]) -> torch.Tensor:

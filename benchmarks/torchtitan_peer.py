@@ -22,9 +22,10 @@ rank's share of peers.py's batch; torchtitan's labels are the next tokens, the l
 average the same 255 predictions a row). Per layout: each one's first loss against one process on the whole batch
 (else its time is void); torchtitan's step time over ours, the median over steps of each step's ratio (a step's time
 is its slowest rank's), with the quartiles of the ratios: the noise a difference must exceed; the bytes of each
-collective kind in one step on rank 0 (peers.CollectiveBytes, around one more step after the timed ones). Not its
-peak memory yet: torch's MemTracker (peers.py's footprint) refuses a module called twice in a step, and the chunked
-loss calls lm_head once a chunk.
+collective kind in one step on rank 0 (peers.CollectiveBytes, around one more step after the timed ones); the peak
+memory of one more step, the worst rank's (peers.peak_bytes: every tensor alive at the step's highest point, weights,
+gradients and AdamW state included; torch's MemTracker less its statistics by module, which refuse the chunked loss's
+lm_head, called once a chunk).
 
 CPU workarounds, each a function below that cites the torchtitan 0.3.0 line it works around:
 - device type: tools/utils.py:55 falls back to "cuda"; resolved as "cpu" (torch.cpu, gloo) while torchtitan imports.
@@ -63,6 +64,7 @@ from peers import (
     global_batch,
     one_process_loss,
     over_ours,
+    peak_bytes,
     seeded_model,
     step,
 )
@@ -107,8 +109,10 @@ def compare(*, tp: int) -> None:
     seconds, first = alternate(steps)
     first = {"ours": mean_over_ranks(first["ours"]), "torchtitan": losses[0]}
     counted = {name: collective_bytes(run) for name, run in steps.items()}
+    held = {"ours": (model, optimizer), "torchtitan": (*trainer.model_parts, *trainer.optimizers.optimizers)}
+    peaks = {name: peak_bytes(run, *held[name]) for name, run in steps.items()}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (seconds, counted))
+    dist.all_gather_object(everyone, (seconds, counted, peaks))
     if dist.get_rank() == 0:
         report(everyone, first, dp=dp, tp=tp)
         shutil.rmtree(directory)
@@ -148,23 +152,24 @@ def mean_over_ranks(loss: torch.Tensor) -> float:
     return loss.item() / dist.get_world_size()
 
 
-def report(ranks: list[tuple[dict, dict]], first: dict[str, float], *, dp: int, tp: int) -> None:
-    """One layout's table: times the worst rank's, collectives rank 0's."""
+def report(ranks: list[tuple[dict, dict, dict]], first: dict[str, float], *, dp: int, tp: int) -> None:
+    """One layout's table: times and peak memory the worst rank's, collectives rank 0's."""
     reference, parameters = one_process_loss()
-    slowest = {name: [max(seconds[name][i] for seconds, _ in ranks) for i in range(STEPS)] for name in PEERS}
+    slowest = {name: [max(seconds[name][i] for seconds, _, _ in ranks) for i in range(STEPS)] for name in PEERS}
+    peak = {name: max(peaks[name] for _, _, peaks in ranks) for name in PEERS}
     sent = ranks[0][1]
     kinds = sorted(set().union(*sent.values()))
     print(f"\n**dp_shard={dp}{f' x tp={tp} + sp' if tp > 1 else ''}** (world {dp * tp}), {parameters:,} parameters,")
     print(f"{torch.get_num_threads()} threads a rank; one process's first loss {reference:.6f}\n")
     print("| peer | first loss vs one process | median step (s) | step time over ours (quartiles) |", end="")
-    print("".join(f" {kind} (MiB) |" for kind in kinds))
-    print("|---|---|---|---|" + "---|" * len(kinds))
+    print("".join(f" {kind} (MiB) |" for kind in kinds), "peak memory (MiB) |")
+    print("|---|---|---|---|" + "---|" * (len(kinds) + 1))
     for name in PEERS:
         error = abs(first[name] - reference) / reference
         over = over_ours(slowest[name], slowest["ours"])
         timing = f"{statistics.median(slowest[name]):.3f} | {over}" if error < TOLERANCE else "void | void"
         print(f"| {name} | {error:.1e} | {timing} |", end="")
-        print("".join(f" {sent[name].get(kind, 0) / 2**20:.2f} |" for kind in kinds))
+        print("".join(f" {sent[name].get(kind, 0) / 2**20:.2f} |" for kind in kinds), f"{peak[name] / 2**20:.1f} |")
 
 
 def save_seeded_weights(directory: str) -> None:
@@ -218,7 +223,7 @@ def torchtitan_trainer(*, dp: int, tp: int, directory: str):
         training=TrainingConfig(
             local_batch_size=ROWS // dp,
             seq_len=TOKENS,
-            steps=WARMUP + STEPS + 1,
+            steps=WARMUP + STEPS + 2,  # the timed ones, then one counting collectives and one tracking memory
             max_norm=1e9,
             dtype="float32",
             mixed_precision_param="float32",

@@ -1,27 +1,30 @@
-"""Layouts that fit a GPU: each way to split a world into tp x cp x dp_shard, with the activation-checkpointing mode
-that recomputes least while the step fits, the best estimated throughput first.
+"""Layouts that fit a GPU: each way to split a world into tp x cp x dp_shard, and on several nodes into HSDP's node-wide
+shard groups replicated across nodes, with the activation-checkpointing mode that recomputes least while the step
+fits, the best estimated throughput first.
 
 A layout's memory is measured by running the code: the plan report's parameters, gradients and AdamW state per rank
 (the model parallelized in a fake process group) plus :mod:`~lightning_automodel.parallel.memory`'s activation peak
 (one training step on fake tensors). Its throughput is a model, not a measurement, and says so: matmul FLOPs at a
 fixed share of the GPU's peak, times the checkpointing mode's recomputation; tensor- and context-parallel
-collectives exposed (they sit between the matmuls that need them); FSDP2's gathers and reductions hidden behind the
-compute up to its length. Its constants are :class:`Hardware`'s, an H100 node by default. It ranks layouts; measure
-the chosen one.
+collectives exposed (they sit between the matmuls that need them); FSDP2's gathers and reductions, and HSDP's
+all-reduce of the gradient shards across replicas, hidden behind the compute up to its length. Its constants are
+:class:`Hardware`'s, an H100 node by default. It ranks layouts; measure the chosen one.
 
 Each data-parallel rank keeps the rows it is given (the data module's ``batch_size``): a layout with more tp or cp
 ranks trains a smaller global batch, and tokens/s per GPU compares the layouts at their own batches. Under cp the
 activation estimate counts SDPA's dense mask (see :mod:`~lightning_automodel.parallel.memory`), which flex attention
 on a GPU does not hold: cp layouts are listed with more memory than they take there.
 
-Not yet: pipeline parallel (the activation estimate does not run under pp), and HSDP (every data-parallel rank
-shards).
+HSDP layouts (dp_replicate > 1) are those whose shard group (tp x cp x dp_shard) fills a node exactly, replicated
+over the nodes: a smaller group holds more per GPU for no less traffic between nodes. Not yet: pipeline parallel (the
+activation estimate does not run under pp).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -89,7 +92,8 @@ class Fitting:
             f"layouts that fit {self.hardware.memory_gib:g} GiB per GPU ({budget:.1f} GiB for tensors), {rows} rows x"
             f" {tokens:,} tokens per data-parallel rank and step (the global batch shrinks as tp x cp grows); best"
             " estimated throughput first:",
-            f"  {'tp':>3} {'cp':>3} {'dp_shard':>8}  {'checkpointing':<13} {'memory/GPU':>10}  est. tokens/s/GPU",
+            f"  {'tp':>3} {'cp':>3} {'dp_shard':>8} {'dp_replicate':>12}  {'checkpointing':<13} {'memory/GPU':>10}"
+            "  est. tokens/s/GPU",
         ]
         lines += [_row(layout) for layout in self.fits] or ["  (none)"]
         if self.too_large:
@@ -113,7 +117,7 @@ def _row(layout: LayoutFit) -> str:
     dims = layout.dims
     speed = f"{layout.tokens_per_second:>10,.0f}" if layout.tokens_per_second is not None else ""
     return (
-        f"  {dims.tp:>3} {dims.cp:>3} {dims.dp_shard:>8}  {layout.checkpointing:<13}"
+        f"  {dims.tp:>3} {dims.cp:>3} {dims.dp_shard:>8} {dims.dp_replicate:>12}  {layout.checkpointing:<13}"
         f" {layout.memory_bytes / 2**30:>6.2f} GiB  {speed}"
     )
 
@@ -126,8 +130,9 @@ def fitting_layouts(
     batch_shape: tuple[int, int],
     **options: Any,
 ) -> Fitting:
-    """Every tp x cp x dp_shard layout of ``world_size`` ranks (tp dividing a node, sp on where tp > 1), each with the
-    least recomputing checkpointing setting that fits ``hardware.memory_gib`` less :data:`HEADROOM`.
+    """Every tp x cp x dp_shard layout of ``world_size`` ranks (tp dividing a node, sp on where tp > 1), and on several
+    nodes every HSDP layout of node-wide shard groups, each with the least recomputing checkpointing setting that fits
+    ``hardware.memory_gib`` less :data:`HEADROOM`.
 
     ``model`` is on the meta device (left as it is: each layout parallelizes copies); ``options``: parallelize's
     (``tp_plan``, ``allow_unsharded_linears``, ``mp_policy``, ...). A layout the plan or the step refuses is listed
@@ -187,12 +192,21 @@ def _least_recomputing_fit(
 
 
 def _layouts(world_size: int, *, gpus_per_node: int) -> list[ParallelDims]:
-    return [
+    sharded = [
         ParallelDims(tp=tp, cp=cp, dp_shard=world_size // (tp * cp)).resolve(world_size)
         for tp in _divisors(world_size)
         if gpus_per_node % tp == 0
         for cp in _divisors(world_size // tp)
     ]
+    if world_size <= gpus_per_node or world_size % gpus_per_node:
+        return sharded
+    nodes = world_size // gpus_per_node
+    replicated = [
+        ParallelDims(tp=tp, cp=cp, dp_shard=gpus_per_node // (tp * cp), dp_replicate=nodes).resolve(world_size)
+        for tp in _divisors(gpus_per_node)
+        for cp in _divisors(gpus_per_node // tp)
+    ]
+    return sharded + replicated
 
 
 def _divisors(n: int) -> list[int]:
@@ -200,7 +214,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _name(dims: ParallelDims) -> str:
-    return f"tp={dims.tp} cp={dims.cp} dp_shard={dims.dp_shard}"
+    replicas = f" dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
+    return f"tp={dims.tp} cp={dims.cp} dp_shard={dims.dp_shard}{replicas}"
 
 
 def _tokens_per_second(
@@ -230,13 +245,21 @@ def _tokens_per_second(
     tp_bytes = 2 * passes * 2 * (dims.tp - 1) / dims.tp * local_tokens * config.hidden_size * compute_bytes
     cp_bytes = passes * gathered_bytes_per_token(model, dims) * rows * tokens * compute_bytes / weight_bytes
     # FSDP2 shards over dp_shard x cp: it gathers the weights in forward and again in backward, and reduce-scatters
-    # their gradients.
-    shards = dims.dp_shard * dims.cp
+    # their gradients; under HSDP each shard's gradient is then all-reduced over the dp_replicate replicas.
+    shards, replicas = dims.dp_shard * dims.cp, dims.dp_replicate
     weights = sum(p.numel() for p in model.parameters()) / dims.tp
     fsdp_bytes = weights * (shards - 1) / shards * (2 * compute_bytes + reduce_bytes)
+    replica_bytes = weights / shards * 2 * (replicas - 1) / replicas * reduce_bytes
     node, network = hardware.node_gbps * 1e9, hardware.network_gbps * 1e9
-    cp_link = node if dims.tp * dims.cp <= hardware.gpus_per_node else network  # tp, the inner axis, stays in a node
-    fsdp_link = node if dims.world_size <= hardware.gpus_per_node else network
+    within_node = partial(_link, node=node, network=network, gpus_per_node=hardware.gpus_per_node)
+    cp_link = within_node(dims.tp * dims.cp)  # the mesh's inner axes are neighbouring ranks: tp, then cp, then dp_shard
+    fsdp_link = within_node(dims.tp * dims.cp * dims.dp_shard)
     exposed = config.num_hidden_layers * (tp_bytes / node + cp_bytes / cp_link)
-    step = compute + exposed + max(0.0, fsdp_bytes / fsdp_link - compute)
+    data_parallel = fsdp_bytes / fsdp_link + replica_bytes / within_node(dims.world_size)
+    step = compute + exposed + max(0.0, data_parallel - compute)
     return rows * tokens / (dims.tp * dims.cp * step)
+
+
+def _link(ranks: int, *, node: float, network: float, gpus_per_node: int) -> float:
+    """The bandwidth of a group of ``ranks`` neighbouring ranks: a node's if they fit in one, else the network's."""
+    return node if ranks <= gpus_per_node else network

@@ -17,6 +17,7 @@ from parity import (
     TRAINED_GRAD_TOLERANCE,
     TRAINED_LOSS_TOLERANCE,
     WEIGHT_TOLERANCE,
+    full,
     loss_of,
     relative_error,
     weight_error,
@@ -51,7 +52,7 @@ class CausalLM(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         # Copies: a gradient replicated on every mesh dim hands back its own storage, which clipping then scales.
         self.grads.append(
-            {name: p.grad.full_tensor().clone() for name, p in self.model.named_parameters() if p.grad is not None}
+            {name: full(p.grad).clone() for name, p in self.model.named_parameters() if p.grad is not None}
         )
 
     def training_step(self, batch, batch_idx):
@@ -246,7 +247,8 @@ def check_trainer_parity(
     trainer(strategy).fit(module, data(dist.get_world_size() // tp))
     assert strategy.device_mesh["dp_replicate"].size() == dp_replicate
     assert_experts_distributed(module.model, ep=ep)
-    offload = decoder_layers(module.model)[0]._get_fsdp_state()._fsdp_param_group.offload_policy
+    layer = decoder_layers(module.model)[0]  # no FSDP unit over one data-parallel rank without offload
+    offload = layer._get_fsdp_state()._fsdp_param_group.offload_policy if isinstance(layer, FSDPModule) else None
     assert isinstance(offload, CPUOffloadPolicy) == cpu_offload, offload
     reference = tiny_model(family)
     return compare_training(module, reference, reference_run(reference))
@@ -491,7 +493,7 @@ def check_trainer_gradient_clipping(
     start = dict(initial.named_parameters())
     final = dict(reference.named_parameters())
     updates = {name: final[name] - start[name] for name in final}
-    differences = [(p.full_tensor() - final[name]).abs().max() for name, p in module.model.named_parameters()]
+    differences = [(full(p) - final[name]).abs().max() for name, p in module.model.named_parameters()]
     # Relative to the largest update: a wrong norm scales every update alike, rounding does not.
     result["update"] = (max(differences) / max(u.abs().max() for u in updates.values())).item()
     assert result["update"] < 1e-4, result

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning_checks import assert_experts_distributed, compare_training, trainer
 from loading_checks import remove, saved_checkpoint
 from models import SHRUNK, VOCAB, tiny_config
-from parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE
+from parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE, full
 from torch.utils.data import DataLoader, Dataset
 from transformers import AutoModelForCausalLM
 
@@ -44,9 +44,7 @@ class RecordingLM(CausalLMModule):
         self.grads: list[dict[str, torch.Tensor]] = []
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        self.grads.append(
-            {n: p.grad.full_tensor().clone() for n, p in self.model.named_parameters() if p.grad is not None}
-        )
+        self.grads.append({n: full(p.grad).clone() for n, p in self.model.named_parameters() if p.grad is not None})
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         metrics = self.trainer.callback_metrics

@@ -7,7 +7,14 @@ from models import tiny_config
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, plan_report
-from lightning_automodel.fitting import HEADROOM, Hardware, _layouts, _tokens_per_second, fitting_layouts
+from lightning_automodel.fitting import (
+    HEADROOM,
+    Hardware,
+    _layouts,
+    _least_recomputing_fit,
+    _tokens_per_second,
+    fitting_layouts,
+)
 from lightning_automodel.lm.flops import flops_per_token
 from lightning_automodel.parallel.checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.layer_extrapolation import over_layers
@@ -78,7 +85,7 @@ class _Throughput:
     def speed(self, dims: ParallelDims, setting: str) -> float:
         return _tokens_per_second(
             self.model,
-            dims.resolve(dims.tp * dims.cp * dims.dp_shard),
+            dims.resolve(dims.tp * dims.cp * dims.dp_shard * dims.dp_replicate),
             batch_shape=(ROWS, TOKENS),
             setting=setting,
             hardware=self.hardware,
@@ -110,6 +117,40 @@ def test_context_parallel_traffic_and_its_fsdp_group():
     fsdp = model.weights * (2 - 1) / 2 * (2 * 4 + 4)
     step = model.compute / 2 + model.layers * 2 * gathered / node + max(0.0, fsdp / node - model.compute / 2)
     assert model.speed(ParallelDims(cp=2, dp_shard=1), "off") == pytest.approx(ROWS * TOKENS / 2 / step)
+
+
+def test_hsdp_layouts_fill_a_node_and_are_estimated_as_such():
+    """On several nodes, HSDP layouts are listed: each shard group (tp x cp x dp_shard) a whole node, replicated over
+    the nodes; none on one node. Their memory is the plan's state of a shard group (half the model's at dp_shard=2,
+    not a quarter) plus the activation estimate, both run under HSDP's mesh."""
+    hsdp = [dims for dims in _layouts(16, gpus_per_node=8) if dims.dp_replicate > 1]
+    assert len(hsdp) == 10  # (tp, cp) with tp x cp dividing 8
+    assert all(dims.dp_replicate == 2 and dims.tp * dims.cp * dims.dp_shard == 8 for dims in hsdp)
+    assert all(dims.dp_replicate == 1 for dims in _layouts(8, gpus_per_node=8))
+    replicated = ParallelDims(dp_shard=2, dp_replicate=2).resolve(4)
+    fit = _least_recomputing_fit(_on_meta(), replicated, budget=float("inf"), batch_shape=(ROWS, TOKENS), sp=False)
+    assert (fit.checkpointing, fit.memory_bytes) == ("off", _memory(replicated, "off"))
+    state = {dims.dp_shard: plan_report(_on_meta(), dims).training_bytes_per_rank for dims in (replicated, _FSDP4)}
+    assert state[2] == pytest.approx(2 * state[4], rel=0.01)
+
+
+_FSDP4 = ParallelDims(dp_shard=4).resolve(4)
+
+
+def test_hsdp_traffic_between_nodes_is_the_replicas_all_reduce():
+    """Two nodes of 8, compute made negligible: FSDP2 over all 16 ranks moves 12 bytes per fp32 weight (two
+    gathers, one reduction) x 15/16 over the network; HSDP moves 12 x 7/8 within the node and, across nodes, only
+    the all-reduce of each rank's eighth of the gradient between its 2 replicas (2 x 1/2 x 4 bytes)."""
+    model = _Throughput(Hardware(memory_gib=80, tflops=1e9))
+    node, network = model.hardware.node_gbps * 1e9, model.hardware.network_gbps * 1e9
+    tokens = ROWS * TOKENS
+    everywhere = model.weights * 15 / 16 * 12 / network
+    assert model.speed(ParallelDims(dp_shard=16), "off") == pytest.approx(tokens / (model.compute + everywhere))
+    within = model.weights * 7 / 8 * 12 / node
+    across = model.weights / 8 * 2 * (2 - 1) / 2 * 4 / network
+    expected = tokens / (model.compute + within + across)
+    assert model.speed(ParallelDims(dp_shard=8, dp_replicate=2), "off") == pytest.approx(expected)
+    assert expected > tokens / (model.compute + everywhere)
 
 
 def test_the_state_of_many_alike_layers_is_extrapolated_exactly():

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_automodel.parallel.lora import is_lora_layer
+from lightning_automodel.parallel.tensor_parallel import to_empty_tied
 
 
 def materialize_hf_model(model: nn.Module, device: torch.device, *, skip: Collection[str] = ()) -> None:
@@ -39,7 +40,7 @@ def materialize_hf_model(model: nn.Module, device: torch.device, *, skip: Collec
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"materialize_hf_model expects a transformers PreTrainedModel, got {type(model).__name__}.")
-    model.to_empty(device=device)
+    to_empty_tied(model, device=device)
     _mark_unset(model)
     _share_random_state_of_rank0()
     with torch.no_grad():

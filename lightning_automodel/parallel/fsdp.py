@@ -96,6 +96,30 @@ def apply_fsdp(
             layer.set_modules_to_backward_prefetch(list(layers[max(0, index - backward_prefetch) : index][::-1]))
 
 
+def fsdp_needed(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    fp32_compute_module_names: Iterable[str] = (),
+) -> bool:
+    """Whether FSDP2 does anything for ``model`` over ``mesh``.
+
+    Over one rank it shards nothing, yet it keeps a gathered copy of every unit not resharded after forward (the
+    root, the last layer) beside its shard, and copies each unit in and out every step: at tp=2 alone that held 43%
+    more parameter bytes at peak than an expert's plan without it (``benchmarks/peers.py``). What it still does over
+    one rank keeps it there: casting parameters to another compute dtype (a mixed-precision policy; fp32-pinned
+    parameters stored in a lower precision) and offloading them to CPU memory.
+    """
+    if mesh.size() > 1 or offload_policy is not None:
+        return True
+    if mp_policy is not None and mp_policy != MixedPrecisionPolicy():
+        return True
+    dtype_of = compute_dtype_resolver(model, param_dtype=None, fp32_module_names=fp32_compute_module_names)
+    return any(dtype_of(param) != param.dtype for param in model.parameters())
+
+
 def shard_experts(experts: ExpertSharding, **options: object) -> None:
     """Shard each experts module over ``experts.mesh`` (``options``: those of :func:`fully_shard_by_dtype`)."""
     # A custom factor makes FSDP scale inside its reduce-scatter (NCCL's PreMulSum), which gloo lacks: there it sums

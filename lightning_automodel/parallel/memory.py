@@ -35,6 +35,7 @@ from lightning_automodel.parallel.layer_extrapolation import FEW_LAYERS, over_la
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.simulation import fake_world
+from lightning_automodel.parallel.tensor_parallel import to_empty_tied
 
 _CPU = torch.device("cpu")
 
@@ -70,7 +71,7 @@ def _step_peak(model: nn.Module, *, dims: ParallelDims, micro_batch: int, seq_le
         mesh = dims.build_mesh("cpu")
         parallelize(model, mesh, **{**options, "cp_attention": "sdpa"})
         with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-            model.to_empty(device=_CPU)
+            to_empty_tied(model, device=_CPU)
             for parameter in model.parameters():
                 if parameter.requires_grad:
                     parameter.grad = torch.zeros_like(parameter)

@@ -213,6 +213,12 @@ def ties_kept(model: nn.Module) -> Iterator[None]:
     _retie(model, ties)
 
 
+def to_empty_tied(model: nn.Module, *, device: torch.device | str) -> None:
+    """``model.to_empty(device=device)``, its tied parameters still tied (FSDP2's units keep their own ties)."""
+    with ties_kept(model):
+        model.to_empty(device=device)
+
+
 def _tied_parameter_names(model: nn.Module) -> list[list[str]]:
     """Groups of parameter names that share one Parameter (e.g. lm_head.weight and embed_tokens.weight)."""
     by_identity: dict[int, list[str]] = defaultdict(list)

@@ -43,7 +43,7 @@ from lightning_automodel.mesh import ParallelDims, tp_mesh
 from lightning_automodel.parallel.parallelizer import check_before_collectives
 from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.simulation import fake_world, rank_values, simulated_ranks
-from lightning_automodel.parallel.tensor_parallel import apply_tensor_parallel, ties_kept
+from lightning_automodel.parallel.tensor_parallel import apply_tensor_parallel, to_empty_tied
 
 # fp32: tensor parallel changes only the order of reductions (measured errors ~1e-6); a wrong plan is off by O(1).
 FP32_TOLERANCE = 2e-5
@@ -307,8 +307,7 @@ def load_weights(model: nn.Module, reference: nn.Module) -> None:
     each rank its shards. Materializing as the strategy does would draw the same values only to be overwritten."""
     from lightning_automodel.hf.initialization import copy_shard
 
-    with ties_kept(model):
-        model.to_empty(device="cpu")
+    to_empty_tied(model, device="cpu")
     tensors = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

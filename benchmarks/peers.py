@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch  # noqa: E402
 from harness import run_checks  # noqa: E402
+from peak_memory import peak_bytes  # noqa: E402
 from saved_activations import saved_activations  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -244,29 +245,6 @@ def footprint(mesh_shape: tuple[int, int]) -> dict:
             "state_bytes": _local_bytes(model.parameters()) * 2 + _local_bytes(_optimizer_state(optimizer)),
         }
     return result
-
-
-def peak_bytes(run, *held) -> int:
-    """The peak memory of one call of ``run`` on this rank: the bytes of every tensor alive at its highest point,
-    those ``held`` (modules, optimizers) start it with included, as torch's MemTracker counts them (storages once;
-    FSDP2's freed and regrown unsharded weights as they are)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class TotalsTracker(MemTracker):
-        """MemTracker's totals without its statistics by module, which refuse a module called twice at the top of
-        one step (torchtitan's chunked loss calls lm_head once a chunk). The totals come from its dispatch mode and
-        storage hooks alone."""
-
-        def _pre_fw_hook(self, *args) -> None: ...
-        def _post_fw_hook(self, *args) -> None: ...
-        def _pre_bw_hook(self, *args) -> None: ...
-        def _post_bw_hook(self, *args) -> None: ...
-
-    tracker = TotalsTracker()
-    tracker.track_external(*held)
-    with tracker:
-        run()
-        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 def _rank_rows(mesh_shape: tuple[int, int]) -> torch.Tensor:

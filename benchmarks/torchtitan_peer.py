@@ -17,15 +17,16 @@ checkpointer (``initial_load_in_hf``); rms_norm eps and rope theta are Hugging F
 the global gradient norm (max_norm 1e9: it never clips). Its Trainer turns Python's garbage collector off for the
 whole process, ours included.
 
-Each rank builds both and alternates their steps, each going first in turn after a barrier, on the same rows (the dp
-rank's share of peers.py's batch; torchtitan's labels are the next tokens, the last position ignored, so both
-average the same 255 predictions a row). Per layout: each one's first loss against one process on the whole batch
-(else its time is void); torchtitan's step time over ours, the median over steps of each step's ratio (a step's time
-is its slowest rank's), with the quartiles of the ratios: the noise a difference must exceed; the bytes of each
-collective kind in one step on rank 0 (peers.CollectiveBytes, around one more step after the timed ones); the peak
-memory of one more step, the worst rank's (peers.peak_bytes: every tensor alive at the step's highest point, weights,
-gradients and AdamW state included; torch's MemTracker less its statistics by module, which refuse the chunked loss's
-lm_head, called once a chunk).
+Ours runs twice, on two copies: with peers.py's step (the logits whole) and with the loss 8 sequence chunks at a time
+as torchtitan's (``chunked_step``: ``CausalLMModule(loss_chunks=8)``'s loss). Each rank builds all three and
+alternates their steps, each going first in turn after a barrier, on the same rows (the dp rank's share of peers.py's
+batch; torchtitan's labels are the next tokens, the last position ignored, so all average the same 255 predictions a
+row). Per layout: each one's first loss against one process on the whole batch (else its time is void); the step time
+over ours (the logits whole), the median over steps of each step's ratio (a step's time is its slowest rank's), with
+the quartiles of the ratios: the noise a difference must exceed; the bytes of each collective kind in one step on rank
+0 (peers.CollectiveBytes, around one more step after the timed ones); the peak memory of one more step, the worst
+rank's (tests/peak_memory.py: every tensor alive at the step's highest point, weights, gradients and AdamW state
+included; torch's MemTracker less its statistics by module, which refuse a loss calling lm_head once a chunk).
 
 CPU workarounds, each a function below that cites the torchtitan 0.3.0 line it works around:
 - device type: tools/utils.py:55 falls back to "cuda"; resolved as "cpu" (torch.cpu, gloo) while torchtitan imports.
@@ -69,7 +70,8 @@ from peers import (
     step,
 )
 
-PEERS = ("ours", "torchtitan")
+CHUNKED = "ours, loss_chunks=8"
+PEERS = ("ours", CHUNKED, "torchtitan")
 TOLERANCE = 1e-5  # relative: fp32 losses of the same weights and rows, summed in another order
 KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 
@@ -103,13 +105,17 @@ def compare(*, tp: int) -> None:
     trainer.checkpointer.load()
     losses = logged_losses(trainer)
     data = trainer.batch_generator(trainer.dataloader)
-    model, optimizer = build("ours", (dp, tp))
+    ours, chunked = build("ours", (dp, tp)), build("ours", (dp, tp))
     rows = global_batch().chunk(dp)[dist.get_rank() // tp]
-    steps = {"ours": lambda: step(model, optimizer, rows), "torchtitan": lambda: torchtitan_step(trainer, data)}
+    steps = {
+        "ours": lambda: step(*ours, rows),
+        CHUNKED: lambda: chunked_step(*chunked, rows, chunks=8),
+        "torchtitan": lambda: torchtitan_step(trainer, data),
+    }
     seconds, first = alternate(steps)
-    first = {"ours": mean_over_ranks(first["ours"]), "torchtitan": losses[0]}
+    first = {"ours": mean_over_ranks(first["ours"]), CHUNKED: mean_over_ranks(first[CHUNKED]), "torchtitan": losses[0]}
     counted = {name: collective_bytes(run) for name, run in steps.items()}
-    held = {"ours": (model, optimizer), "torchtitan": (*trainer.model_parts, *trainer.optimizers.optimizers)}
+    held = {"ours": ours, CHUNKED: chunked, "torchtitan": (*trainer.model_parts, *trainer.optimizers.optimizers)}
     peaks = {name: peak_bytes(run, *held[name]) for name, run in steps.items()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (seconds, counted, peaks))
@@ -126,7 +132,7 @@ def alternate(steps: dict) -> tuple[dict[str, list[float]], dict]:
     seconds = {name: [] for name in steps}
     first = {}
     for index in range(WARMUP + STEPS):
-        for name in PEERS[index % 2 :] + PEERS[: index % 2]:
+        for name in PEERS[index % len(PEERS) :] + PEERS[: index % len(PEERS)]:
             dist.barrier()
             start = time.perf_counter()
             result = steps[name]()
@@ -177,6 +183,22 @@ def save_seeded_weights(directory: str) -> None:
     if dist.get_rank() == 0:
         seeded_model().save_pretrained(directory)
     dist.barrier()
+
+
+def chunked_step(model, optimizer, tokens: torch.Tensor, *, chunks: int) -> torch.Tensor:
+    """peers.step with the loss ``chunks`` sequence chunks at a time, as ``CausalLMModule(loss_chunks=chunks)`` and
+    torchtitan's chunked loss compute it: the same mean over every row's predicted tokens."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum
+
+    optimizer.zero_grad(set_to_none=True)
+    with loss_parallel():
+        loss_sum, tokens_scored, _ = chunked_causal_lm_loss_sum(model, input_ids=tokens, labels=tokens, chunks=chunks)
+        loss = loss_sum / tokens_scored
+        loss.backward()
+    optimizer.step()
+    return loss.detach()
 
 
 def torchtitan_step(trainer, data) -> None:

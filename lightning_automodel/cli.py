@@ -177,14 +177,15 @@ def plan_for_config(
 @dataclass
 class Configured:
     """What a ``lightning-automodel fit`` config trains, and how: its model on the meta device (in the Trainer's
-    precision where it casts weights), its strategy, the world size, and the data module and Trainer settings that size
-    a step."""
+    precision where it casts weights), its strategy, the world size, and the data module, Trainer and LightningModule
+    settings that size a step."""
 
     model: nn.Module
     strategy: AutoModelParallelStrategy
     world_size: int
     datamodule: Any
     precision: str
+    loss_chunks: int = 1  # CausalLMModule's (a module of one's own computes the logits whole, as far as we know)
 
     @property
     def dims(self) -> ParallelDims:
@@ -233,7 +234,8 @@ def configured(path: str, *overrides: str, world_size: int | None = None) -> Con
     if precision in _CAST_WEIGHTS:  # as the strategy casts them, what the model pins to fp32 kept so
         with keep_pinned_fp32(model, fp32_pinned_names(model)):
             model.to(_CAST_WEIGHTS[precision])
-    return Configured(model, strategy, world_size, datamodule=parsed.datamodule, precision=precision)
+    loss_chunks = module.hparams.get("loss_chunks", 1)
+    return Configured(model, strategy, world_size, parsed.datamodule, precision, loss_chunks=loss_chunks)
 
 
 _CAST_WEIGHTS = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # the "-true" flags the strategy takes
@@ -249,7 +251,9 @@ def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) 
         allow_unsharded_linears=strategy.allow_unsharded_linears,
         pipeline=strategy.pipeline,
         batch_shape=batch_shape,
-        step_options=dict(mp_policy=config.mp_policy, cp_attention=strategy.cp_attention),
+        step_options=dict(
+            mp_policy=config.mp_policy, cp_attention=strategy.cp_attention, loss_chunks=config.loss_chunks
+        ),
     )
 
 
@@ -262,6 +266,7 @@ def _fitting_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int
         mp_policy=config.mp_policy,
         tp_plan=config.strategy.tp_plan,
         allow_unsharded_linears=config.strategy.allow_unsharded_linears,
+        loss_chunks=config.loss_chunks,
     )
 
 

@@ -37,8 +37,8 @@ class RecordingLM(CausalLMModule):
     """CausalLMModule, recording what the reference is compared with: the synced loss it logs (the language-model
     loss, plus the weighted auxiliary loss where the model adds one) and the gradients the optimizer gets."""
 
-    def __init__(self, family: str = "llama") -> None:
-        super().__init__(config=model_config(family).to_dict(), **HPARAMS)
+    def __init__(self, family: str = "llama", loss_chunks: int = 1) -> None:
+        super().__init__(config=model_config(family).to_dict(), loss_chunks=loss_chunks, **HPARAMS)
         self.losses: list[float] = []
         self.accuracies: list[float] = []
         self.grads: list[dict[str, torch.Tensor]] = []
@@ -94,11 +94,11 @@ def reference_metrics(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> 
     return {"loss": output.loss, "lm_loss": output.loss - auxiliary, "accuracy": accuracy, "tokens": scored.sum()}
 
 
-def check_causal_lm_module(tp: int, sp: bool, family: str = "llama", ep: int = 1) -> dict:
+def check_causal_lm_module(tp: int, sp: bool, family: str = "llama", ep: int = 1, loss_chunks: int = 1) -> dict:
     """3 steps of CausalLMModule (meta init, AdamW with decay groups, warm-up then cosine) on padded rows match a
     single process: the logged loss and accuracy at every step, every gradient, the weights, then validation's
     loss, perplexity and accuracy over two uneven batches, and predict's per-sequence losses. A mixture-of-experts
-    ``family`` adds its auxiliary loss, over the global batch."""
+    ``family`` adds its auxiliary loss, over the global batch; ``loss_chunks``, the module's."""
     train = padded_rows(GLOBAL_BATCH, seed=1)  # an epoch of one step: every step sees the same global batch
     val = padded_rows(2 * GLOBAL_BATCH, seed=2)
     dp = dist.get_world_size() // tp
@@ -106,7 +106,7 @@ def check_causal_lm_module(tp: int, sp: bool, family: str = "llama", ep: int = 1
     val_loader = DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp)
 
     torch.manual_seed(7 + dist.get_rank())  # ranks disagree: every rank must take rank 0's random state
-    module = RecordingLM(family)
+    module = RecordingLM(family, loss_chunks)
     fit = trainer(AutoModelParallelStrategy(tp=tp, sp=sp, ep=ep))
     fit.fit(module, loader)
     assert_experts_distributed(module.model, ep=ep)
@@ -311,3 +311,14 @@ def check_causal_lm_module_split(*, pp: int = 1, cp: int = 1, tp: int = 1) -> di
             raise AssertionError("CausalLMModule's predict under cp was not refused")
     remove(directory)
     return result
+
+
+def check_chunked_loss_refused_where_the_call_computes_it() -> dict:
+    """loss_chunks under pp=2: refused on every rank at the first step, before any collective of it."""
+    module = CausalLMModule(config=tiny_config("llama").to_dict(), loss_chunks=4)
+    try:
+        trainer(AutoModelParallelStrategy(pp=2)).fit(module, DataLoader(Rows(padded_rows(4, seed=3)), batch_size=4))
+    except ValueError as error:
+        assert "loss_chunks=4: under pipeline or context parallel" in str(error), error
+        return {"refused": str(error)[:60]}
+    raise AssertionError("loss_chunks under pp was not refused")

@@ -24,7 +24,9 @@ MEMORY_MODEL = dict(
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
-def measured_activation_bytes(dims: ParallelDims, micro_batch: int, seq_len: int, **options) -> int:
+def measured_activation_bytes(
+    dims: ParallelDims, micro_batch: int, seq_len: int, *, loss_chunks: int = 1, **options
+) -> int:
     """The resident memory one training step adds on this rank at its peak, above the parameters and gradients it
     held before (a step ran first, so nothing is allocated for the first time).
 
@@ -36,11 +38,11 @@ def measured_activation_bytes(dims: ParallelDims, micro_batch: int, seq_len: int
     mesh = dims.resolve(torch.distributed.get_world_size()).build_mesh("cpu")
     parallelize(model, mesh, **options)
     input_ids = torch.randint(8000, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
-    training_step(model, input_ids=input_ids, mesh=mesh)
+    training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # the high-water mark starts again from the resident set now
     held = _resident()["VmRSS"]
-    training_step(model, input_ids=input_ids, mesh=mesh)
+    training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)
     return _resident()["VmHWM"] - held
 
 

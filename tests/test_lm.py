@@ -13,6 +13,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lm_checks import (
     check_bad_data_refused_on_every_rank,
     check_causal_lm_module,
+    check_chunked_loss_refused_where_the_call_computes_it,
     check_lora_checkpoint_exports_merged,
     check_predict_in_step_or_refused,
 )
@@ -26,8 +27,10 @@ from lightning_automodel.lm.module import learning_rate_factor
 
 
 def test_parity_at_tp2_dp2_with_sp():
-    """Logged loss and accuracy at each step, gradients, weights, validation metrics: as a single process."""
-    results = run_checks(4, [partial(check_causal_lm_module, 2, True)], timeout=300)
+    """Logged loss and accuracy at each step, gradients, weights, validation metrics: as a single process; the same
+    with the loss three uneven sequence chunks at a time (6, 6 and 4 of 16 tokens), under loss parallel."""
+    checks = [partial(check_causal_lm_module, 2, True), partial(check_causal_lm_module, 2, True, loss_chunks=3)]
+    results = run_checks(4, checks, timeout=300)
     print(results)
 
 
@@ -46,6 +49,7 @@ def test_lora_export_predict_and_refusals():
     checks = [
         partial(check_lora_checkpoint_exports_merged, 2),
         check_predict_in_step_or_refused,
+        check_chunked_loss_refused_where_the_call_computes_it,
         partial(check_bad_data_refused_on_every_rank, 2),
     ]
     refused = run_checks(2, checks)[check_name(checks[-1])]
@@ -95,6 +99,8 @@ def test_under_lightnings_own_strategy(tmp_path):
 def test_a_model_is_required():
     with pytest.raises(ValueError, match="`model=` a local Hugging Face model directory, or `config=`"):
         CausalLMModule(config={"hidden_size": 64})
+    with pytest.raises(ValueError, match="loss_chunks=0 must be a positive integer"):
+        CausalLMModule(config={"model_type": "llama"}, loss_chunks=0)
 
 
 def test_flops_per_token():

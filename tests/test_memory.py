@@ -27,6 +27,7 @@ LAYOUTS = [
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="submodule")),
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="full")),
     (ParallelDims(tp=2), dict(sp=True)),
+    (ParallelDims(tp=2), dict(sp=True, loss_chunks=4)),  # lm_head and the loss a quarter of the sequence at a time
     (ParallelDims(tp=2), dict(activation_checkpointing="full")),
     (ParallelDims(cp=2), dict(activation_checkpointing=False)),
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="selective", mp_policy=BF16_MIXED)),

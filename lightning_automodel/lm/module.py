@@ -30,6 +30,7 @@ from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
 from lightning_automodel.lm.summary import TrainingSummary
 from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
 from lightning_automodel.mesh import reduction_mesh
+from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.load_balancing import load_balancing_loss
 from lightning_automodel.parallel.loss import (
@@ -65,6 +66,9 @@ class CausalLMModule(L.LightningModule):
         warmup_steps: steps of linear warm-up to ``learning_rate``.
         schedule: the decay after warm-up, to ``min_lr_ratio * learning_rate`` at the last step
             (``Trainer(max_steps=...)`` or the epochs' steps).
+        loss_chunks: run the head and the loss this many sequence chunks at a time, so that the logits (and in
+            backward their log-softmax and gradient) never exist whole, for one more forward of the head (see
+            :mod:`lightning_automodel.parallel.chunked_loss`); 1: the logits whole.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class CausalLMModule(L.LightningModule):
         warmup_steps: int = 0,
         schedule: Schedule = "cosine",
         min_lr_ratio: float = 0.1,
+        loss_chunks: int = 1,
     ) -> None:
         super().__init__()
         if model is None and not (config or {}).get("model_type"):
@@ -88,11 +93,14 @@ class CausalLMModule(L.LightningModule):
             )
         if schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"schedule={schedule!r} is not one of 'cosine', 'linear', 'constant'.")
+        if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 1:
+            raise ValueError(f"loss_chunks={loss_chunks!r} must be a positive integer (1: the logits whole).")
         self.save_hyperparameters()
         self.model: nn.Module | None = None
         self.tokenizer: Any = None
         self._batch_shape: tuple[int, int] = (0, 0)
         self._load_balancing_checked = False
+        self._chunking_checked = False
         for stage in _STAGES:  # train_metrics, val_metrics, test_metrics
             sync_on_step = stage == "train"  # a step's logged value is the global batch's
             metrics = {
@@ -154,6 +162,8 @@ class CausalLMModule(L.LightningModule):
     def _step(self, stage: str, batch: dict[str, Tensor]) -> Tensor:
         check_batch(batch, self.hf_config)
         self._batch_shape = tuple(batch["input_ids"].shape)
+        if self.hparams.loss_chunks > 1 and not self._chunking_checked:
+            self._check_chunking()
         if pipeline_of(self.model) is not None or context_parallel_of(self.model) is not None:
             loss, loss_sum, tokens, hits = self._split_step(batch)
         else:
@@ -170,6 +180,12 @@ class CausalLMModule(L.LightningModule):
     def _whole_step(self, stage: str, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The loss to train on, this rank's summed loss, scored tokens and next-token hits, from the logits."""
         labels = batch["labels"]
+        if self.hparams.loss_chunks > 1:
+            inputs = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+            loss_sum, tokens, hits = chunked_causal_lm_loss_sum(
+                self.model, labels=labels, chunks=self.hparams.loss_chunks, **inputs
+            )
+            return global_token_mean(loss_sum, tokens, self.device_mesh), _plain(loss_sum), tokens, hits
         outputs = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
         loss_sum, tokens = causal_lm_loss_sum(outputs.logits, labels)
         loss = global_token_mean(loss_sum, tokens, self.device_mesh)
@@ -177,6 +193,13 @@ class CausalLMModule(L.LightningModule):
             loss = _plain(loss) + self._load_balancing_loss(stage, outputs, batch.get("attention_mask"))
         hits, _ = next_token_hits(outputs.logits, labels)
         return loss, _plain(loss_sum), tokens, hits
+
+    def _check_chunking(self) -> None:
+        """Refuse loss_chunks where chunking cannot give the whole logits' loss, on every rank before any collective
+        of the step (see :func:`~lightning_automodel.parallel.chunked_loss.chunking_problem`)."""
+        if (problem := chunking_problem(self.model)) is not None:
+            raise ValueError(f"loss_chunks={self.hparams.loss_chunks}: {problem}. Use loss_chunks=1.")
+        self._chunking_checked = True
 
     def _split_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The same when the model's call splits the batch: under pipeline parallel the last stage computes them,

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_automodel.mesh import ParallelDims, axis_size
+from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.layer_extrapolation import FEW_LAYERS, over_layers
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean
@@ -40,14 +41,34 @@ from lightning_automodel.parallel.tensor_parallel import to_empty_tied
 _CPU = torch.device("cpu")
 
 
+class TotalsTracker(MemTracker):
+    """torch's MemTracker, its totals alone: every live tensor storage, counted once, FSDP2's freed and regrown
+    unsharded weights as they are. Its statistics by module are off: they refuse a module called twice at the top of
+    one step, as a chunked loss calls lm_head (ours once a chunk, torchtitan's too). The totals come from its dispatch
+    mode and storage hooks alone."""
+
+    def _pre_fw_hook(self, *args) -> None: ...
+    def _post_fw_hook(self, *args) -> None: ...
+    def _pre_bw_hook(self, *args) -> None: ...
+    def _post_bw_hook(self, *args) -> None: ...
+
+
 def activation_bytes(
-    model: nn.Module, dims: ParallelDims, *, micro_batch: int, seq_len: int, rank: int = 0, **options
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    rank: int = 0,
+    loss_chunks: int = 1,
+    **options,
 ) -> int:
     """The bytes a training step of ``micro_batch`` rows of ``seq_len`` tokens allocates on ``rank`` at its peak,
     above its parameters and gradients: saved activations, the working memory of the layer being computed or
     recomputed, gathered FSDP2 layers, the logits and the loss.
 
-    ``model`` is on the meta device and is consumed here (pass a copy to keep it); ``options`` are
+    ``model`` is on the meta device and is consumed here (pass a copy to keep it); ``loss_chunks``: CausalLMModule's
+    (see :mod:`~lightning_automodel.parallel.chunked_loss`); ``options`` are
     :func:`~lightning_automodel.parallel.parallelizer.parallelize`'s (``cp_attention`` is SDPA's: see the module's
     docstring). Must run outside any process group.
 
@@ -59,13 +80,16 @@ def activation_bytes(
             f"activation_bytes does not estimate pipeline parallel (pp={dims.pp}) yet: torch's pipeline stages exchange"
             " their shapes as pickled objects, which a fake process group cannot carry. Estimate at pp=1."
         )
-    step = partial(_step_peak, dims=dims, micro_batch=micro_batch, seq_len=seq_len, rank=rank, **options)
+    shape = dict(micro_batch=micro_batch, seq_len=seq_len, loss_chunks=loss_chunks)
+    step = partial(_step_peak, dims=dims, rank=rank, **shape, **options)
     # layers within FSDP2's prefetch window each add a gathered layer too: the few measured lie beyond it
     window = max(options.get("forward_prefetch", 0), options.get("backward_prefetch", 1))
     return over_layers(step, model, few=tuple(count + max(0, window - 1) for count in FEW_LAYERS))
 
 
-def _step_peak(model: nn.Module, *, dims: ParallelDims, micro_batch: int, seq_len: int, rank: int, **options) -> int:
+def _step_peak(
+    model: nn.Module, *, dims: ParallelDims, micro_batch: int, seq_len: int, loss_chunks: int, rank: int, **options
+) -> int:
     """The peak of one step of ``model`` as it is (see :func:`activation_bytes`)."""
     with fake_world(dims.world_size, rank=rank):
         mesh = dims.build_mesh("cpu")
@@ -79,23 +103,30 @@ def _step_peak(model: nn.Module, *, dims: ParallelDims, micro_batch: int, seq_le
         # The step runs on the fake tensors with their mode left: DTensor then propagates shapes in a fake mode of its
         # own, whose global-shape tensors the tracker leaves out (in the step's mode it would count them as memory).
         try:
-            with MemTracker() as tracker:
+            with TotalsTracker() as tracker:
                 tracker.track_external(model)
                 held = tracker.get_tracker_snapshot()[_CPU]["Total"]
-                training_step(model, input_ids=input_ids, mesh=mesh)
+                training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)
                 peak = tracker.get_tracker_snapshot("peak")[_CPU]["Total"]
         finally:
             fake_mode.cache_clear()  # its dispatch cache is the class's, and would keep this model's entries
     return peak - held
 
 
-def training_step(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh) -> None:
+def training_step(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh, loss_chunks: int = 1) -> None:
     """Forward and backward of the loss CausalLMModule trains on (its ``_step``, without its accuracy metric): under
     cp the model's own, which splits the batch in its call; otherwise the token mean over the data-parallel ranks,
-    from the logits (vocabulary-sharded under tp, hence ``loss_parallel``). Also what the tests measure real steps
-    with."""
+    from the logits (vocabulary-sharded under tp, hence ``loss_parallel``), ``loss_chunks`` sequence chunks at a time
+    where more than one (refused where CausalLMModule refuses it). Also what the tests measure real steps with."""
+    if loss_chunks > 1 and (problem := chunking_problem(model)) is not None:
+        raise ValueError(f"loss_chunks={loss_chunks}: {problem}.")
     with loss_parallel() if axis_size(mesh, "tp") > 1 else contextlib.nullcontext():
-        if context_parallel_of(model) is not None:
+        if loss_chunks > 1:
+            loss_sum, tokens, _ = chunked_causal_lm_loss_sum(
+                model, input_ids=input_ids, labels=input_ids, chunks=loss_chunks
+            )
+            loss = global_token_mean(loss_sum, tokens, mesh)
+        elif context_parallel_of(model) is not None:
             loss = model(input_ids=input_ids, labels=input_ids).loss
         else:
             loss_sum, tokens = causal_lm_loss_sum(model(input_ids=input_ids).logits, input_ids)

@@ -1,0 +1,17 @@
+"""The peak memory of a call on CPU, which has no allocator statistics (the estimate's tracker, on a real step)."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_automodel.parallel.memory import TotalsTracker
+
+
+def peak_bytes(run, *held) -> int:
+    """The peak memory of one call of ``run`` on this rank: the bytes of every tensor alive at its highest point,
+    those ``held`` (modules, optimizers, tensors) start it with included."""
+    tracker = TotalsTracker()
+    tracker.track_external(*held)
+    with tracker:
+        run()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]

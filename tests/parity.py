@@ -86,8 +86,20 @@ def parallel_outputs(model: torch.nn.Module, dp: DeviceMesh | None, *, batch_siz
     if dp is not None:
         dist.all_reduce(loss, group=dp.get_group())
         loss /= dp.size()
+    assert_gradients_placed_as_parameters(model)
     grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     return Outputs(loss, full(logits), grads)
+
+
+def assert_gradients_placed_as_parameters(model: torch.nn.Module) -> None:
+    """What an optimizer and clipping read: each gradient in its parameter's placements, not a ``Partial`` sum a
+    later op would complete (``full`` would hide one)."""
+    misplaced = {
+        name: (p.grad.placements, p.placements)
+        for name, p in model.named_parameters()
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements
+    }
+    assert not misplaced, misplaced
 
 
 def dp_slice(dp: DeviceMesh | None, batch_size: int) -> slice:

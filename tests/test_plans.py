@@ -356,7 +356,7 @@ def test_a_block_recomputed_outside_its_call_is_held_by_the_root():
     ("dims", "options", "sharded"),
     [
         (dict(tp=2), {}, False),  # one data-parallel rank: nothing to shard or cast
-        (dict(), {}, False),  # one process
+        (dict(), {}, True),  # one process: no DTensor else (Lightning's checkpoints load distributed models only)
         (dict(tp=2), dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), True),  # FSDP2 casts
         (dict(tp=2), dict(offload_policy=CPUOffloadPolicy()), True),  # FSDP2 offloads
         (dict(dp_shard=2), {}, True),
@@ -366,7 +366,8 @@ def test_a_block_recomputed_outside_its_call_is_held_by_the_root():
 def test_fsdp_only_where_it_shards_casts_or_offloads(dims, options, sharded):
     """Over one data-parallel rank FSDP2 would hold a gathered copy of the root and the last layer beside their
     shards and copy every unit in and out each step, for nothing (benchmarks/peers.py at tp=2: +43% parameter bytes
-    at peak over an expert's plan): it is applied only where it shards, casts or offloads."""
+    at peak over an expert's plan): it is applied only where it shards, casts, offloads or makes the model a
+    distributed one."""
     world = math.prod(dims.values())
     with fake_world(world):
         with torch.device("meta"):
@@ -380,13 +381,15 @@ def test_fsdp_only_where_it_shards_casts_or_offloads(dims, options, sharded):
 
 def test_fsdp_kept_for_a_parameter_computing_in_another_dtype_than_stored():
     """A parameter pinned to fp32 (``_keep_in_fp32_modules_strict``) but stored in bf16 is cast by FSDP2 even over
-    one rank."""
-    model = tiny_model().to(torch.bfloat16)
-    with fake_world(1):
-        mesh = fsdp_mesh(ParallelDims().resolve(1).build_mesh("cpu"))
+    one data-parallel rank."""
+    with fake_world(2):
+        with torch.device("meta"):
+            model = tiny_model().to(torch.bfloat16)
+        mesh = ParallelDims(tp=2).resolve(2).build_mesh("cpu")
+        parallelize(model, mesh)
         options = dict(mp_policy=None, offload_policy=None)
-        assert not fsdp_needed(model, mesh, **options)
-        assert fsdp_needed(model, mesh, **options, fp32_compute_module_names=("lm_head",))
+        assert not fsdp_needed(model, fsdp_mesh(mesh), **options)
+        assert fsdp_needed(model, fsdp_mesh(mesh), **options, fp32_compute_module_names=("lm_head",))
 
 
 def test_a_registered_parallelization_strategy_takes_over_the_flow():

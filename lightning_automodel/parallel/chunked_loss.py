@@ -27,6 +27,11 @@ from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.loss import next_token_targets, token_hits, token_loss_sum
 from lightning_automodel.parallel.pipeline import pipeline_of
 
+SPLIT_CALLS = (
+    "under pipeline or context parallel (pp > 1, cp > 1) the model's call computes the loss (the last stage a"
+    " micro-batch at a time; each rank its share of the sequence), not chunked yet"
+)
+
 
 def chunked_causal_lm_loss_sum(
     model: nn.Module,
@@ -45,6 +50,12 @@ def chunked_causal_lm_loss_sum(
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = _whole_sequence(last_hidden_states(hf_model, input_ids=input_ids, attention_mask=attention_mask))
     targets = next_token_targets(labels, ignore_index=ignore_index)
+    if hidden.size(1) != targets.size(1):
+        raise ValueError(
+            f"The last hidden states hold {hidden.size(1)} of the sequence's {targets.size(1)} positions (a"
+            " tensor-parallel plan leaving them a local sequence shard): chunks would pair them with other positions'"
+            " labels. Give the final norm a style whose output is a DTensor (use_local_output=False), or loss_chunks=1."
+        )
     size = -(-hidden.size(1) // chunks)
     losses, hits = [], []
     for hidden_chunk, target_chunk in zip(hidden.split(size, dim=1), targets.split(size, dim=1), strict=True):
@@ -119,13 +130,10 @@ def chunking_problem(model: nn.Module) -> str | None:
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     name = type(hf_model).__name__
     if pipeline_of(model) is not None or context_parallel_of(model) is not None:
-        return (
-            "under pipeline or context parallel (pp > 1, cp > 1) the model's call computes the loss (the last stage a"
-            " micro-batch at a time; each rank its share of the sequence), not chunked yet"
-        )
+        return SPLIT_CALLS
     if getattr(hf_model.config.get_text_config(), "final_logit_softcapping", None):
         return f"{name} soft-caps its logits after its lm_head (final_logit_softcapping)"
-    if getattr(hf_model.config, "output_router_logits", False):
+    if getattr(hf_model.config.get_text_config(), "output_router_logits", False):
         return f"{name} adds its router's auxiliary loss in its own call: set output_router_logits=False"
     if hf_model.get_output_embeddings() is None:
         return f"{name} has no output embedding (lm_head) to run a chunk at a time"

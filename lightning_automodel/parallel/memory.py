@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_automodel.mesh import ParallelDims, axis_size
-from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
+from lightning_automodel.parallel.chunked_loss import SPLIT_CALLS, chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.layer_extrapolation import FEW_LAYERS, over_layers
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean
@@ -80,6 +80,10 @@ def activation_bytes(
             f"activation_bytes does not estimate pipeline parallel (pp={dims.pp}) yet: torch's pipeline stages exchange"
             " their shapes as pickled objects, which a fake process group cannot carry. Estimate at pp=1."
         )
+    if loss_chunks > 1:  # refused as CausalLMModule refuses it, before any step (its check runs a model of its own)
+        problem = SPLIT_CALLS if dims.cp > 1 else chunking_problem(model)
+        if problem is not None:
+            raise ValueError(f"loss_chunks={loss_chunks}: {problem}.")
     shape = dict(micro_batch=micro_batch, seq_len=seq_len, loss_chunks=loss_chunks)
     step = partial(_step_peak, dims=dims, rank=rank, **shape, **options)
     # layers within FSDP2's prefetch window each add a gathered layer too: the few measured lie beyond it
@@ -117,9 +121,7 @@ def training_step(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh
     """Forward and backward of the loss CausalLMModule trains on (its ``_step``, without its accuracy metric): under
     cp the model's own, which splits the batch in its call; otherwise the token mean over the data-parallel ranks,
     from the logits (vocabulary-sharded under tp, hence ``loss_parallel``), ``loss_chunks`` sequence chunks at a time
-    where more than one (refused where CausalLMModule refuses it). Also what the tests measure real steps with."""
-    if loss_chunks > 1 and (problem := chunking_problem(model)) is not None:
-        raise ValueError(f"loss_chunks={loss_chunks}: {problem}.")
+    where more than one. Also what the tests measure real steps with."""
     with loss_parallel() if axis_size(mesh, "tp") > 1 else contextlib.nullcontext():
         if loss_chunks > 1:
             loss_sum, tokens, _ = chunked_causal_lm_loss_sum(

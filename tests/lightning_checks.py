@@ -247,8 +247,7 @@ def check_trainer_parity(
     trainer(strategy).fit(module, data(dist.get_world_size() // tp))
     assert strategy.device_mesh["dp_replicate"].size() == dp_replicate
     assert_experts_distributed(module.model, ep=ep)
-    layer = decoder_layers(module.model)[0]  # no FSDP unit over one data-parallel rank without offload
-    offload = layer._get_fsdp_state()._fsdp_param_group.offload_policy if isinstance(layer, FSDPModule) else None
+    offload = decoder_layers(module.model)[0]._get_fsdp_state()._fsdp_param_group.offload_policy
     assert isinstance(offload, CPUOffloadPolicy) == cpu_offload, offload
     reference = tiny_model(family)
     return compare_training(module, reference, reference_run(reference))

@@ -72,10 +72,14 @@ def single_process_outputs(reference: torch.nn.Module, *, batch_size: int = 4) -
     return Outputs(loss, logits, {name: p.grad for name, p in reference.named_parameters() if p.grad is not None})
 
 
-def parallel_outputs(model: torch.nn.Module, dp: DeviceMesh | None, *, batch_size: int = 4) -> Outputs:
+def parallel_outputs(
+    model: torch.nn.Module, dp: DeviceMesh | None, *, batch_size: int = 4, placed: bool = True
+) -> Outputs:
     """This rank's logits (of its slice of the batch), the loss averaged over ``dp`` and every gradient, gathered.
 
     ``dp`` is the data-parallel mesh: each of its ranks gets a contiguous slice of the batch. None: no split.
+    ``placed``: the gradients must be in their parameters' placements (as FSDP2 hands them; not so for a model
+    parallelized by torch's ``parallelize_module`` alone).
     """
     tokens, labels = batch(batch_size)
     rank_slice = dp_slice(dp, batch_size)
@@ -86,7 +90,8 @@ def parallel_outputs(model: torch.nn.Module, dp: DeviceMesh | None, *, batch_siz
     if dp is not None:
         dist.all_reduce(loss, group=dp.get_group())
         loss /= dp.size()
-    assert_gradients_placed_as_parameters(model)
+    if placed:
+        assert_gradients_placed_as_parameters(model)
     grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     return Outputs(loss, full(logits), grads)
 
@@ -134,11 +139,13 @@ def output_errors(outputs: Outputs, expected: Outputs, rank_slice: slice) -> dic
     }
 
 
-def forward_backward_errors(model, reference, dp: DeviceMesh | None, *, batch_size: int = 4) -> dict[str, float]:
+def forward_backward_errors(
+    model, reference, dp: DeviceMesh | None, *, batch_size: int = 4, placed: bool = True
+) -> dict[str, float]:
     """Max relative errors of the dp-averaged loss, this rank's logits and every gradient against ``reference``,
     which runs the whole batch."""
     expected = single_process_outputs(reference, batch_size=batch_size)
-    outputs = parallel_outputs(model, dp, batch_size=batch_size)
+    outputs = parallel_outputs(model, dp, batch_size=batch_size, placed=placed)
     return output_errors(outputs, expected, dp_slice(dp, batch_size))
 
 
@@ -267,7 +274,7 @@ def check_plan_alone_is_wrong(model_type: str, plan: str) -> dict[str, float]:
     reference, model = any_model(model_type), any_model(model_type)
     styles = LLAMA_NAMES_PLAN if plan == "llama names" else select_tp_plan(model, sp=False).plan
     parallelize_module(model, tp_mesh(mesh), styles)
-    return forward_backward_errors(model, reference, data_mesh(mesh))
+    return forward_backward_errors(model, reference, data_mesh(mesh), placed=False)
 
 
 def check_plan_of_any_model(model_type: str, plan: str, sp: bool = False) -> dict[str, float]:

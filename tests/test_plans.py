@@ -1,17 +1,13 @@
 """Plan selection and validation: pure functions, no process group needed."""
 
-import math
-
 import pytest
 import torch
 from models import tiny_config, tiny_model
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.hf.shrink import tiny_config as coverage_config
-from lightning_automodel.mesh import fsdp_mesh
 from lightning_automodel.parallel import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
@@ -20,7 +16,6 @@ from lightning_automodel.parallel import (
     register_parallelization_strategy,
 )
 from lightning_automodel.parallel.blocks import layers_sharing_parameters, named_decoder_layers
-from lightning_automodel.parallel.fsdp import fsdp_needed
 from lightning_automodel.parallel.hf_plan import hf_style_strings, translate_style
 from lightning_automodel.parallel.parallelizer import (
     blocks_recomputed_outside_calls,
@@ -350,46 +345,6 @@ def test_a_block_recomputed_outside_its_call_is_held_by_the_root():
         ):
             with pytest.raises(ValueError, match=f"runs reformer.encoder.layers.0 without autograd.*{named} would"):
                 check_before_collectives(model, mesh, **{option: True})
-
-
-@pytest.mark.parametrize(
-    ("dims", "options", "sharded"),
-    [
-        (dict(tp=2), {}, False),  # one data-parallel rank: nothing to shard or cast
-        (dict(), {}, True),  # one process: no DTensor else (Lightning's checkpoints load distributed models only)
-        (dict(tp=2), dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), True),  # FSDP2 casts
-        (dict(tp=2), dict(offload_policy=CPUOffloadPolicy()), True),  # FSDP2 offloads
-        (dict(dp_shard=2), {}, True),
-        (dict(dp_replicate=2), {}, True),  # HSDP's replicas reduce their gradients through FSDP2
-    ],
-)
-def test_fsdp_only_where_it_shards_casts_or_offloads(dims, options, sharded):
-    """Over one data-parallel rank FSDP2 would hold a gathered copy of the root and the last layer beside their
-    shards and copy every unit in and out each step, for nothing (benchmarks/peers.py at tp=2: +43% parameter bytes
-    at peak over an expert's plan): it is applied only where it shards, casts, offloads or makes the model a
-    distributed one."""
-    world = math.prod(dims.values())
-    with fake_world(world):
-        with torch.device("meta"):
-            model = tiny_model()
-        parallelize(model, ParallelDims(**dims).resolve(world).build_mesh("cpu"), **options)
-        units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
-        assert bool(units) == sharded, units
-        if sharded:
-            assert "model.layers.0" in units and "" in units
-
-
-def test_fsdp_kept_for_a_parameter_computing_in_another_dtype_than_stored():
-    """A parameter pinned to fp32 (``_keep_in_fp32_modules_strict``) but stored in bf16 is cast by FSDP2 even over
-    one data-parallel rank."""
-    with fake_world(2):
-        with torch.device("meta"):
-            model = tiny_model().to(torch.bfloat16)
-        mesh = ParallelDims(tp=2).resolve(2).build_mesh("cpu")
-        parallelize(model, mesh)
-        options = dict(mp_policy=None, offload_policy=None)
-        assert not fsdp_needed(model, fsdp_mesh(mesh), **options)
-        assert fsdp_needed(model, fsdp_mesh(mesh), **options, fp32_compute_module_names=("lm_head",))
 
 
 def test_a_registered_parallelization_strategy_takes_over_the_flow():

@@ -96,51 +96,6 @@ def apply_fsdp(
             layer.set_modules_to_backward_prefetch(list(layers[max(0, index - backward_prefetch) : index][::-1]))
 
 
-def fsdp_needed(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    mp_policy: MixedPrecisionPolicy | None,
-    offload_policy: OffloadPolicy | None,
-    fp32_compute_module_names: Iterable[str] = (),
-) -> bool:
-    """Whether FSDP2 does anything for ``model`` over ``mesh``.
-
-    Over one rank it shards nothing, yet it keeps a gathered copy of every unit not resharded after forward (the
-    root, the last layer) beside its shard, and copies each unit in and out every step: at tp=2 alone that held 43%
-    more parameter bytes at peak than an expert's plan without it (``benchmarks/peers.py``). What it still does over
-    one rank keeps it there: casting parameters to another compute dtype (a mixed-precision policy; fp32-pinned
-    parameters stored in a lower precision), offloading them to CPU memory, and making a model with no tensor-parallel
-    parameter a distributed one (Lightning's ModelParallelStrategy saves and loads DTensor models only). Without it,
-    :func:`place_gradients_as_parameters` does what it did for the gradients.
-    """
-    if mesh.size() > 1 or offload_policy is not None:
-        return True
-    if not any(isinstance(param, DTensor) for param in model.parameters()):
-        return True
-    if mp_policy is not None and mp_policy != MixedPrecisionPolicy():
-        return True
-    dtype_of = compute_dtype_resolver(model, param_dtype=None, fp32_module_names=fp32_compute_module_names)
-    return any(dtype_of(param) != param.dtype for param in model.parameters())
-
-
-def place_gradients_as_parameters(model: nn.Module) -> None:
-    """Give every tensor-parallel parameter its gradient in its own placements once accumulated, as FSDP2 does.
-
-    A parameter replicated over tp and fed sequence-sharded activations (a norm under sequence parallel, a per-head
-    norm) gets a ``Partial`` gradient, each rank holding its addend: correct under any DTensor op, but an optimizer
-    would sum it again at every use, in-place clipping by value refuses it, and ``to_local`` reads one rank's share.
-    """
-    for param in model.parameters():
-        if isinstance(param, DTensor) and param.requires_grad:
-            param.register_post_accumulate_grad_hook(_place_gradient)
-
-
-def _place_gradient(param: DTensor) -> None:
-    if param.grad.placements != param.placements:
-        param.grad = param.grad.redistribute(placements=param.placements)
-
-
 def shard_experts(experts: ExpertSharding, **options: object) -> None:
     """Shard each experts module over ``experts.mesh`` (``options``: those of :func:`fully_shard_by_dtype`)."""
     # A custom factor makes FSDP scale inside its reduce-scatter (NCCL's PreMulSum), which gloo lacks: there it sums

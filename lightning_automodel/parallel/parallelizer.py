@@ -41,12 +41,7 @@ from lightning_automodel.parallel.expert_parallel import (
     experts_modules,
 )
 from lightning_automodel.parallel.experts import give_every_expert_a_gradient
-from lightning_automodel.parallel.fsdp import (
-    ExpertSharding,
-    apply_fsdp,
-    fsdp_needed,
-    place_gradients_as_parameters,
-)
+from lightning_automodel.parallel.fsdp import ExpertSharding, apply_fsdp
 from lightning_automodel.parallel.pipeline import (
     PipelineOptions,
     name_of,
@@ -139,9 +134,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         :mod:`lightning_automodel.parallel.pipeline`. Without the strategy, a pipelined model built on the meta
         device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
         ``.sum_tied_gradients()`` before each optimizer step. Parameters the model pins to fp32 (Hugging Face's
-        ``_keep_in_fp32_modules_strict``) compute in fp32 under any mixed-precision policy. Where FSDP2 would have
-        nothing to do (one data-parallel rank of a tensor-parallel model, no cast, no offload: see
-        :func:`~lightning_automodel.parallel.fsdp.fsdp_needed`) the model is left without it.
+        ``_keep_in_fp32_modules_strict``) compute in fp32 under any mixed-precision policy.
 
         Every check that can refuse runs first, on every rank, before any collective: sizes, the tensor-parallel plan
         and a probe step of the model on the meta device (see :mod:`lightning_automodel.parallel.tensor_parallel`).
@@ -200,21 +193,18 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if compiled is not None:
             apply_compile(model, layers, compiled)
         give_every_expert_a_gradient(model)
-        fp32_names = fp32_pinned_names(model)
-        precision = dict(mp_policy=mp_policy, offload_policy=offload_policy, fp32_compute_module_names=fp32_names)
-        if stages is None and not fsdp_needed(model, fsdp_mesh(device_mesh), **precision):
-            place_gradients_as_parameters(model)  # (a pipeline reads its gradients from FSDP2's units: it keeps them)
-            return model
         for root in stages.stage_modules() if stages is not None else [model]:  # a root per stage a rank holds
             apply_fsdp(
                 root,
                 [layer for name, layer in named_decoder_layers(root) if name not in checked.held_by_root],
                 fsdp_mesh(device_mesh),
                 experts=experts.within(root) if experts is not None else None,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
                 reshard_after_forward=reshard_after_forward,
                 forward_prefetch=forward_prefetch,
                 backward_prefetch=backward_prefetch,
-                **precision,
+                fp32_compute_module_names=fp32_pinned_names(model),
             )
         return model
 

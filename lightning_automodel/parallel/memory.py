@@ -92,7 +92,7 @@ def activation_bytes(
 
 
 def _step_peak(
-    model: nn.Module, *, dims: ParallelDims, micro_batch: int, seq_len: int, loss_chunks: int, rank: int, **options
+    model: nn.Module, *, dims: ParallelDims, micro_batch: int, seq_len: int, rank: int, loss_chunks: int = 1, **options
 ) -> int:
     """The peak of one step of ``model`` as it is (see :func:`activation_bytes`)."""
     with fake_world(dims.world_size, rank=rank):

@@ -56,10 +56,10 @@ def chunked_causal_lm_loss_sum(
             " tensor-parallel plan leaving them a local sequence shard): chunks would pair them with other positions'"
             " labels. Give the final norm a style whose output is a DTensor (use_local_output=False), or loss_chunks=1."
         )
-    size = -(-hidden.size(1) // chunks)
+    size, head = -(-hidden.size(1) // chunks), hf_model.get_output_embeddings()
     losses, hits = [], []
     for hidden_chunk, target_chunk in zip(hidden.split(size, dim=1), targets.split(size, dim=1), strict=True):
-        chunk = _ChunkLoss(hf_model.get_output_embeddings(), target_chunk, ignore_index)
+        chunk = _ChunkLoss(head, target_chunk, ignore_index)
         losses.append(checkpoint(chunk, hidden_chunk, use_reentrant=False))
         hits.append(chunk.hits)
     return sum(losses[1:], losses[0]), (targets != ignore_index).sum(), sum(hits[1:], hits[0])
@@ -128,12 +128,12 @@ def chunking_problem(model: nn.Module) -> str | None:
     (a mixture of experts' router loss), and its call must not compute the loss itself (pipeline and context
     parallel). The same on every rank."""
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    name = type(hf_model).__name__
+    name, text_config = type(hf_model).__name__, hf_model.config.get_text_config()
     if pipeline_of(model) is not None or context_parallel_of(model) is not None:
         return SPLIT_CALLS
-    if getattr(hf_model.config.get_text_config(), "final_logit_softcapping", None):
+    if getattr(text_config, "final_logit_softcapping", None):
         return f"{name} soft-caps its logits after its lm_head (final_logit_softcapping)"
-    if getattr(hf_model.config.get_text_config(), "output_router_logits", False):
+    if getattr(text_config, "output_router_logits", False):
         return f"{name} adds its router's auxiliary loss in its own call: set output_router_logits=False"
     if hf_model.get_output_embeddings() is None:
         return f"{name} has no output embedding (lm_head) to run a chunk at a time"

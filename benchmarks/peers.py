@@ -39,16 +39,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections import defaultdict
 from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch  # noqa: E402
+from collective_bytes import CollectiveBytes  # noqa: E402
 from harness import run_checks  # noqa: E402
 from peak_memory import peak_bytes  # noqa: E402
 from saved_activations import saved_activations  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 CONFIG = dict(
     vocab_size=2048,
@@ -63,41 +62,6 @@ CONFIG = dict(
 ROWS, TOKENS, STEPS, WARMUP = 8, 256, 20, 2  # ROWS: the global batch
 PEERS = ("ours", "expert", "transformers")
 LAYOUTS = ((2, 2), (2, 1), (1, 2))  # (dp_shard, tp); sequence parallel wherever tp > 1
-
-
-NOT_COLLECTIVES = ("wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd")
-
-
-class CollectiveBytes(TorchDispatchMode):
-    """The bytes of every collective dispatched, by kind: the whole tensor it gathers, reduces or scatters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes: dict[str, int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        namespace, name = func.namespace, func.__name__.split(".")[0]
-        if namespace in ("c10d", "_c10d_functional") and name not in NOT_COLLECTIVES:
-            self.bytes[_kind(name)] += _whole_bytes(name, args)
-        return func(*args, **kwargs)
-
-
-def _kind(name: str) -> str:
-    for kind in ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce", "broadcast", "all_to_all"):
-        if name.startswith(kind) or name.startswith(f"_{kind}"):
-            return kind.replace("allgather", "all_gather").replace("allreduce", "all_reduce")
-    return name
-
-
-def _whole_bytes(name: str, args: tuple) -> int:
-    tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    if name == "all_gather_into_tensor":  # the functional one: (input, group_size, group_name)
-        return sizes[0] * args[1]
-    if name in ("allgather_", "reduce_scatter_"):  # lists: the gathered outputs, the inputs reduced
-        return sum(sizes) - (sizes[-1] if name == "allgather_" else sizes[0])
-    return max(sizes)
 
 
 def build(kind: str, mesh_shape: tuple[int, int]):

@@ -24,7 +24,7 @@ batch; torchtitan's labels are the next tokens, the last position ignored, so al
 row). Per layout: each one's first loss against one process on the whole batch (else its time is void); the step time
 over ours (the logits whole), the median over steps of each step's ratio (a step's time is its slowest rank's), with
 the quartiles of the ratios: the noise a difference must exceed; the bytes of each collective kind in one step on rank
-0 (peers.CollectiveBytes, around one more step after the timed ones); the peak memory of one more step, the worst
+0 (tests/collective_bytes.py, around one more step after the timed ones); the peak memory of one more step, the worst
 rank's (tests/peak_memory.py: every tensor alive at the step's highest point, weights, gradients and AdamW state
 included; torch's MemTracker less its statistics by module, which refuse a loss calling lm_head once a chunk).
 

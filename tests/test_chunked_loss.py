@@ -1,11 +1,14 @@
 """The loss a sequence chunk at a time (``parallel/chunked_loss.py``) in one process: the whole logits' loss, hits and
 gradients, however the loss is scaled after; a peak without the whole logits; models whose logits are more than their
-head refused. Its parity under tp x dp with sequence parallel, through CausalLMModule: test_lm.py."""
+head refused; at tp=2, no collective more than the whole logits'. Its parity under tp x dp with sequence parallel,
+through CausalLMModule: test_lm.py."""
 
 from functools import partial
 
 import pytest
 import torch
+from chunked_loss_checks import check_collectives_of_the_whole_logits
+from harness import run_checks
 from models import tiny_config
 from parity import FP32_TOLERANCE, relative_error
 from peak_memory import peak_bytes
@@ -41,7 +44,7 @@ def _chunked(model, batch, *, chunks: int):
 def test_the_whole_logits_loss_hits_and_gradients_however_scaled():
     """15 tokens in 4 chunks (4, 4, 4, 3) on right-padded rows: the same summed loss, scored tokens and hits, and,
     for a loss scaled after it (as Lightning scales it under gradient accumulation), every gradient of the whole
-    logits' loss: backward recomputes each chunk under the loss's own gradient."""
+    logits' loss: the gradients forward computes for a loss gradient of 1 are scaled by the actual one."""
     model = _model()
     batch = _padded(3, 15, model.config.vocab_size)
     results, grads = {}, {}
@@ -115,3 +118,20 @@ def test_a_head_the_replica_computes_otherwise_is_refused(monkeypatch):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     assert "logits are more than its lm_head on its last hidden states (relative error" in chunking_problem(model)
+
+
+def test_no_collective_more_than_the_whole_logits():
+    """At tp=2, with and without sequence parallel: the whole logits' gradients, by the same collectives to the byte;
+    also for a sequence that sp splits unequally (31 tokens), gathered whole."""
+    layouts = [partial(check_collectives_of_the_whole_logits, sp) for sp in (True, False)]
+    print(run_checks(2, [*layouts, partial(check_collectives_of_the_whole_logits, True, tokens=31)], timeout=120))
+
+
+def test_a_second_backward_is_refused():
+    """The gradients forward computed are freed by the first backward: a second one (retain_graph=True) raises
+    rather than give nothing to the head and the decoder."""
+    model = _model()
+    loss_sum, _, _ = _chunked(model, _padded(2, 9, model.config.vocab_size), chunks=2)
+    loss_sum.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="A second backward through a chunked loss"):
+        loss_sum.backward()

@@ -15,9 +15,9 @@ def test_a_rank_stuck_in_a_collective_fails_after_the_process_group_timeout():
 
 def test_a_hang_outside_collectives_fails_at_the_launch_timeout():
     start = time.monotonic()
-    with pytest.raises(pytest.fail.Exception, match="timed out after 15s"):
-        run_checks(2, [check_every_rank_hangs], timeout=15)
-    assert time.monotonic() - start < 40
+    with pytest.raises(pytest.fail.Exception, match="timed out after 5s"):
+        run_checks(2, [check_every_rank_hangs], timeout=5)
+    assert time.monotonic() - start < 30
 
 
 def test_a_failure_names_its_rank_and_check():

@@ -262,6 +262,7 @@ def test_two_nodes_train_like_one_process(tmp_path):
     check_rank_zero_weights_won(results)
 
 
+@pytest.mark.sweep
 def test_lightning_launcher_on_two_nodes(tmp_path):
     """The README's "Lightning's own launcher" recipe on two "nodes" of this machine: both commands exit 0 in one
     world with the replicas across the nodes; global rank 0 alone prints the summary and writes the logs, and

@@ -7,6 +7,7 @@ stages per rank; a loss computed from the logits and every bad option refused on
 
 from functools import partial
 
+import pytest
 import torch
 from harness import run_checks
 from lightning_checks import check_checkpoint_resume_across_layouts
@@ -26,6 +27,7 @@ from lightning_automodel.parallel.pipeline import pipeline_problem, split_into_s
 
 # Gemma 3 with layers of both kinds, placed so that a stage reading the per-layer settings of the rank's other stage
 # (rank 0 holds layers 0 and 2) computes the wrong attention
+INTERLEAVED = dict(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)
 MIXED_LAYERS = dict(layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"])
 
 
@@ -56,26 +58,35 @@ def test_pipeline_two_stages_against_one_process():
 def test_pipeline_with_tensor_and_data_parallel(tmp_path):
     """World 4: Llama at pp=2 x tp=2 with sp (1F1B, 4 micro-batches); Gemma 3 (tied, its embedding vocabulary-parallel)
     at pp=2 x tp=2 with sp (GPipe); Qwen3 at pp=2 x dp_shard=2 with activation checkpointing; Llama at pp=2 under HSDP
-    (dp_replicate=2); LoRA on every projection at pp=2 x tp=2 with sp; Llama and LoRA with two stages per rank
-    (Interleaved1F1B) at pp=2 x tp=2 with sp; checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2 and at
-    pp=1 (dp_shard=4), saved at pp=1 resumed at pp=2 x tp=2, and between pp=4 and pp=2 with two stages per rank;
-    refusals before any collective. Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2): two stages per rank,
-    accumulation and clipping (the experts' norm over their own mesh), a checkpoint resumed at pp=1."""
+    (dp_replicate=2); LoRA on every projection with two stages per rank (Interleaved1F1B) at pp=2 x tp=2 with sp;
+    checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2, and at pp=2 with two stages per rank resumed at
+    pp=4; refusals before any collective. Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2): two stages per
+    rank, accumulation and clipping (the experts' norm over their own mesh). More layouts: the sweep below."""
     pp2, pp2_tp2, pp4 = dict(pp=2), dict(pp=2, tp=2), dict(pp=4)
-    interleaved = dict(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)
-    resumes = [(pp2, pp2_tp2), (pp2, {}), ({}, pp2_tp2), (interleaved, pp4), (pp4, interleaved)]
     checks = [
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4, tp=2, sp=True),
-        partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", microbatches=4, tp=2, sp=True, stages_per_rank=2),
         partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3", tp=2, sp=True),
         partial(check_pipeline_trainer_parity, 2, "1F1B", "qwen3", activation_checkpointing=True),
         partial(check_pipeline_trainer_parity, 2, "GPipe", dp_replicate=2),
-        partial(check_pipeline_lora, 2, 2, True),
         partial(check_pipeline_lora, 2, 2, True, "Interleaved1F1B", 2),
-        partial(check_checkpoint_resume_across_layouts, str(tmp_path), resumes),
+        partial(check_checkpoint_resume_across_layouts, str(tmp_path), [(pp2, pp2_tp2), (INTERLEAVED, pp4)]),
         partial(check_pipeline_refusals, 2),
         partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", "qwen3_moe", ep=2, stages_per_rank=2),
         partial(check_pipeline_accumulation_and_clipping, 2, "qwen3_moe", ep=2),
+    ]
+    run_checks(4, checks, timeout=400)
+
+
+@pytest.mark.sweep
+def test_pipeline_sweep(tmp_path):
+    """World 4: Llama with two stages per rank (Interleaved1F1B) at pp=2 x tp=2 with sp; LoRA at pp=2 x tp=2 with sp
+    (1F1B); checkpoints saved at pp=2 resumed at pp=1 (dp_shard=4), saved at pp=1 resumed at pp=2 x tp=2, saved at
+    pp=4 resumed at pp=2 with two stages per rank; Qwen3-MoE's saved at pp=2 x ep=2 resumed at pp=1."""
+    pp2, pp2_tp2, pp4 = dict(pp=2), dict(pp=2, tp=2), dict(pp=4)
+    checks = [
+        partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", microbatches=4, tp=2, sp=True, stages_per_rank=2),
+        partial(check_pipeline_lora, 2, 2, True),
+        partial(check_checkpoint_resume_across_layouts, str(tmp_path), [(pp2, {}), ({}, pp2_tp2), (pp4, INTERLEAVED)]),
         partial(
             check_checkpoint_resume_across_layouts, str(tmp_path / "moe"), [(dict(pp=2, ep=2), dict(ep=2))], "qwen3_moe"
         ),

@@ -2,12 +2,13 @@
 
 The logits a loss reads ([rows, tokens, vocabulary / tp], in fp32), and in backward their log-softmax and gradient, are
 the largest tensors of many steps: a 128k vocabulary at a few thousand tokens a row outweighs a decoder layer's saved
-activations. Here the base model's last hidden states are split along the sequence, and each chunk runs the head and
-the cross-entropy under activation checkpointing: forward keeps the chunk's summed loss and nothing of its logits;
-backward recomputes one chunk's logits at a time. The price is one more forward of the head (2 x rows x tokens x
-hidden x vocabulary / tp FLOPs a step). torchtitan's chunked loss runs each chunk's backward inside forward instead,
-which saves the recomputation but fixes the loss's gradient at 1: a loss scaled after it (Lightning divides it under
-gradient accumulation) would scale the decoder's gradients and not the head's.
+activations. Here the base model's last hidden states are split along the sequence, and forward runs each chunk's head,
+cross-entropy and their backward at once, keeping of the chunk only its summed loss and the gradients of that sum with
+respect to the chunk's hidden states and to the head's weights (torchtitan's chunked loss does the same). Those
+gradients are those of a loss whose own gradient is 1: backward multiplies them by the gradient the loss actually gets
+(:class:`_PrecomputedBackward`), so that a loss scaled after this one (Lightning divides it under gradient
+accumulation) scales the head's gradients with the decoder's. Nothing is recomputed, and one [rows, tokens, hidden]
+gradient is held from forward to backward where the whole logits would hold [rows, tokens, vocabulary / tp] and more.
 
 The head is the model's output embedding on the last hidden states, read from the model's own call with its head an
 identity (:func:`last_hidden_states`): a scale the call applies after a linear head (Granite's ``logits_scaling``)
@@ -20,8 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.loss import next_token_targets, token_hits, token_loss_sum
@@ -48,7 +48,7 @@ def chunked_causal_lm_loss_sum(
     causal LM (or a PEFT model of one) that :func:`chunking_problem` accepts; under tensor parallel, call it inside
     ``loss_parallel`` as the whole logits' loss."""
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = _whole_sequence(last_hidden_states(hf_model, input_ids=input_ids, attention_mask=attention_mask))
+    hidden = _evenly_split(last_hidden_states(hf_model, input_ids=input_ids, attention_mask=attention_mask))
     targets = next_token_targets(labels, ignore_index=ignore_index)
     if hidden.size(1) != targets.size(1):
         raise ValueError(
@@ -56,13 +56,89 @@ def chunked_causal_lm_loss_sum(
             " tensor-parallel plan leaving them a local sequence shard): chunks would pair them with other positions'"
             " labels. Give the final norm a style whose output is a DTensor (use_local_output=False), or loss_chunks=1."
         )
-    size, head = -(-hidden.size(1) // chunks), hf_model.get_output_embeddings()
-    losses, hits = [], []
-    for hidden_chunk, target_chunk in zip(hidden.split(size, dim=1), targets.split(size, dim=1), strict=True):
-        chunk = _ChunkLoss(head, target_chunk, ignore_index)
-        losses.append(checkpoint(chunk, hidden_chunk, use_reentrant=False))
-        hits.append(chunk.hits)
-    return sum(losses[1:], losses[0]), (targets != ignore_index).sum(), sum(hits[1:], hits[0])
+    head, pairs = hf_model.get_output_embeddings(), _chunks(hidden, targets=targets, chunks=chunks)
+    tokens = (targets != ignore_index).sum()
+    weights = [weight for weight in head.parameters() if weight.requires_grad]
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weights):
+        losses, hits = zip(
+            *(_chunk_loss(head, hidden=h, targets=t, ignore_index=ignore_index) for h, t in pairs), strict=True
+        )
+        return _total(losses), tokens, _total(hits)
+    loss_sum, hits, gradients = _forward_and_backward(
+        head, pairs=pairs, weights=weights, hidden=hidden, ignore_index=ignore_index
+    )
+    return _PrecomputedBackward.apply(loss_sum, gradients, hidden, *weights), tokens, hits
+
+
+def _forward_and_backward(
+    head: nn.Module, *, pairs: list[tuple[Tensor, Tensor]], weights: list[Tensor], hidden: Tensor, ignore_index: int
+) -> tuple[Tensor, Tensor, list[Tensor | None]]:
+    """The summed loss and hits of ``head`` on the (hidden states, targets) chunks ``pairs``, and the gradients of the
+    sum with respect to ``hidden`` (None where it needs none) and to the head's ``weights``: each chunk's backward runs
+    before the next chunk's forward, so that one chunk's logits are alive at a time."""
+    losses, hits, hidden_grads, weight_grads = [], [], [], None
+    for hidden_chunk, target_chunk in pairs:
+        leaf = hidden_chunk.detach().requires_grad_(hidden.requires_grad)
+        # The head reads a view of the leaf: torch's module trackers (MemTracker's, FlopCounterMode's) hook a module's
+        # inputs with a hook that autograd.grad refuses on a leaf.
+        loss, chunk_hits = _chunk_loss(head, hidden=leaf.view_as(leaf), targets=target_chunk, ignore_index=ignore_index)
+        grads = torch.autograd.grad(loss, [leaf, *weights] if hidden.requires_grad else weights)
+        if hidden.requires_grad:
+            hidden_grads.append(grads[0])
+            grads = grads[1:]
+        weight_grads = list(grads) if weight_grads is None else list(map(torch.add, weight_grads, grads))
+        losses.append(loss.detach())
+        hits.append(chunk_hits)
+    hidden_grad = _along_sequence(hidden_grads, like=hidden) if hidden.requires_grad else None
+    return _total(losses), _total(hits), [hidden_grad, *weight_grads]
+
+
+def _chunk_loss(head: nn.Module, *, hidden: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """One chunk's summed loss and hits."""
+    logits = head(hidden)
+    hits, _ = token_hits(logits.detach(), targets, ignore_index=ignore_index)
+    return token_loss_sum(logits, targets, ignore_index=ignore_index)[0], hits
+
+
+def _total(values: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
+    return sum(values[1:], values[0])
+
+
+def _evenly_split(hidden: Tensor) -> Tensor:
+    """The hidden states, replicated over the tp ranks unless sequence parallel left each rank an equal share of the
+    sequence (a DTensor sharded along it alone): those stay as they are, and :func:`_chunks` cuts each share."""
+    if not isinstance(hidden, DTensor) or all(placement.is_replicate() for placement in hidden.placements):
+        return hidden
+    if hidden.placements == (Shard(1),) and hidden.size(1) % hidden.device_mesh.size() == 0:
+        return hidden
+    return hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+
+
+def _chunks(hidden: Tensor, *, targets: Tensor, chunks: int) -> list[tuple[Tensor, Tensor]]:
+    """(hidden states, targets) ``chunks`` times, each chunk the same slice of every rank's share of the sequence
+    (the whole sequence unless sequence parallel splits it), detached: under sequence parallel the head then gathers
+    each chunk as it gathers the whole, and reduce-scatters its gradient, without another collective. A chunk's
+    positions are thereby not contiguous; the summed loss and hits do not depend on their order."""
+    local = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+    shares, size = targets.size(1) // local.size(1), -(-local.size(1) // chunks)
+    target_chunks = [share.flatten(1, 2) for share in targets.unflatten(1, (shares, -1)).split(size, dim=2)]
+    hidden_chunks = [_as(chunk, like=hidden) for chunk in local.detach().split(size, dim=1)]
+    return list(zip(hidden_chunks, target_chunks, strict=True))
+
+
+def _as(local: Tensor, *, like: Tensor) -> Tensor:
+    """``local`` in ``like``'s placements (as it is, unless ``like`` is a DTensor)."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
+
+
+def _along_sequence(chunks: list[Tensor], *, like: Tensor) -> Tensor:
+    """The hidden chunks' gradients put back together as :func:`_chunks` cut ``like``, in its placements."""
+    if not isinstance(like, DTensor):
+        return torch.cat(chunks, dim=1)
+    local = torch.cat([chunk.redistribute(placements=like.placements).to_local() for chunk in chunks], dim=1)
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
 
 
 def last_hidden_states(model: nn.Module, **inputs: Tensor | None) -> Tensor:
@@ -70,8 +146,8 @@ def last_hidden_states(model: nn.Module, **inputs: Tensor | None) -> Tensor:
 
     The model's call, not its base model's, so that the FSDP2 unit around the whole model gathers the embedding, the
     final norm and the head, and reduces their gradients, as for the whole logits; the head's weights are then held
-    gathered until backward (``unshard``: a no-op unless the unit reshards after forward), where each chunk
-    recomputes its logits with them."""
+    gathered (``unshard``: a no-op unless the unit reshards after forward) for the chunks and until backward, which
+    accumulates the head's gradients into them."""
     head = model.get_output_embeddings()
     model.set_output_embeddings(nn.Identity())
     try:
@@ -83,27 +159,36 @@ def last_hidden_states(model: nn.Module, **inputs: Tensor | None) -> Tensor:
     return hidden
 
 
-class _ChunkLoss:
-    """One chunk's head and summed loss; its hits (counted at the first call: not again when backward recomputes
-    the chunk, as counting gathers over the tp ranks)."""
+class _PrecomputedBackward(torch.autograd.Function):
+    """A loss whose gradients with respect to its inputs were computed with it, for a loss gradient of 1: backward
+    scales them by the loss's actual gradient (exact, as they are linear in it)."""
 
-    def __init__(self, head: nn.Module, targets: Tensor, ignore_index: int) -> None:
-        self.head, self.targets, self.ignore_index = head, targets, ignore_index
-        self.hits: Tensor | None = None
+    @staticmethod
+    def forward(ctx, loss: Tensor, gradients: list[Tensor], *inputs: Tensor) -> Tensor:  # noqa: ARG004 - for autograd
+        ctx.gradients = gradients
+        return loss.clone()
 
-    def __call__(self, hidden: Tensor) -> Tensor:
-        logits = self.head(hidden)
-        if self.hits is None:
-            self.hits, _ = token_hits(logits.detach(), self.targets, ignore_index=self.ignore_index)
-        return token_loss_sum(logits, self.targets, ignore_index=self.ignore_index)[0]
+    @staticmethod
+    def backward(ctx, loss_grad: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.gradients is None:
+            raise RuntimeError(
+                "A second backward through a chunked loss (retain_graph=True): its gradients are freed by the first."
+                " Use loss_chunks=1."
+            )
+        gradients, ctx.gradients = ctx.gradients, None  # freed now, not when the loss tensor is
+        return None, None, *(_times(gradient, loss_grad) for gradient in gradients)
 
 
-def _whole_sequence(hidden: Tensor) -> Tensor:
-    """The hidden states with the whole sequence on every tp rank (gathered once, as the head would gather them
-    anyway): sequence parallel leaves them sharded along it, and chunks must be slices of the same positions."""
-    if isinstance(hidden, DTensor) and any(not p.is_replicate() for p in hidden.placements):
-        return hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
-    return hidden
+def _times(gradient: Tensor | None, factor: Tensor) -> Tensor | None:
+    """``gradient`` times the scalar ``factor``, either a DTensor where the other is not (tp without sp: the hidden
+    states are plain, the head's weights and the loss DTensors)."""
+    if gradient is None:
+        return None
+    if isinstance(factor, DTensor) and not isinstance(gradient, DTensor):
+        factor = factor.full_tensor()
+    elif isinstance(gradient, DTensor) and not isinstance(factor, DTensor):
+        factor = DTensor.from_local(factor, gradient.device_mesh, [Replicate()] * gradient.device_mesh.ndim)
+    return gradient * factor
 
 
 def _head_error(model: nn.Module) -> float:

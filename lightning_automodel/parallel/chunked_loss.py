@@ -7,8 +7,9 @@ cross-entropy and their backward at once, keeping of the chunk only its summed l
 respect to the chunk's hidden states and to the head's weights (torchtitan's chunked loss does the same). Those
 gradients are those of a loss whose own gradient is 1: backward multiplies them by the gradient the loss actually gets
 (:class:`_PrecomputedBackward`), so that a loss scaled after this one (Lightning divides it under gradient
-accumulation) scales the head's gradients with the decoder's. Nothing is recomputed, and one [rows, tokens, hidden]
-gradient is held from forward to backward where the whole logits would hold [rows, tokens, vocabulary / tp] and more.
+accumulation) scales the head's gradients with the decoder's. Nothing is recomputed; the hidden states' gradient
+([rows, tokens / tp under sp, hidden]) and the head's (which backward would allocate anyway) are held from forward to
+backward, where the whole logits would hold [rows, tokens, vocabulary / tp] and more.
 
 The head is the model's output embedding on the last hidden states, read from the model's own call with its head an
 identity (:func:`last_hidden_states`): a scale the call applies after a linear head (Granite's ``logits_scaling``)
@@ -75,7 +76,8 @@ def _forward_and_backward(
 ) -> tuple[Tensor, Tensor, list[Tensor | None]]:
     """The summed loss and hits of ``head`` on the (hidden states, targets) chunks ``pairs``, and the gradients of the
     sum with respect to ``hidden`` (None where it needs none) and to the head's ``weights``: each chunk's backward runs
-    before the next chunk's forward, so that one chunk's logits are alive at a time."""
+    before the next chunk's forward, so that one chunk's logits are alive at a time. The weights' gradients are summed
+    over the chunks in fp32 and rounded to the weights' dtype once, as a matmul over the whole sequence would."""
     losses, hits, hidden_grads, weight_grads = [], [], [], None
     for hidden_chunk, target_chunk in pairs:
         leaf = hidden_chunk.detach().requires_grad_(hidden.requires_grad)
@@ -86,10 +88,15 @@ def _forward_and_backward(
         if hidden.requires_grad:
             hidden_grads.append(grads[0])
             grads = grads[1:]
-        weight_grads = list(grads) if weight_grads is None else list(map(torch.add, weight_grads, grads))
+        if weight_grads is None:
+            weight_grads = [grad.float() for grad in grads]
+        else:
+            for total, grad in zip(weight_grads, grads, strict=True):
+                total.add_(grad)
         losses.append(loss.detach())
         hits.append(chunk_hits)
     hidden_grad = _along_sequence(hidden_grads, like=hidden) if hidden.requires_grad else None
+    weight_grads = [grad.to(weight.dtype) for grad, weight in zip(weight_grads or [], weights, strict=True)]
     return _total(losses), _total(hits), [hidden_grad, *weight_grads]
 
 

@@ -37,3 +37,20 @@ def check_collectives_of_the_whole_logits(sp: bool, tokens: int = 32) -> dict:
     errors = {name: relative_error(grad, grads[1][name]) for name, grad in grads[4].items()}
     assert max(errors.values()) < FP32_TOLERANCE, errors
     return {"sent": sent, "gradients": max(errors.values())}
+
+
+def check_head_alone_trained_is_refused() -> str:
+    """dp_shard=2 with lm_head the only trained parameter: refused at the step, on every rank. Run, FSDP2 would
+    never reduce the head's gradient (its backward starts from the hidden states, which need none here)."""
+    model = tiny_model(vocab_size=512, max_position_embeddings=64)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith("lm_head."))
+    mesh = ParallelDims(dp_shard=2).resolve(2).build_mesh("cpu")
+    parallelize(model, mesh)
+    input_ids = torch.randint(512, (2, 32), generator=torch.Generator().manual_seed(0))
+    try:
+        training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=4)
+    except ValueError as error:
+        assert "with lm_head the only trained part of LlamaForCausalLM" in str(error), error
+        return str(error)
+    raise AssertionError("a chunked loss training lm_head alone under FSDP2 was not refused")

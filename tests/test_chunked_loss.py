@@ -7,7 +7,7 @@ from functools import partial
 
 import pytest
 import torch
-from chunked_loss_checks import check_collectives_of_the_whole_logits
+from chunked_loss_checks import check_collectives_of_the_whole_logits, check_head_alone_trained_is_refused
 from harness import run_checks
 from models import tiny_config
 from parity import FP32_TOLERANCE, relative_error
@@ -41,11 +41,14 @@ def _chunked(model, batch, *, chunks: int):
     return chunked_causal_lm_loss_sum(model, chunks=chunks, **batch)
 
 
-def test_the_whole_logits_loss_hits_and_gradients_however_scaled():
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_whole_logits_loss_hits_and_gradients_however_scaled(tied):
     """15 tokens in 4 chunks (4, 4, 4, 3) on right-padded rows: the same summed loss, scored tokens and hits, and,
     for a loss scaled after it (as Lightning scales it under gradient accumulation), every gradient of the whole
-    logits' loss: the gradients forward computes for a loss gradient of 1 are scaled by the actual one."""
-    model = _model()
+    logits' loss: the gradients forward computes for a loss gradient of 1 are scaled by the actual one. Tied: the
+    embedding's gradient from the head's use adds to its own."""
+    model = _model(tie_word_embeddings=tied)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     batch = _padded(3, 15, model.config.vocab_size)
     results, grads = {}, {}
     for name, loss_of in (("whole", _whole), ("chunked", partial(_chunked, chunks=4))):
@@ -122,16 +125,22 @@ def test_a_head_the_replica_computes_otherwise_is_refused(monkeypatch):
 
 def test_no_collective_more_than_the_whole_logits():
     """At tp=2, with and without sequence parallel: the whole logits' gradients, by the same collectives to the byte;
-    also for a sequence that sp splits unequally (31 tokens), gathered whole."""
+    also for a sequence that sp splits unequally (31 tokens), gathered whole. Under FSDP2, lm_head trained alone is
+    refused."""
     layouts = [partial(check_collectives_of_the_whole_logits, sp) for sp in (True, False)]
-    print(run_checks(2, [*layouts, partial(check_collectives_of_the_whole_logits, True, tokens=31)], timeout=120))
+    uneven = partial(check_collectives_of_the_whole_logits, True, tokens=31)
+    print(run_checks(2, [*layouts, uneven, check_head_alone_trained_is_refused], timeout=120))
 
 
 def test_a_second_backward_is_refused():
     """The gradients forward computed are freed by the first backward: a second one (retain_graph=True) raises
-    rather than give nothing to the head and the decoder."""
+    rather than give nothing to the head and the decoder; so does a backward building a graph (create_graph=True),
+    whose gradients would have none."""
     model = _model()
     loss_sum, _, _ = _chunked(model, _padded(2, 9, model.config.vocab_size), chunks=2)
     loss_sum.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="A second backward through a chunked loss"):
         loss_sum.backward()
+    loss_sum, _, _ = _chunked(model, _padded(2, 9, model.config.vocab_size), chunks=2)
+    with pytest.raises(RuntimeError, match="or one building a graph of its own"):
+        torch.autograd.grad(loss_sum, list(model.parameters()), create_graph=True)

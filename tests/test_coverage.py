@@ -169,18 +169,13 @@ BROKEN_MECHANISMS = [
 ]
 
 
-# Jobs whose mechanism another job of the default run exercises too (the same family with sp, a like plan): run with
-# -m sweep.
+# Jobs whose family the default run checks in another layout too (with sp, or at tp=2): run with -m sweep.
 SWEEP_JOBS = (
-    ("olmo2", "tp2"),
     ("gptj", "tp2"),
-    ("xglm", "tp2_sp"),
-    ("stablelm", "tp2"),
     ("gpt2", "tp2"),
     ("bert", "tp2"),
     ("gpt_neox_japanese", "tp2"),
     ("gpt2", "dp_shard2"),
-    ("roberta", "tp2"),
     ("deepseek_v3", "tp2"),
 )
 

@@ -3,8 +3,7 @@ a job killed in the middle of a checkpoint save, a full disk, damaged checkpoint
 
 Every surviving rank must exit non-zero within the strategy's timeout and say which rank failed. Runs here use a
 30 s timeout: shorter ones do not leave 2 busy cores time to start 4 processes (the timeout also bounds the
-rendezvous). benchmarks/faults.py measures the same faults with the default timeout too. Ctrl-C, SIGTERM to the
-launcher and NaN under detect_anomaly are sweeps (-m sweep).
+rendezvous). benchmarks/faults.py measures the same faults with the default timeout too.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import signal
 from functools import partial
 
-import pytest
 from fault_checks import (
     check_damaged_checkpoints,
     check_full_disk,
@@ -69,7 +67,6 @@ def test_sigterm_to_one_rank(tmp_path):
     assert_named(outcome, 1, "received SIGTERM")
 
 
-@pytest.mark.sweep
 def test_sigterm_to_the_launcher(tmp_path):
     """SIGTERM to Lightning's launcher, which forwards it: the ranks stop at the end of a step together, the
     ``OnExceptionCheckpoint`` callback writes a whole checkpoint, and every rank exits with 143 (Lightning 2.6: 0)."""
@@ -88,7 +85,6 @@ def test_frozen_rank(tmp_path):
     assert_named(outcome, 1, "stopped responding")
 
 
-@pytest.mark.sweep
 def test_nan_under_detect_anomaly(tmp_path):
     """``Trainer(detect_anomaly=True)``: rank 1's loss turns NaN, its backward raises, the others name its error."""
     outcome = launch(tmp_path, None, world=2, timeout=TIMEOUT, args=("--nan-rank=1", "--detect-anomaly"))
@@ -96,7 +92,6 @@ def test_nan_under_detect_anomaly(tmp_path):
     assert_named(outcome, 1, "returned nan values", since=outcome.ranks[1].seconds)
 
 
-@pytest.mark.sweep
 def test_ctrl_c(tmp_path):
     """Ctrl-C in the launcher's terminal (SIGINT to its process group): every rank exits non-zero."""
     outcome = launch(tmp_path, Fault(signal.SIGINT, "group"), world=2, timeout=TIMEOUT)

@@ -67,8 +67,9 @@ class CausalLMModule(L.LightningModule):
         schedule: the decay after warm-up, to ``min_lr_ratio * learning_rate`` at the last step
             (``Trainer(max_steps=...)`` or the epochs' steps).
         loss_chunks: run the head and the loss this many sequence chunks at a time, so that the logits (and in
-            backward their log-softmax and gradient) never exist whole, for the same FLOPs and collectives (see
-            :mod:`lightning_automodel.parallel.chunked_loss`); 1: the logits whole.
+            backward their log-softmax and gradient) never exist whole, for the same FLOPs and, where tp divides the
+            sequence, the same collectives (see :mod:`lightning_automodel.parallel.chunked_loss`); 1: the logits
+            whole.
     """
 
     def __init__(

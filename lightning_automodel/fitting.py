@@ -229,7 +229,7 @@ def _tokens_per_second(
     **_: Any,
 ) -> float:
     """Estimated tokens per second and GPU: a data-parallel rank's rows x tokens, shared by its tp x cp ranks, over
-    the step time of the model in this module's docstring (a chunked loss computes as much as the whole logits)."""
+    the step time of the model in this module's docstring."""
     rows, tokens = batch_shape
     config = model.config.get_text_config()
     recomputation = RECOMPUTATION[setting]
@@ -237,7 +237,7 @@ def _tokens_per_second(
     compute_bytes = mp_policy.param_dtype.itemsize if mp_policy and mp_policy.param_dtype else weight_bytes
     reduce_bytes = mp_policy.reduce_dtype.itemsize if mp_policy and mp_policy.reduce_dtype else compute_bytes
     local_tokens = rows * tokens // dims.cp
-    flops = flops_per_token(model, tokens) * recomputation.compute * local_tokens / dims.tp
+    flops = flops_per_token(model, tokens) * local_tokens / dims.tp * recomputation.compute
     compute = flops / (hardware.tflops * 1e12 * hardware.matmul_efficiency)
     passes = 2 + recomputation.forward_again  # forward, backward, the recomputed forward
     # Per layer and pass, two all-reduces (attention's and the MLP's output; sp's halves move as much), each moving

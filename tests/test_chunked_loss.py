@@ -9,7 +9,7 @@ import pytest
 import torch
 from chunked_loss_checks import check_collectives_of_the_whole_logits, check_head_alone_trained_is_refused
 from harness import run_checks
-from models import tiny_config
+from models import tiny_config, tiny_model
 from parity import FP32_TOLERANCE, relative_error
 from peak_memory import peak_bytes
 from transformers import AutoModelForCausalLM
@@ -17,11 +17,6 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel.hf.shrink import tiny_config as coverage_config
 from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hits
-
-
-def _model(**overrides):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config("llama", **overrides))
 
 
 def _padded(rows: int, tokens: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -47,7 +42,7 @@ def test_the_whole_logits_loss_hits_and_gradients_however_scaled(tied):
     for a loss scaled after it (as Lightning scales it under gradient accumulation), every gradient of the whole
     logits' loss: the gradients forward computes for a loss gradient of 1 are scaled by the actual one. Tied: the
     embedding's gradient from the head's use adds to its own."""
-    model = _model(tie_word_embeddings=tied)
+    model = tiny_model(tie_word_embeddings=tied)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     batch = _padded(3, 15, model.config.vocab_size)
     results, grads = {}, {}
@@ -66,7 +61,7 @@ def test_the_whole_logits_loss_hits_and_gradients_however_scaled(tied):
 def test_the_logits_never_exist_whole():
     """A vocabulary of 8,192 at 4 x 256 tokens (fp32 logits: 32 MiB): the step's peak without chunks holds the
     logits, their log-softmax and, in backward, their gradients at once; in 8 chunks it holds one chunk's."""
-    model = _model(vocab_size=8192, max_position_embeddings=256)
+    model = tiny_model(vocab_size=8192, max_position_embeddings=256)
     batch = _padded(4, 256, 8192)
     logits_bytes = 4 * 256 * 8192 * 4
 
@@ -136,7 +131,7 @@ def test_a_second_backward_is_refused():
     """The gradients forward computed are freed by the first backward: a second one (retain_graph=True) raises
     rather than give nothing to the head and the decoder; so does a backward building a graph (create_graph=True),
     whose gradients would have none."""
-    model = _model()
+    model = tiny_model()
     loss_sum, _, _ = _chunked(model, _padded(2, 9, model.config.vocab_size), chunks=2)
     loss_sum.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="A second backward through a chunked loss"):

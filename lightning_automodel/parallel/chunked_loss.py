@@ -245,7 +245,7 @@ def chunking_problem(model: nn.Module) -> str | None:
     (a mixture of experts' router loss), and its call must not compute the loss itself (pipeline and context
     parallel). The same on every rank."""
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    name, text_config = type(hf_model).__name__, hf_model.config.get_text_config()
+    name, text_config = _unsharded_class(hf_model), hf_model.config.get_text_config()
     if pipeline_of(model) is not None or context_parallel_of(model) is not None:
         return SPLIT_CALLS
     if getattr(text_config, "final_logit_softcapping", None):

@@ -9,8 +9,9 @@ import torch
 from models import tiny_model
 
 from lightning_automodel import ParallelDims
-from lightning_automodel.parallel.memory import training_step
+from lightning_automodel.parallel.memory import gradient_bytes, training_step
 from lightning_automodel.parallel.parallelizer import parallelize
+from lightning_automodel.parallel.pipeline import pipeline_of
 
 # Large enough that activations dwarf what Python and gloo allocate on the side (a few MiB).
 MEMORY_MODEL = dict(
@@ -30,6 +31,10 @@ def measured_activation_bytes(
     """The resident memory one training step adds on this rank at its peak, above the parameters and gradients it
     held before (a step ran first, so nothing is allocated for the first time).
 
+    Under pp the step starts without gradients, as after Lightning's ``zero_grad``, and the gradients it makes are
+    left out; what the stages' first step allocated for good (the buffers torch's stages receive activations and
+    gradients into) is counted in.
+
     CPU tensors come from malloc: glibc is told to map every allocation above 64 KiB on its own and unmap it when
     freed, so the resident set rises and falls with the live tensors, and its high-water mark (reset through
     /proc/self/clear_refs) is the step's peak."""
@@ -39,11 +44,29 @@ def measured_activation_bytes(
     parallelize(model, mesh, **options)
     input_ids = torch.randint(8000, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
     training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)
+    pipeline = pipeline_of(model)
+    if pipeline is not None:
+        model.zero_grad(set_to_none=True)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # the high-water mark starts again from the resident set now
     held = _resident()["VmRSS"]
     training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)
-    return _resident()["VmHWM"] - held
+    peak = _resident()["VmHWM"] - held
+    if pipeline is None:
+        return peak
+    return peak - gradient_bytes(model) + _receive_buffer_bytes(pipeline)
+
+
+def _receive_buffer_bytes(pipeline) -> int:
+    """The buffers torch's stages receive each micro-batch's activations and gradients into, from their first step
+    on (their ``_RecvInfo``s)."""
+    infos = [
+        info
+        for stage in pipeline._stages
+        for received in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+        for info in received
+    ]
+    return sum(info.buffer.untyped_storage().nbytes() for info in infos if info.buffer is not None)
 
 
 def _resident() -> dict[str, int]:

@@ -19,6 +19,7 @@ from lightning_automodel.lm.flops import flops_per_token
 from lightning_automodel.parallel.checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.layer_extrapolation import over_layers
 from lightning_automodel.parallel.memory import activation_bytes
+from lightning_automodel.parallel.pipeline import PipelineOptions
 
 ROWS, TOKENS = 2, 64
 
@@ -29,19 +30,24 @@ def _on_meta():
 
 
 def _memory(dims: ParallelDims, setting: str) -> int:
-    state = plan_report(_on_meta(), dims, sp=dims.tp > 1).training_bytes_per_rank
-    checkpointing = AC_SETTINGS[setting]
-    extra = activation_bytes(
-        _on_meta(), dims, micro_batch=ROWS, seq_len=TOKENS, sp=dims.tp > 1, activation_checkpointing=checkpointing
+    """The plan's state plus the activation estimate; under pp, of the stage where they add up to the most."""
+    options = dict(sp=dims.tp > 1, pipeline=PipelineOptions(microbatches=ROWS) if dims.pp > 1 else None)
+    report = plan_report(_on_meta(), dims, **options)
+    states = [stage.training_bytes_per_rank for stage in report.stages] or [report.training_bytes_per_rank]
+    step = dict(micro_batch=ROWS, seq_len=TOKENS, activation_checkpointing=AC_SETTINGS[setting], **options)
+    ranks_per_stage = dims.world_size // dims.pp
+    return max(
+        state + activation_bytes(_on_meta(), dims, rank=stage * ranks_per_stage, **step)
+        for stage, state in enumerate(states)
     )
-    return state + extra
 
 
 def test_each_layout_takes_the_least_recomputing_setting_that_fits():
     """A budget between a layout's memory without and with full checkpointing: the layout is listed with the first
     setting (off, selective, submodule, full) whose memory fits, that memory being the plan's state plus the setting's
-    activation estimate; a layout the tiny model's 2 KV heads cannot split over tp=4 is refused with the plan's
-    reason, printed."""
+    activation estimate (under pp, the largest stage's); a layout the tiny model's 2 KV heads cannot split over tp=4 is
+    refused with the plan's reason, pp=4 for want of rows (1F1B: a row per micro-batch, as many as stages), pp with cp
+    as training refuses it: printed."""
     single = ParallelDims(dp_shard=4).resolve(4)
     off, full = _memory(single, "off"), _memory(single, "full")
     assert full < off
@@ -49,11 +55,13 @@ def test_each_layout_takes_the_least_recomputing_setting_that_fits():
     fitting = fitting_layouts(
         _on_meta(), 4, hardware=Hardware(memory_gib=budget / (1 - HEADROOM) / 2**30), batch_shape=(ROWS, TOKENS)
     )
-    listed = {(layout.dims.tp, layout.dims.cp): layout for layout in [*fitting.fits, *fitting.too_large]}
-    assert set(listed) == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}
-    assert list(fitting.refused) == ["tp=4 cp=1 dp_shard=1"]
-    assert listed[(1, 1)] in fitting.fits and listed[(1, 1)].checkpointing != "off"
-    for layout in (listed[(1, 1)], listed[(2, 1)]):  # data parallel; tp with sp (each estimate costs seconds)
+    layouts = [*fitting.fits, *fitting.too_large]
+    listed = {(layout.dims.pp, layout.dims.tp, layout.dims.cp): layout for layout in layouts}
+    assert set(listed) == {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 2, 1)}
+    assert list(fitting.refused) == ["tp=4 cp=1 dp_shard=1", "pp=2 tp=1 cp=2 dp_shard=1", "pp=4 tp=1 cp=1 dp_shard=1"]
+    assert listed[(1, 1, 1)] in fitting.fits and listed[(1, 1, 1)].checkpointing != "off"
+    # data parallel; tp with sp; pp over data parallel (each estimate costs seconds)
+    for layout in (listed[(1, 1, 1)], listed[(1, 2, 1)], listed[(2, 1, 1)]):
         assert layout in fitting.fits
         assert layout.memory_bytes == _memory(layout.dims, layout.checkpointing) <= budget
         earlier = list(AC_SETTINGS)[: list(AC_SETTINGS).index(layout.checkpointing)]
@@ -62,6 +70,7 @@ def test_each_layout_takes_the_least_recomputing_setting_that_fits():
         assert layout.checkpointing == "full" and layout.memory_bytes == _memory(layout.dims, "full") > budget
     text = str(fitting)
     assert "refused: tp=4 cp=1 dp_shard=1: " in text
+    assert "refused: pp=4 tp=1 cp=1 dp_shard=1: 1F1B over micro-batches of one row needs at least pp=4 rows" in text
     assert "counted with SDPA's dense [rows, S/cp, S] mask" in text
 
 
@@ -82,13 +91,14 @@ class _Throughput:
         flops = flops_per_token(self.model, TOKENS) * ROWS * TOKENS
         self.compute = flops / (hardware.tflops * 1e12 * hardware.matmul_efficiency)
 
-    def speed(self, dims: ParallelDims, setting: str) -> float:
+    def speed(self, dims: ParallelDims, setting: str, **options) -> float:
         return _tokens_per_second(
             self.model,
-            dims.resolve(dims.tp * dims.cp * dims.dp_shard * dims.dp_replicate),
+            dims.resolve(dims.pp * dims.tp * dims.cp * dims.dp_shard * dims.dp_replicate),
             batch_shape=(ROWS, TOKENS),
             setting=setting,
             hardware=self.hardware,
+            **options,
         )
 
 
@@ -105,6 +115,24 @@ def test_the_throughput_model_by_hand():
         exposed = model.layers * 2 * passes * all_reduce / node
         expected = tokens / 2 / (model.compute * compute / 2 + exposed)
         assert model.speed(ParallelDims(tp=2, dp_shard=1), setting) == pytest.approx(expected), setting
+
+
+def test_pipeline_stages_compute_their_share_in_the_schedule_slots():
+    """pp=2 of one GPU each: a stage computes half the FLOPs and hands each micro-batch's hidden states on and their
+    gradients back ([tokens, hidden] each way, at the node's bandwidth), in the m + p - 1 slots 1F1B takes for m
+    micro-batches; at dp_shard=2 FSDP2 gathers the stage's half of the weights for each micro-batch, forward and
+    backward, and reduces their gradients once (compute made negligible: its traffic alone)."""
+    model = _Throughput(Hardware(memory_gib=80))
+    tokens, node = ROWS * TOKENS, model.hardware.node_gbps * 1e9
+    pipeline = PipelineOptions(microbatches=ROWS)
+    stream = 2 * tokens * model.hidden * 4 / node
+    step = (model.compute / 2 + stream) * (ROWS + 2 - 1) / ROWS
+    assert model.speed(ParallelDims(pp=2, dp_shard=1), "off", pipeline=pipeline) == pytest.approx(tokens / 2 / step)
+    model = _Throughput(Hardware(memory_gib=80, tflops=1e9))
+    fsdp = model.weights / 2 * (2 - 1) / 2 * (2 * ROWS * 4 + 4) / node
+    step = (model.compute / 2 + stream) * (ROWS + 2 - 1) / ROWS + fsdp - model.compute / 2
+    expected = tokens / 2 / step
+    assert model.speed(ParallelDims(pp=2, dp_shard=2), "off", pipeline=pipeline) == pytest.approx(expected)
 
 
 def test_context_parallel_traffic_and_its_fsdp_group():

@@ -1,6 +1,6 @@
 """The activation estimate (parallel/memory.py) against the peak a real training step reaches on CPU, per rank, for
-each activation-checkpointing mode, tensor and sequence parallel, FSDP2, context parallel and a bf16 mixed-precision
-policy; and the plan report's lines built on it."""
+each activation-checkpointing mode, tensor and sequence parallel, FSDP2, context parallel, pipeline parallel under
+each of its schedules and a bf16 mixed-precision policy; and the plan report's lines built on it."""
 
 from functools import partial
 
@@ -16,23 +16,46 @@ from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel import memory
 from lightning_automodel.parallel.layer_extrapolation import alike_layers, over_layers
 from lightning_automodel.parallel.memory import activation_bytes
+from lightning_automodel.parallel.pipeline import PipelineOptions
 
 ROWS, TOKENS = 4, 256
 BF16_MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-# The issue asks for 15%; the estimate runs the step's own code, and lands within 0.2% of every measured peak.
+# The issue asks for 15%; the estimate runs the step's own code, and lands within 0.4% of every measured peak but
+# the zero-bubble schedule's, 2.5-2.9% above it: the resident set misses the pages of tensors never written, which
+# torch's tensor counts (a real-tensor step, tracked as the estimate tracks its own, comes out 3% above it too).
 TOLERANCE = 0.02
+ZERO_BUBBLE_TOLERANCE = 0.04
 LAYOUTS = [
     (ParallelDims(dp_shard=2), dict(activation_checkpointing=False)),
     (ParallelDims(tp=2), dict(sp=True, loss_chunks=4)),  # lm_head and the loss a quarter of the sequence at a time
     (ParallelDims(tp=2), dict(activation_checkpointing="full")),
     (ParallelDims(cp=2), dict(activation_checkpointing=False)),
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="selective", mp_policy=BF16_MIXED)),
+    # Each pp rank holds the micro-batches its schedule keeps in flight: 1F1B as many as stages from it on, GPipe all.
+    (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="1F1B", microbatches=4))),
+    (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="GPipe", microbatches=4))),
+    (ParallelDims(pp=2), dict(mp_policy=BF16_MIXED, pipeline=PipelineOptions(microbatches=2))),  # bf16 hand-over
+    (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=4))),
+    (
+        ParallelDims(pp=2),
+        dict(pipeline=PipelineOptions(schedule="InterleavedZeroBubble", stages_per_rank=2, microbatches=4)),
+    ),
 ]
 SWEEP_LAYOUTS = [
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="selective")),
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="submodule")),
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="full")),
     (ParallelDims(tp=2), dict(sp=True)),
+    (ParallelDims(pp=2), dict(activation_checkpointing="full", pipeline=PipelineOptions(microbatches=2))),
+]
+# Stages handing each other sequence shards (tp + sp) and FSDP2 holding a stage's gradients unsharded until the last
+# micro-batch (dp_shard).
+FOUR_RANK_SWEEP_LAYOUTS = [
+    (ParallelDims(pp=2, tp=2), dict(sp=True, pipeline=PipelineOptions(microbatches=4))),
+    (
+        ParallelDims(pp=2, dp_shard=2),
+        dict(activation_checkpointing="selective", pipeline=PipelineOptions(schedule="GPipe", microbatches=2)),
+    ),
 ]
 
 
@@ -50,14 +73,26 @@ def test_estimate_matches_the_measured_peak_of_more_layouts():
     _assert_estimates_match_measured_peaks(SWEEP_LAYOUTS)
 
 
-def _assert_estimates_match_measured_peaks(layouts) -> None:
+@pytest.mark.sweep
+def test_estimate_matches_the_measured_peak_of_pipelines_on_four_ranks():
+    _assert_estimates_match_measured_peaks(FOUR_RANK_SWEEP_LAYOUTS, world_size=4)
+
+
+def _assert_estimates_match_measured_peaks(layouts, *, world_size: int = 2) -> None:
     checks = [partial(measured_activation_bytes, dims, ROWS, TOKENS, **options) for dims, options in layouts]
-    measured = run_checks(2, checks, timeout=600)
+    measured = run_checks(world_size, checks, timeout=600)
     for (dims, options), per_rank in zip(layouts, measured.values(), strict=True):
-        model = _on_meta(vocab_size=8000, **MEMORY_MODEL)
-        estimate = activation_bytes(model, dims.resolve(2), micro_batch=ROWS, seq_len=TOKENS, **options)
+        dims = dims.resolve(world_size)
+        pipeline = options.get("pipeline")
+        tolerance = ZERO_BUBBLE_TOLERANCE if pipeline is not None and pipeline.splits_backward() else TOLERANCE
+        estimates = {}  # by pp rank: the ranks of a stage hold alike
         for rank, peak in enumerate(per_rank):
-            assert estimate == pytest.approx(peak, rel=TOLERANCE), (dims, options, rank, estimate, peak)
+            pp_rank = rank // (world_size // dims.pp)
+            if pp_rank not in estimates:
+                model = _on_meta(vocab_size=8000, **MEMORY_MODEL)
+                shape = dict(micro_batch=ROWS, seq_len=TOKENS, rank=rank)
+                estimates[pp_rank] = activation_bytes(model, dims, **shape, **options)
+            assert estimates[pp_rank] == pytest.approx(peak, rel=tolerance), (dims, options, rank, estimates, peak)
 
 
 def test_the_report_estimates_every_mode():
@@ -74,13 +109,52 @@ def test_the_report_estimates_every_mode():
     assert "(activations not included)" not in text
 
 
-def test_pp_has_no_estimate_yet():
-    """The report says so; the estimate itself refuses, naming why."""
-    report = plan_report(_on_meta(num_hidden_layers=4), ParallelDims(pp=2).resolve(2), batch_shape=(2, 32))
-    assert report.activation_bytes == {}
-    assert "not estimated under pp > 1 yet" in str(report)
-    with pytest.raises(ValueError, match="pickled objects, which a fake process group cannot carry"):
-        activation_bytes(_on_meta(num_hidden_layers=4), ParallelDims(pp=2).resolve(2), micro_batch=2, seq_len=32)
+def test_the_report_estimates_each_pipeline_stage():
+    """Each pp rank's stage is estimated; the report's figure per mode is the stage whose total is the largest (the
+    last: it holds the logits), and a zero-bubble schedule, which runs no checkpointing, is estimated without."""
+    model = _on_meta(vocab_size=2048, num_hidden_layers=4)
+    report = plan_report(model, ParallelDims(pp=2).resolve(2), batch_shape=(4, 64))
+    first, last = report.stages
+    assert list(report.activation_bytes) == list(first.activation_bytes) == ["off", "selective", "submodule", "full"]
+    for mode, size in report.activation_bytes.items():
+        assert size == last.activation_bytes[mode] > first.activation_bytes[mode] > 0
+        assert report.total_bytes(mode) == last.training_bytes_per_rank + size
+    assert "(pp ranks: " in str(report)
+    zero_bubble = PipelineOptions(schedule="InterleavedZeroBubble", stages_per_rank=2)
+    report = plan_report(model, ParallelDims(pp=2).resolve(2), pipeline=zero_bubble, batch_shape=(4, 64))
+    assert list(report.activation_bytes) == ["off"]
+
+
+@pytest.mark.parametrize(
+    "layers, dims, pipeline, rank, splits",
+    [
+        (23, ParallelDims(pp=2, dp_shard=2).resolve(4), PipelineOptions(), 3, [[11, 3], [11, 4], [11, 5]]),
+        (
+            46,
+            ParallelDims(pp=2).resolve(2),
+            PipelineOptions(schedule="Interleaved1F1B", stages_per_rank=2),
+            0,
+            [[3, 12, 4, 11], [4, 12, 5, 11], [5, 12, 6, 11]],
+        ),
+    ],
+)
+def test_the_stages_of_many_alike_layers_are_extrapolated_exactly(layers, dims, pipeline, rank, splits, monkeypatch):
+    """Under pp a rank steps its own stages only: they are cut, each by as many layers, to three, four and five layers
+    in the smallest (the other stages as they are), and the peak extrapolated agrees to the byte with the step of them
+    whole: the last of two stages of 23 layers (11 and 12), and pp rank 0 of 46 layers in four stages under
+    Interleaved1F1B (stages 0 and 2, of 11 and 12)."""
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers)
+    step = dict(dims=dims, micro_batch=2, seq_len=32, rank=rank, pipeline=pipeline)
+    whole = memory._step_peak(_on_meta(**shape), **step)
+    stepped, step_peak = [], memory._step_peak
+
+    def counted(model, **kw):
+        stepped.append(list(kw["pipeline"].layers_per_stage))
+        return step_peak(model, **kw)
+
+    monkeypatch.setattr(memory, "_step_peak", counted)
+    assert activation_bytes(_on_meta(**shape), **step) == whole
+    assert stepped == splits
 
 
 @pytest.mark.parametrize(

@@ -20,14 +20,13 @@ refused: :func:`chunking_problem` compares both on a shrunk replica of it.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_automodel.parallel.context_parallel import context_parallel_of
+from lightning_automodel.parallel.fsdp import view_outputs_allowed
 from lightning_automodel.parallel.loss import next_token_targets, token_hits, token_loss_sum
 from lightning_automodel.parallel.pipeline import pipeline_of
 
@@ -179,10 +178,7 @@ def last_hidden_states(model: nn.Module, **inputs: Tensor | None) -> Tensor:
     head = model.get_output_embeddings()
     model.set_output_embeddings(nn.Identity())
     try:
-        with warnings.catch_warnings():
-            # The identity returns the call's slice of the hidden states, a view, which FSDP2 warns an in-place op
-            # could detach from its backward hook; nothing here writes to it in place.
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        with view_outputs_allowed():  # the identity returns a slice of the hidden states; nothing writes to it
             hidden = model(**inputs, use_cache=False).logits
     finally:
         model.set_output_embeddings(head)

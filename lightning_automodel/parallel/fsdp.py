@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -19,6 +21,15 @@ from lightning_automodel.parallel.blocks import layers_sharing_parameters
 from lightning_automodel.parallel.dtypes import compute_dtype_resolver, iter_maximal_uniform_dtype_subtrees
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def view_outputs_allowed() -> Iterator[None]:
+    """Calls of FSDP2 units whose outputs are views, which FSDP2 warns an in-place op could detach from their backward
+    hook, made without the warning: for calls whose outputs nothing writes to in place."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        yield
 
 
 @dataclass(frozen=True)

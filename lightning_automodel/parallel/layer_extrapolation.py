@@ -29,13 +29,24 @@ def over_layers(measure: Callable[[nn.Module], int], model: nn.Module, *, few: t
     extrapolated from ``measure`` of copies cut to ``few`` layers (consecutive counts). ``measure`` may consume the
     model it is given (parallelize it), and so may this."""
     alike = alike_layers(model)
-    layers = len(alike) if alike is not None else 0
-    if layers <= 2 * few[-1]:
+    if alike is None:
         return measure(model)
-    values = [measure(with_layers(copy.deepcopy(model), layers=count)) for count in few]
+
+    def with_count(count: int) -> int:
+        return measure(model if count == len(alike) else with_layers(copy.deepcopy(model), layers=count))
+
+    return extrapolated(with_count, layers=len(alike), few=few)
+
+
+def extrapolated(measure: Callable[[int], int], *, layers: int, few: tuple[int, ...] = FEW_LAYERS) -> int:
+    """``measure(layers)``, a figure of ``layers`` alike layers; where they are more than twice ``few[-1]``,
+    extrapolated from ``measure`` of ``few`` layers (consecutive counts) if it grows by the same with each."""
+    if layers <= 2 * few[-1]:
+        return measure(layers)
+    values = [measure(count) for count in few]
     increments = {later - earlier for earlier, later in itertools.pairwise(values)}
     if len(increments) > 1:  # not yet linear: the whole model decides
-        return measure(model)
+        return measure(layers)
     return values[-1] + (layers - few[-1]) * increments.pop()
 
 

@@ -58,10 +58,12 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
     get_schedule_class,
 )
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.pipelining.stage import InferenceMode
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from lightning_automodel.mesh import axis_size, reduction_mesh
 from lightning_automodel.parallel.blocks import named_decoder_layers
+from lightning_automodel.parallel.fsdp import view_outputs_allowed
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hits, next_token_targets
 from lightning_automodel.parallel.model_calls import (
     ParallelCausalLMOutput,
@@ -414,6 +416,7 @@ class Pipeline:
         self._stream_layout: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         self._computed: dict[str, Tensor] = {}
         self._parameters: dict[str, nn.Parameter] | None = None
+        self._told_stream: Tensor | None = None
 
     def stage_modules(self) -> list[nn.Module]:
         """The module each of this rank's stages runs, in stage order: the model itself when it holds one stage, else
@@ -452,14 +455,42 @@ class Pipeline:
         if with_loss not in self._schedules:
             if self._stages is None:
                 self._stages = [
-                    PipelineStage(module, index, self.num_stages, self._device(), group=self.group)
+                    PipelineStage(module, index, self.num_stages, self._device(), group=self.group, **self._told(index))
                     for module, index in zip(self.stage_modules(), self.stage_indices, strict=True)
                 ]
             schedule_class = get_schedule_class(self.options.schedule)
             stages = self._stages if issubclass(schedule_class, PipelineScheduleMulti) else self._stages[0]
             loss = dict(loss_fn=self._loss, scale_grads=False) if with_loss else {}
-            self._schedules[with_loss] = schedule_class(stages, self.options.microbatches_for(self.pp), **loss)
+            schedule = schedule_class(stages, self.options.microbatches_for(self.pp), **loss)
+            if self._told_stream is not None:
+                schedule._warmup_p2p = _every_stage_told
+            self._schedules[with_loss] = schedule
         return self._schedules[with_loss]
+
+    def tell_shapes(self, *, batch_shape: tuple[int, int], hidden_size: int, dtype: torch.dtype) -> None:
+        """Tell this rank's stages what they hand each other for batches of ``batch_shape`` (rows, tokens), instead
+        of their exchanging it at their first step: the hidden states of a micro-batch, [rows, tokens (this rank's
+        share under sp), ``hidden_size``] in ``dtype``. A fake process group needs it, whose messages carry nothing:
+        the activation estimate runs the schedule in one (:mod:`~lightning_automodel.parallel.memory`)."""
+        rows, tokens = batch_shape
+        shape = [rows // self.options.microbatches_for(self.pp), tokens, hidden_size]
+        if self._stream_layout is not None:
+            mesh, placements = self._stream_layout
+            for mesh_dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):
+                    shape[placement.dim] //= mesh.size(mesh_dim)
+        self._told_stream = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+        self._stages, self._schedules, self._batch_shape = None, {}, (rows, tokens)
+
+    def _told(self, stage: int) -> dict[str, Tensor]:
+        """The static metadata of ``stage`` (torch's ``input_args`` and ``output_args``), where shapes were told. A
+        last stage's outputs go to the loss, not to another stage: torch reads their metadata for their count only."""
+        stream = self._told_stream
+        if stream is None:
+            return {}
+        rows, tokens = stream.shape[0], self._batch_shape[1]
+        inputs = torch.empty(rows, tokens, dtype=torch.long, device="meta") if stage == 0 else stream
+        return dict(input_args=inputs, output_args=stream)
 
     def receive_stream_as(self, mesh: DeviceMesh, placements: tuple[Placement, ...] | None) -> None:
         """Stages send their part of the hidden states (a DTensor's local shard); a stage that did not embed them
@@ -500,6 +531,8 @@ class Pipeline:
         if labels is not None:
             self._loss_scale = self._global_token_scale(labels)
         if tuple(input_ids.shape) != self._batch_shape:  # a stage sizes what it receives at its first step
+            if self._told_stream is not None:
+                raise ValueError(f"Shapes were told for batches of {self._batch_shape}; got {tuple(input_ids.shape)}.")
             self._stages, self._schedules, self._batch_shape = None, {}, tuple(input_ids.shape)
         self._sync_view_modes()
         schedule = self.schedule(with_loss=labels is not None)
@@ -508,11 +541,13 @@ class Pipeline:
         self._totals = []
         self.in_schedule = True
         try:
-            if training:
-                with self._gradients_held_back():
-                    logits = schedule.step(*args, **targets, return_outputs=False, **inputs)
-            else:
-                logits = schedule.eval(*args, **targets, **inputs)
+            # A stage sends the local shard of its DTensor output, a view; the schedule writes to none in place.
+            with view_outputs_allowed():
+                if training:
+                    with self._gradients_held_back():
+                        logits = schedule.step(*args, **targets, return_outputs=False, **inputs)
+                else:
+                    logits = schedule.eval(*args, **targets, **inputs)
         finally:
             self.in_schedule = False
         if labels is None:
@@ -546,10 +581,9 @@ class Pipeline:
         computed, self._computed = self._computed, {}
 
         def add_computed_gradients(scale: Tensor) -> None:
-            factor = float(scale)
             params = self._sharded_parameters()
             for name, grad in computed.items():
-                grad = grad if factor == 1.0 else grad * factor
+                grad.mul_(scale)  # the schedule's own tensor, scaled where it lies
                 params[name].grad = grad if params[name].grad is None else params[name].grad + grad
 
         loss.register_hook(add_computed_gradients)
@@ -635,17 +669,22 @@ class Pipeline:
 
     def adopt_weights(self) -> None:
         """Once the weights exist (materialized from the meta device, or loaded): the last stage's copy of a tied
-        embedding takes the first stage's values, and the FSDP units of stage views (several stages per rank) that
-        the model's ``to_empty`` does not reach (the views' copied modules) take the parameters it registered."""
+        embedding takes the first stage's values, and the stage views take the parameters
+        (:meth:`adopt_view_weights`)."""
+        self.adopt_view_weights()
+        if self.tied:
+            with torch.no_grad():
+                dist.broadcast(self._tied_local(gradient=False), group=self.group, group_src=0)
+
+    def adopt_view_weights(self) -> None:
+        """The FSDP units of stage views (several stages per rank) that the model's ``to_empty`` does not reach (the
+        views' copied modules) take the parameters it registered."""
         in_model = {id(module) for module in self.model.modules()}
         for unit in self._fsdp_units():
             if id(unit) not in in_model:
                 for fsdp_param in (param for group in _param_groups(unit) for param in group.fsdp_params):
                     fsdp_param.reset_sharded_param()
         self._parameters = None
-        if self.tied:
-            with torch.no_grad():
-                dist.broadcast(self._tied_local(gradient=False), group=self.group, group_src=0)
 
     def _tied_local(self, *, gradient: bool) -> Tensor:
         """This rank's shard of the tied embedding's weight (or gradient), or zeros of its shape and dtype on middle
@@ -664,6 +703,13 @@ class Pipeline:
 
     def _device(self) -> torch.device:
         return next(iter(self.model.parameters())).device
+
+
+def _every_stage_told(stages: list[PipelineStage], has_backward: bool, p2p_done: bool) -> None:
+    """What torch's schedules decide at their first step by a vote over the stages' process group (its
+    ``_warmup_p2p``), where every stage was told its shapes: each takes them as told."""
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
 
 
 def _param_groups(unit: FSDPModule) -> list:

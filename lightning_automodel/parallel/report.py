@@ -49,6 +49,7 @@ class PlanReport:
     gathered_bytes_per_token: int = 0  # under cp: keys and values a rank receives per token of a row and layer
     batch_shape: tuple[int, int] | None = None  # (rows, tokens a row) the activation estimates are for
     activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
+    # (under pp: the stage whose ranks' total is the largest; each stage's are its StageReport's)
 
     @property
     def training_bytes_per_rank(self) -> int:
@@ -95,21 +96,27 @@ class PlanReport:
         ]
         return "\n".join(lines + self._activation_lines())
 
+    def total_bytes(self, mode: str) -> int:
+        """The largest memory of a rank in a training step under checkpointing ``mode``: parameters, gradients,
+        AdamW state and activations (under pp, of the stage where they add up to the most)."""
+        if not self.stages:
+            return self.training_bytes_per_rank + self.activation_bytes[mode]
+        return max(stage.training_bytes_per_rank + stage.activation_bytes[mode] for stage in self.stages)
+
     def _activation_lines(self) -> list[str]:
-        if self.batch_shape is None:
+        if not self.activation_bytes:
             return []
         rows, tokens = self.batch_shape
-        if not self.activation_bytes:
-            return [f"activations per rank, {rows} rows x {tokens:,} tokens a step: not estimated under pp > 1 yet"]
         lines = [
             f"activations per rank, {rows} rows x {tokens:,} tokens a step (the step's peak above parameters and"
-            " gradients; the total adds them and AdamW's state):"
+            " gradients; the total adds them and AdamW's state"
+            f"{'; under pp, of the stage where it is the largest' if self.stages else ''}):"
         ]
         width = max(len(mode) for mode in self.activation_bytes)
-        lines += [
-            f"  checkpointing {mode:<{width}}  {_gib(size)}  total {_gib(size + self.training_bytes_per_rank)}"
-            for mode, size in self.activation_bytes.items()
-        ]
+        for mode, size in self.activation_bytes.items():
+            stages = ", ".join(f"{_gib(stage.activation_bytes[mode])}" for stage in self.stages)
+            each = f" (pp ranks: {stages})" if self.stages else ""
+            lines.append(f"  checkpointing {mode:<{width}}  {_gib(size)}  total {_gib(self.total_bytes(mode))}{each}")
         return lines
 
     def _pipeline_lines(self) -> list[str]:
@@ -130,7 +137,7 @@ class PlanReport:
             lines.append(
                 f"  {'pp rank' if per_rank > 1 else 'stage'} {stage.pp_rank} (ranks {stage.ranks}): {'; '.join(held)};"
                 f" {stage.parameters_per_rank:,} parameters per rank,"
-                f" {_gib(_TRAINING_COPIES * stage.parameter_bytes_per_rank)} with gradients and AdamW state"
+                f" {_gib(stage.training_bytes_per_rank)} with gradients and AdamW state"
             )
         return lines
 
@@ -144,6 +151,11 @@ class StageReport:
     ranks: str
     parameters_per_rank: int
     parameter_bytes_per_rank: int
+    activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
+
+    @property
+    def training_bytes_per_rank(self) -> int:
+        return _TRAINING_COPIES * self.parameter_bytes_per_rank
 
 
 def _stage_parts(index: int, layers: range, *, last: int, numbered: bool) -> str:
@@ -184,13 +196,13 @@ def plan_report(
     report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
     options = dict(sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
     report.batch_shape = batch_shape
+    pristine = copy.deepcopy(model) if batch_shape is not None else None
+    estimate = dict(**options, **step_options or {})
     if dims.pp == 1:
-        pristine = copy.deepcopy(model) if batch_shape is not None else None
         held = _parallelized(model, dims, rank=rank, report=report, options=options)  # the plan's refusals first
         report.parameters_per_rank, report.parameter_bytes_per_rank = held
         if pristine is not None:
-            estimate = dict(rank=rank, **options, **step_options or {})
-            report.activation_bytes = _activations(pristine, dims, batch_shape, **estimate)
+            report.activation_bytes = _activations(pristine, dims, batch_shape, rank=rank, **estimate)
         return report
     report.pipeline = pipeline = pipeline or PipelineOptions()
     stages = dims.pp * pipeline.stages_per_rank
@@ -204,20 +216,38 @@ def plan_report(
         ranks = f"{first_rank}-{first_rank + ranks_per_stage - 1}" if ranks_per_stage > 1 else str(first_rank)
         held_layers = {index: layers[index] for index in pipeline.stages_of_rank(pp_rank, dims.pp)}
         report.stages.append(StageReport(pp_rank, held_layers, ranks, *held))
+        if pristine is not None:
+            estimate.update(rank=first_rank, pipeline=pipeline)
+            report.stages[-1].activation_bytes = _activations(pristine, dims, batch_shape, **estimate)
     largest = max(report.stages, key=lambda stage: stage.parameter_bytes_per_rank)
     report.parameters_per_rank = largest.parameters_per_rank
     report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank
+    if pristine is not None:
+        report.activation_bytes = {
+            mode: max(
+                report.stages, key=lambda stage: stage.training_bytes_per_rank + stage.activation_bytes[mode]
+            ).activation_bytes[mode]
+            for mode in report.stages[0].activation_bytes
+        }
     return report
 
 
 def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, int], **options) -> dict[str, int]:
-    """The activation estimate of every checkpointing setting, each on a copy of ``model``."""
+    """The activation estimate of every checkpointing setting the layout runs (a zero-bubble pipeline schedule none
+    but "off"), each on a copy of ``model``."""
     rows, tokens = batch_shape
+    pipeline = options.get("pipeline")
+    settings = list(AC_SETTINGS)[:1] if pipeline is not None and pipeline.splits_backward() else list(AC_SETTINGS)
     return {
         name: activation_bytes(
-            copy.deepcopy(model), dims, micro_batch=rows, seq_len=tokens, activation_checkpointing=setting, **options
+            copy.deepcopy(model),
+            dims,
+            micro_batch=rows,
+            seq_len=tokens,
+            activation_checkpointing=AC_SETTINGS[name],
+            **options,
         )
-        for name, setting in AC_SETTINGS.items()
+        for name in settings
     }
 
 

@@ -6,8 +6,12 @@ do nothing (what :func:`~lightning_automodel.parallel.report.plan_report` needs:
 so one process runs a tensor-parallel step with the numbers ``tp`` processes would get, in seconds, with no port
 and no process to start (what :func:`~lightning_automodel.parallel.verify.verify_plan` needs: values).
 
-Both need the default process group of their own, so they refuse to run where one exists (inside distributed
-training); :mod:`~lightning_automodel.parallel.verify` runs them in a child process there.
+The fake process group comes in a second kind, for the activation estimate: one whose sends' works keep their
+tensors until dropped, as gloo's and NCCL's do (a pipeline schedule keeps them a while). torch's fake backend keeps
+none, so it is wrapped in a process group of Python's, as torch's backend registry offers.
+
+Fake worlds and simulated ranks need the default process group of their own, so they refuse to run where one exists
+(inside distributed training); :mod:`~lightning_automodel.parallel.verify` runs them in a child process there.
 """
 
 from __future__ import annotations
@@ -18,10 +22,15 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+_CPU = torch.device("cpu")
+
 
 @contextlib.contextmanager
-def fake_world(world_size: int, *, rank: int = 0) -> Iterator[None]:
-    """A default process group of ``world_size`` ranks, this process being ``rank``, whose collectives do nothing."""
+def fake_world(world_size: int, *, rank: int = 0, sends_hold_tensors: bool = False) -> Iterator[None]:
+    """A default process group of ``world_size`` ranks, this process being ``rank``, whose collectives do nothing.
+
+    ``sends_hold_tensors``: the work of a send keeps the tensors sent until it is dropped, as gloo's and NCCL's do (a
+    pipeline schedule keeps its sends' works a while: the memory estimate counts what they hold)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -29,7 +38,8 @@ def fake_world(world_size: int, *, rank: int = 0) -> Iterator[None]:
             "This runs in a fake process group of its own; call it outside distributed training (a process group"
             " is already initialized here)."
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    backend = _SENDS_HOLD_TENSORS if sends_hold_tensors else "fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -49,6 +59,42 @@ def simulated_ranks(world_size: int) -> Iterator[None]:
             yield
         finally:
             _forget_meshes()
+
+
+class _HeldSend(dist.Work):
+    """A send's work that keeps the tensors sent until it is dropped."""
+
+    def __init__(self, work: dist.Work, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._work, self._tensors = work, tensors
+
+    def wait(self, timeout: object = None) -> bool:
+        return self._work.wait()
+
+
+class _SendsHoldTensors(dist.ProcessGroup):
+    """torch's fake process group, but for its sends, whose works keep their tensors (see :func:`fake_world`): a
+    process group of Python's, as torch offers (``Backend.register_backend``), over the fake backend. Made by
+    :func:`_sends_hold_tensors`."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        return _HeldSend(self._get_backend(_CPU).send(tensors, dst, tag), tensors)
+
+
+def _sends_hold_tensors(common_options, backend_options) -> _SendsHoldTensors:
+    """The creator torch calls for each group of the backend."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    rank, size = common_options.group_rank, common_options.group_size
+    group = _SendsHoldTensors(rank, size)
+    custom = dist.ProcessGroup.BackendType.CUSTOM
+    group._register_backend(_CPU, custom, FakeProcessGroup._create_internal(rank, size, backend_options))
+    group._set_default_backend(custom)
+    return group
+
+
+_SENDS_HOLD_TENSORS = "fake_sends_hold_tensors"
+dist.Backend.register_backend(_SENDS_HOLD_TENSORS, _sends_hold_tensors, extended_api=True, devices=["cpu"])
 
 
 def _forget_meshes() -> None:

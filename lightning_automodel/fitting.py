@@ -6,17 +6,18 @@ A layout's memory is measured by running the code: the plan report's parameters,
 (the model parallelized in a fake process group) plus :mod:`~lightning_automodel.parallel.memory`'s activation peak
 (one training step on fake tensors); under pp, that of the stage where they add up to the most. Its throughput is a
 model, not a measurement, and says so: matmul FLOPs at a fixed share of the GPU's peak, times the checkpointing mode's
-recomputation and, under pp, the schedule's idle share; tensor- and context-parallel collectives and the hidden states
-stages hand each other exposed (they sit between the matmuls that need them); FSDP2's gathers and reductions, and
-HSDP's all-reduce of the gradient shards across replicas, hidden behind the compute up to its length. Its constants are
-:class:`Hardware`'s, an H100 node by default. It ranks layouts; measure the chosen one.
+recomputation; tensor- and context-parallel collectives and the hidden states stages hand each other exposed (they sit
+between the matmuls that need them), all of it stretched under pp by the schedule's idle share; FSDP2's gathers and
+reductions, and HSDP's all-reduce of the gradient shards across replicas, hidden behind the compute up to its length
+(under pp, a stage gathers its weights once a step and reduces their gradients after its last backward, exposed). Its
+constants are :class:`Hardware`'s, an H100 node by default. It ranks layouts; measure the chosen one.
 
 Each data-parallel rank keeps the rows it is given (the data module's ``batch_size``): a layout with more pp, tp or cp
 ranks trains a smaller global batch, and tokens/s per GPU compares the layouts at their own batches. pp layouts run
 torch's 1F1B schedule over micro-batches of one row (as many as the rows: 1F1B needs at least pp of them), which keeps
-the fewest activations and the smallest idle share. Under cp the
-activation estimate counts SDPA's dense mask (see :mod:`~lightning_automodel.parallel.memory`), which flex attention
-on a GPU does not hold: cp layouts are listed with more memory than they take there.
+the fewest activations and the smallest idle share. Under cp the activation estimate counts SDPA's dense mask (see
+:mod:`~lightning_automodel.parallel.memory`), which flex attention on a GPU does not hold: cp layouts are listed with
+more memory than they take there.
 
 HSDP layouts (dp_replicate > 1) are those whose shard group (tp x cp x dp_shard) fills a node exactly, replicated
 over the nodes: a smaller group holds more per GPU for no less traffic between nodes.
@@ -180,7 +181,6 @@ def _least_recomputing_fit(
     plan_options = {name: options[name] for name in _PLAN_OPTIONS if name in options}
     states = _state_of_each_stage(model, dims, **plan_options)
     rows, tokens = batch_shape
-    ranks_per_stage = dims.world_size // dims.pp  # pp is the outermost axis: stage s starts at rank s x this
 
     def with_setting(name: str) -> LayoutFit:
         totals = [
@@ -190,7 +190,7 @@ def _least_recomputing_fit(
                 dims,
                 micro_batch=rows,
                 seq_len=tokens,
-                rank=stage * ranks_per_stage,
+                rank=stage * dims.ranks_per_stage,
                 activation_checkpointing=AC_SETTINGS[name],
                 **options,
             )
@@ -240,8 +240,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def _name(dims: ParallelDims) -> str:
+    stages = f"pp={dims.pp} " if dims.pp > 1 else ""
     replicas = f" dp_replicate={dims.dp_replicate}" if dims.dp_replicate > 1 else ""
-    return f"{f'pp={dims.pp} ' if dims.pp > 1 else ''}tp={dims.tp} cp={dims.cp} dp_shard={dims.dp_shard}{replicas}"
+    return f"{stages}tp={dims.tp} cp={dims.cp} dp_shard={dims.dp_shard}{replicas}"
 
 
 def _tokens_per_second(
@@ -273,13 +274,13 @@ def _tokens_per_second(
     cp_bytes = passes * gathered_bytes_per_token(model, dims) * rows * tokens * compute_bytes / weight_bytes
     # A stage receives each micro-batch's hidden states (its share under sp) and sends back their gradients.
     stream_bytes = 2 * local_tokens / dims.tp * config.hidden_size * compute_bytes if dims.pp > 1 else 0.0
-    # FSDP2 shards over dp_shard x cp: it gathers the weights in forward and again in backward (a stage: for each
-    # micro-batch), and reduce-scatters their gradients; under HSDP each shard's gradient is then all-reduced over the
-    # dp_replicate replicas.
-    microbatches = pipeline.microbatches_for(dims.pp) if dims.pp > 1 and pipeline is not None else 1
+    # FSDP2 shards over dp_shard x cp: it gathers the weights in forward and again in backward (a stage once: it keeps
+    # them from its first forward to its last backward), and reduce-scatters their gradients; under HSDP each shard's
+    # gradient is then all-reduced over the dp_replicate replicas.
     shards, replicas = dims.dp_shard * dims.cp, dims.dp_replicate
     weights = sum(p.numel() for p in model.parameters()) / (dims.tp * dims.pp)
-    fsdp_bytes = weights * (shards - 1) / shards * (2 * microbatches * compute_bytes + reduce_bytes)
+    gather_bytes = weights * (shards - 1) / shards * (1 if dims.pp > 1 else 2) * compute_bytes
+    reduce_scatter_bytes = weights * (shards - 1) / shards * reduce_bytes
     replica_bytes = weights / shards * 2 * (replicas - 1) / replicas * reduce_bytes
     node, network = hardware.node_gbps * 1e9, hardware.network_gbps * 1e9
     within_node = partial(_link, node=node, network=network, gpus_per_node=hardware.gpus_per_node)
@@ -288,9 +289,12 @@ def _tokens_per_second(
     layers = config.num_hidden_layers / dims.pp
     exposed = layers * (tp_bytes / node + cp_bytes / cp_link) + stream_bytes / within_node(dims.world_size)
     # Each stage's work comes in micro-batch slots: the schedule runs m + pp - 1 of them for the m it computes.
+    microbatches = (pipeline or PipelineOptions()).microbatches_for(dims.pp) if dims.pp > 1 else 1
     busy = (compute + exposed) / (1 - bubble_fraction(dims.pp, microbatches))
-    data_parallel = fsdp_bytes / fsdp_link + replica_bytes / within_node(dims.world_size)
-    step = busy + max(0.0, data_parallel - compute)
+    reductions = reduce_scatter_bytes / fsdp_link + replica_bytes / within_node(dims.world_size)
+    # A stage reduces its gradients after its last backward, behind nothing; without pp, each layer's behind the rest.
+    after_backward, hidden = (reductions, 0.0) if dims.pp > 1 else (0.0, reductions)
+    step = busy + after_backward + max(0.0, gather_bytes / fsdp_link + hidden - compute)
     return rows * tokens / (dims.pp * dims.tp * dims.cp * step)
 
 

@@ -127,6 +127,11 @@ class ParallelDims:
         return self._fixed_product * self.dp_shard
 
     @property
+    def ranks_per_stage(self) -> int:
+        """The ranks of one pipeline stage: pp is the mesh's outermost axis, so stage s holds ranks s x this on."""
+        return self.world_size // self.pp
+
+    @property
     def dp(self) -> int:
         """Number of distinct batches per step (data-parallel degree)."""
         self._require_resolved()

@@ -143,8 +143,9 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
         mp_policy: FSDP2 MixedPrecisionPolicy; default: derived from ``Trainer(precision=...)``.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
         reshard_after_forward: None (default): free every decoder layer's gathered weights after its forward but
-            the last's, and keep the root's; True: free all (least memory); False: free none (no all-gather
-            in backward).
+            the last's, and keep the root's; under pp, free none (torch's pipeline stage keeps them gathered from a
+            micro-batch's backward to the last one: freed after each forward, they would be gathered again for each
+            micro-batch); True: free all (least memory); False: free none (no all-gather in backward).
         forward_prefetch: following decoder layers each layer all-gathers before its forward (0: none ahead).
         backward_prefetch: preceding decoder layers each layer all-gathers in backward (1: FSDP's default).
         save_trainable_only: checkpoints hold the trainable parameters only (LoRA adapters) with the optimizer and

@@ -229,7 +229,8 @@ def check_pipeline_lora(pp: int, tp: int, sp: bool, schedule: str = "1F1B", stag
 
 def check_pipeline_batch_shapes(pp: int) -> list[float]:
     """Batches of other shapes one after another (8 rows, 4 rows, then shorter rows: a last batch, dynamic padding):
-    the stages size their transfers again, and every step's gradients (Gemma 3, tied) equal one process's."""
+    the stages size their transfers again, and every step's gradients (Gemma 3, tied) equal one process's. A second
+    backward of one loss is refused (it would add the schedule's gradients again)."""
     model, reference = (tiny_model("gemma3", num_hidden_layers=LAYERS) for _ in range(2))
     parallelize(model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"))
     pipeline = pipeline_of(model)
@@ -244,4 +245,12 @@ def check_pipeline_batch_shapes(pp: int) -> list[float]:
         expected = dict(reference.named_parameters())
         errors.append(max(relative_error(p.grad, expected[n].grad) for n, p in model.named_parameters()))
     assert max(errors) < FP32_TOLERANCE, errors
+    loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        assert "A second backward of one pipelined loss" in str(error), error
+    else:
+        raise AssertionError("a second backward of a pipelined loss was not refused")
     return errors

@@ -296,4 +296,4 @@ def test_plan_command_lists_the_layouts_that_fit(capsys, no_pytest_argv):
     assert "layouts that fit 0.05 GiB per GPU" in out
     assert "2 rows x 64 tokens per data-parallel rank" in out
     assert "throughput model: 989 TFLOP/s" in out
-    assert re.search(r"^ +1 +1 +2 +1  (off|selective|submodule|full) ", out, re.MULTILINE), out  # dp_shard=2 fits
+    assert re.search(r"^ +1 +1 +1 +2 +1  (off|selective|submodule|full) ", out, re.MULTILINE), out  # dp_shard=2 fits

@@ -35,9 +35,8 @@ def _memory(dims: ParallelDims, setting: str) -> int:
     report = plan_report(_on_meta(), dims, **options)
     states = [stage.training_bytes_per_rank for stage in report.stages] or [report.training_bytes_per_rank]
     step = dict(micro_batch=ROWS, seq_len=TOKENS, activation_checkpointing=AC_SETTINGS[setting], **options)
-    ranks_per_stage = dims.world_size // dims.pp
     return max(
-        state + activation_bytes(_on_meta(), dims, rank=stage * ranks_per_stage, **step)
+        state + activation_bytes(_on_meta(), dims, rank=stage * dims.ranks_per_stage, **step)
         for stage, state in enumerate(states)
     )
 
@@ -120,17 +119,22 @@ def test_the_throughput_model_by_hand():
 def test_pipeline_stages_compute_their_share_in_the_schedule_slots():
     """pp=2 of one GPU each: a stage computes half the FLOPs and hands each micro-batch's hidden states on and their
     gradients back ([tokens, hidden] each way, at the node's bandwidth), in the m + p - 1 slots 1F1B takes for m
-    micro-batches; at dp_shard=2 FSDP2 gathers the stage's half of the weights for each micro-batch, forward and
-    backward, and reduces their gradients once (compute made negligible: its traffic alone)."""
+    micro-batches. With tp=2 too, a stage computes a quarter, runs the all-reduces of its one layer and hands on half
+    the tokens (sp). At dp_shard=2 FSDP2 gathers a stage's half of the weights once (hidden behind the compute, made
+    negligible here) and reduces their gradients after the last backward, exposed."""
     model = _Throughput(Hardware(memory_gib=80))
     tokens, node = ROWS * TOKENS, model.hardware.node_gbps * 1e9
-    pipeline = PipelineOptions(microbatches=ROWS)
+    pipeline, slots = PipelineOptions(microbatches=ROWS), (ROWS + 2 - 1) / ROWS
     stream = 2 * tokens * model.hidden * 4 / node
-    step = (model.compute / 2 + stream) * (ROWS + 2 - 1) / ROWS
+    step = (model.compute / 2 + stream) * slots
     assert model.speed(ParallelDims(pp=2, dp_shard=1), "off", pipeline=pipeline) == pytest.approx(tokens / 2 / step)
+    all_reduce = 2 * (2 - 1) / 2 * tokens * model.hidden * 4 / node
+    step = (model.compute / 4 + model.layers / 2 * 2 * 2 * all_reduce + stream / 2) * slots
+    expected = tokens / 4 / step
+    assert model.speed(ParallelDims(pp=2, tp=2, dp_shard=1), "off", pipeline=pipeline) == pytest.approx(expected)
     model = _Throughput(Hardware(memory_gib=80, tflops=1e9))
-    fsdp = model.weights / 2 * (2 - 1) / 2 * (2 * ROWS * 4 + 4) / node
-    step = (model.compute / 2 + stream) * (ROWS + 2 - 1) / ROWS + fsdp - model.compute / 2
+    reduce_scatter = model.weights / 2 * (2 - 1) / 2 * 4 / node
+    step = (model.compute / 2 + stream) * slots + reduce_scatter + max(0.0, reduce_scatter - model.compute / 2)
     expected = tokens / 2 / step
     assert model.speed(ParallelDims(pp=2, dp_shard=2), "off", pipeline=pipeline) == pytest.approx(expected)
 

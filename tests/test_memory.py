@@ -20,11 +20,13 @@ from lightning_automodel.parallel.pipeline import PipelineOptions
 
 ROWS, TOKENS = 4, 256
 BF16_MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-# The issue asks for 15%; the estimate runs the step's own code, and lands within 0.4% of every measured peak but
-# the zero-bubble schedule's, 2.5-2.9% above it: the resident set misses the pages of tensors never written, which
-# torch's tensor counts (a real-tensor step, tracked as the estimate tracks its own, comes out 3% above it too).
+# The issue asks for 15%; the estimate runs the step's own code, and lands within 0.2% of the measured peak of every
+# layout without pp, within 1.2% of those under pp on two ranks but the zero-bubble schedule's, 2.3-2.9% above: the
+# resident set misses the pages of tensors never written, which torch's tensor count does not (a real-tensor step,
+# tracked as the estimate tracks its own, comes out 3% above it too). See the README for each.
 TOLERANCE = 0.02
 ZERO_BUBBLE_TOLERANCE = 0.04
+FOUR_RANK_TOLERANCE = 0.03  # four processes on two cores: one run measured two ranks of one stage 2.2% apart
 LAYOUTS = [
     (ParallelDims(dp_shard=2), dict(activation_checkpointing=False)),
     (ParallelDims(tp=2), dict(sp=True, loss_chunks=4)),  # lm_head and the loss a quarter of the sequence at a time
@@ -84,10 +86,12 @@ def _assert_estimates_match_measured_peaks(layouts, *, world_size: int = 2) -> N
     for (dims, options), per_rank in zip(layouts, measured.values(), strict=True):
         dims = dims.resolve(world_size)
         pipeline = options.get("pipeline")
-        tolerance = ZERO_BUBBLE_TOLERANCE if pipeline is not None and pipeline.splits_backward() else TOLERANCE
+        tolerance = TOLERANCE if world_size == 2 else FOUR_RANK_TOLERANCE
+        if pipeline is not None and pipeline.splits_backward():
+            tolerance = ZERO_BUBBLE_TOLERANCE
         estimates = {}  # by pp rank: the ranks of a stage hold alike
         for rank, peak in enumerate(per_rank):
-            pp_rank = rank // (world_size // dims.pp)
+            pp_rank = rank // dims.ranks_per_stage
             if pp_rank not in estimates:
                 model = _on_meta(vocab_size=8000, **MEMORY_MODEL)
                 shape = dict(micro_batch=ROWS, seq_len=TOKENS, rank=rank)

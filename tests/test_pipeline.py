@@ -23,7 +23,10 @@ from pipeline_checks import (
     check_pipeline_trainer_parity,
 )
 
+from lightning_automodel import ParallelDims, parallelize
+from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.pipeline import pipeline_problem, split_into_stage, stage_view
+from lightning_automodel.parallel.simulation import fake_world
 
 # Gemma 3 with layers of both kinds, placed so that a stage reading the per-layer settings of the rank's other stage
 # (rank 0 holds layers 0 and 2) computes the wrong attention
@@ -34,7 +37,8 @@ MIXED_LAYERS = dict(layer_types=["full_attention", "full_attention", "sliding_at
 def test_pipeline_two_stages_against_one_process():
     """World 2 at pp=2: Llama with 1F1B over 4 micro-batches, Gemma 3 (tied embeddings) with GPipe, and with
     accumulate_grad_batches=2 and gradient_clip_val; pretrained Llama and Gemma 3 loaded stage by stage; CausalLMModule
-    unchanged (loss, accuracy, validation metrics); batches of other shapes one after another; a training_step
+    unchanged (loss, accuracy, validation metrics); batches of other shapes one after another, and a second backward
+    of one loss refused; a training_step
     computing its loss from the logits stops at its first step, naming the call and the hook that work; a loss of
     one's own (cross-entropy + z-loss, pp_loss_fn) on Qwen3. Two stages per rank: Llama with Interleaved1F1B, Gemma 3
     (tied, layers of both kinds) with LoopedBFS, and loaded stage by stage."""
@@ -119,3 +123,19 @@ def test_stage_views_share_the_model_and_refuse_shared_parameters():
     assert "(model.scale, model.extra.weight), which a rank's virtual stages would share" in pipeline_problem(
         with_scale, pp=2, stages_per_rank=2
     )
+
+
+@pytest.mark.parametrize("reshard_after_forward, expected", [(None, False), (True, True)])
+def test_a_stage_keeps_its_weights_gathered_for_the_step(reshard_after_forward, expected):
+    """Under pp, FSDP2 frees no unit's gathered weights after its forward unless asked: torch's stage keeps them
+    gathered from a micro-batch's backward to the last, and freeing them after each forward would gather them again
+    for every micro-batch (benchmarks/pipeline.py: 8.5x the all-gathered bytes at 8 micro-batches). Asked, every unit
+    frees them."""
+    with torch.device("meta"):
+        model = tiny_model(num_hidden_layers=4)
+    with fake_world(4, rank=0):
+        mesh = ParallelDims(pp=2, dp_shard=2).resolve(4).build_mesh("cpu")
+        parallelize(model, mesh, reshard_after_forward=reshard_after_forward)
+        units = [*decoder_layers(model), model]
+        frees = [unit._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for unit in units]
+    assert frees == [expected] * 3, frees

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,11 +25,13 @@ log = logging.getLogger(__name__)
 
 
 @contextmanager
-def view_outputs_allowed() -> Iterator[None]:
+def view_outputs_allowed(*classes: str) -> Iterator[None]:
     """Calls of FSDP2 units whose outputs are views, which FSDP2 warns an in-place op could detach from their backward
-    hook, made without the warning: for calls whose outputs nothing writes to in place."""
+    hook, made without the warning: for calls whose outputs nothing writes to in place. ``classes``: the units' class
+    names (default: any unit)."""
+    names = "|".join(re.escape(name) for name in classes) if classes else ".*"
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(({names})\) returned a view tensor")
         yield
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
@@ -102,6 +103,11 @@ def activation_bytes(
     :func:`~lightning_automodel.parallel.parallelizer.parallelize`'s (``cp_attention`` is SDPA's: see the module's
     docstring). Must run outside any process group.
 
+    Under pp (``options["pipeline"]``, default :class:`~lightning_automodel.parallel.pipeline.PipelineOptions`),
+    ``micro_batch`` rows are split into the schedule's micro-batches, ``rank`` holds its stages only, the step starts
+    without gradients and the gradients it makes are left out (the buffers torch's stages receive into, which a first
+    step allocates for good, are counted).
+
     A model of many alike decoder layers is stepped with a few of them and the peak extrapolated (see
     :mod:`~lightning_automodel.parallel.layer_extrapolation`).
     """
@@ -137,11 +143,11 @@ def _over_stage_layers(
     num_layers = len(named_decoder_layers(model))
     stages = stage_layers(num_layers, dims.pp * pipeline.stages_per_rank, pipeline.layers_per_stage)
     counts = [len(layers) for layers in stages]
-    mine = pipeline.stages_of_rank(rank // (dims.world_size // dims.pp), dims.pp)  # pp is the outermost axis
+    mine = pipeline.stages_of_rank(rank // dims.ranks_per_stage, dims.pp)
     smallest = min(counts[stage] for stage in mine)
 
     def with_count(count: int) -> int:
-        cut = [layers - (smallest - count) * (stage in mine) for stage, layers in enumerate(counts)]
+        cut = [layers - (smallest - count if stage in mine else 0) for stage, layers in enumerate(counts)]
         copied = model if count == smallest else with_layers(copy.deepcopy(model), layers=sum(cut))
         return step(copied, pipeline=dataclasses.replace(pipeline, layers_per_stage=cut))
 
@@ -189,23 +195,21 @@ def _step_peak(
 def gradient_bytes(model: nn.Module) -> int:
     """The bytes of the gradients ``model``'s parameters hold on this rank (their local shards)."""
     grads = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
-    storages = {StorageWeakRef(_local(grad).untyped_storage()): _local(grad).untyped_storage() for grad in grads}
+    shards = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    storages = {StorageWeakRef(shard.untyped_storage()): shard.untyped_storage() for shard in shards}
     return sum(storage.nbytes() for storage in storages.values())  # FSDP2's of one unit share one
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _stream_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> torch.dtype:
-    """The dtype of the hidden states pipeline stages hand each other: the one the decoder layers compute in."""
-    if mp_policy is not None and mp_policy.param_dtype is not None:
-        return mp_policy.param_dtype
-    return (
-        model.get_input_embeddings().weight.dtype
-        if model.get_input_embeddings() is not None
-        else next(p.dtype for p in model.parameters() if p.is_floating_point())
-    )
+    """The dtype of the hidden states pipeline stages hand each other: what FSDP2 casts a stage's output to, else
+    what its layers compute in (the policy's, else that of most of a decoder layer's weights)."""
+    if mp_policy is not None and (mp_policy.output_dtype or mp_policy.param_dtype) is not None:
+        return mp_policy.output_dtype or mp_policy.param_dtype
+    _, layer = named_decoder_layers(model)[0]
+    weights = Counter()
+    for parameter in layer.parameters():
+        weights[parameter.dtype] += parameter.numel() if parameter.is_floating_point() else 0
+    return weights.most_common(1)[0][0]
 
 
 def training_step(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh, loss_chunks: int = 1) -> None:

@@ -126,7 +126,8 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
     ) -> nn.Module:
         """``activation_checkpointing``: False, True (= "full"), "full", "selective" or "submodule" (see
         :mod:`lightning_automodel.parallel.checkpointing`). ``reshard_after_forward``, ``forward_prefetch`` and
-        ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp`. ``cp_attention``: the
+        ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp` (under pp, None is False: a
+        stage gathers its weights once a step). ``cp_attention``: the
         attention kernel at cp > 1 (see :mod:`lightning_automodel.parallel.context_parallel`). ``compile``: False,
         True or a dict of ``torch.compile``'s arguments, for every decoder block (see
         :mod:`lightning_automodel.parallel.compilation`). ``pipeline``: how the
@@ -193,6 +194,10 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if compiled is not None:
             apply_compile(model, layers, compiled)
         give_every_expert_a_gradient(model)
+        if stages is not None and reshard_after_forward is None:
+            # torch's stage keeps a stage's weights gathered from each micro-batch's backward to the last: freeing them
+            # after each forward would gather them again for the next micro-batch's forward and backward.
+            reshard_after_forward = False
         for root in stages.stage_modules() if stages is not None else [model]:  # a root per stage a rank holds
             apply_fsdp(
                 root,

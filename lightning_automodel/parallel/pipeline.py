@@ -542,7 +542,7 @@ class Pipeline:
         self.in_schedule = True
         try:
             # A stage sends the local shard of its DTensor output, a view; the schedule writes to none in place.
-            with view_outputs_allowed():
+            with view_outputs_allowed(*(type(module).__name__ for module in self.stage_modules())):
                 if training:
                     with self._gradients_held_back():
                         logits = schedule.step(*args, **targets, return_outputs=False, **inputs)
@@ -579,8 +579,15 @@ class Pipeline:
         it is given: 1 / accumulate_grad_batches under Lightning)."""
         loss = (loss if loss is not None else torch.zeros((), device=self._device())).requires_grad_()
         computed, self._computed = self._computed, {}
+        applied = []
 
         def add_computed_gradients(scale: Tensor) -> None:
+            if applied:
+                raise RuntimeError(
+                    "A second backward of one pipelined loss: the schedule computed the step's gradients once, in the"
+                    " model's call, and the first backward added them. Call the model again for another backward."
+                )
+            applied.append(True)
             params = self._sharded_parameters()
             for name, grad in computed.items():
                 grad.mul_(scale)  # the schedule's own tensor, scaled where it lies

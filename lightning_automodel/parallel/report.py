@@ -187,7 +187,10 @@ def plan_report(
 
     With ``batch_shape`` (rows per data-parallel rank and step, tokens a row), the report adds the activation memory
     of a training step under each activation-checkpointing mode (see :mod:`lightning_automodel.parallel.memory`);
-    ``step_options``: parallelize's options that shape it but not the plan (``mp_policy``, ``cp_attention``).
+    ``step_options``: parallelize's options that shape it but not the plan (``mp_policy``, ``cp_attention``). Under
+    pp each stage's is estimated on its first rank (a zero-bubble schedule, which runs no checkpointing, under "off"
+    alone), and the report's per mode is that of the stage where state and activations add up to the most:
+    :meth:`PlanReport.total_bytes` is that total.
     """
     if not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
@@ -207,10 +210,10 @@ def plan_report(
     report.pipeline = pipeline = pipeline or PipelineOptions()
     stages = dims.pp * pipeline.stages_per_rank
     layers = stage_layers(len(named_decoder_layers(model)), stages, pipeline.layers_per_stage)
-    ranks_per_stage = dims.world_size // dims.pp
+    ranks_per_stage = dims.ranks_per_stage
     copies = [copy.deepcopy(model) for _ in range(dims.pp)]
     for pp_rank, stage_copy in enumerate(copies):
-        first_rank = pp_rank * ranks_per_stage  # pp is the outermost axis
+        first_rank = pp_rank * ranks_per_stage
         described = report if pp_rank == 0 else None
         held = _parallelized(stage_copy, dims, rank=first_rank, report=described, options=options, pipeline=pipeline)
         ranks = f"{first_rank}-{first_rank + ranks_per_stage - 1}" if ranks_per_stage > 1 else str(first_rank)
@@ -237,7 +240,7 @@ def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, i
     but "off"), each on a copy of ``model``."""
     rows, tokens = batch_shape
     pipeline = options.get("pipeline")
-    settings = list(AC_SETTINGS)[:1] if pipeline is not None and pipeline.splits_backward() else list(AC_SETTINGS)
+    settings = ["off"] if pipeline is not None and pipeline.splits_backward() else list(AC_SETTINGS)
     return {
         name: activation_bytes(
             copy.deepcopy(model),

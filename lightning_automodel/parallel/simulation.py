@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-_CPU = torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -68,8 +67,8 @@ class _HeldSend(dist.Work):
         super().__init__()
         self._work, self._tensors = work, tensors
 
-    def wait(self, timeout: object = None) -> bool:
-        return self._work.wait()
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return self._work.wait() if timeout is None else self._work.wait(timeout)
 
 
 class _SendsHoldTensors(dist.ProcessGroup):
@@ -78,7 +77,7 @@ class _SendsHoldTensors(dist.ProcessGroup):
     :func:`_sends_hold_tensors`."""
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
-        return _HeldSend(self._get_backend(_CPU).send(tensors, dst, tag), tensors)
+        return _HeldSend(self._get_backend(torch.device("cpu")).send(tensors, dst, tag), tensors)
 
 
 def _sends_hold_tensors(common_options, backend_options) -> _SendsHoldTensors:
@@ -88,7 +87,7 @@ def _sends_hold_tensors(common_options, backend_options) -> _SendsHoldTensors:
     rank, size = common_options.group_rank, common_options.group_size
     group = _SendsHoldTensors(rank, size)
     custom = dist.ProcessGroup.BackendType.CUSTOM
-    group._register_backend(_CPU, custom, FakeProcessGroup._create_internal(rank, size, backend_options))
+    group._register_backend(torch.device("cpu"), custom, FakeProcessGroup._create_internal(rank, size, backend_options))
     group._set_default_backend(custom)
     return group
 

@@ -9,7 +9,8 @@ model, not a measurement, and says so: matmul FLOPs at a fixed share of the GPU'
 recomputation; tensor- and context-parallel collectives and the hidden states stages hand each other exposed (they sit
 between the matmuls that need them), all of it stretched under pp by the schedule's idle share; FSDP2's gathers and
 reductions, and HSDP's all-reduce of the gradient shards across replicas, hidden behind the compute up to its length
-(under pp, a stage gathers its weights once a step and reduces their gradients after its last backward, exposed). Its
+(under pp, a stage gathers its weights once a step, behind its first micro-batch's forward, and reduces their gradients
+after its last backward, exposed). Its
 constants are :class:`Hardware`'s, an H100 node by default. It ranks layouts; measure the chosen one.
 
 Each data-parallel rank keeps the rows it is given (the data module's ``batch_size``): a layout with more pp, tp or cp
@@ -292,9 +293,12 @@ def _tokens_per_second(
     microbatches = (pipeline or PipelineOptions()).microbatches_for(dims.pp) if dims.pp > 1 else 1
     busy = (compute + exposed) / (1 - bubble_fraction(dims.pp, microbatches))
     reductions = reduce_scatter_bytes / fsdp_link + replica_bytes / within_node(dims.world_size)
-    # A stage reduces its gradients after its last backward, behind nothing; without pp, each layer's behind the rest.
-    after_backward, hidden = (reductions, 0.0) if dims.pp > 1 else (0.0, reductions)
-    step = busy + after_backward + max(0.0, gather_bytes / fsdp_link + hidden - compute)
+    if dims.pp > 1:
+        # A stage gathers its weights in its first micro-batch's forward (a third of its compute, for one of m), and
+        # reduces their gradients after its last backward, behind nothing.
+        step = busy + reductions + max(0.0, gather_bytes / fsdp_link - compute / (3 * microbatches))
+    else:
+        step = busy + max(0.0, gather_bytes / fsdp_link + reductions - compute)
     return rows * tokens / (dims.pp * dims.tp * dims.cp * step)
 
 

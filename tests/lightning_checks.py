@@ -577,3 +577,23 @@ def check_manual_optimization_and_predict(tp: int) -> dict:
     result["predicted_logits"] = relative_error(predictions[0], reference(tokens[:2]).logits)
     assert result["predicted_logits"] < FP32_TOLERANCE, result
     return result
+
+
+def check_validate_then_fit(pp: int, **strategy_options: object) -> int:
+    """trainer.validate, then trainer.fit of the same module: an FSDP2 unit that keeps its weights gathered after
+    forward (the root, without pp) comes out of validate gathered, its gathered parameters registered in place of the
+    sharded ones; the optimizer fit builds must step the sharded ones all the same (the strategy moves the model to
+    its device first, where FSDP2 reshards every unit; without that move, the embedding's gathered weight was handed
+    to the optimizer): every parameter it holds is a DTensor, and every weight moves."""
+    module = HFLossCausalLM(tiny_model(num_hidden_layers=4))
+    initial = {name: p.detach().clone() for name, p in module.model.named_parameters()}
+    dp = dist.get_world_size() // pp
+    strategy = AutoModelParallelStrategy(pp=pp, **strategy_options)
+    trainer(strategy, limit_val_batches=1).validate(module, data(dp), verbose=False)
+    fitting = trainer(AutoModelParallelStrategy(pp=pp, **strategy_options))
+    fitting.fit(module, data(dp))
+    stepped = [p for group in fitting.optimizers[0].param_groups for p in group["params"]]
+    assert all(isinstance(p, DTensor) for p in stepped), [type(p).__name__ for p in stepped]
+    unchanged = [name for name, p in module.model.named_parameters() if torch.equal(full(p), initial[name])]
+    assert not unchanged, unchanged
+    return len(stepped)

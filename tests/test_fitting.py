@@ -4,6 +4,7 @@ the throughput model that ranks them (no processes: fake process groups and fake
 import pytest
 import torch
 from models import tiny_config
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, plan_report
@@ -120,8 +121,10 @@ def test_pipeline_stages_compute_their_share_in_the_schedule_slots():
     """pp=2 of one GPU each: a stage computes half the FLOPs and hands each micro-batch's hidden states on and their
     gradients back ([tokens, hidden] each way, at the node's bandwidth), in the m + p - 1 slots 1F1B takes for m
     micro-batches. With tp=2 too, a stage computes a quarter, runs the all-reduces of its one layer and hands on half
-    the tokens (sp). At dp_shard=2 FSDP2 gathers a stage's half of the weights once (hidden behind the compute, made
-    negligible here) and reduces their gradients after the last backward, exposed."""
+    the tokens (sp). At dp_shard=2 under bf16-mixed (bf16 gathers, fp32 reductions), FSDP2 gathers a stage's half of
+    the weights once, behind its first micro-batch's forward (a third of that micro-batch's compute), and reduces their
+    gradients after the last backward, exposed: with the compute made negligible, and with it made long enough to hide
+    every gather, where only the reduction remains."""
     model = _Throughput(Hardware(memory_gib=80))
     tokens, node = ROWS * TOKENS, model.hardware.node_gbps * 1e9
     pipeline, slots = PipelineOptions(microbatches=ROWS), (ROWS + 2 - 1) / ROWS
@@ -132,11 +135,15 @@ def test_pipeline_stages_compute_their_share_in_the_schedule_slots():
     step = (model.compute / 4 + model.layers / 2 * 2 * 2 * all_reduce + stream / 2) * slots
     expected = tokens / 4 / step
     assert model.speed(ParallelDims(pp=2, tp=2, dp_shard=1), "off", pipeline=pipeline) == pytest.approx(expected)
-    model = _Throughput(Hardware(memory_gib=80, tflops=1e9))
-    reduce_scatter = model.weights / 2 * (2 - 1) / 2 * 4 / node
-    step = (model.compute / 2 + stream) * slots + reduce_scatter + max(0.0, reduce_scatter - model.compute / 2)
-    expected = tokens / 2 / step
-    assert model.speed(ParallelDims(pp=2, dp_shard=2), "off", pipeline=pipeline) == pytest.approx(expected)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for tflops in (1e9, 1e-6):
+        model = _Throughput(Hardware(memory_gib=80, tflops=tflops))
+        stage = model.compute / 2
+        gather, reduce_scatter = (model.weights / 2 * (2 - 1) / 2 * size / node for size in (2, 4))
+        step = (stage + stream / 2) * slots + reduce_scatter + max(0.0, gather - stage / (3 * ROWS))
+        speed = model.speed(ParallelDims(pp=2, dp_shard=2), "off", pipeline=pipeline, mp_policy=bf16)
+        assert speed == pytest.approx(tokens / 2 / step), tflops
+        assert (gather > stage / (3 * ROWS)) == (tflops == 1e9)
 
 
 def test_context_parallel_traffic_and_its_fsdp_group():

@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 from harness import run_checks
-from lightning_checks import check_checkpoint_resume_across_layouts
+from lightning_checks import check_checkpoint_resume_across_layouts, check_validate_then_fit
 from lm_checks import check_causal_lm_module_split
 from models import tiny_model
 from pipeline_checks import (
@@ -39,7 +39,9 @@ def test_pipeline_two_stages_against_one_process():
     accumulate_grad_batches=2 and gradient_clip_val; pretrained Llama and Gemma 3 loaded stage by stage; CausalLMModule
     unchanged (loss, accuracy, validation metrics); batches of other shapes one after another, and a second backward
     of one loss refused; a training_step
-    computing its loss from the logits stops at its first step, naming the call and the hook that work; a loss of
+    computing its loss from the logits stops at its first step, naming the call and the hook that work; validate
+    before fit with two stages per rank (the optimizer steps the sharded weights, not those validate left gathered);
+    a loss of
     one's own (cross-entropy + z-loss, pp_loss_fn) on Qwen3. Two stages per rank: Llama with Interleaved1F1B, Gemma 3
     (tied, layers of both kinds) with LoopedBFS, and loaded stage by stage."""
     checks = [
@@ -51,6 +53,7 @@ def test_pipeline_two_stages_against_one_process():
         partial(check_causal_lm_module_split, pp=2),
         partial(check_pipeline_batch_shapes, 2),
         partial(check_loss_from_logits_is_refused, 2),
+        partial(check_validate_then_fit, 2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2),
         partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", microbatches=4, stages_per_rank=2),
         partial(check_pipeline_trainer_parity, 2, "1F1B", "qwen3", own_loss=True),
         partial(check_pipeline_trainer_parity, 2, "LoopedBFS", "gemma3", stages_per_rank=2, config=MIXED_LAYERS),

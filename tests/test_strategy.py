@@ -17,6 +17,7 @@ from lightning_checks import (
     check_self_parallelized_module_left_alone,
     check_trainer_gradient_clipping,
     check_trainer_parity,
+    check_validate_then_fit,
     check_verify_plans_failing_on_one_rank_stops_every_rank,
     check_verify_plans_refuses_a_wrong_plan_everywhere,
 )
@@ -45,6 +46,7 @@ def test_trainer_on_two_ranks():
         partial(check_gradient_accumulation, 2),
         partial(check_manual_optimization_and_predict, 2),
         check_no_hf_model_is_an_error,
+        partial(check_validate_then_fit, 1),
         check_invalid_size_raises_everywhere,
         check_verify_plans_refuses_a_wrong_plan_everywhere,
         check_verify_plans_failing_on_one_rank_stops_every_rank,

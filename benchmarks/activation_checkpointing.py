@@ -26,7 +26,7 @@ def measure(mode) -> tuple[int, float]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lightning_automodel.parallel import decoder_layers
-    from lightning_automodel.parallel.checkpointing import apply_activation_checkpointing
+    from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

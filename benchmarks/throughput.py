@@ -160,7 +160,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from lightning_automodel.lm import CausalLMModule
-    from lightning_automodel.lm.flops import flops_per_token
+    from lightning_automodel.planning.flops import flops_per_token
 
     variant = args.variant
     cuda = not args.tiny

@@ -1,19 +1,19 @@
 """lightning-automodel: one-line model parallelism for Hugging Face models in PyTorch Lightning."""
 
-from lightning_automodel.hf.export import export_hf, export_merged, export_peft_adapter
 from lightning_automodel.hf.loading import from_pretrained
-from lightning_automodel.mesh import ParallelDims
+from lightning_automodel.io.hf_export import export_hf, export_merged, export_peft_adapter
 from lightning_automodel.parallel import (
     causal_lm_loss,
     fully_shard_by_dtype,
     global_token_mean,
     iter_maximal_uniform_dtype_subtrees,
     parallelize,
-    plan_report,
     register_parallelization_strategy,
     register_tp_plan,
-    verify_plan,
 )
+from lightning_automodel.parallel.mesh import ParallelDims
+from lightning_automodel.planning.report import plan_report
+from lightning_automodel.planning.verify import verify_plan
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
 __all__ = [

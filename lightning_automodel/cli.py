@@ -27,16 +27,17 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_automodel.convert import convert
-from lightning_automodel.fitting import Fitting, Hardware, fitting_layouts
+from lightning_automodel.io.checkpoint_to_hf import convert
 from lightning_automodel.lm import CausalLMModule  # the package also brings its data modules' short names
 from lightning_automodel.lm.progress import StepProgressBar
-from lightning_automodel.mesh import ParallelDims
-from lightning_automodel.parallel.dtypes import keep_pinned_fp32
+from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
+from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
+from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
-from lightning_automodel.parallel.report import PlanReport, plan_report
-from lightning_automodel.parallel.verify import verify_plan
-from lightning_automodel.strategy import AutoModelParallelStrategy, mixed_precision_policy
+from lightning_automodel.planning.fitting import Fitting, Hardware, fitting_layouts
+from lightning_automodel.planning.report import PlanReport, plan_report
+from lightning_automodel.planning.verify import verify_plan
+from lightning_automodel.strategy import AutoModelParallelStrategy
 
 TRAINER_DEFAULTS = {
     "strategy": "automodel",

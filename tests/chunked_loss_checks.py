@@ -9,8 +9,8 @@ from models import tiny_model
 from parity import FP32_TOLERANCE, full, relative_error
 
 from lightning_automodel import ParallelDims
-from lightning_automodel.parallel.memory import training_step
 from lightning_automodel.parallel.parallelizer import parallelize
+from lightning_automodel.planning.activation_memory import training_step
 
 
 def check_collectives_of_the_whole_logits(sp: bool, tokens: int = 32) -> dict:

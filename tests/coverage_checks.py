@@ -47,10 +47,10 @@ import lightning_automodel
 from lightning_automodel import ParallelDims, parallelize
 from lightning_automodel.hf.initialization import copy_shard, materialize_hf_model
 from lightning_automodel.hf.shrink import tiny_config
-from lightning_automodel.mesh import data_mesh
 from lightning_automodel.parallel import decoder_layers
+from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.parallel.parallelizer import is_meta
-from lightning_automodel.parallel.verify import fp64_copy, gradient_limits
+from lightning_automodel.planning.verify import fp64_copy, gradient_limits
 
 # Layouts of a world of two, as the strategy's arguments.
 LAYOUTS = {"tp2": dict(tp=2, sp=False), "tp2_sp": dict(tp=2, sp=True), "dp_shard2": dict(tp=1, sp=False)}
@@ -75,7 +75,7 @@ class Reference:
     model: nn.Module
     outputs: Outputs
     # Each gradient's limit: the fp32 tolerance, or four times the single process's own error against fp64 where that is
-    # larger, up to a ceiling (see lightning_automodel.parallel.verify.gradient_limits).
+    # larger, up to a ceiling (see lightning_automodel.planning.verify.gradient_limits).
     grad_limits: dict[str, float]
 
 
@@ -155,7 +155,7 @@ def single_process_reference(model_type: str) -> Reference:
 
 
 def grad_limits_of(model: nn.Module, outputs: Outputs) -> dict[str, float]:
-    """The largest error each gradient may have (see :func:`lightning_automodel.parallel.verify.gradient_limits`),
+    """The largest error each gradient may have (see :func:`lightning_automodel.planning.verify.gradient_limits`),
     from one step of an fp64 copy; the fp32 tolerance alone for a model whose kernels take no fp64."""
     try:
         exact = single_process_outputs(fp64_copy(model))
@@ -338,7 +338,7 @@ def _plan_log() -> Iterator[dict[str, Any]]:
             elif record.msg.startswith("Tensor-parallel plan patterns that match no module"):
                 found["unmatched"] = list(record.args[1])
 
-    logger = logging.getLogger("lightning_automodel.parallel.tensor_parallel")
+    logger = logging.getLogger("lightning_automodel.parallel.tensor.apply")
     handler, level = Collect(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

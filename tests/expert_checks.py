@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import AutoModelParallelStrategy, from_pretrained, parallelize
 from lightning_automodel.hf import loading
 from lightning_automodel.hf.loading import checkpoint_layout, materialize_pretrained
-from lightning_automodel.mesh import ParallelDims
+from lightning_automodel.parallel.mesh import ParallelDims
 
 
 def check_uneven_expert_load(ep: int) -> dict:

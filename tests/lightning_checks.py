@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
 from lightning_automodel.parallel import decoder_layers
-from lightning_automodel.parallel.dtypes import keep_pinned_fp32, pinned_to_fp32
-from lightning_automodel.parallel.expert_parallel import experts_modules
+from lightning_automodel.parallel.experts.expert_parallel import experts_modules
+from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32, pinned_to_fp32
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
 
 GLOBAL_BATCH = 8
@@ -437,7 +437,7 @@ def check_verify_plans_refuses_a_wrong_plan_everywhere() -> str:
 def check_verify_plans_failing_on_one_rank_stops_every_rank() -> str:
     """A verification that fails on one rank only (its child process killed): every rank raises, none is left
     waiting in parallelize's first collective."""
-    import lightning_automodel.strategy as strategy_module
+    import lightning_automodel.strategy.auto_model_parallel as strategy_module
 
     verify_plan = strategy_module.verify_plan
 

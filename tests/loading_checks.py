@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from lightning_automodel import AutoModelParallelStrategy, export_hf, from_pretrained, parallelize
 from lightning_automodel.hf import shrink
 from lightning_automodel.hf.loading import materialize_pretrained
-from lightning_automodel.mesh import data_mesh
+from lightning_automodel.parallel.mesh import data_mesh
 
 
 def saved_checkpoint(family: str, shard_size: str | None = None, **config: object) -> Path:

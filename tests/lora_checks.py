@@ -30,8 +30,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
-from lightning_automodel.hf.export import export_merged, export_peft_adapter
-from lightning_automodel.mesh import data_mesh
+from lightning_automodel.io.hf_export import export_merged, export_peft_adapter
+from lightning_automodel.parallel.mesh import data_mesh
 
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -1,5 +1,5 @@
 """Checks run on every rank for test_memory.py: the memory a real training step takes on CPU, read from the process's
-resident set, to hold the fake-tensor estimate of parallel/memory.py against."""
+resident set, to hold the fake-tensor estimate of planning/activation_memory.py against."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from models import tiny_model
 
 from lightning_automodel import ParallelDims
-from lightning_automodel.parallel.memory import gradient_bytes, training_step
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import pipeline_of
+from lightning_automodel.planning.activation_memory import gradient_bytes, training_step
 
 # Large enough that activations dwarf what Python and gloo allocate on the side (a few MiB).
 MEMORY_MODEL = dict(

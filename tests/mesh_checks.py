@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_automodel import ParallelDims
-from lightning_automodel.mesh import (
+from lightning_automodel.parallel.mesh import (
     data_mesh,
     expert_fsdp_mesh,
     expert_mesh,

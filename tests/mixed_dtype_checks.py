@@ -14,9 +14,9 @@ from parity import BF16, check_training, dims_for, forward_backward_errors, with
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightning_automodel import parallelize
-from lightning_automodel.mesh import data_mesh
 from lightning_automodel.parallel import decoder_layers
-from lightning_automodel.parallel.dtypes import keep_pinned_fp32
+from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
+from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
 
 

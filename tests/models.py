@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from lightning_automodel.hf import shrink
-from lightning_automodel.parallel.verify import SEQ_LEN, token_batch
+from lightning_automodel.planning.verify import SEQ_LEN, token_batch
 
 VOCAB = shrink.VOCAB  # that of every tiny model, the coverage report's too
 SEQ = SEQ_LEN

@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_automodel import ParallelDims, parallelize
-from lightning_automodel.mesh import data_mesh
-from lightning_automodel.parallel.verify import loss_and_logits as loss_of  # verify_plan's loss is the checks' too
+from lightning_automodel.parallel.mesh import data_mesh
+from lightning_automodel.planning.verify import loss_and_logits as loss_of  # verify_plan's loss is the checks' too
 
 # fp32: TP and FSDP change only the order of reductions; measured errors are ~1e-6 (see the closing notes).
 FP32_TOLERANCE = 2e-5
@@ -251,7 +251,7 @@ def check_family(family: str, sp: bool) -> dict[str, float]:
 def check_naive_plan_is_wrong(family: str, replace: dict[str, object]) -> dict[str, float]:
     """The family plan with some styles replaced by what the reference uses: it runs, and the check says how
     wrong it is (the test asserts the errors are large, so our styles are what makes the family right)."""
-    from lightning_automodel.parallel.plans import select_tp_plan
+    from lightning_automodel.parallel.tensor.plans import select_tp_plan
 
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = tiny_model(family), tiny_model(family)
@@ -267,8 +267,8 @@ def check_plan_alone_is_wrong(model_type: str, plan: str) -> dict[str, float]:
     probe's styles (what ``parallelize`` adds) are what makes these models right."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_automodel.mesh import tp_mesh
-    from lightning_automodel.parallel.plans import select_tp_plan
+    from lightning_automodel.parallel.mesh import tp_mesh
+    from lightning_automodel.parallel.tensor.plans import select_tp_plan
 
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = any_model(model_type), any_model(model_type)
@@ -338,7 +338,7 @@ def naive_fused_plan(model: torch.nn.Module, sp: bool) -> dict:
     gate or up rather than half of each: it runs, and trains wrong (what verify_plan must catch)."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from lightning_automodel.parallel.plans import select_tp_plan
+    from lightning_automodel.parallel.tensor.plans import select_tp_plan
 
     return {**select_tp_plan(model, sp=sp).plan, "model.layers.*.mlp.gate_up_proj": ColwiseParallel()}
 
@@ -393,7 +393,7 @@ def _embeddings_tied(model: torch.nn.Module) -> bool:
 
 def check_phi3_attention_kept_whole() -> dict[str, float]:
     """A user plan may leave Phi3's attention replicated (the reference's layout): head counts stay global."""
-    from lightning_automodel.parallel.plans import select_tp_plan
+    from lightning_automodel.parallel.tensor.plans import select_tp_plan
 
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = tiny_model("phi3_gqa"), tiny_model("phi3_gqa")

@@ -17,8 +17,8 @@ from models import batch, tiny_model
 from torch._dynamo.utils import counters
 
 from lightning_automodel import AutoModelParallelStrategy
-from lightning_automodel.parallel.blocks import named_decoder_layers
-from lightning_automodel.parallel.compilation import apply_compile
+from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.parallel.compile import apply_compile
 
 
 def test_compiled_blocks_on_two_ranks():

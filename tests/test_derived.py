@@ -1,4 +1,4 @@
-"""Derived plans (lightning_automodel.parallel.derived): the style each module of a block gets, from following the
+"""Derived plans (parallel.tensor.derived_plan): the style each module of a block gets, from following the
 data through one meta-device step; no process group needed."""
 
 import pytest
@@ -8,11 +8,11 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_automodel import ParallelDims, plan_report
-from lightning_automodel.parallel.derived import derived_plan
-from lightning_automodel.parallel.plans import pattern_matches, select_tp_plan
 from lightning_automodel.parallel.probe import PROBE_TOKENS_PER_RANK, meta_copy, probe
-from lightning_automodel.parallel.sequence_parallel import with_sequence_parallel
-from lightning_automodel.parallel.styles import (
+from lightning_automodel.parallel.tensor.derived_plan import derived_plan
+from lightning_automodel.parallel.tensor.plans import pattern_matches, select_tp_plan
+from lightning_automodel.parallel.tensor.sequence_parallel import with_sequence_parallel
+from lightning_automodel.parallel.tensor.styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
     PackedColwiseParallel,

@@ -4,12 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_automodel.parallel.dtypes import (
+from lightning_automodel.parallel.fsdp.dtypes import (
     compute_dtype_resolver,
     iter_maximal_uniform_dtype_subtrees,
     keep_pinned_fp32,
 )
-from lightning_automodel.parallel.fsdp import dtype_units
+from lightning_automodel.parallel.fsdp.sharding import dtype_units
 
 BF16, FP32, FP64 = torch.bfloat16, torch.float32, torch.float64
 

@@ -21,7 +21,7 @@ from fault_checks import (
 from fault_launch import Fault, Outcome, launch
 from harness import run_checks
 
-from lightning_automodel.checkpoint import check_checkpoint
+from lightning_automodel.io.lightning_checkpoint import check_checkpoint
 
 TIMEOUT = 30.0
 GONE = "exited without reporting an error"

@@ -8,7 +8,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, plan_report
-from lightning_automodel.fitting import (
+from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
+from lightning_automodel.parallel.pipeline import PipelineOptions
+from lightning_automodel.planning.activation_memory import activation_bytes
+from lightning_automodel.planning.fitting import (
     HEADROOM,
     Hardware,
     _layouts,
@@ -16,11 +19,8 @@ from lightning_automodel.fitting import (
     _tokens_per_second,
     fitting_layouts,
 )
-from lightning_automodel.lm.flops import flops_per_token
-from lightning_automodel.parallel.checkpointing import AC_SETTINGS
-from lightning_automodel.parallel.layer_extrapolation import over_layers
-from lightning_automodel.parallel.memory import activation_bytes
-from lightning_automodel.parallel.pipeline import PipelineOptions
+from lightning_automodel.planning.flops import flops_per_token
+from lightning_automodel.planning.layer_extrapolation import over_layers
 
 ROWS, TOKENS = 2, 64
 

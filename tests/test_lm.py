@@ -109,7 +109,7 @@ def test_flops_per_token():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lightning_automodel.lm.flops import flops_per_token
+    from lightning_automodel.planning.flops import flops_per_token
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     weights = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()

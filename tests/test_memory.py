@@ -1,4 +1,4 @@
-"""The activation estimate (parallel/memory.py) against the peak a real training step reaches on CPU, per rank, for
+"""The activation estimate (planning.activation_memory) vs the peak a real training step reaches on CPU, per rank, for
 each activation-checkpointing mode, tensor and sequence parallel, FSDP2, context parallel, pipeline parallel under
 each of its schedules and a bf16 mixed-precision policy; and the plan report's lines built on it."""
 
@@ -13,10 +13,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, plan_report
-from lightning_automodel.parallel import memory
-from lightning_automodel.parallel.layer_extrapolation import alike_layers, over_layers
-from lightning_automodel.parallel.memory import activation_bytes
 from lightning_automodel.parallel.pipeline import PipelineOptions
+from lightning_automodel.planning import activation_memory as memory
+from lightning_automodel.planning.activation_memory import activation_bytes
+from lightning_automodel.planning.layer_extrapolation import alike_layers, over_layers
 
 ROWS, TOKENS = 4, 256
 BF16_MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -25,7 +25,7 @@ from parent_checks import (
 )
 
 from lightning_automodel import AutoModelParallelStrategy
-from lightning_automodel.hf.export import export_hf
+from lightning_automodel.io.hf_export import export_hf
 
 
 def test_parent_tests_on_two_ranks():
@@ -68,7 +68,7 @@ def _set_up(strategy: AutoModelParallelStrategy, *, num_nodes: int, devices: int
     strategy.parallel_devices = [torch.device("cpu")] * devices
     strategy.num_nodes = num_nodes
     strategy._lightning_module = mock.Mock()
-    with mock.patch("lightning_automodel.mesh.ParallelDims.build_mesh"):
+    with mock.patch("lightning_automodel.parallel.mesh.ParallelDims.build_mesh"):
         strategy.setup_environment()
 
 
@@ -171,7 +171,7 @@ def test_timeout_reaches_the_process_group(init_process_group):
     strategy.parallel_devices = [torch.device("cpu")]
     strategy.cluster_environment = LightningEnvironment()
     strategy.accelerator = mock.Mock()
-    with mock.patch("lightning_automodel.mesh.ParallelDims.build_mesh") as build_mesh:
+    with mock.patch("lightning_automodel.parallel.mesh.ParallelDims.build_mesh") as build_mesh:
         strategy.setup_environment()
     assert init_process_group.call_args.kwargs["timeout"] == timedelta(seconds=30)
     assert build_mesh.call_args.kwargs["timeout"] == timedelta(seconds=30)
@@ -202,7 +202,7 @@ def test_exports_keep_user_files(tmp_path):
 
 
 def test_single_file_checkpoint_detection(tmp_path):
-    from lightning_automodel.checkpoint import not_checkpoint_files
+    from lightning_automodel.io.lightning_checkpoint import not_checkpoint_files
 
     torch.save({"state_dict": {}}, tmp_path / "last.ckpt")
     (tmp_path / "weights.zip").write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip archive, not torch's

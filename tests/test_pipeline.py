@@ -26,7 +26,7 @@ from pipeline_checks import (
 from lightning_automodel import ParallelDims, parallelize
 from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.pipeline import pipeline_problem, split_into_stage, stage_view
-from lightning_automodel.parallel.simulation import fake_world
+from lightning_automodel.planning.simulation import fake_world
 
 # Gemma 3 with layers of both kinds, placed so that a stage reading the per-layer settings of the rank's other stage
 # (rank 0 holds layers 0 and 2) computes the wrong attention

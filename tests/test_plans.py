@@ -7,6 +7,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_automodel import ParallelDims
+from lightning_automodel.hf.decoder_layers import layers_sharing_parameters, named_decoder_layers
 from lightning_automodel.hf.shrink import tiny_config as coverage_config
 from lightning_automodel.parallel import (
     DefaultParallelizationStrategy,
@@ -15,8 +16,6 @@ from lightning_automodel.parallel import (
     parallelize,
     register_parallelization_strategy,
 )
-from lightning_automodel.parallel.blocks import layers_sharing_parameters, named_decoder_layers
-from lightning_automodel.parallel.hf_plan import hf_style_strings, translate_style
 from lightning_automodel.parallel.parallelizer import (
     blocks_recomputed_outside_calls,
     check_before_collectives,
@@ -24,14 +23,15 @@ from lightning_automodel.parallel.parallelizer import (
     parallelization_strategy_for,
     probe_unsharded,
 )
-from lightning_automodel.parallel.plans import select_tp_plan, unmatched_patterns
-from lightning_automodel.parallel.simulation import fake_world
-from lightning_automodel.parallel.styles import (
+from lightning_automodel.parallel.tensor.hf_plan import hf_style_strings, translate_style
+from lightning_automodel.parallel.tensor.plans import select_tp_plan, unmatched_patterns
+from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes
+from lightning_automodel.parallel.tensor.styles import (
     PackedColwiseParallel,
     RegroupedColwiseParallel,
     SequenceParallelAllGather,
 )
-from lightning_automodel.parallel.validation import validate_tp_sizes
+from lightning_automodel.planning.simulation import fake_world
 
 
 def coverage_model(model_type, **overrides):
@@ -273,7 +273,7 @@ def test_style_translations(style, expected):
 
 def test_per_head_norm_styles_are_left_to_the_probe():
     """Hugging Face's 'replicated_with_grad_allreduce' marks q/k norms on sharded heads: nothing to shard, and the
-    probe finds every such module, under any name (parallel/activations.py)."""
+    probe finds every such module, under any name (parallel/tensor/sharded_activations.py)."""
     assert translate_style("replicated_with_grad_allreduce", "x") is None
 
 
@@ -405,7 +405,7 @@ def test_hugging_face_plans_are_found_in_configs_when_instances_carry_none():
 
 
 def test_activation_checkpointing_modes_are_checked():
-    from lightning_automodel.parallel.checkpointing import apply_activation_checkpointing
+    from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
 
     model = tiny_model()
     with pytest.raises(ValueError, match='activation_checkpointing=\'partial\': use False, True/"full", "selective"'):
@@ -452,7 +452,7 @@ def test_expert_placements_follow_each_layout():
     (in, out) experts, which carry no layout flags."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from lightning_automodel.parallel.experts import expert_placements
+    from lightning_automodel.parallel.experts.tensor_parallel import expert_placements
 
     def placements(model_type, path):
         with torch.device("meta"):
@@ -480,8 +480,8 @@ def test_plans_are_completed_with_experts_latent_attention_and_shared_experts():
     """DeepSeek-V3's Hugging Face plan names its MLP only: completed with latent attention (low-rank projections kept
     whole, the rotary key's gradient summed) and its shared experts. GPT-OSS's names lm_head only: measured by one
     expert's matrix, its attention weights are large, and the completed Llama-style plan wins."""
-    from lightning_automodel.parallel.experts import ExpertTensorParallel
-    from lightning_automodel.parallel.styles import KeptWhole, LatentKeyValueProjection
+    from lightning_automodel.parallel.experts.tensor_parallel import ExpertTensorParallel
+    from lightning_automodel.parallel.tensor.styles import KeptWhole, LatentKeyValueProjection
 
     with torch.device("meta"):
         deepseek, gpt_oss = coverage_model("deepseek_v3"), coverage_model("gpt_oss")
@@ -504,7 +504,7 @@ def test_lora_on_experts_is_refused_at_tp_and_ep():
     split yet."""
     from peft import LoraConfig, get_peft_model
 
-    from lightning_automodel.parallel.expert_parallel import expert_parallel_problem
+    from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
 
     config = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
     model = get_peft_model(coverage_model("qwen3_moe"), config).base_model.model
@@ -516,7 +516,7 @@ def test_lora_on_experts_is_refused_at_tp_and_ep():
 
 def test_experts_computing_more_than_their_weighted_sum_are_refused():
     """Longcat-Flash's identity experts would be summed over tp like partial outputs: refused, named."""
-    from lightning_automodel.parallel.experts import experts_problem
+    from lightning_automodel.parallel.experts.tensor_parallel import experts_problem
 
     with torch.device("meta"):
         experts = coverage_model("longcat_flash").model.layers[0].mlp.experts

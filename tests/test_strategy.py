@@ -24,7 +24,7 @@ from lightning_checks import (
 
 import lightning_automodel
 from lightning_automodel import AutoModelParallelStrategy
-from lightning_automodel.strategy import mixed_precision_policy
+from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 
 AC = (False, True)
 
@@ -40,7 +40,7 @@ def test_trainer_on_two_ranks():
         partial(check_bf16_trainer, 2, "bf16-mixed"),
         partial(check_bf16_trainer, 2, "bf16-true"),
         # FSDP2 casts a layer's inputs in a profiler mark in its recomputation only (torch 2.13): selective
-        # checkpointing raised on the mark before its marks passed by (parallel/checkpointing.py).
+        # checkpointing raised on the mark before its marks passed by (parallel/activation_checkpointing.py).
         partial(check_bf16_trainer, 1, "bf16-mixed", activation_checkpointing="selective"),
         partial(check_gradient_accumulation, 1),
         partial(check_gradient_accumulation, 2),

@@ -9,8 +9,8 @@ from transformers import BertConfig, GraniteConfig, LlamaConfig, Qwen3Config
 
 from lightning_automodel import verify_plan
 from lightning_automodel.hf.shrink import heads_for, shrunk_config
-from lightning_automodel.parallel.plans import select_tp_plan
-from lightning_automodel.parallel.verify import FP32_TOLERANCE
+from lightning_automodel.parallel.tensor.plans import select_tp_plan
+from lightning_automodel.planning.verify import FP32_TOLERANCE
 
 
 def test_a_registered_family_plan_passes_with_sequence_parallel():
@@ -84,7 +84,7 @@ def test_a_per_head_norm_left_plain_is_caught_by_its_gradient(monkeypatch):
     switched off), the forward is still right, but each rank holds only its heads' part of their gradient: the
     logits pass and the gradients of exactly those norms fail."""
     from lightning_automodel.parallel import tensor_parallel
-    from lightning_automodel.parallel.activations import ShardedActivations
+    from lightning_automodel.parallel.tensor.sharded_activations import ShardedActivations
 
     monkeypatch.setattr(tensor_parallel, "find_sharded_activations", lambda *a, **k: ShardedActivations({}, [], []))
     verification = verify_plan(Qwen3Config(), raise_on_failure=False)
@@ -110,7 +110,7 @@ def gptj_plan(model, sp):
 def test_adding_a_plan_as_the_readme_shows(monkeypatch):
     from transformers import GPTJConfig
 
-    from lightning_automodel.parallel import plans
+    from lightning_automodel.parallel.tensor import plans
 
     monkeypatch.setitem(plans._FAMILY_PLANS, "GPTJForCausalLM", gptj_plan)  # register_tp_plan, undone after the test
     verification = verify_plan(GPTJConfig())

@@ -26,8 +26,8 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_automodel.parallel.lora import is_lora_layer
-from lightning_automodel.parallel.tensor_parallel import to_empty_tied
+from lightning_automodel.hf.peft import is_lora_layer
+from lightning_automodel.hf.ties import to_empty_tied
 
 
 def materialize_hf_model(model: nn.Module, device: torch.device, *, skip: Collection[str] = ()) -> None:

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.conversion import Stored, experts_of, merge_experts, stored_as
-from lightning_automodel.hf.initialization import copy_shard
-from lightning_automodel.parallel.styles import is_packed
+from lightning_automodel.hf.initialization import copy_shard, materialize_hf_model
+from lightning_automodel.hf.packed_weights import is_packed
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,6 @@ def materialize_pretrained(model: nn.Module, device: torch.device) -> None:
     """Allocate a parallelized meta model built by :func:`from_pretrained` and fill it from its checkpoint;
     collective. Only what the checkpoint lacks is initialised (buffers such as rotary frequencies, a PEFT model's
     adapters, a new head such as a classifier's ``score``): no full-size tensor is made for the rest."""
-    from lightning_automodel.hf.initialization import materialize_hf_model
-
     path = pretrained_checkpoint(model)
     materialize_hf_model(model, device, skip=_parameters_in_checkpoint(model, path))
     load_hf_checkpoint(model, path, missing_ok=True)

@@ -6,7 +6,7 @@ so that the model still holds every kind of block its architecture has. The shap
 values say: a model with as many KV heads as heads keeps as many, one with a single KV head (multi-query) keeps one.
 Types that need more than these generic rules have an entry in :func:`overrides`.
 
-It lives in the package, not the tests, because :func:`~lightning_automodel.parallel.verify.verify_plan` shrinks the
+It lives in the package, not the tests, because :func:`~lightning_automodel.planning.verify.verify_plan` shrinks the
 config of the model it is asked about at run time; the coverage report and the tests shrink with the same rules.
 """
 

@@ -24,22 +24,23 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_automodel.hf.loading import from_pretrained
-from lightning_automodel.lm.flops import flops_per_token
+from lightning_automodel.hf.peft import with_lora
 from lightning_automodel.lm.limits import check_batch, check_seq_len, check_tokenizer
 from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
 from lightning_automodel.lm.summary import TrainingSummary
 from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
-from lightning_automodel.mesh import reduction_mesh
 from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
-from lightning_automodel.parallel.load_balancing import load_balancing_loss
+from lightning_automodel.parallel.experts.load_balancing_loss import load_balancing_loss
 from lightning_automodel.parallel.loss import (
     causal_lm_loss_sum,
     data_parallel_group,
     global_token_mean,
     next_token_hits,
 )
+from lightning_automodel.parallel.mesh import reduction_mesh
 from lightning_automodel.parallel.pipeline import pipeline_of
+from lightning_automodel.planning.flops import flops_per_token
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
 Schedule = Literal["cosine", "linear", "constant"]
@@ -212,7 +213,7 @@ class CausalLMModule(L.LightningModule):
 
     def _load_balancing_loss(self, stage: str, outputs: Any, attention_mask: Tensor | None) -> Tensor:
         """The mixture-of-experts auxiliary loss (``output_router_logits``), weighted as the model weighs it, over
-        the global batch (see :mod:`lightning_automodel.parallel.load_balancing`); logged with each layer's expert
+        the global batch (see :mod:`parallel.experts.load_balancing_loss`); logged with each layer's expert
         load imbalance, the same on every rank."""
         hf_model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         options = dict(num_experts=hf_model.num_experts, top_k=hf_model.num_experts_per_tok)
@@ -373,15 +374,6 @@ def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
         tokenizer.save_pretrained(directory)
         root = Path(directory)
         return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*") if path.is_file()}
-
-
-def with_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
-    """``model`` wrapped by PEFT with a causal-LM LoRA of these ``LoraConfig`` arguments."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as error:
-        raise ImportError('LoRA needs peft: pip install "lightning-automodel[peft]"') from error
-    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
 
 
 def _plain(tensor: Tensor) -> Tensor:

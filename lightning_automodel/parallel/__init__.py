@@ -1,9 +1,9 @@
 """Parallelization of Hugging Face models with torch's own DTensor, tensor parallel and FSDP2 (no Lightning)."""
 
+from lightning_automodel.hf.decoder_layers import decoder_layers
 from lightning_automodel.parallel import anomaly  # noqa: F401  (registers a DTensor rule anomaly mode needs)
-from lightning_automodel.parallel.blocks import decoder_layers
-from lightning_automodel.parallel.dtypes import iter_maximal_uniform_dtype_subtrees
-from lightning_automodel.parallel.fsdp import fully_shard_by_dtype
+from lightning_automodel.parallel.fsdp.dtypes import iter_maximal_uniform_dtype_subtrees
+from lightning_automodel.parallel.fsdp.sharding import fully_shard_by_dtype
 from lightning_automodel.parallel.loss import causal_lm_loss, global_token_mean
 from lightning_automodel.parallel.parallelizer import (
     DefaultParallelizationStrategy,
@@ -11,24 +11,18 @@ from lightning_automodel.parallel.parallelizer import (
     parallelize,
     register_parallelization_strategy,
 )
-from lightning_automodel.parallel.plans import register_tp_plan, select_tp_plan
-from lightning_automodel.parallel.report import PlanReport, plan_report
-from lightning_automodel.parallel.verify import PlanVerification, verify_plan
+from lightning_automodel.parallel.tensor.plans import register_tp_plan, select_tp_plan
 
 __all__ = [
     "DefaultParallelizationStrategy",
     "ParallelizationStrategy",
-    "PlanReport",
-    "PlanVerification",
     "causal_lm_loss",
     "decoder_layers",
     "fully_shard_by_dtype",
     "global_token_mean",
     "iter_maximal_uniform_dtype_subtrees",
     "parallelize",
-    "plan_report",
     "register_parallelization_strategy",
     "register_tp_plan",
     "select_tp_plan",
-    "verify_plan",
 ]

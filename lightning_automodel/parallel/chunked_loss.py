@@ -25,8 +25,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_automodel.hf.shrink import shrunk_config
 from lightning_automodel.parallel.context_parallel import context_parallel_of
-from lightning_automodel.parallel.fsdp import view_outputs_allowed
+from lightning_automodel.parallel.fsdp.sharding import view_outputs_allowed
 from lightning_automodel.parallel.loss import next_token_targets, token_hits, token_loss_sum
 from lightning_automodel.parallel.pipeline import pipeline_of
 
@@ -222,8 +223,6 @@ def _times(gradient: Tensor | None, factor: Tensor) -> Tensor | None:
 def _head_error(model: nn.Module) -> float:
     """The largest difference between a shrunk replica's logits and its head on its last hidden states, relative to
     the largest logit."""
-    from lightning_automodel.hf.shrink import shrunk_config
-
     config = shrunk_config(model.config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_automodel.mesh import reduction_mesh
+from lightning_automodel.parallel.mesh import reduction_mesh
 
 
 def global_token_mean(loss_sum: Tensor, num_tokens: Tensor | int, device_mesh: DeviceMesh | None) -> Tensor:

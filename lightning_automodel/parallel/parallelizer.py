@@ -19,10 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
-from lightning_automodel.parallel.blocks import named_decoder_layers
-from lightning_automodel.parallel.checkpointing import ACMode, apply_activation_checkpointing
-from lightning_automodel.parallel.compilation import (
+from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.parallel.activation_checkpointing import ACMode, apply_activation_checkpointing
+from lightning_automodel.parallel.compile import (
     CompileSpec,
     apply_compile,
     check_compile,
@@ -34,14 +33,15 @@ from lightning_automodel.parallel.context_parallel import (
     context_parallel_model,
     context_parallel_problem,
 )
-from lightning_automodel.parallel.expert_parallel import (
+from lightning_automodel.parallel.experts.expert_parallel import (
     apply_expert_parallel,
     expert_parallel_problem,
     expert_precision_problem,
     experts_modules,
 )
-from lightning_automodel.parallel.experts import give_every_expert_a_gradient
-from lightning_automodel.parallel.fsdp import ExpertSharding, apply_fsdp
+from lightning_automodel.parallel.experts.tensor_parallel import give_every_expert_a_gradient
+from lightning_automodel.parallel.fsdp.sharding import ExpertSharding, apply_fsdp
+from lightning_automodel.parallel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.pipeline import (
     PipelineOptions,
     name_of,
@@ -49,15 +49,15 @@ from lightning_automodel.parallel.pipeline import (
     pipeline_problem,
     stage_split_problem,
 )
-from lightning_automodel.parallel.plans import PlanSpec
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
-from lightning_automodel.parallel.sequence_parallel import stage_stream_boundaries, stream_placements
-from lightning_automodel.parallel.tensor_parallel import (
+from lightning_automodel.parallel.tensor.apply import (
     TensorParallelPlan,
     apply_tensor_parallel,
     plan_tensor_parallel,
 )
-from lightning_automodel.parallel.validation import validate_tp_sizes
+from lightning_automodel.parallel.tensor.plans import PlanSpec
+from lightning_automodel.parallel.tensor.sequence_parallel import stage_stream_boundaries, stream_placements
+from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +125,12 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         compile: CompileSpec = False,
     ) -> nn.Module:
         """``activation_checkpointing``: False, True (= "full"), "full", "selective" or "submodule" (see
-        :mod:`lightning_automodel.parallel.checkpointing`). ``reshard_after_forward``, ``forward_prefetch`` and
-        ``backward_prefetch``: see :func:`lightning_automodel.parallel.fsdp.apply_fsdp` (under pp, None is False: a
+        :mod:`parallel.activation_checkpointing`). ``reshard_after_forward``, ``forward_prefetch`` and
+        ``backward_prefetch``: see :func:`parallel.fsdp.sharding.apply_fsdp` (under pp, None is False: a
         stage gathers its weights once a step). ``cp_attention``: the
         attention kernel at cp > 1 (see :mod:`lightning_automodel.parallel.context_parallel`). ``compile``: False,
         True or a dict of ``torch.compile``'s arguments, for every decoder block (see
-        :mod:`lightning_automodel.parallel.compilation`). ``pipeline``: how the
+        :mod:`lightning_automodel.parallel.compile`). ``pipeline``: how the
         mesh's pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s); see
         :mod:`lightning_automodel.parallel.pipeline`. Without the strategy, a pipelined model built on the meta
         device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
@@ -138,7 +138,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         ``_keep_in_fp32_modules_strict``) compute in fp32 under any mixed-precision policy.
 
         Every check that can refuse runs first, on every rank, before any collective: sizes, the tensor-parallel plan
-        and a probe step of the model on the meta device (see :mod:`lightning_automodel.parallel.tensor_parallel`).
+        and a probe step of the model on the meta device (see :mod:`lightning_automodel.parallel.tensor.apply`).
         A model with real weights is then made identical on every rank (broadcast from global rank 0): tensor
         parallel scatters sharded weights from rank 0, but FSDP shards each rank's own copy, so differently
         initialised replicas would otherwise mix silently. A model on the meta device is left for the caller to
@@ -235,7 +235,7 @@ def check_before_collectives(
 ) -> Checked:
     """Every check of :meth:`DefaultParallelizationStrategy.parallelize` that can refuse, run without a collective:
     sizes, a probe step of the model on the meta device, and at tp > 1 the tensor-parallel plan it then applies.
-    :func:`~lightning_automodel.parallel.verify.verify_plan` shares it, so that what it verifies is the plan training
+    :func:`~lightning_automodel.planning.verify.verify_plan` shares it, so that what it verifies is the plan training
     gets."""
     tp = axis_size(device_mesh, "tp")
     if sp and tp == 1:

@@ -1,0 +1,21 @@
+"""PEFT's LoRA as this package meets it: recognising a LoRA layer, and wrapping a causal LM in one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA layer: a ``base_layer`` with ``lora_A`` / ``lora_B`` adapters beside it."""
+    return all(hasattr(module, name) for name in ("base_layer", "lora_A", "lora_B"))
+
+
+def with_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
+    """``model`` wrapped by PEFT with a causal-LM LoRA of these ``LoraConfig`` arguments."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError('LoRA needs peft: pip install "lightning-automodel[peft]"') from error
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))

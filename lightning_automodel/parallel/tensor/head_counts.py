@@ -1,0 +1,154 @@
+"""Head counts where attention reads them: once its projections are split, a rank computes attention on its share of
+the heads, and the sizes the module's code reads must be that share.
+
+transformers 5 reshapes most attention with ``-1`` heads and needs nothing here. Some attention modules read the
+global count (StableLM's ``self.num_heads``, Phi3's ``config.num_attention_heads``, Mllama's cross-attention) or
+the width of all heads (``self.hidden_size`` in a reshape before the output projection): with half the heads on a
+rank, their reshapes fail, or split the wrong way. The attributes are found by what they hold (the config's head
+counts, or heads x head size, under a name that says so) and by whether the module's own code reads them, on every
+module whose projections a plan split by heads; the probe then checks the result (see :mod:`.probe`).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import functools
+import inspect
+import textwrap
+from collections.abc import Collection
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+from lightning_automodel.hf.packed_weights import is_packed
+from lightning_automodel.parallel.tensor.lora import LoraParallel
+from lightning_automodel.parallel.tensor.sizes import model_config
+from lightning_automodel.parallel.tensor.styles import (
+    HeadShardedParameters,
+    PackedColwiseParallel,
+    RegroupedColwiseParallel,
+)
+
+
+def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -> list[str]:
+    """Make the head counts and head widths that attention modules read this rank's (global // tp); return what was
+    changed (``module.attribute``, ``module.config.field``). A module's ``config`` is copied first: the model's own
+    keeps the global counts.
+
+    ``split``: the modules whose outputs the plan leaves split over tp (see :func:`splits_outputs`); attention modules
+    are those with such a child. A projection whose output is gathered again leaves every head on every rank.
+    """
+    config = model_config(model)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or isinstance(heads, bool):
+        return []
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    counts, widths = {heads, kv_heads}, {heads * head_dim, kv_heads * head_dim}
+    changed = []
+    for name, module in model.named_modules():
+        if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
+            continue
+        read = _attributes_read(type(module))
+        attributes = [a for a, value in vars(module).items() if _is_count(a, value, counts) and _reads(read, a)]
+        head_widths = [a for a, value in vars(module).items() if _is_width(a, value, widths) and _reads(read, a)]
+        if attributes or _has_packed_child(module) or any("head" in a.lower() for a in head_widths):
+            attributes += head_widths  # an attention module (BERT's all_head_size says so): widths are this rank's
+        for attribute in attributes:
+            setattr(module, attribute, getattr(module, attribute) // tp)
+        changed += [f"{name}.{attribute}" for attribute in attributes]
+        changed += [f"{name}.config.{field}" for field in _localize_config(module, read, counts, tp)]
+    return changed
+
+
+def head_parameter_styles(model: nn.Module, *, split: Collection[str]) -> dict[str, HeadShardedParameters]:
+    """Styles for the attention modules (those with a child whose output the plan splits) that hold parameters with
+    one entry per head of the model (GPT-OSS's sinks): each rank keeps its heads' entries, by module name."""
+    heads = getattr(model_config(model), "num_attention_heads", None)
+    if not _is_int(heads):
+        return {}
+    styles = {}
+    for name, module in model.named_modules():
+        if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
+            continue
+        per_head = [n for n, p in module.named_parameters(recurse=False) if p.ndim in (1, 2) and p.shape[0] == heads]
+        if per_head:
+            styles[name] = HeadShardedParameters(names=tuple(per_head))
+    return styles
+
+
+def _localize_config(module: nn.Module, read: frozenset[str] | None, counts: set[int], tp: int) -> list[str]:
+    from transformers import PretrainedConfig
+
+    config = getattr(module, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        return []
+    aliases = getattr(config, "attribute_map", {}) or {}
+    read_fields = None if read is None else {aliases.get(name, name) for name in read}
+    fields = [f for f, value in vars(config).items() if _is_count(f, value, counts) and _reads(read_fields, f)]
+    if fields:
+        module.config = copy.copy(config)
+        for field in fields:
+            setattr(module.config, field, getattr(config, field) // tp)
+    return fields
+
+
+def _has_packed_child(module: nn.Module) -> bool:
+    """Whether a child is a packed projection: the module splits its output by the width of all heads (GPT-2's
+    ``split_size``), which on this rank is the width of its heads, even where no head count is read."""
+    return any(is_packed(p) for child in module.children() for p in child.parameters())
+
+
+def splits_outputs(style: ParallelStyle) -> bool:
+    """Whether ``style`` leaves its module's output split over tp as local tensors (column-parallel projections whose
+    output is not gathered), so that the code around it holds this rank's share of the heads or hidden units."""
+    inner = style.style if isinstance(style, LoraParallel) else style
+    if isinstance(inner, PackedColwiseParallel | RegroupedColwiseParallel):
+        return True
+    return isinstance(inner, ColwiseParallel) and inner.output_layouts[0].is_shard() and inner.use_local_output
+
+
+def _model_code(klass: type) -> bool:
+    """A class of a model's own code: not ``object``, not torch's, not transformers' shared base classes."""
+    module = klass.__module__
+    if klass is object or module == "torch" or module.startswith("torch."):
+        return False
+    return not module.startswith("transformers.") or module.startswith("transformers.models.")
+
+
+def _is_count(name: str, value: object, counts: set[int]) -> bool:
+    lowered = name.lower()
+    return _is_int(value) and value in counts and "head" in lowered and "dim" not in lowered and "size" not in lowered
+
+
+def _is_width(name: str, value: object, widths: set[int]) -> bool:
+    lowered = name.lower()
+    return _is_int(value) and value in widths and ("size" in lowered or "dim" in lowered)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _reads(read: frozenset[str] | set[str] | None, name: str) -> bool:
+    return read is None or name in read
+
+
+@functools.cache
+def _attributes_read(cls: type) -> frozenset[str] | None:
+    """Every ``x.name`` the methods of ``cls`` and of its bases read, ``__init__`` aside, up to torch's and
+    transformers' own base classes; None when their source is not available (every attribute then counts as read)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if not _model_code(klass):
+            continue
+        for attribute, function in vars(klass).items():
+            if attribute == "__init__" or not inspect.isfunction(function):
+                continue
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+            except (OSError, TypeError, SyntaxError):
+                return None
+            names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    return frozenset(names)

@@ -1,0 +1,231 @@
+"""Activation memory per rank, estimated by running one training step of the parallelized model on fake tensors.
+
+The model is parallelized for real in a fake process group (as for the plan report), its weights made fake CPU
+tensors (shapes and dtypes, no data), and one forward and backward of a micro-batch runs through the code training
+runs: tensor parallel, sequence parallel, FSDP2's gathers, activation checkpointing and its recomputation, context
+parallel's split, the loss. torch's ``MemTracker`` follows every tensor the step allocates and frees; the estimate
+is its peak above what the rank held before the step (parameters, and gradients already allocated: a step after
+the first, or an upper bound for a first whose gradients appear as it goes). Nothing is re-derived by hand, so the
+estimate cannot drift from the code, and an 8B model at a long sequence is counted in seconds.
+
+Fake CPU tensors, not the meta device: the attention kernel is chosen by device, and on meta tensors SDPA falls back
+to its math path, which keeps the [heads, S, S] scores a fused kernel (CPU's flash attention, as on a GPU) never
+holds. Under context parallel the kernel is therefore SDPA over a dense [rows, S/cp, S] mask, which flex attention's
+block mask (the GPU's default) does not hold: the estimate counts it.
+
+Under pipeline parallel the step is the rank's own part of torch's schedule, run for real: its stages' forwards and
+backwards of every micro-batch in the schedule's order, the activations of the micro-batches in flight (1F1B: as many
+as stages from this one on; GPipe: all), the buffers each stage receives activations and gradients into, FSDP2's
+gradients kept unsharded until the last micro-batch. The stages are told their shapes
+(:meth:`~lightning_automodel.parallel.pipeline.Pipeline.tell_shapes`), which they otherwise exchange at their first step
+as pickled objects, which a fake process group cannot carry; and the fake process group's sends keep their tensors
+until their work is dropped, as gloo's and NCCL's do (:func:`~lightning_automodel.planning.simulation.fake_world`).
+The step starts without gradients (as after Lightning's ``zero_grad``), and those it makes are left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.ties import to_empty_tied
+from lightning_automodel.parallel.chunked_loss import SPLIT_CALLS, chunked_causal_lm_loss_sum, chunking_problem
+from lightning_automodel.parallel.context_parallel import context_parallel_of
+from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean
+from lightning_automodel.parallel.mesh import ParallelDims, axis_size
+from lightning_automodel.parallel.parallelizer import parallelize
+from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of, stage_layers
+from lightning_automodel.planning.layer_extrapolation import (
+    FEW_LAYERS,
+    alike_layers,
+    extrapolated,
+    over_layers,
+    with_layers,
+)
+from lightning_automodel.planning.simulation import fake_world
+
+_CPU = torch.device("cpu")
+
+
+class _ModulesUntracked(ModTracker):
+    """A module tracker that tracks nothing: entering it installs no hooks."""
+
+    def __enter__(self) -> _ModulesUntracked:
+        return self
+
+    def __exit__(self, *args) -> None: ...
+
+
+class TotalsTracker(MemTracker):
+    """torch's MemTracker, its totals alone: every live tensor storage, counted once, FSDP2's freed and regrown
+    unsharded weights as they are. It follows no module: its statistics by module refuse a module called twice at the
+    top of one step (a chunked loss calls lm_head once a chunk, ours and torchtitan's) and a module called inside
+    another's call (a pipelined model's schedule runs the stage's own forward). The totals come from its dispatch mode
+    and storage hooks alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _ModulesUntracked()
+
+
+def activation_bytes(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    rank: int = 0,
+    loss_chunks: int = 1,
+    **options,
+) -> int:
+    """The bytes a training step of ``micro_batch`` rows of ``seq_len`` tokens allocates on ``rank`` at its peak,
+    above its parameters and gradients: saved activations, the working memory of the layer being computed or
+    recomputed, gathered FSDP2 layers, the logits and the loss.
+
+    ``model`` is on the meta device and is consumed here (pass a copy to keep it); ``loss_chunks``: CausalLMModule's
+    (see :mod:`~lightning_automodel.parallel.chunked_loss`); ``options`` are
+    :func:`~lightning_automodel.parallel.parallelizer.parallelize`'s (``cp_attention`` is SDPA's: see the module's
+    docstring). Must run outside any process group.
+
+    Under pp (``options["pipeline"]``, default :class:`~lightning_automodel.parallel.pipeline.PipelineOptions`),
+    ``micro_batch`` rows are split into the schedule's micro-batches, ``rank`` holds its stages only, the step starts
+    without gradients and the gradients it makes are left out (the buffers torch's stages receive into, which a first
+    step allocates for good, are counted).
+
+    A model of many alike decoder layers is stepped with a few of them and the peak extrapolated (see
+    :mod:`~lightning_automodel.planning.layer_extrapolation`).
+    """
+    if loss_chunks > 1:  # refused as CausalLMModule refuses it, before any step (its check runs a model of its own)
+        problem = SPLIT_CALLS if dims.cp > 1 or dims.pp > 1 else chunking_problem(model)
+        if problem is not None:
+            raise ValueError(f"loss_chunks={loss_chunks}: {problem}.")
+    shape = dict(micro_batch=micro_batch, seq_len=seq_len, loss_chunks=loss_chunks)
+    step = partial(_step_peak, dims=dims, rank=rank, **shape, **options)
+    # layers within FSDP2's prefetch window each add a gathered layer too: the few measured lie beyond it
+    window = max(options.get("forward_prefetch", 0), options.get("backward_prefetch", 1))
+    few = tuple(count + max(0, window - 1) for count in FEW_LAYERS)
+    if dims.pp > 1:
+        return _over_stage_layers(step, model, dims=dims, rank=rank, pipeline=options.get("pipeline"), few=few)
+    return over_layers(step, model, few=few)
+
+
+def _over_stage_layers(
+    step: Callable[..., int],
+    model: nn.Module,
+    *,
+    dims: ParallelDims,
+    rank: int,
+    pipeline: PipelineOptions | None,
+    few: tuple[int, ...],
+) -> int:
+    """``step(model)`` under pp, where ``rank`` holds only its stages' layers: for stages of many alike layers,
+    extrapolated from the model with each of the rank's stages cut by the same count (the others kept as they are),
+    to ``few`` layers in the smallest of them."""
+    pipeline = pipeline or PipelineOptions()
+    if alike_layers(model) is None:
+        return step(model, pipeline=pipeline)
+    num_layers = len(named_decoder_layers(model))
+    stages = stage_layers(num_layers, dims.pp * pipeline.stages_per_rank, pipeline.layers_per_stage)
+    counts = [len(layers) for layers in stages]
+    mine = pipeline.stages_of_rank(rank // dims.ranks_per_stage, dims.pp)
+    smallest = min(counts[stage] for stage in mine)
+
+    def with_count(count: int) -> int:
+        cut = [layers - (smallest - count if stage in mine else 0) for stage, layers in enumerate(counts)]
+        copied = model if count == smallest else with_layers(copy.deepcopy(model), layers=sum(cut))
+        return step(copied, pipeline=dataclasses.replace(pipeline, layers_per_stage=cut))
+
+    return extrapolated(with_count, layers=smallest, few=few)
+
+
+def _step_peak(
+    model: nn.Module, *, dims: ParallelDims, micro_batch: int, seq_len: int, rank: int, loss_chunks: int = 1, **options
+) -> int:
+    """The peak of one step of ``model`` as it is (see :func:`activation_bytes`)."""
+    with fake_world(dims.world_size, rank=rank, sends_hold_tensors=True):
+        mesh = dims.build_mesh("cpu")
+        parallelize(model, mesh, **{**options, "cp_attention": "sdpa"})
+        pipeline = pipeline_of(model)
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+            to_empty_tied(model, device=_CPU)
+            if pipeline is None:  # a pipeline's schedule computes gradients apart from those held (see below)
+                for parameter in model.parameters():
+                    if parameter.requires_grad:
+                        parameter.grad = torch.zeros_like(parameter)
+            input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        if pipeline is not None:
+            pipeline.adopt_view_weights()
+            pipeline.tell_shapes(
+                batch_shape=(micro_batch, seq_len),
+                hidden_size=model.config.get_text_config().hidden_size,
+                dtype=_stream_dtype(model, options.get("mp_policy")),
+            )
+        # The step runs on the fake tensors with their mode left: DTensor then propagates shapes in a fake mode of its
+        # own, whose global-shape tensors the tracker leaves out (in the step's mode it would count them as memory).
+        try:
+            with TotalsTracker() as tracker:
+                tracker.track_external(model)
+                held = tracker.get_tracker_snapshot()[_CPU]["Total"]
+                training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)
+                peak = tracker.get_tracker_snapshot("peak")[_CPU]["Total"]
+        finally:
+            fake_mode.cache_clear()  # its dispatch cache is the class's, and would keep this model's entries
+        # Under pp the step starts without gradients (as after Lightning's zero_grad) and makes them: they are not
+        # activations. Without pp they were held all along.
+        gradients = gradient_bytes(model) if pipeline is not None else 0
+    return peak - held - gradients
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """The bytes of the gradients ``model``'s parameters hold on this rank (their local shards)."""
+    grads = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+    shards = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    storages = {StorageWeakRef(shard.untyped_storage()): shard.untyped_storage() for shard in shards}
+    return sum(storage.nbytes() for storage in storages.values())  # FSDP2's of one unit share one
+
+
+def _stream_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> torch.dtype:
+    """The dtype of the hidden states pipeline stages hand each other: what FSDP2 casts a stage's output to, else
+    what its layers compute in (the policy's, else that of most of a decoder layer's weights)."""
+    if mp_policy is not None and (mp_policy.output_dtype or mp_policy.param_dtype) is not None:
+        return mp_policy.output_dtype or mp_policy.param_dtype
+    _, layer = named_decoder_layers(model)[0]
+    weights = Counter()
+    for parameter in layer.parameters():
+        weights[parameter.dtype] += parameter.numel() if parameter.is_floating_point() else 0
+    return weights.most_common(1)[0][0]
+
+
+def training_step(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh, loss_chunks: int = 1) -> None:
+    """Forward and backward of the loss CausalLMModule trains on (its ``_step``, without its accuracy metric): under
+    cp and pp the model's own, which splits the batch in its call (pp runs its schedule there); otherwise the token
+    mean over the data-parallel ranks, from the logits (vocabulary-sharded under tp, hence ``loss_parallel``),
+    ``loss_chunks`` sequence chunks at a time where more than one. Also what the tests measure real steps with."""
+    with loss_parallel() if axis_size(mesh, "tp") > 1 else contextlib.nullcontext():
+        if loss_chunks > 1:
+            loss_sum, tokens, _ = chunked_causal_lm_loss_sum(
+                model, input_ids=input_ids, labels=input_ids, chunks=loss_chunks
+            )
+            loss = global_token_mean(loss_sum, tokens, mesh)
+        elif context_parallel_of(model) is not None or pipeline_of(model) is not None:
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        else:
+            loss_sum, tokens = causal_lm_loss_sum(model(input_ids=input_ids).logits, input_ids)
+            loss = global_token_mean(loss_sum, tokens, mesh)
+        loss.backward()

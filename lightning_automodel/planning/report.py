@@ -1,0 +1,303 @@
+"""Plan report: what parallelize() would do to a model on a mesh, computed without GPUs or real weights.
+
+The model is built (or kept) on the meta device and parallelized for real inside a fake process group of the
+requested world size, so the per-rank shapes are the ones training would get, not a re-derivation that could
+drift from the code. An 8B-parameter config takes seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
+from lightning_automodel.parallel.mesh import ParallelDims
+from lightning_automodel.parallel.parallelizer import check_before_collectives, parallelize
+from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
+from lightning_automodel.parallel.tensor.apply import TensorParallelPlan
+from lightning_automodel.parallel.tensor.patterns import pattern_matches
+from lightning_automodel.parallel.tensor.plans import PlanSpec
+from lightning_automodel.planning.activation_memory import activation_bytes
+from lightning_automodel.planning.simulation import fake_world
+
+# Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and
+# exp_avg_sq (all in the parameter's dtype). Activations come on top and depend on the batch.
+_TRAINING_COPIES = 4
+
+
+@dataclass
+class PlanReport:
+    model_name: str
+    dims: ParallelDims
+    plan_source: str
+    plan_reason: str = ""
+    styles: dict[str, tuple[str, int]] = field(default_factory=dict)  # pattern -> (style, modules matched)
+    unmatched_patterns: list[str] = field(default_factory=list)
+    unsharded_weights: list[str] = field(default_factory=list)
+    replicated: dict[str, int] = field(default_factory=dict)  # modules on sharded activations, as patterns -> count
+    total_parameters: int = 0
+    parameters_per_rank: int = 0
+    parameter_bytes_per_rank: int = 0
+    pipeline: PipelineOptions | None = None
+    stages: list[StageReport] = field(default_factory=list)  # under pp: what each stage's ranks hold
+    gathered_bytes_per_token: int = 0  # under cp: keys and values a rank receives per token of a row and layer
+    batch_shape: tuple[int, int] | None = None  # (rows, tokens a row) the activation estimates are for
+    activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
+    # (under pp: the stage whose ranks' total is the largest; each stage's are its StageReport's)
+
+    @property
+    def training_bytes_per_rank(self) -> int:
+        """Parameters + gradients + AdamW state on one rank (activations not included)."""
+        return _TRAINING_COPIES * self.parameter_bytes_per_rank
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.model_name} on {self.dims}",
+            f"tensor-parallel plan: {self.plan_source} ({self.plan_reason})"
+            if self.dims.tp > 1
+            else "tensor parallel: off (tp=1)",
+        ]
+        width = max((len(pattern) for pattern in [*self.styles, *self.replicated]), default=0)
+        lines += [f"  {p:<{width}}  {style} x{count}" for p, (style, count) in self.styles.items()]
+        lines += [f"  {p:<{width}}  ReplicateOnShardedInput x{count}" for p, count in self.replicated.items()]
+        if self.unmatched_patterns:
+            lines.append(f"patterns matching no module: {', '.join(self.unmatched_patterns)}")
+        if self.unsharded_weights:
+            lines.append(f"large block weights left whole on every tp rank: {', '.join(self.unsharded_weights)}")
+        if self.dims.ep > 1:
+            lines.append(
+                f"expert parallel: ep={self.dims.ep}, each rank holds 1/{self.dims.ep} of every layer's experts,"
+                f" FSDP-sharded over efsdp={self.dims.efsdp}"
+            )
+        if self.dims.cp > 1:
+            cp = self.dims.cp
+            lines.append(
+                f"context parallel: cp={cp}, each rank holds 1/{cp} of every sequence (chunks i and {2 * cp - 1}-i of"
+                f" {2 * cp}; rows padded to a multiple of {2 * cp} tokens); attention all-gathers keys and values:"
+                f" {self.gathered_bytes_per_token:,} bytes received per token of a row, per layer and rank (in the"
+                " weights' dtype; bf16 activations halve fp32's)"
+            )
+        if self.stages:
+            lines += self._pipeline_lines()
+        share = self.parameters_per_rank / max(self.total_parameters, 1)
+        ideal = self.dims.pp * self.dims.tp * self.dims.dp_shard * self.dims.cp
+        lines += [
+            f"parameters: {self.total_parameters:,} in all, {self.parameters_per_rank:,} per rank"
+            f" ({share:.2%}; ideal 1/{ideal}){' on the largest stage' if self.stages else ''}",
+            f"memory per rank: {_gib(self.parameter_bytes_per_rank)} parameters,"
+            f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state"
+            f"{'' if self.activation_bytes else ' (activations not included)'}",
+        ]
+        return "\n".join(lines + self._activation_lines())
+
+    def total_bytes(self, mode: str) -> int:
+        """The largest memory of a rank in a training step under checkpointing ``mode``: parameters, gradients,
+        AdamW state and activations (under pp, of the stage where they add up to the most)."""
+        if not self.stages:
+            return self.training_bytes_per_rank + self.activation_bytes[mode]
+        return max(stage.training_bytes_per_rank + stage.activation_bytes[mode] for stage in self.stages)
+
+    def _activation_lines(self) -> list[str]:
+        if not self.activation_bytes:
+            return []
+        rows, tokens = self.batch_shape
+        lines = [
+            f"activations per rank, {rows} rows x {tokens:,} tokens a step (the step's peak above parameters and"
+            " gradients; the total adds them and AdamW's state"
+            f"{'; under pp, of the stage where it is the largest' if self.stages else ''}):"
+        ]
+        width = max(len(mode) for mode in self.activation_bytes)
+        for mode, size in self.activation_bytes.items():
+            stages = ", ".join(f"{_gib(stage.activation_bytes[mode])}" for stage in self.stages)
+            each = f" (pp ranks: {stages})" if self.stages else ""
+            lines.append(f"  checkpointing {mode:<{width}}  {_gib(size)}  total {_gib(self.total_bytes(mode))}{each}")
+        return lines
+
+    def _pipeline_lines(self) -> list[str]:
+        assert self.pipeline is not None
+        microbatches = self.pipeline.microbatches_for(self.dims.pp)
+        per_rank = self.pipeline.stages_per_rank
+        bubble = bubble_fraction(self.dims.pp, microbatches, per_rank)
+        virtual = f" x {per_rank} stages per rank" if per_rank > 1 else " stages"
+        lines = [
+            f"pipeline: pp={self.dims.pp}{virtual}, schedule {self.pipeline.schedule}, {microbatches} micro-batches"
+            f" per step; idle (bubble) fraction (p-1)/({'vm' if per_rank > 1 else 'm'}+p-1) = {bubble:.1%}"
+        ]
+        last = self.dims.pp * per_rank - 1
+        for stage in self.stages:
+            held = [
+                _stage_parts(index, layers, last=last, numbered=per_rank > 1) for index, layers in stage.layers.items()
+            ]
+            lines.append(
+                f"  {'pp rank' if per_rank > 1 else 'stage'} {stage.pp_rank} (ranks {stage.ranks}): {'; '.join(held)};"
+                f" {stage.parameters_per_rank:,} parameters per rank,"
+                f" {_gib(stage.training_bytes_per_rank)} with gradients and AdamW state"
+            )
+        return lines
+
+
+@dataclass
+class StageReport:
+    """What one pp rank's group of ranks holds: its stages' decoder layers, by stage index."""
+
+    pp_rank: int
+    layers: dict[int, range]
+    ranks: str
+    parameters_per_rank: int
+    parameter_bytes_per_rank: int
+    activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
+
+    @property
+    def training_bytes_per_rank(self) -> int:
+        return _TRAINING_COPIES * self.parameter_bytes_per_rank
+
+
+def _stage_parts(index: int, layers: range, *, last: int, numbered: bool) -> str:
+    parts = ["embedding"] * (index == 0) + [_layer_span(layers)] + ["norm, head"] * (index == last)
+    return f"{f'stage {index}: ' if numbered else ''}{', '.join(parts)}"
+
+
+def _layer_span(layers: range) -> str:
+    return f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
+
+
+def plan_report(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    sp: bool = False,
+    tp_plan: PlanSpec | None = None,
+    allow_unsharded_linears: bool = False,
+    pipeline: PipelineOptions | None = None,
+    batch_shape: tuple[int, int] | None = None,
+    step_options: dict | None = None,
+    rank: int = 0,
+) -> PlanReport:
+    """Parallelize ``model`` (on the meta device) as ``rank`` of a fake world of ``dims`` and describe the result.
+
+    ``dims`` must be resolved (a world size is needed). Must be called outside any real process group. A plan that
+    training would refuse is refused here too, with the same message. Under pp, each stage is parallelized (as its
+    first rank) on a copy of the model, for its layers and per-rank memory; the largest is the report's per rank.
+
+    With ``batch_shape`` (rows per data-parallel rank and step, tokens a row), the report adds the activation memory
+    of a training step under each activation-checkpointing mode (see :mod:`planning.activation_memory`);
+    ``step_options``: parallelize's options that shape it but not the plan (``mp_policy``, ``cp_attention``). Under
+    pp each stage's is estimated on its first rank (a zero-bubble schedule, which runs no checkpointing, under "off"
+    alone), and the report's per mode is that of the stage where state and activations add up to the most:
+    :meth:`PlanReport.total_bytes` is that total.
+    """
+    if not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
+    report = PlanReport(type(model).__name__, dims, plan_source="")
+    report.total_parameters = sum(p.numel() for p in model.parameters())
+    report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
+    options = dict(sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
+    report.batch_shape = batch_shape
+    pristine = copy.deepcopy(model) if batch_shape is not None else None
+    estimate = dict(**options, **step_options or {})
+    if dims.pp == 1:
+        held = _parallelized(model, dims, rank=rank, report=report, options=options)  # the plan's refusals first
+        report.parameters_per_rank, report.parameter_bytes_per_rank = held
+        if pristine is not None:
+            report.activation_bytes = _activations(pristine, dims, batch_shape, rank=rank, **estimate)
+        return report
+    report.pipeline = pipeline = pipeline or PipelineOptions()
+    stages = dims.pp * pipeline.stages_per_rank
+    layers = stage_layers(len(named_decoder_layers(model)), stages, pipeline.layers_per_stage)
+    ranks_per_stage = dims.ranks_per_stage
+    copies = [copy.deepcopy(model) for _ in range(dims.pp)]
+    for pp_rank, stage_copy in enumerate(copies):
+        first_rank = pp_rank * ranks_per_stage
+        described = report if pp_rank == 0 else None
+        held = _parallelized(stage_copy, dims, rank=first_rank, report=described, options=options, pipeline=pipeline)
+        ranks = f"{first_rank}-{first_rank + ranks_per_stage - 1}" if ranks_per_stage > 1 else str(first_rank)
+        held_layers = {index: layers[index] for index in pipeline.stages_of_rank(pp_rank, dims.pp)}
+        report.stages.append(StageReport(pp_rank, held_layers, ranks, *held))
+        if pristine is not None:
+            estimate.update(rank=first_rank, pipeline=pipeline)
+            report.stages[-1].activation_bytes = _activations(pristine, dims, batch_shape, **estimate)
+    largest = max(report.stages, key=lambda stage: stage.parameter_bytes_per_rank)
+    report.parameters_per_rank = largest.parameters_per_rank
+    report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank
+    if pristine is not None:
+        report.activation_bytes = {
+            mode: max(
+                report.stages, key=lambda stage: stage.training_bytes_per_rank + stage.activation_bytes[mode]
+            ).activation_bytes[mode]
+            for mode in report.stages[0].activation_bytes
+        }
+    return report
+
+
+def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, int], **options) -> dict[str, int]:
+    """The activation estimate of every checkpointing setting the layout runs (a zero-bubble pipeline schedule none
+    but "off"), each on a copy of ``model``."""
+    rows, tokens = batch_shape
+    pipeline = options.get("pipeline")
+    settings = ["off"] if pipeline is not None and pipeline.splits_backward() else list(AC_SETTINGS)
+    return {
+        name: activation_bytes(
+            copy.deepcopy(model),
+            dims,
+            micro_batch=rows,
+            seq_len=tokens,
+            activation_checkpointing=AC_SETTINGS[name],
+            **options,
+        )
+        for name in settings
+    }
+
+
+def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:
+    """The key and value bytes a rank receives per token of a row and per layer under cp: the other ranks' share
+    ((cp - 1) / cp) of the tokens' keys and values for the rank's tp share of the KV heads, in the weights' dtype."""
+    if dims.cp == 1:
+        return 0
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype_bytes = next(model.parameters()).element_size()
+    return round(2 * (heads // dims.tp) * head_dim * dtype_bytes * (dims.cp - 1) / dims.cp)
+
+
+def _parallelized(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    rank: int,
+    report: PlanReport | None,
+    options: dict,
+    pipeline: PipelineOptions | None = None,
+) -> tuple[int, int]:
+    """Parallelize ``model`` as ``rank``, describing its plan in ``report`` first (unless None); the parameters and
+    parameter bytes the rank then holds."""
+    with fake_world(dims.world_size, rank=rank):
+        mesh = dims.build_mesh("cpu")
+        if report is not None:
+            _describe_plan(report, check_before_collectives(model, mesh, **options).planned, model)
+        parallelize(model, mesh, pipeline=pipeline, **options)
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local)
+
+
+def _describe_plan(report: PlanReport, planned: TensorParallelPlan | None, model: nn.Module) -> None:
+    if planned is None:
+        return
+    choice = planned.choice
+    report.plan_source, report.plan_reason = choice.source, choice.reason
+    names = [name for name, _ in model.named_modules()]
+    for pattern, style in choice.plan.items():
+        report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
+    report.unmatched_patterns = choice.unmatched
+    report.unsharded_weights = choice.unsharded_weights
+    report.replicated = dict(Counter(re.sub(r"\.\d+\.", ".*.", name) for name in planned.replicated))
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"

@@ -20,16 +20,14 @@ the compute dtype) against flex attention's block mask (block indices, linear in
 uncompiled on CPU (its fused kernels are GPUs'): its speed is not measured here.
 """
 
-import os
 import sys
 import time
 from functools import partial
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import torch
 
-import torch  # noqa: E402
-from harness import run_checks  # noqa: E402
-from saved_activations import saved_activations  # noqa: E402
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.saved_activations import saved_activations
 
 CONFIG = dict(
     vocab_size=1024,

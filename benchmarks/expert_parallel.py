@@ -11,15 +11,12 @@ token's choices share a remote rank. Expert memory is this rank's share of the e
 parallel and FSDP, over the whole experts' size divided by ep x efsdp (1.00 is an even split).
 """
 
-import os
-import sys
 from functools import partial
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import torch
+from transformers import Qwen3MoeConfig
 
-import torch  # noqa: E402
-from harness import run_checks  # noqa: E402
-from transformers import Qwen3MoeConfig  # noqa: E402
+from lightning_automodel.testing.harness import run_checks
 
 CONFIG = dict(
     vocab_size=1024,

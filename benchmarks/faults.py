@@ -3,24 +3,20 @@
     .venv/bin/python benchmarks/faults.py                      # every fault, default and 30 s timeouts (~20 min)
     .venv/bin/python benchmarks/faults.py --timeouts 30 --cases "SIGKILL rank 1" "SIGTERM rank 1"
 
-Each case launches tests/fault_train.py as users do (Lightning's launcher, or torchrun with one or two agents),
-the tiny Llama at tp=2 x dp_shard=2 on 4 CPU processes over gloo, and injects the fault once every rank has
-trained 2 steps (see tests/fault_launch.py). A survivor still running ``--wait`` seconds after the fault is
-reported as such and killed. Run it against another checkout with PYTHONPATH=that/checkout.
+Each case launches lightning_automodel/testing/fault_train.py as users do (Lightning's launcher, or torchrun with one or
+two agents), the tiny Llama at tp=2 x dp_shard=2 on 4 CPU processes over gloo, and injects the fault once every rank has
+trained 2 steps (see lightning_automodel/testing/fault_launch.py). A survivor still running ``--wait`` seconds after the
+fault is reported as such and killed. Run it against another checkout with PYTHONPATH=that/checkout.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
-from fault_launch import Fault, Outcome, launch  # noqa: E402
+from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
 
 KILL, TERM, INT, STOP = signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGSTOP
 

@@ -9,19 +9,16 @@ millisecond; the pages of the memory-mapped checkpoint files are the page cache'
 size of the checkpoint's weights, maximum over ranks.
 """
 
-import os
-import sys
 import tempfile
 import threading
 import time
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-import torch  # noqa: E402
-from harness import run_checks  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from lightning_automodel.testing.harness import run_checks
 
 CONFIG = dict(
     vocab_size=32000,

@@ -2,59 +2,66 @@
 
     .venv/bin/python benchmarks/parity_errors.py      # about 4 minutes on 2 CPU cores (gloo, 2, 4 and 8 processes)
 
-Each line is one check of tests/parity.py or tests/lightning_checks.py and its errors against a single-process
-run of the same model (relative to the largest reference value, except weights: absolute).
+Each line is one check of lightning_automodel.testing (parallelize_checks, trainer_checks, mixed_dtype_checks,
+training_checks) and its errors against a single-process run of the same model (relative to the largest reference
+value, except weights: absolute).
 """
 
 import json
-import os
-import sys
 from functools import partial
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
-import lightning_checks as lc  # noqa: E402
-import mixed_dtype_checks as mixed  # noqa: E402
-import parity  # noqa: E402
-import training_checks as tc  # noqa: E402
-from harness import run_checks  # noqa: E402
-from models import FAMILIES  # noqa: E402
+from lightning_automodel.testing import mixed_dtype_checks, parallelize_checks, trainer_checks, training_checks
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.models import FAMILIES
 
 LAYOUTS_2 = ((2, False), (2, True), (1, False))  # (tp, sp) on 2 ranks; dp_shard takes the rest
 AC = (False, True)
 
 
 def world_of_two() -> list:
-    checks = [partial(parity.check_layout, tp, sp, ac) for tp, sp in LAYOUTS_2 for ac in AC]
-    checks += [partial(parity.check_bf16_layout, 2, True), partial(parity.check_clip_grad_norm, 2, True)]
-    checks += [partial(lc.check_trainer_parity, tp, sp, ac) for tp, sp in LAYOUTS_2 for ac in AC]
-    checks += [partial(parity.check_family, family, sp) for family in FAMILIES for sp in (False, True)]
-    checks += [partial(lc.check_trainer_parity, 2, sp, False, family) for family in FAMILIES for sp in (False, True)]
-    checks.append(partial(parity.check_family, "granite", False))
-    checks.append(partial(lc.check_trainer_parity, 2, False, False, "granite"))
-    checks += [partial(lc.check_bf16_trainer, 2, precision) for precision in ("bf16-mixed", "bf16-true")]
-    checks += [mixed.check_float64_router_training]
-    checks += [partial(mixed.check_bf16_model_with_fp32_router, policy) for policy in (False, True)]
-    checks += [partial(lc.check_bf16_trainer, 1, p, "ernie_moe") for p in ("bf16-mixed", "bf16-true")]
-    checks += [partial(tc.check_token_normalised_loss, 1), partial(tc.check_param_groups, 2)]
-    checks += [partial(tc.check_two_optimizers, 2), partial(tc.check_evaluation_without_fit, 2)]
-    checks += [partial(parity.check_fsdp_schedule, *options) for options in ((None, 0, 1), (True, 2, 2))]
+    checks = [partial(parallelize_checks.check_layout, tp, sp, ac) for tp, sp in LAYOUTS_2 for ac in AC]
+    checks += [
+        partial(parallelize_checks.check_bf16_layout, 2, True),
+        partial(parallelize_checks.check_clip_grad_norm, 2, True),
+    ]
+    checks += [partial(trainer_checks.check_trainer_parity, tp, sp, ac) for tp, sp in LAYOUTS_2 for ac in AC]
+    checks += [partial(parallelize_checks.check_family, family, sp) for family in FAMILIES for sp in (False, True)]
+    checks += [
+        partial(trainer_checks.check_trainer_parity, 2, sp, False, family)
+        for family in FAMILIES
+        for sp in (False, True)
+    ]
+    checks.append(partial(parallelize_checks.check_family, "granite", False))
+    checks.append(partial(trainer_checks.check_trainer_parity, 2, False, False, "granite"))
+    checks += [partial(trainer_checks.check_bf16_trainer, 2, precision) for precision in ("bf16-mixed", "bf16-true")]
+    checks += [mixed_dtype_checks.check_float64_router_training]
+    checks += [partial(mixed_dtype_checks.check_bf16_model_with_fp32_router, policy) for policy in (False, True)]
+    checks += [partial(trainer_checks.check_bf16_trainer, 1, p, "ernie_moe") for p in ("bf16-mixed", "bf16-true")]
+    checks += [partial(training_checks.check_token_normalised_loss, 1), partial(training_checks.check_param_groups, 2)]
+    checks += [
+        partial(training_checks.check_two_optimizers, 2),
+        partial(training_checks.check_evaluation_without_fit, 2),
+    ]
+    checks += [partial(parallelize_checks.check_fsdp_schedule, *options) for options in ((None, 0, 1), (True, 2, 2))]
     return checks
 
 
 def world_of_four() -> list:
-    checks = [partial(parity.check_layout, 2, sp, ac) for sp in (False, True) for ac in AC]
-    checks += [partial(parity.check_bf16_layout, 2, False)]
-    checks += [partial(parity.check_layout, 1, False, False, 2), partial(parity.check_layout, 2, True, False, 2)]
-    checks += [partial(lc.check_trainer_parity, 2, sp, ac) for sp in (False, True) for ac in AC]
-    checks += [partial(lc.check_trainer_gradient_clipping, 2, sp) for sp in (False, True)]
-    checks += [partial(lc.check_trainer_parity, 1, False, False, dp_replicate=2)]
-    checks += [partial(tc.check_token_normalised_loss, 2)]
+    checks = [partial(parallelize_checks.check_layout, 2, sp, ac) for sp in (False, True) for ac in AC]
+    checks += [partial(parallelize_checks.check_bf16_layout, 2, False)]
+    checks += [
+        partial(parallelize_checks.check_layout, 1, False, False, 2),
+        partial(parallelize_checks.check_layout, 2, True, False, 2),
+    ]
+    checks += [partial(trainer_checks.check_trainer_parity, 2, sp, ac) for sp in (False, True) for ac in AC]
+    checks += [partial(trainer_checks.check_trainer_gradient_clipping, 2, sp) for sp in (False, True)]
+    checks += [partial(trainer_checks.check_trainer_parity, 1, False, False, dp_replicate=2)]
+    checks += [partial(training_checks.check_token_normalised_loss, 2)]
     return checks
 
 
 def world_of_eight() -> list:
-    return [partial(lc.check_trainer_parity, 2, True, False, dp_replicate=2)]
+    return [partial(trainer_checks.check_trainer_parity, 2, True, False, dp_replicate=2)]
 
 
 def main() -> None:

@@ -36,40 +36,41 @@ reduce-scatter of the same tensor (it is one, then an all-gather).
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from functools import partial
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import torch
 
-import torch  # noqa: E402
-from collective_bytes import CollectiveBytes  # noqa: E402
-from harness import run_checks  # noqa: E402
-from peak_memory import peak_bytes  # noqa: E402
-from saved_activations import saved_activations  # noqa: E402
-
-CONFIG = dict(
-    vocab_size=2048,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
+from lightning_automodel.testing.collectives import CollectiveBytes
+from lightning_automodel.testing.harness import run_checks, shared_directory
+from lightning_automodel.testing.peak_memory import peak_bytes
+from lightning_automodel.testing.peer_setup import (
+    CONFIG,
+    LAYOUTS,
+    ROWS,
+    STEPS,
+    TOKENS,
+    WARMUP,
+    adamw,
+    global_batch,
+    one_process_loss,
+    our_model,
+    over_ours,
+    seeded_model,
+    step,
 )
-ROWS, TOKENS, STEPS, WARMUP = 8, 256, 20, 2  # ROWS: the global batch
+from lightning_automodel.testing.saved_activations import saved_activations
+
 PEERS = ("ours", "expert", "transformers")
-LAYOUTS = ((2, 2), (2, 1), (1, 2))  # (dp_shard, tp); sequence parallel wherever tp > 1
 
 
 def build(kind: str, mesh_shape: tuple[int, int]):
     """The model of ``kind`` ("ours", "expert" or "transformers") parallelized over (dp_shard, tp)."""
     import torch.distributed as dist
-    from harness import shared_directory
     from transformers import AutoModelForCausalLM, DistributedConfig
 
+    if kind == "ours":
+        return our_model(mesh_shape)
     model = seeded_model()
     if kind == "transformers":  # its own tensor parallel, sequence parallel and FSDP2, applied while loading
         directory = shared_directory()
@@ -84,14 +85,9 @@ def build(kind: str, mesh_shape: tuple[int, int]):
             fsdp_size=dp if dp > 1 else None,
         )
         model = AutoModelForCausalLM.from_pretrained(directory, distributed_config=layout, attn_implementation="sdpa")
-    elif kind == "ours":
-        from lightning_automodel import ParallelDims, parallelize
-
-        dp, tp = mesh_shape
-        parallelize(model, ParallelDims(dp_shard=dp, tp=tp).resolve(dp * tp).build_mesh("cpu"), sp=tp > 1)
     else:
         _expert_plan(model, mesh_shape)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, adamw(model)
 
 
 def _expert_plan(model, mesh_shape: tuple[int, int]) -> None:
@@ -150,20 +146,6 @@ def _expert_tensor_parallel(model, tp) -> None:
     }
     for layer in model.model.layers:
         parallelize_module(layer, tp, block_plan)
-
-
-def step(model, optimizer, tokens: torch.Tensor) -> torch.Tensor:
-    """One AdamW step on next-token cross-entropy over the vocabulary-sharded logits; the loss."""
-    import torch.nn.functional as F
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    optimizer.zero_grad(set_to_none=True)
-    with loss_parallel():
-        logits = model(input_ids=tokens, use_cache=False).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-    optimizer.step()
-    return loss.detach()
 
 
 def timings(mesh_shape: tuple[int, int]) -> dict:
@@ -228,33 +210,6 @@ def _local_bytes(tensors) -> int:
 
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)
-
-
-def seeded_model():
-    """The Llama every peer starts from, the same weights in every process."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
-
-
-def global_batch() -> torch.Tensor:
-    return torch.randint(0, CONFIG["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
-
-
-def over_ours(seconds: list[float], ours: list[float]) -> str:
-    """A peer's step time over ours: the median of each step's ratio to ours in the same round, with the quartiles
-    of those ratios, the noise a difference must exceed."""
-    ratios = sorted(peer / mine for peer, mine in zip(seconds, ours, strict=True))
-    return f"{ratios[len(ratios) // 2]:.2f} ({ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f})"
-
-
-def one_process_loss() -> tuple[float, int]:
-    model, tokens = seeded_model(), global_batch()
-    with torch.no_grad():
-        logits = model(input_ids=tokens, use_cache=False).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-    return loss.item(), sum(p.numel() for p in model.parameters())
 
 
 def analytic(parameters: int, *, dp: int, tp: int) -> dict[str, float]:

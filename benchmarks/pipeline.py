@@ -19,15 +19,12 @@ activation estimate of each (``planning/activation_memory.py``).
 """
 
 import contextlib
-import os
-import sys
 import time
 from functools import partial
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import torch
 
-import torch  # noqa: E402
-from harness import run_checks  # noqa: E402
+from lightning_automodel.testing.harness import run_checks
 
 CONFIG = dict(
     vocab_size=1024,
@@ -91,11 +88,11 @@ FSDP_MICROBATCHES = (2, 8)
 def fsdp_under_pp(microbatches: int) -> dict:
     """All-gathered bytes and step times of this rank, weights kept gathered (the default) and freed after forward."""
     import torch.distributed as dist
-    from collective_bytes import CollectiveBytes
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lightning_automodel import ParallelDims, parallelize
     from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
+    from lightning_automodel.testing.collectives import CollectiveBytes
 
     mesh = ParallelDims(pp=2, dp_shard=2).resolve(dist.get_world_size()).build_mesh("cpu")
     models = {}

@@ -4,29 +4,30 @@
     PYTHONPATH=$PWD:$PWD/.torchtitan .venv/bin/python benchmarks/torchtitan_peer.py    # every layout, a table each
     PYTHONPATH=$PWD:$PWD/.torchtitan .venv/bin/torchrun --nproc_per_node 4 benchmarks/torchtitan_peer.py --tp 2  # one
 
-The layouts, model, batch and step of ours are peers.py's (dp_shard=2 x tp=2 with sequence parallel, dp_shard=2,
-tp=2 with sequence parallel; gloo, fp32, AdamW at lr 1e-3 and torch's defaults). torchtitan runs as its users run it:
-its ``Trainer`` built from ``Trainer.Config`` and stepped by ``train_step``, with its Llama-3 model and
-``parallelize_llama`` (tensor parallel with sequence parallel and loss parallel, FSDP2 per block), its chunked
-cross-entropy (``ChunkedLossWrapper``: lm_head and the loss over 8 sequence chunks) and its AdamW container. Set for
-a CPU: a fused q/k/v projection (its default); SDPA attention, as FlexAttention is always torch.compile'd; the
-``partial_dtensor`` SPMD backend (model-parallel axes as DTensors), as its default ``spmd_types`` needs a torch
-nightly; for-loop AdamW, what torch's AdamW (ours) runs on CPU; no activation checkpointing (its default is
-selective), as ours. Its weights are the seeded Hugging Face model's, saved as safetensors and read by its
-checkpointer (``initial_load_in_hf``); rms_norm eps and rope theta are Hugging Face's. Beyond ours, its step computes
-the global gradient norm (max_norm 1e9: it never clips). Its Trainer turns Python's garbage collector off for the
-whole process, ours included.
+The layouts, model, batch and step of ours are peers.py's (lightning_automodel/testing/peer_setup.py: dp_shard=2 x tp=2
+with sequence parallel, dp_shard=2, tp=2 with sequence parallel; gloo, fp32, AdamW at lr 1e-3 and torch's defaults).
+torchtitan runs as its users run it: its ``Trainer`` built from ``Trainer.Config`` and stepped by ``train_step``, with
+its Llama-3 model and ``parallelize_llama`` (tensor parallel with sequence parallel and loss parallel, FSDP2 per block),
+its chunked cross-entropy (``ChunkedLossWrapper``: lm_head and the loss over 8 sequence chunks) and its AdamW container.
+Set for a CPU: a fused q/k/v projection (its default); SDPA attention, as FlexAttention is always torch.compile'd; the
+``partial_dtensor`` SPMD backend (model-parallel axes as DTensors), as its default ``spmd_types`` needs a torch nightly;
+for-loop AdamW, what torch's AdamW (ours) runs on CPU; no activation checkpointing (its default is selective), as ours.
+Its weights are the seeded Hugging Face model's, saved as safetensors and read by its checkpointer
+(``initial_load_in_hf``); rms_norm eps and rope theta are Hugging Face's. Beyond ours, its step computes the global
+gradient norm (max_norm 1e9: it never clips). Its Trainer turns Python's garbage collector off for the whole process,
+ours included.
 
-Ours runs twice, on two copies: with peers.py's step (the logits whole) and with the loss 8 sequence chunks at a time
-as torchtitan's (``chunked_step``: ``CausalLMModule(loss_chunks=8)``'s loss). Each rank builds all three and
-alternates their steps, each going first in turn after a barrier, on the same rows (the dp rank's share of peers.py's
-batch; torchtitan's labels are the next tokens, the last position ignored, so all average the same 255 predictions a
-row). Per layout: each one's first loss against one process on the whole batch (else its time is void); the step time
-over ours (the logits whole), the median over steps of each step's ratio (a step's time is its slowest rank's), with
-the quartiles of the ratios: the noise a difference must exceed; the bytes of each collective kind in one step on rank
-0 (tests/collective_bytes.py, around one more step after the timed ones); the peak memory of one more step, the worst
-rank's (tests/peak_memory.py: every tensor alive at the step's highest point, weights, gradients and AdamW state
-included; torch's MemTracker less its statistics by module, which refuse a loss calling lm_head once a chunk).
+Ours runs twice, on two copies: with peers.py's step (the logits whole) and with the loss 8 sequence chunks at a time as
+torchtitan's (``chunked_step``: ``CausalLMModule(loss_chunks=8)``'s loss). Each rank builds all three and alternates
+their steps, each going first in turn after a barrier, on the same rows (the dp rank's share of peers.py's batch;
+torchtitan's labels are the next tokens, the last position ignored, so all average the same 255 predictions a row). Per
+layout: each one's first loss against one process on the whole batch (else its time is void); the step time over ours
+(the logits whole), the median over steps of each step's ratio (a step's time is its slowest rank's), with the quartiles
+of the ratios: the noise a difference must exceed; the bytes of each collective kind in one step on rank 0
+(lightning_automodel/testing/collectives.py, around one more step after the timed ones); the peak memory of one more
+step, the worst rank's (lightning_automodel/testing/peak_memory.py: every tensor alive at the step's highest point,
+weights, gradients and AdamW state included; torch's MemTracker less its statistics by module, which refuse a loss
+calling lm_head once a chunk).
 
 CPU workarounds, each a function below that cites the torchtitan 0.3.0 line it works around:
 - device type: tools/utils.py:55 falls back to "cuda"; resolved as "cpu" (torch.cpu, gloo) while torchtitan imports.
@@ -53,19 +54,20 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from peers import (
+
+from lightning_automodel.testing.collectives import CollectiveBytes
+from lightning_automodel.testing.peak_memory import peak_bytes
+from lightning_automodel.testing.peer_setup import (
     CONFIG,
     LAYOUTS,
     ROWS,
     STEPS,
     TOKENS,
     WARMUP,
-    CollectiveBytes,
-    build,
     global_batch,
     one_process_loss,
+    our_model,
     over_ours,
-    peak_bytes,
     seeded_model,
     step,
 )
@@ -105,7 +107,7 @@ def compare(*, tp: int) -> None:
     trainer.checkpointer.load()
     losses = logged_losses(trainer)
     data = trainer.batch_generator(trainer.dataloader)
-    ours, chunked = build("ours", (dp, tp)), build("ours", (dp, tp))
+    ours, chunked = our_model((dp, tp)), our_model((dp, tp))
     rows = global_batch().chunk(dp)[dist.get_rank() // tp]
     steps = {
         "ours": lambda: step(*ours, rows),

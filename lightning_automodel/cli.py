@@ -45,15 +45,46 @@ TRAINER_DEFAULTS = {
 }
 
 
+DESCRIPTION = "Train, evaluate, inspect and export Hugging Face causal LMs from a YAML config."
+
+# Every command, as `lightning-automodel --help` lists them: LightningCLI's parser knows its four only.
+COMMANDS = {
+    "fit": "train the config's model (LightningCLI's fit: the Trainer, the module, the data)",
+    "validate": "one pass over the validation data",
+    "test": "one pass over the test data",
+    "predict": "predictions over the predict data",
+    "plan": "what the config's strategy does to its model, without GPUs: the plan, memory per rank, layouts that fit",
+    "export": "a checkpoint of fit as a Hugging Face model directory, LoRA merged",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     """``argv`` defaults to the command line (which LightningCLI then reads itself, as it prefers)."""
     given = sys.argv[1:] if argv is None else argv
     commands = {"plan": plan_command, "export": export_command}
     _ignore_lightning_deprecations()
-    if given and given[0] in commands:
+    if not given or given[0] in ("-h", "--help"):
+        _front_door(given)
+    elif given[0] in commands:
         commands[given[0]](given[1:])
     else:
         cli(argv)
+
+
+def _front_door(given: list[str]) -> None:
+    """The command's own help: every command with what it does, each command's options behind its own --help."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-automodel",
+        description=DESCRIPTION,
+        epilog="`lightning-automodel COMMAND --help` lists a command's options; fit, validate, test and predict"
+        " take the same --config.",
+    )
+    subcommands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name, summary in COMMANDS.items():
+        subcommands.add_parser(name, help=summary)
+    if given:
+        parser.parse_args(given)  # --help: prints the commands and exits
+    parser.error("a command is needed")
 
 
 def _ignore_lightning_deprecations() -> None:
@@ -93,7 +124,7 @@ def cli(
         trainer_defaults=TRAINER_DEFAULTS,
         args=argv,
         run=run,
-        parser_kwargs={"description": __doc__.splitlines()[0]},
+        parser_kwargs={"description": DESCRIPTION},
     )
 
 
@@ -144,9 +175,9 @@ def plan_command(argv: list[str]) -> None:
         verification = verify_plan(
             model,
             tp=dims.tp,
-            sp=strategy.sp,
-            tp_plan=strategy.tp_plan,
-            allow_unsharded_linears=strategy.allow_unsharded_linears,
+            sp=strategy.options.parallel.sp,
+            tp_plan=strategy.options.parallel.tp_plan,
+            allow_unsharded_linears=strategy.options.parallel.allow_unsharded_linears,
             raise_on_failure=False,
         )
         print(verification)
@@ -191,12 +222,12 @@ class Configured:
     @property
     def dims(self) -> ParallelDims:
         """The strategy's sizes resolved for the world (`plan --fit` needs the world size only)."""
-        return self.strategy.parallel_dims.resolve(self.world_size)
+        return self.strategy.options.dims.resolve(self.world_size)
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy | None:
         """FSDP2's policy, as the strategy would take it from the Trainer's precision."""
-        policy = self.strategy.mp_policy
+        policy = self.strategy.options.parallel.fsdp.mp_policy
         return policy if policy is not None else mixed_precision_policy(self.precision)
 
     def batch_shape(self, *, batch_size: int | None = None, seq_len: int | None = None) -> tuple[int, int]:
@@ -243,17 +274,17 @@ _CAST_WEIGHTS = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # the "
 
 
 def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) -> PlanReport:
-    strategy = config.strategy
+    parallel = config.strategy.options.parallel
     return plan_report(
         config.model,
         config.dims,
-        sp=strategy.sp,
-        tp_plan=strategy.tp_plan,
-        allow_unsharded_linears=strategy.allow_unsharded_linears,
-        pipeline=strategy.pipeline,
+        sp=parallel.sp,
+        tp_plan=parallel.tp_plan,
+        allow_unsharded_linears=parallel.allow_unsharded_linears,
+        pipeline=parallel.pipeline,
         batch_shape=batch_shape,
         step_options=dict(
-            mp_policy=config.mp_policy, cp_attention=strategy.cp_attention, loss_chunks=config.loss_chunks
+            mp_policy=config.mp_policy, cp_attention=parallel.cp_attention, loss_chunks=config.loss_chunks
         ),
     )
 
@@ -265,8 +296,8 @@ def _fitting_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int
         hardware=Hardware(memory_gib),
         batch_shape=batch_shape,
         mp_policy=config.mp_policy,
-        tp_plan=config.strategy.tp_plan,
-        allow_unsharded_linears=config.strategy.allow_unsharded_linears,
+        tp_plan=config.strategy.options.parallel.tp_plan,
+        allow_unsharded_linears=config.strategy.options.parallel.allow_unsharded_linears,
         loss_chunks=config.loss_chunks,
     )
 

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from _pytest.outcomes import Failed
 
-from _pytest.outcomes import Failed  # noqa: E402
-from compile_checks import check_compiled_trainer_parity  # noqa: E402
-from harness import check_name, run_checks  # noqa: E402
-from lightning_checks import parity_row  # noqa: E402
+from lightning_automodel.testing.harness import check_name, run_checks
+from lightning_automodel.testing.trainer_checks import check_compiled_trainer_parity
+from lightning_automodel.testing.trainer_parity import parity_row
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "granite", "qwen3_moe", "gpt_oss")
 LAYOUTS = (  # (name, options) at world 2

@@ -3,10 +3,10 @@
 Each registered family (Llama, Mistral, Qwen2, Qwen3, Gemma 3 with its sliding layers, Phi-3 and its GQA variant),
 Granite (trained through its Hugging Face plan) and the mixture-of-experts families of the coverage report's tiny
 configs (Qwen3-MoE, Mixtral, GPT-OSS with its sinks, DeepSeek-V3's latent attention), 2 decoder layers, 3 AdamW steps:
-at cp=2 (world 2), cp=2 x tp=2 with sp and cp=2 x dp_shard=2 (world 4). Each row: the relative error of the first
-loss, of the gradients at the first and later steps (worst rank), of the weights after the last step and of
-validate's loss (tests/context_parallel_checks.py, which also asserts the tolerances). A family that fails prints
-its error instead.
+at cp=2 (world 2), cp=2 x tp=2 with sp and cp=2 x dp_shard=2 (world 4). Each row: the relative error of the first loss,
+of the gradients at the first and later steps (worst rank), of the weights after the last step and of validate's loss
+(lightning_automodel/testing/trainer_checks.py, which also asserts the tolerances). A family that fails prints its error
+instead.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/context_parallel_sweep.py ["tp=2"]   # only the layouts naming it
 """
@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from _pytest.outcomes import Failed
 
-from _pytest.outcomes import Failed  # noqa: E402
-from context_parallel_checks import check_context_parallel_trainer_parity  # noqa: E402
-from harness import check_name, run_checks  # noqa: E402
-from lightning_checks import parity_row  # noqa: E402
+from lightning_automodel.testing.harness import check_name, run_checks
+from lightning_automodel.testing.trainer_checks import check_context_parallel_trainer_parity
+from lightning_automodel.testing.trainer_parity import parity_row
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3_gqa", "granite",

@@ -1,5 +1,6 @@
 """Coverage report: every decoder-only model type of the installed transformers, trained one step at tp=2, tp=2 with
-sequence parallel and dp_shard=2 on 2 gloo processes, against a single process (see tests/coverage_checks.py).
+sequence parallel and dp_shard=2 on 2 gloo processes, against a single process (see
+lightning_automodel/testing/coverage_check.py).
 
     .venv/bin/python scripts/coverage.py                                  # what docs/coverage.json lacks, then the page
     .venv/bin/python scripts/coverage.py --fresh                          # measure everything again
@@ -18,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -26,26 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_automodel.testing.coverage_check import COLLECTIVE_TIMEOUT, LAYOUTS
+from lightning_automodel.testing.coverage_launch import Job, measure
+from lightning_automodel.testing.coverage_verdicts import PASS, REFUSAL, VERDICTS, WRONG
+from lightning_automodel.testing.model_types import SKIP_REASONS, causal_lm_types, library_revision
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from coverage_checks import (  # noqa: E402
-    COLLECTIVE_TIMEOUT,
-    LAYOUTS,
-    PASS,
-    REFUSAL,
-    VERDICTS,
-    WRONG,
-    Job,
-    measure,
-)
-
 SKIPPED = "skipped"
-# Not decoder-only text models, though the causal-LM mapping lists them.
-SKIP_REASONS = {
-    "musicgen": "an audio-codebook decoder: input_ids are (batch x codebooks, length) audio codes",
-    "musicgen_melody": "an audio-codebook decoder: input_ids are (batch x codebooks, length) audio codes",
-}
 LAYOUT_TITLES = {"tp2": "tp=2", "tp2_sp": "tp=2 + sp", "dp_shard2": "dp_shard=2"}
 
 
@@ -74,13 +61,6 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown layouts {sorted(unknown)}; choose from {list(LAYOUTS)}")
     return args
-
-
-def causal_lm_types() -> dict[str, str]:
-    """Every model type of the installed transformers' causal-LM mapping, with the class it builds."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
 
 
 def select_types(types: str | None) -> list[str]:
@@ -204,16 +184,6 @@ transformers computes (the numbers above are taken with the reference's buffers 
 meta device would train with those values. **built with real weights**: the strategy refuses the meta-device build
 of this type (its constructor makes real tensors under the meta device) and names building it with real weights as
 the fix; the check took that fix."""
-
-
-def library_revision() -> str:
-    """The commit of the code measured, marked when lightning_automodel/ has uncommitted changes."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    dirty = git("status", "--porcelain", "--", "lightning_automodel")
-    return git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if dirty else "")
 
 
 def _provenance(store: ResultStore) -> str:

@@ -1,27 +1,23 @@
 """Every mixture-of-experts family of the tests at every expert layout, through the Trainer against one process.
 
-Qwen3-MoE, Mixtral, GPT-OSS and DeepSeek-V3 (tiny configs from lightning_automodel/hf/shrink.py), 3 AdamW steps each
-at tp=2 (world 2), ep=2 (world 2), ep=2 x tp=2 with and without sp (world 4), ep=2 with FSDP over the other two
-ranks (efsdp=2, world 4) and ep=2 x tp=2 with sp and activation checkpointing (world 4): the relative error of the
-first loss, of every gradient at every step and of the weights after the last step (tests/lightning_checks.py, which
-also asserts the tolerances). Then bf16-mixed at ep=2 x tp=2: the losses against fp32, beside a single-process bf16
-run's. The suite runs a subset (tests/test_expert_parallel.py); this is the whole table. About 6 minutes on 2 cores.
+Qwen3-MoE, Mixtral, GPT-OSS and DeepSeek-V3 (tiny configs from lightning_automodel/hf/shrink.py), 3 AdamW steps each at
+tp=2 (world 2), ep=2 (world 2), ep=2 x tp=2 with and without sp (world 4), ep=2 with FSDP over the other two ranks
+(efsdp=2, world 4) and ep=2 x tp=2 with sp and activation checkpointing (world 4): the relative error of the first loss,
+of every gradient at every step and of the weights after the last step (lightning_automodel/testing/trainer_checks.py,
+which also asserts the tolerances). Then bf16-mixed at ep=2 x tp=2: the losses against fp32, beside a single-process
+bf16 run's. The suite runs a subset (tests/test_expert_parallel.py); this is the whole table. About 6 minutes on 2
+cores.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/expert_parallel_sweep.py
 """
 
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from harness import check_name, run_checks  # noqa: E402
-from lightning_checks import check_bf16_trainer, check_trainer_parity  # noqa: E402
-from models import SHRUNK  # noqa: E402
+from lightning_automodel.testing.harness import check_name, run_checks
+from lightning_automodel.testing.models import SHRUNK
+from lightning_automodel.testing.trainer_checks import check_bf16_trainer, check_trainer_parity
 
 # (name, world size, tp, sp, ep, activation checkpointing)
 LAYOUTS = (

@@ -12,17 +12,15 @@ PEFT model); one refused says why, as training would.
 from __future__ import annotations
 
 import signal
-import sys
 import warnings
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from lightning_automodel.testing.model_types import SKIP_REASONS, causal_lm_types, library_revision
 
-from coverage import SKIP_REASONS, causal_lm_types, library_revision  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PER_TYPE_SECONDS = 60
 

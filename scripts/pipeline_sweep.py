@@ -1,12 +1,12 @@
 """Pipeline parallel at every layout the tests know, through the Trainer against one process, and those the suite
 leaves out: pp=2 x tp=2 x dp_shard=2 on 8 processes, the virtual-stage schedules at every layout.
 
-Llama, Qwen3 and Gemma 3 (tied embeddings) with 4 decoder layers, 3 AdamW steps each: GPipe and 1F1B at pp=2 (world
-2) and pp=4 (world 4, one layer a stage); Interleaved1F1B, LoopedBFS and InterleavedZeroBubble with two stages per
-rank at pp=2 (one layer a stage), also with tp=2 + sp, with dp_shard=2, and with activation checkpointing; pp=2 x tp=2
-with sp and pp=2 x dp_shard=2 with activation checkpointing (world 4); pp=2 x tp=2 x dp_shard=2 with sp (world 8).
-Each row: the relative error of the first loss, of this rank's gradients at the first and later steps (worst rank)
-and of the weights after the last step, and of validate's loss (tests/pipeline_checks.py, which also asserts the
+Llama, Qwen3 and Gemma 3 (tied embeddings) with 4 decoder layers, 3 AdamW steps each: GPipe and 1F1B at pp=2 (world 2)
+and pp=4 (world 4, one layer a stage); Interleaved1F1B, LoopedBFS and InterleavedZeroBubble with two stages per rank at
+pp=2 (one layer a stage), also with tp=2 + sp, with dp_shard=2, and with activation checkpointing; pp=2 x tp=2 with sp
+and pp=2 x dp_shard=2 with activation checkpointing (world 4); pp=2 x tp=2 x dp_shard=2 with sp (world 8). Each row: the
+relative error of the first loss, of this rank's gradients at the first and later steps (worst rank) and of the weights
+after the last step, and of validate's loss (lightning_automodel/testing/trainer_checks.py, which also asserts the
 tolerances). About 14 minutes on 2 cores.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/pipeline_sweep.py ["2 stages"]   # only the layouts naming it
@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from harness import check_name, run_checks  # noqa: E402
-from lightning_checks import parity_row  # noqa: E402
-from pipeline_checks import check_pipeline_trainer_parity  # noqa: E402
+from lightning_automodel.testing.harness import check_name, run_checks
+from lightning_automodel.testing.trainer_checks import check_pipeline_trainer_parity
+from lightning_automodel.testing.trainer_parity import parity_row
 
 FAMILIES = ("llama", "qwen3", "gemma3")
 # (name, world size, pp, schedule, options)

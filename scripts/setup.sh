@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with the package and its test dependencies.
+# Create .venv with the package and its test and docs dependencies.
 #
 # torch is installed first and on its own: with torch 2.13.0 already present, the other requirements do not
 # pull a newer CUDA build (several GB). On a CPU-only machine without a local torch wheel, set
@@ -13,4 +13,4 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 else
     .venv/bin/python -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 fi
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[test,docs,lint]"

@@ -17,11 +17,10 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's package, whatever the environment installed
+from lightning_automodel.hf.shrink import tiny_config
+from lightning_automodel.planning.verify import verify_plan
 
-from lightning_automodel.hf.shrink import tiny_config  # noqa: E402
-from lightning_automodel.planning.verify import verify_plan  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SP = {"tp2": False, "tp2_sp": True}  # the report's tensor-parallel layouts, all at tp=2
 # The report's verdicts verify_plan can reach (a crash or a hang is the report's own finding about a launch).

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_checks import GLOBAL_BATCH, CausalLM, data, trainer
-from models import batch, tiny_config, tiny_model, tiny_tokenizer
-from parity import FP32_TOLERANCE, full
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.testing.models import batch, tiny_config, tiny_model, tiny_tokenizer
+from lightning_automodel.testing.parity import FP32_TOLERANCE, full
+from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, CausalLM, data, trainer
 
 # Text-only batches leave Gemma3's vision tower without gradients: AdamW has no state for it when saving.
 # Phi3's packed projections are strided shards, which torch's checkpoint refuses as they are.

@@ -4,13 +4,13 @@ communicates against the whole logits'."""
 from __future__ import annotations
 
 import torch
-from collective_bytes import CollectiveBytes
-from models import tiny_model
-from parity import FP32_TOLERANCE, full, relative_error
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.planning.activation_memory import training_step
+from lightning_automodel.testing.collectives import CollectiveBytes
+from lightning_automodel.testing.models import tiny_model
+from lightning_automodel.testing.parity import FP32_TOLERANCE, full, relative_error
 
 
 def check_collectives_of_the_whole_logits(sp: bool, tokens: int = 32) -> dict:

@@ -5,45 +5,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from lightning_checks import (
-    CausalLM,
-    HFLossCausalLM,
-    data,
-    fit_against_one_process,
-    trainer,
-)
 from lora_checks import fit_lora_against_one_process
-from models import CONFIGS, SHRUNK, batch, tiny_model
-from parity import FP32_TOLERANCE, relative_error
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.hf import shrink
 from lightning_automodel.parallel.context_parallel import context_parallel_model, context_parallel_of, token_indices
-
-LAYERS = 2
-
-
-def check_context_parallel_trainer_parity(
-    cp: int,
-    family: str = "llama",
-    *,
-    tp: int = 1,
-    sp: bool = False,
-    dp_replicate: int = 1,
-    activation_checkpointing: bool = False,
-    config: dict | None = None,
-) -> dict:
-    """3 AdamW steps through Trainer.fit with every sequence split over ``cp`` ranks (dp_shard takes the rest) match
-    one process on the whole batch; validate's loss too."""
-    strategy = AutoModelParallelStrategy(
-        tp, sp=sp, cp=cp, dp_replicate=dp_replicate, activation_checkpointing=activation_checkpointing
-    )
-    layers = {} if family in SHRUNK else dict(num_hidden_layers=LAYERS)  # the coverage report's configs: as they are
-    config = dict(config or {}, **layers)
-    module, result = fit_against_one_process(strategy, family, config, dp=dist.get_world_size() // cp // tp)
-    assert context_parallel_of(module.model) is not None and strategy.device_mesh["cp"].size() == cp
-    return result
+from lightning_automodel.testing.models import CONFIGS, SHRUNK, batch, tiny_model
+from lightning_automodel.testing.parity import FP32_TOLERANCE, relative_error
+from lightning_automodel.testing.trainer_checks import CONTEXT_PARALLEL_LAYERS as LAYERS
+from lightning_automodel.testing.trainer_parity import CausalLM, HFLossCausalLM, data, trainer
 
 
 def check_rows_split_over_cp(

@@ -1,15 +1,15 @@
-"""The language-model data modules under a real Trainer inside gloo workers (see harness.py)."""
+"""The language-model data modules under a real Trainer inside gloo workers (lightning_automodel.testing.harness)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_checks import CausalLM, trainer
-from models import VOCAB, tiny_model
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.lm.demo import DemoDataModule
+from lightning_automodel.testing.models import VOCAB, tiny_model
+from lightning_automodel.testing.trainer_parity import CausalLM, trainer
 
 # 28 rows of 16 tokens, 5 per data-parallel rank and step: at dp=2, an epoch is 3 steps (5 + 5 + 4 rows, no padding).
 DEMO = dict(num_documents=3, val_documents=0, seq_len=16, batch_size=5)

@@ -1,6 +1,6 @@
-"""Faults of checkpoints and losses inside gloo workers (see harness.py): a disk that fills up during a save, a
-resume from a damaged, foreign or missing checkpoint, a resume after a job killed in the middle of a save, and
-NaN losses under Lightning's own options."""
+"""Faults of checkpoints and losses inside gloo workers (see lightning_automodel.testing.harness): a disk that fills up
+during a save, a resume from a damaged, foreign or missing checkpoint, a resume after a job killed in the middle of a
+save, and NaN losses under Lightning's own options."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from checkpoint_checks import _assert_continues, _contents, fit
 from lightning.pytorch.callbacks import EarlyStopping
-from lightning_checks import CausalLM, data, trainer
-from models import tiny_model
-from parity import full
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.testing.models import tiny_model
+from lightning_automodel.testing.parity import full
+from lightning_automodel.testing.trainer_parity import CausalLM, data, trainer
 
 TP = 2
 

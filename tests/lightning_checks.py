@@ -1,75 +1,36 @@
-"""Checks that drive a real Lightning Trainer inside gloo workers (see harness.py)."""
+"""Checks that drive a real Lightning Trainer inside gloo workers (see lightning_automodel.testing.trainer_parity)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from models import batch, tiny_config, tiny_model
-from parity import (
-    FP32_TOLERANCE,
-    LR,
-    STEPS,
-    TRAINED_GRAD_TOLERANCE,
-    TRAINED_LOSS_TOLERANCE,
-    WEIGHT_TOLERANCE,
-    full,
-    loss_of,
-    relative_error,
-    weight_error,
-)
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
-from lightning_automodel.parallel import decoder_layers
-from lightning_automodel.parallel.experts.expert_parallel import experts_modules
-from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32, pinned_to_fp32
-from lightning_automodel.parallel.parallelizer import fp32_pinned_names
-
-GLOBAL_BATCH = 8
-
-
-class CausalLM(L.LightningModule):
-    """What a user writes: a Hugging Face model and a plain cross-entropy; no parallel code."""
-
-    def __init__(
-        self, model: torch.nn.Module | None = None, optimizer: type = torch.optim.AdamW, lr: float = LR
-    ) -> None:
-        super().__init__()
-        self.model = model if model is not None else tiny_model()
-        self.optimizer = optimizer
-        self.lr = lr
-        self.losses: list[float] = []
-        self.grads: list[dict[str, torch.Tensor]] = []
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        # Copies: a gradient replicated on every mesh dim hands back its own storage, which clipping then scales.
-        self.grads.append(
-            {name: full(p.grad).clone() for name, p in self.model.named_parameters() if p.grad is not None}
-        )
-
-    def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        loss, _ = loss_of(self.model, tokens, labels)
-        self.log("train_loss", loss, sync_dist=True)
-        self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        tokens, labels = batch
-        loss = F.cross_entropy(self.model(tokens).logits.flatten(0, 1), labels.flatten())
-        self.log("val_loss", loss, sync_dist=True)
-        self.log("val_loss_unsynced", loss)  # Lightning's default: no reduction, stored as given
-
-    def configure_optimizers(self):
-        return self.optimizer(self.parameters(), lr=self.lr)
+from lightning_automodel.testing.models import batch, tiny_config, tiny_model
+from lightning_automodel.testing.parity import (
+    FP32_TOLERANCE,
+    LR,
+    STEPS,
+    full,
+    loss_of,
+    relative_error,
+)
+from lightning_automodel.testing.trainer_parity import (
+    GLOBAL_BATCH,
+    CausalLM,
+    HFLossCausalLM,
+    compare_training,
+    data,
+    reference_run,
+    trainer,
+)
 
 
 class MetaInitCausalLM(CausalLM):
@@ -91,177 +52,6 @@ class SelfParallelizedCausalLM(CausalLM):
 
     def configure_model(self) -> None:
         parallelize(self.model, self.device_mesh)
-
-
-def trainer(strategy: AutoModelParallelStrategy, **kwargs) -> L.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    options.update(kwargs)
-    return L.Trainer(strategy=strategy, **options)
-
-
-def data(dp: int) -> DataLoader:
-    """Each step sees the whole global batch: Lightning's DistributedSampler deals it to the dp ranks."""
-    tokens, labels = batch(GLOBAL_BATCH)
-    return DataLoader(TensorDataset(tokens, labels), batch_size=GLOBAL_BATCH // dp)
-
-
-class HFLossCausalLM(CausalLM):
-    """What a user writes under pp or cp: the Hugging Face model's own loss, from labels."""
-
-    def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        loss = self.model(input_ids=tokens, labels=labels).loss
-        self.log("train_loss", loss, sync_dist=True)
-        self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        tokens, labels = batch
-        self.log("val_loss", self.model(input_ids=tokens, labels=labels).loss, sync_dist=True)
-
-
-def hf_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One process's: the Hugging Face loss, without the cache (which would make transformers attend across packed
-    documents)."""
-    return model(input_ids=tokens, labels=labels, use_cache=False).loss
-
-
-def fit_against_one_process(
-    strategy: AutoModelParallelStrategy,
-    family: str,
-    config: dict,
-    *,
-    dp: int,
-    loss: Callable = hf_loss,
-    stages: bool = False,
-    callbacks: Sequence[L.Callback] = (),
-) -> tuple[HFLossCausalLM, dict]:
-    """3 AdamW steps of :class:`HFLossCausalLM` through Trainer.fit at ``dp`` data-parallel ranks match one process
-    (see :func:`compare_training`), and validate's loss too. Every rank starts from other weights: rank 0's must
-    win."""
-    module = HFLossCausalLM(tiny_model(family, seed=dist.get_rank(), **config))
-    fit = trainer(strategy, limit_val_batches=1, callbacks=list(callbacks))
-    fit.fit(module, data(dp), data(dp))
-    reference = tiny_model(family, **config)
-    result = compare_training(module, reference, reference_run(reference, loss=loss), stages=stages)
-    tokens, labels = batch(GLOBAL_BATCH)
-    with torch.no_grad():
-        expected = loss(reference, tokens, labels).item()
-    result["validation_loss"] = abs(fit.callback_metrics["val_loss"].item() - expected) / expected
-    assert result["validation_loss"] < FP32_TOLERANCE, result
-    return module, result
-
-
-def reference_run(
-    model: torch.nn.Module,
-    *,
-    optimizers: Callable[[torch.nn.Module], list[torch.optim.Optimizer]] | None = None,
-    clip: float | None = None,
-    loss: Callable | None = None,
-    data: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """Losses and (unclipped) gradients of each single-process step over the whole batch (default: AdamW, the
-    cross-entropy of ``parity.loss_of``, ``batch(GLOBAL_BATCH)``)."""
-    tokens, labels = data if data is not None else batch(GLOBAL_BATCH)
-    steppers = optimizers(model) if optimizers else [torch.optim.AdamW(model.parameters(), lr=LR)]
-    loss = loss or (lambda model, tokens, labels: loss_of(model, tokens, labels)[0])
-    losses, grads = [], []
-    for _ in range(STEPS):
-        value = loss(model, tokens, labels)
-        for optimizer in steppers:
-            optimizer.zero_grad()
-        value.backward()
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        for optimizer in steppers:
-            optimizer.step()
-        losses.append(value.item())
-    return losses, grads
-
-
-def compare_training(
-    module: CausalLM, reference: torch.nn.Module, reference_steps: tuple[list, list], *, stages: bool = False
-) -> dict:
-    """Per-step losses and gradients, then the weights after the last step.
-
-    AdamW all but ignores a gradient's scale, so a gradient off by a constant factor would pass the weight
-    comparison: the gradients Lightning hands the optimizer are compared too, at every step. With ``stages``
-    (pipeline parallel) each rank compares the parameters its stage holds, and the stages together must hold every
-    one of the reference's (a tied embedding's copy on two stages).
-    """
-    reference_losses, reference_grads = reference_steps
-    names = set(module.grads[0])
-    assert all(grads.keys() == names for grads in module.grads), "the gradients' names changed between steps"
-    held = [names]
-    if stages:
-        held = [None] * dist.get_world_size()
-        dist.all_gather_object(held, names)
-    expected = set(reference_grads[0])
-    assert set().union(*held) == expected, f"gradients held for {set().union(*held) ^ expected} are wrong"
-    steps = zip(module.grads, reference_grads, strict=True)
-    grad_errors = [max(relative_error(grads[name], ref[name]) for name in names) for grads, ref in steps]
-    errors = [abs(a - b) / abs(b) for a, b in zip(module.losses, reference_losses, strict=True)]
-    weights = weight_error(module.model, reference)
-    result = {
-        "first_loss": errors[0],
-        "later_losses": max(errors[1:]),
-        "first_grads": grad_errors[0],
-        "later_grads": max(grad_errors[1:]),
-        "weights_after_3_steps": weights,
-    }
-    assert errors[0] < FP32_TOLERANCE and max(errors[1:]) < TRAINED_LOSS_TOLERANCE, result
-    assert grad_errors[0] < FP32_TOLERANCE and max(grad_errors[1:]) < TRAINED_GRAD_TOLERANCE, result
-    assert weights < WEIGHT_TOLERANCE, result
-    return result
-
-
-def check_trainer_parity(
-    tp: int,
-    sp: bool,
-    activation_checkpointing: bool | str,
-    family: str = "llama",
-    cpu_offload: bool = False,
-    dp_replicate: int = 1,
-    ep: int = 1,
-) -> dict:
-    """3 AdamW steps through Trainer.fit match a single-process run, loss for loss and weight for weight."""
-    strategy = AutoModelParallelStrategy(
-        tp=tp,
-        sp=sp,
-        dp_replicate=dp_replicate,
-        ep=ep,
-        activation_checkpointing=activation_checkpointing,
-        cpu_offload=cpu_offload,
-    )
-    module = CausalLM(tiny_model(family, seed=dist.get_rank()))  # rank 0's weights must win
-    trainer(strategy).fit(module, data(dist.get_world_size() // tp))
-    assert strategy.device_mesh["dp_replicate"].size() == dp_replicate
-    assert_experts_distributed(module.model, ep=ep)
-    offload = decoder_layers(module.model)[0]._get_fsdp_state()._fsdp_param_group.offload_policy
-    assert isinstance(offload, CPUOffloadPolicy) == cpu_offload, offload
-    reference = tiny_model(family)
-    return compare_training(module, reference, reference_run(reference))
-
-
-PARITY_KEYS = ("first_loss", "first_grads", "later_grads", "weights_after_3_steps", "validation_loss")
-
-
-def parity_row(family: str, layout: str, ranks: list[dict]) -> str:
-    """A sweep's table row of :func:`fit_against_one_process`'s errors, the worst rank's of each."""
-    first_loss, first_grads, later_grads, weights, validation = (
-        f"{max(rank[key] for rank in ranks):.1e}" for key in PARITY_KEYS
-    )
-    return f"| {family} | {layout} | {first_loss} | {first_grads} / {later_grads} | {weights} | {validation} |"
 
 
 def check_checkpoint_resume_across_layouts(
@@ -290,19 +80,6 @@ def check_checkpoint_resume_across_layouts(
     return result
 
 
-def assert_experts_distributed(model: torch.nn.Module, *, ep: int) -> None:
-    """At ep > 1 every experts module holds 1/ep of its experts on this rank (before FSDP's own split)."""
-    if ep == 1:
-        return
-    found = [module for _, module in experts_modules(model)]
-    assert found, "no experts module"
-    for module in found:
-        for param in module.parameters(recurse=False):
-            assert "ep" in param.device_mesh.mesh_dim_names, param.device_mesh
-            ep_dim = param.device_mesh.mesh_dim_names.index("ep")
-            assert param.placements[ep_dim] == Shard(0), param.placements
-
-
 def check_meta_model_from_configure_model(tp: int, family: str = "llama") -> dict:
     """A model built on meta in configure_model is parallelized, initialised like HF, and trains in parity."""
     torch.manual_seed(7 + dist.get_rank())  # ranks disagree: every rank must take rank 0's random state
@@ -326,60 +103,11 @@ def check_self_parallelized_module_left_alone() -> dict:
     return compare_training(module, reference, reference_run(reference))
 
 
-def check_bf16_trainer(
-    tp: int,
-    precision: str,
-    family: str = "llama",
-    ep: int = 1,
-    cp: int = 1,
-    compile: bool | dict = False,
-    activation_checkpointing: bool | str = False,
-) -> dict:
-    """Trainer(precision="bf16-mixed") gives FSDP2 a bf16 policy with fp32 gradient reduction over fp32
-    weights; "bf16-true" casts the weights to bf16 before sharding, except those the model pins to fp32 (Ernie's
-    MoE router). Either run's losses must be as close to fp32 as a single-process bf16 run's (twice its error at
-    most: see parity.within_bf16_noise). At cp > 1 the step returns the model's own loss, and the losses must be
-    within that noise of the same run's with the sequences whole (cp=1, the ranks data-parallel). ``compile`` and
-    ``activation_checkpointing``: the strategy's options."""
-    module = (HFLossCausalLM if cp > 1 else CausalLM)(tiny_model(family))
-    strategy = AutoModelParallelStrategy(
-        tp=tp, ep=ep, cp=cp, compile=compile, activation_checkpointing=activation_checkpointing
-    )
-    trainer(strategy, precision=precision).fit(module, data(dist.get_world_size() // tp // cp))
-    assert_experts_distributed(module.model, ep=ep)
-    pinned = {id(t) for _, _, t in pinned_to_fp32(module.model, fp32_pinned_names(module.model))}
-    if precision == "bf16-mixed":
-        policy = decoder_layers(module.model)[0]._get_fsdp_state()._mp_policy
-        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), policy
-    else:
-        dtypes = {p.dtype for p in module.model.parameters() if id(p) not in pinned}
-        assert dtypes == {torch.bfloat16}, dtypes
-    assert {p.dtype for p in module.model.parameters() if id(p) in pinned} <= {torch.float32}
-    loss = hf_loss if cp > 1 else None
-    reference_losses, _ = reference_run(tiny_model(family), loss=loss)
-    bf16_reference = tiny_model(family)
-    with keep_pinned_fp32(bf16_reference, fp32_pinned_names(bf16_reference)):
-        bf16_reference.to(torch.bfloat16)
-    bf16_losses, _ = reference_run(bf16_reference, loss=loss)
-    noise = max(abs(a - b) / b for a, b in zip(bf16_losses, reference_losses, strict=True))
-    if cp > 1:
-        whole = HFLossCausalLM(tiny_model(family))
-        trainer(AutoModelParallelStrategy(tp=tp, ep=ep), precision=precision).fit(
-            whole, data(dist.get_world_size() // tp)
-        )
-        reference_losses, bound = whole.losses, noise
-    else:
-        bound = 2 * noise + 1e-3
-    error = max(abs(a - b) / b for a, b in zip(module.losses, reference_losses, strict=True))
-    assert error <= bound, (error, noise)
-    return {"loss_error": error, "single_process_bf16_loss_vs_fp32": noise, "pinned_fp32": len(pinned)}
-
-
 class RankProbe(CausalLM):
     """Logs its data-parallel rank with a summing sync_dist, and records the batches it was dealt."""
 
     def training_step(self, batch, batch_idx):
-        dp_rank = dist.get_rank() // self.trainer.strategy.parallel_dims.tp  # tp is the innermost axis
+        dp_rank = dist.get_rank() // self.trainer.strategy.options.dims.tp  # tp is the innermost axis
         self.log("dp_rank_sum", float(dp_rank), sync_dist=True, reduce_fx="sum")
         self.seen_tokens = batch[0].tolist()
         self.loss_parallel_active = _loss_parallel_active()
@@ -423,7 +151,7 @@ def check_invalid_size_raises_everywhere() -> str:
 def check_verify_plans_refuses_a_wrong_plan_everywhere() -> str:
     """verify_plans=True with a plan that trains Phi3 wrong: the same ValueError on every rank, before parallelize
     (in the worker's process group, verify_plan runs in a child process)."""
-    strategy = AutoModelParallelStrategy(tp=2, verify_plans=True, tp_plan="parity.naive_fused_plan")
+    strategy = AutoModelParallelStrategy(tp=2, verify_plans=True, tp_plan="plan_checks.naive_fused_plan")
     module = CausalLM(tiny_model("phi3"))
     try:
         trainer(strategy).fit(module, data(1))
@@ -437,7 +165,7 @@ def check_verify_plans_refuses_a_wrong_plan_everywhere() -> str:
 def check_verify_plans_failing_on_one_rank_stops_every_rank() -> str:
     """A verification that fails on one rank only (its child process killed): every rank raises, none is left
     waiting in parallelize's first collective."""
-    import lightning_automodel.strategy.auto_model_parallel as strategy_module
+    import lightning_automodel.strategy.plan_verification as strategy_module
 
     verify_plan = strategy_module.verify_plan
 
@@ -467,36 +195,6 @@ def check_no_hf_model_is_an_error() -> str:
         assert "found no Hugging Face model" in str(error), error
         return str(error)
     raise AssertionError("a module without a Hugging Face model did not raise")
-
-
-def check_trainer_gradient_clipping(
-    tp: int, sp: bool, build: Callable[[], torch.nn.Module] = tiny_model, lr: float = 10.0
-) -> dict:
-    """Trainer(gradient_clip_val=...) clips by the global norm over every mesh (of the model ``build`` makes).
-
-    With SGD each weight update is lr times the clipped gradient, so a norm off by a factor (1 + e) makes every
-    update off by e: the updates are compared relative to their size (AdamW would hide a wrong norm). A large lr
-    keeps the updates far above fp32 rounding of the weights, and a small enough one keeps the steps from
-    amplifying rounding (LoRA's product B @ A reacts to both factors' steps at once).
-    """
-    module = CausalLM(build(), optimizer=torch.optim.SGD, lr=lr)
-    strategy = AutoModelParallelStrategy(tp=tp, sp=sp)
-    clipping = dict(gradient_clip_val=0.1, gradient_clip_algorithm="norm")
-    trainer(strategy, **clipping).fit(module, data(dist.get_world_size() // tp))
-    initial, reference = build(), build()
-    result = compare_training(
-        module,
-        reference,
-        reference_run(reference, optimizers=lambda m: [torch.optim.SGD(m.parameters(), lr=lr)], clip=0.1),
-    )
-    start = dict(initial.named_parameters())
-    final = dict(reference.named_parameters())
-    updates = {name: final[name] - start[name] for name in final}
-    differences = [(full(p) - final[name]).abs().max() for name, p in module.model.named_parameters()]
-    # Relative to the largest update: a wrong norm scales every update alike, rounding does not.
-    result["update"] = (max(differences) / max(u.abs().max() for u in updates.values())).item()
-    assert result["update"] < 1e-4, result
-    return result
 
 
 def check_gradient_accumulation(tp: int) -> dict:

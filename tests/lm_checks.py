@@ -13,16 +13,16 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning_checks import assert_experts_distributed, compare_training, trainer
 from loading_checks import remove, saved_checkpoint
-from models import SHRUNK, VOCAB, tiny_config
-from parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE, full
 from torch.utils.data import DataLoader, Dataset
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.lm import CausalLMModule
 from lightning_automodel.lm.module import learning_rate_factor
+from lightning_automodel.testing.models import SHRUNK, VOCAB, tiny_config
+from lightning_automodel.testing.parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE, full
+from lightning_automodel.testing.trainer_parity import assert_experts_distributed, compare_training, trainer
 
 GLOBAL_BATCH = 8
 SEQ = 16
@@ -185,7 +185,7 @@ def reference_training(model: torch.nn.Module, rows: dict[str, torch.Tensor]) ->
 def check_lora_checkpoint_exports_merged(tp: int) -> dict:
     """A LoRA run's checkpoint (adapters trained 2 steps at tp, so lora_B is no longer zero) exported by
     `lightning-automodel export`: a plain transformers model whose logits are the trained PEFT model's."""
-    from harness import shared_directory
+    from lightning_automodel.testing.harness import shared_directory
 
     directory = shared_directory()
     rows = padded_rows(GLOBAL_BATCH, seed=1)

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness import shared_directory
-from lightning_checks import CausalLM, compare_training, data, reference_run, trainer
-from models import batch, tiny_model, tiny_tokenizer
-from parity import FP32_TOLERANCE, dims_for, forward_backward_errors, full, relative_error
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from lightning_automodel import AutoModelParallelStrategy, export_hf, from_pretrained, parallelize
 from lightning_automodel.hf import shrink
 from lightning_automodel.hf.loading import materialize_pretrained
 from lightning_automodel.parallel.mesh import data_mesh
+from lightning_automodel.testing.harness import shared_directory
+from lightning_automodel.testing.models import batch, tiny_model, tiny_tokenizer
+from lightning_automodel.testing.parity import FP32_TOLERANCE, dims_for, forward_backward_errors, full, relative_error
+from lightning_automodel.testing.trainer_parity import CausalLM, compare_training, data, reference_run, trainer
 
 
 def saved_checkpoint(family: str, shard_size: str | None = None, **config: object) -> Path:

@@ -8,20 +8,6 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from harness import shared_directory
-from lightning_checks import CausalLM, HFLossCausalLM, compare_training, data, hf_loss, reference_run, trainer
-from models import batch, tiny_model
-from parity import (
-    FP32_TOLERANCE,
-    LR,
-    check_training,
-    dims_for,
-    forward_backward_errors,
-    full,
-    loss_of,
-    relative_error,
-    within_bf16_noise,
-)
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import Replicate, Shard
@@ -32,6 +18,28 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import AutoModelParallelStrategy, parallelize
 from lightning_automodel.io.hf_export import export_merged, export_peft_adapter
 from lightning_automodel.parallel.mesh import data_mesh
+from lightning_automodel.testing.harness import shared_directory
+from lightning_automodel.testing.models import batch, tiny_model
+from lightning_automodel.testing.parity import (
+    FP32_TOLERANCE,
+    LR,
+    check_training,
+    dims_for,
+    forward_backward_errors,
+    full,
+    loss_of,
+    relative_error,
+    within_bf16_noise,
+)
+from lightning_automodel.testing.trainer_parity import (
+    CausalLM,
+    HFLossCausalLM,
+    compare_training,
+    data,
+    hf_loss,
+    reference_run,
+    trainer,
+)
 
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

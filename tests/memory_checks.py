@@ -6,12 +6,12 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from models import tiny_model
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import pipeline_of
 from lightning_automodel.planning.activation_memory import gradient_bytes, training_step
+from lightning_automodel.testing.models import tiny_model
 
 # Large enough that activations dwarf what Python and gloo allocate on the side (a few MiB).
 MEMORY_MODEL = dict(

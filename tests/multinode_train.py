@@ -5,8 +5,7 @@ real nodes. Each rank trains the tiny Llama at dp_replicate=2 x tp=2 through a r
 with a single-process run, checks what it can see of the layout, and writes what it measured to
 ``OUT_DIR/rank<global rank>.json`` for the test to cross-check over all ranks.
 
-Usage: multinode_train.py OUT_DIR. Python puts a script's directory first on sys.path, so the test helpers
-(models, parity, lightning_checks) import here as they do in the tests.
+Usage: multinode_train.py OUT_DIR. The helpers it shares with the tests come from lightning_automodel.testing.
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
-from lightning_checks import CausalLM, compare_training, data, reference_run
-from models import tiny_model
-from parity import STEPS
 
 from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.testing.models import tiny_model
+from lightning_automodel.testing.parity import STEPS
+from lightning_automodel.testing.trainer_parity import CausalLM, compare_training, data, reference_run
 
 NODES = 2
 PROCESSES_PER_NODE = 2

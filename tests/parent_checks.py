@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import shared_directory
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics.classification import Accuracy
 
 from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.testing.harness import shared_directory
 
 
 def parent_strategy(**kwargs) -> AutoModelParallelStrategy:

@@ -4,93 +4,28 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from lightning_checks import (
+from loading_checks import remove, saved_checkpoint
+from lora_checks import peft_model
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import AutoModelForCausalLM
+
+from lightning_automodel import AutoModelParallelStrategy, ParallelDims, from_pretrained, parallelize
+from lightning_automodel.hf.loading import materialize_pretrained
+from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
+from lightning_automodel.testing.models import batch, tiny_model
+from lightning_automodel.testing.parity import FP32_TOLERANCE, full, relative_error
+from lightning_automodel.testing.trainer_checks import PIPELINE_LAYERS as LAYERS
+from lightning_automodel.testing.trainer_parity import (
     GLOBAL_BATCH,
     CausalLM,
     HFLossCausalLM,
     assert_experts_distributed,
     compare_training,
     data,
-    fit_against_one_process,
     hf_loss,
     reference_run,
     trainer,
 )
-from loading_checks import remove, saved_checkpoint
-from lora_checks import peft_model
-from models import batch, tiny_model
-from parity import (
-    FP32_TOLERANCE,
-    full,
-    relative_error,
-)
-from torch.utils.data import DataLoader, TensorDataset
-from transformers import AutoModelForCausalLM
-
-from lightning_automodel import AutoModelParallelStrategy, ParallelDims, from_pretrained, parallelize
-from lightning_automodel.hf.loading import materialize_pretrained
-from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_targets
-from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
-
-LAYERS = 4  # two per stage at pp=2, one per stage at pp=4
-
-
-def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """A loss of one's own (``pp_loss_fn``): next-token cross-entropy plus PaLM's z-loss (the squared log-partition,
-    weighted 0.1 here to weigh in), summed over the scored tokens."""
-    scored = next_token_targets(labels) != -100
-    loss_sum, _ = causal_lm_loss_sum(logits, labels)
-    return loss_sum + 0.1 * (logits.float().logsumexp(-1)[scored] ** 2).sum()
-
-
-def z_loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """:func:`z_loss_sum` as one process computes it: a token mean."""
-    return z_loss_sum(model(input_ids=tokens).logits, labels) / (next_token_targets(labels) != -100).sum()
-
-
-def check_pipeline_trainer_parity(
-    pp: int,
-    schedule: str,
-    family: str = "llama",
-    *,
-    microbatches: int | None = None,
-    dp_replicate: int = 1,
-    activation_checkpointing: bool = False,
-    tp: int = 1,
-    sp: bool = False,
-    ep: int = 1,
-    stages_per_rank: int = 1,
-    config: dict | None = None,
-    own_loss: bool = False,
-) -> dict:
-    """3 AdamW steps through Trainer.fit at pp ranks of ``stages_per_rank`` stages (dp_shard takes the rest) match one
-    process; validate's loss too. The weights every rank starts from differ: rank 0's must win. ``config``: overrides
-    of the family's tiny config; ``own_loss``: the strategy's pp_loss_fn is :func:`z_loss_sum`."""
-    config = dict(config or {}, num_hidden_layers=LAYERS)
-    strategy = AutoModelParallelStrategy(
-        tp,
-        sp=sp,
-        pp=pp,
-        pp_schedule=schedule,
-        pp_microbatches=microbatches,
-        pp_stages_per_rank=stages_per_rank,
-        pp_loss_fn=z_loss_sum if own_loss else None,
-        dp_replicate=dp_replicate,
-        ep=ep,
-        activation_checkpointing=activation_checkpointing,
-    )
-    module, result = fit_against_one_process(
-        strategy,
-        family,
-        config,
-        dp=dist.get_world_size() // pp // tp,
-        loss=z_loss if own_loss else hf_loss,
-        stages=True,
-    )
-    pipeline = pipeline_of(module.model)
-    assert pipeline is not None and pipeline.pp == pp and len(pipeline.stage_modules()) == stages_per_rank
-    assert_experts_distributed(module.model, ep=ep)
-    return result
 
 
 def check_pipeline_accumulation_and_clipping(pp: int, family: str = "gemma3", ep: int = 1) -> dict:

@@ -13,11 +13,11 @@ from checkpoint_checks import (
     check_save_and_exact_resume,
     check_save_unsharded_resume_sharded,
 )
-from harness import run_checks
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from lightning_automodel.io.lightning_checkpoint import load_sharded_checkpoint
+from lightning_automodel.testing.harness import run_checks
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.sweep) if f == "phi3" else f for f in FAMILIES])

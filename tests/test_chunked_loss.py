@@ -8,15 +8,15 @@ from functools import partial
 import pytest
 import torch
 from chunked_loss_checks import check_collectives_of_the_whole_logits, check_head_alone_trained_is_refused
-from harness import run_checks
-from models import tiny_config, tiny_model
-from parity import FP32_TOLERANCE, relative_error
-from peak_memory import peak_bytes
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel.hf.shrink import tiny_config as coverage_config
 from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hits
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.models import tiny_config, tiny_model
+from lightning_automodel.testing.parity import FP32_TOLERANCE, relative_error
+from lightning_automodel.testing.peak_memory import peak_bytes
 
 
 def _padded(rows: int, tokens: int, vocab: int) -> dict[str, torch.Tensor]:

@@ -186,7 +186,7 @@ def test_plan_verify_passes_on_the_demo_and_fails_on_a_wrong_plan(capsys, no_pyt
     out = capsys.readouterr().out
     assert "verify_plan: LlamaForCausalLM at tp=2, sp=True, with the family plan for LlamaForCausalLM" in out
     assert "PASSED" in out
-    wrong = ["--trainer.strategy.init_args.tp_plan=parity.naive_fused_plan", DEMO_AS_PHI3]
+    wrong = ["--trainer.strategy.init_args.tp_plan=plan_checks.naive_fused_plan", DEMO_AS_PHI3]
     with pytest.raises(SystemExit) as exited:
         main(["plan", f"--config={EXAMPLES / 'demo.yaml'}", "--verify", *wrong])
     assert exited.value.code == 1
@@ -254,10 +254,17 @@ def test_every_example_config_parses(no_pytest_argv):
 
 def test_a_pipeline_loss_of_ones_own_by_import_path(no_pytest_argv, capsys):
     """pp_loss_fn in YAML: the import path of a function returning a Tensor."""
-    loss = "--trainer.strategy.init_args.pp_loss_fn=pipeline_checks.z_loss_sum"
+    loss_fn = "lightning_automodel.testing.trainer_checks.z_loss_sum"
     with pytest.raises(SystemExit) as exit:
-        cli(["fit", f"--config={EXAMPLES / 'llama70b_pp_tp_fsdp.yaml'}", loss, "--print_config"])
-    assert exit.value.code == 0 and "pp_loss_fn: pipeline_checks.z_loss_sum" in capsys.readouterr().out
+        cli(
+            [
+                "fit",
+                f"--config={EXAMPLES / 'llama70b_pp_tp_fsdp.yaml'}",
+                f"--trainer.strategy.init_args.pp_loss_fn={loss_fn}",
+                "--print_config",
+            ]
+        )
+    assert exit.value.code == 0 and f"pp_loss_fn: {loss_fn}" in capsys.readouterr().out
 
 
 def test_any_data_module(no_pytest_argv):
@@ -297,3 +304,14 @@ def test_plan_command_lists_the_layouts_that_fit(capsys, no_pytest_argv):
     assert "2 rows x 64 tokens per data-parallel rank" in out
     assert "throughput model: 989 TFLOP/s" in out
     assert re.search(r"^ +1 +1 +1 +2 +1  (off|selective|submodule|full) ", out, re.MULTILINE), out  # dp_shard=2 fits
+
+
+def test_the_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    listed = capsys.readouterr().out
+    assert all(f"    {command} " in listed for command in ("fit", "validate", "test", "predict", "plan", "export"))
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    assert exit_.value.code == 2 and "a command is needed" in capsys.readouterr().err

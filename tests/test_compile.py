@@ -10,15 +10,15 @@ from functools import partial
 
 import pytest
 import torch
-from compile_checks import check_compiled_lora, check_compiled_trainer_parity
-from harness import run_checks
-from lightning_checks import check_bf16_trainer
-from models import batch, tiny_model
+from compile_checks import check_compiled_lora
 from torch._dynamo.utils import counters
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.compile import apply_compile
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.models import batch, tiny_model
+from lightning_automodel.testing.trainer_checks import check_bf16_trainer, check_compiled_trainer_parity
 
 
 def test_compiled_blocks_on_two_ranks():

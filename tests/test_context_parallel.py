@@ -13,15 +13,15 @@ import torch
 from context_parallel_checks import (
     check_context_parallel_lora,
     check_context_parallel_refusals,
-    check_context_parallel_trainer_parity,
     check_rows_split_over_cp,
 )
-from harness import run_checks
-from lightning_checks import check_bf16_trainer, check_checkpoint_resume_across_layouts
+from lightning_checks import check_checkpoint_resume_across_layouts
 from lm_checks import check_causal_lm_module_split
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.parallel.context_parallel import attention_kernel, documents, token_indices
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.trainer_checks import check_bf16_trainer, check_context_parallel_trainer_parity
 
 # Gemma 3 with a full-attention and a sliding layer, its window (3 tokens) shorter than a rank's chunk (4)
 GEMMA3_SHORT_WINDOW = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=3)

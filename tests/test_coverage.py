@@ -8,22 +8,13 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-from coverage_checks import (
-    CRASH,
-    HANG,
-    PASS,
-    REFUSAL,
-    WRONG,
-    Reference,
-    classify,
-    compare,
-    coverage_check,
-    describe_error,
-    measure,
-)
-from harness import check_name, run_checks
-from parity import Outputs
 from torch.distributed.tensor.parallel import ColwiseParallel
+
+from lightning_automodel.testing.coverage_check import Reference, compare, coverage_check
+from lightning_automodel.testing.coverage_launch import measure
+from lightning_automodel.testing.coverage_verdicts import CRASH, HANG, PASS, REFUSAL, WRONG, classify, describe_error
+from lightning_automodel.testing.harness import check_name, run_checks
+from lightning_automodel.testing.parity import Outputs
 
 # Today's verdict on one type of every kind docs/coverage.md shows, with a fragment of its detail (for a pass: of
 # where its plan came from) and, for a tensor-parallel pass, the share of block weights sharded. Issue 12's fixes
@@ -113,8 +104,8 @@ def plain_gate_up(model, sp):
 def rotary_key_gradient_left_partial(model, sp):
     """DeepSeek-V3's plan with its latent key/value projection kept whole but its rotary key's gradient, partial on
     each rank (it meets this rank's heads only), not summed."""
-    from lightning_automodel.parallel.tensor.plans import select_tp_plan
-    from lightning_automodel.parallel.tensor.styles import KeptWhole, LatentKeyValueProjection
+    from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
+    from lightning_automodel.parallel.tensor.projection_styles import KeptWhole, LatentKeyValueProjection
 
     plan = select_tp_plan(model, sp=sp).plan
     return {key: KeptWhole() if isinstance(style, LatentKeyValueProjection) else style for key, style in plan.items()}
@@ -126,7 +117,7 @@ def broken_experts(model_type: str, broken: str) -> dict:
 
     from torch.distributed.tensor import Shard
 
-    from lightning_automodel.parallel.tensor.styles import summed_gradient
+    from lightning_automodel.parallel.tensor.parameter_styles import summed_gradient
 
     replacements = {
         # gate and up split the plain way: rank 0 holds every expert's gate, rank 1 every expert's up
@@ -154,7 +145,7 @@ def naive_stream_split(model_type: str) -> dict:
         local = stream.tensor_split(mesh.size(), dim=1)[mesh.get_local_rank()]
         return DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
 
-    with mock.patch("lightning_automodel.parallel.tensor.styles._sequence_shard", naive):
+    with mock.patch("lightning_automodel.parallel.tensor.stream_styles._sequence_shard", naive):
         return coverage_check(model_type, "tp2_sp")
 
 

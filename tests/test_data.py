@@ -8,7 +8,6 @@ import lightning as L
 import pytest
 import torch
 from data_checks import DEMO, check_resume_across_epochs
-from harness import check_name, run_checks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -26,6 +25,7 @@ from lightning_automodel.lm.data import (
 from lightning_automodel.lm.demo import DemoDataModule, demo_documents
 from lightning_automodel.lm.sampler import ResumableShuffle
 from lightning_automodel.lm.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokenizer
+from lightning_automodel.testing.harness import check_name, run_checks
 
 TEXTS = ["hello world", "héllo wörld, 日本語 🎉", "  leading spaces\n\ttabs\r\n", "\x00\x7f\xff", "a<eos>b", ""]
 

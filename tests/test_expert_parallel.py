@@ -8,10 +8,11 @@ from functools import partial
 import pytest
 from checkpoint_checks import check_resume_into_layout, check_save_and_exact_resume
 from expert_checks import check_each_rank_reads_its_experts, check_expert_parallel_refusals, check_uneven_expert_load
-from harness import run_checks
-from lightning_checks import check_bf16_trainer, check_trainer_parity
 from loading_checks import check_export_round_trip, check_loaded_weights
 from lora_checks import check_lora_training
+
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.trainer_checks import check_bf16_trainer, check_trainer_parity
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -3,11 +3,8 @@
 from functools import partial
 
 import pytest
-from harness import check_name, run_checks
-from lightning_checks import check_meta_model_from_configure_model, check_trainer_parity
-from models import FAMILIES
-from parity import (
-    check_family,
+from lightning_checks import check_meta_model_from_configure_model
+from plan_checks import (
     check_frozen_stays_frozen,
     check_naive_plan_is_wrong,
     check_phi3_attention_kept_whole,
@@ -16,6 +13,11 @@ from parity import (
     check_refusal_before_any_collective,
 )
 from torch.distributed.tensor.parallel import ColwiseParallel
+
+from lightning_automodel.testing.harness import check_name, run_checks
+from lightning_automodel.testing.models import FAMILIES
+from lightning_automodel.testing.parallelize_checks import check_family
+from lightning_automodel.testing.trainer_checks import check_trainer_parity
 
 PLAIN_TP = ("llama", "phi3", "gemma3")  # without sequence parallel in the default run
 

@@ -18,10 +18,10 @@ from fault_checks import (
     check_nan_stops_every_rank,
     check_resume_after_killed_save,
 )
-from fault_launch import Fault, Outcome, launch
-from harness import run_checks
 
 from lightning_automodel.io.lightning_checkpoint import check_checkpoint
+from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
+from lightning_automodel.testing.harness import run_checks
 
 TIMEOUT = 30.0
 GONE = "exited without reporting an error"

@@ -3,7 +3,6 @@ the throughput model that ranks them (no processes: fake process groups and fake
 
 import pytest
 import torch
-from models import tiny_config
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM
 
@@ -21,6 +20,7 @@ from lightning_automodel.planning.fitting import (
 )
 from lightning_automodel.planning.flops import flops_per_token
 from lightning_automodel.planning.layer_extrapolation import over_layers
+from lightning_automodel.testing.models import tiny_config
 
 ROWS, TOKENS = 2, 64
 

@@ -1,8 +1,9 @@
 import time
 
 import pytest
-from harness import run_checks
 from harness_checks import check_every_rank_hangs, check_rank_one_hangs, check_rank_one_raises
+
+from lightning_automodel.testing.harness import run_checks
 
 
 def test_a_rank_stuck_in_a_collective_fails_after_the_process_group_timeout():

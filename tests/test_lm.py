@@ -7,7 +7,6 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from harness import check_name, run_checks
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lm_checks import (
@@ -17,13 +16,14 @@ from lm_checks import (
     check_lora_checkpoint_exports_merged,
     check_predict_in_step_or_refused,
 )
-from models import tiny_config
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
 
 from lightning_automodel.lm import CausalLMModule, DemoDataModule, StepProgressBar, byte_tokenizer
 from lightning_automodel.lm.limits import check_batch, check_seq_len
 from lightning_automodel.lm.module import learning_rate_factor
+from lightning_automodel.testing.harness import check_name, run_checks
+from lightning_automodel.testing.models import tiny_config
 
 
 def test_parity_at_tp2_dp2_with_sp():

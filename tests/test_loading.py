@@ -3,7 +3,6 @@
 from functools import partial
 
 import pytest
-from harness import run_checks
 from loading_checks import (
     check_export_failure_on_rank0,
     check_export_round_trip,
@@ -12,6 +11,8 @@ from loading_checks import (
     check_pretrained_peft,
     check_pretrained_trainer,
 )
+
+from lightning_automodel.testing.harness import run_checks
 
 
 def test_pretrained_loading_and_export_on_four_ranks():

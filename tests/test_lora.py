@@ -2,8 +2,6 @@
 
 from functools import partial
 
-from harness import run_checks
-from lightning_checks import check_trainer_gradient_clipping
 from lora_checks import (
     check_lora_adds_no_forward_collective,
     check_lora_bf16_base,
@@ -13,6 +11,9 @@ from lora_checks import (
     check_peft_exports,
     peft_model,
 )
+
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.trainer_checks import check_trainer_gradient_clipping
 
 ATTENTION = ("q_proj", "v_proj", "o_proj")
 

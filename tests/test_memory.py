@@ -6,9 +6,7 @@ from functools import partial
 
 import pytest
 import torch
-from harness import run_checks
 from memory_checks import MEMORY_MODEL, measured_activation_bytes
-from models import tiny_config
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM
 
@@ -17,6 +15,8 @@ from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.planning import activation_memory as memory
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.planning.layer_extrapolation import alike_layers, over_layers
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.models import tiny_config
 
 ROWS, TOKENS = 4, 256
 BF16_MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -1,10 +1,10 @@
 import functools
 
 import pytest
-from harness import run_checks
 from mesh_checks import check_mesh_axes
 
 from lightning_automodel import ParallelDims
+from lightning_automodel.testing.harness import run_checks
 
 
 @pytest.mark.parametrize(

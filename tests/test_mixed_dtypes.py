@@ -2,8 +2,8 @@
 
 from functools import partial
 
-from harness import run_checks
-from mixed_dtype_checks import (
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.mixed_dtype_checks import (
     check_bf16_model_with_fp32_router,
     check_float64_router_training,
     check_stock_fsdp_refuses_mixed_dtypes,

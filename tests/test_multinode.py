@@ -23,10 +23,11 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from harness import free_port
 from lightning.pytorch.callbacks import Callback
 from multinode_train import group_ranks
-from parity import WEIGHT_TOLERANCE
+
+from lightning_automodel.testing.harness import free_port
+from lightning_automodel.testing.parity import WEIGHT_TOLERANCE
 
 TESTS = Path(__file__).parent
 SCRIPT = TESTS / "multinode_train.py"

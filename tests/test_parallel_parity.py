@@ -2,15 +2,14 @@
 
 from functools import partial
 
-from harness import run_checks
-from parity import (
+from plan_checks import check_frozen_stays_frozen, check_tied_embeddings, check_user_plan
+
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.parallelize_checks import (
     check_bf16_layout,
     check_clip_grad_norm,
-    check_frozen_stays_frozen,
     check_fsdp_schedule,
     check_layout,
-    check_tied_embeddings,
-    check_user_plan,
 )
 
 AC = (False, True)

@@ -7,11 +7,9 @@ from unittest import mock
 
 import pytest
 import torch
-from harness import run_checks
 from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.environments import LightningEnvironment
-from models import tiny_model
 from parent_checks import (
     check_fsdp2_tensor_parallel,
     check_full_checkpoint_into_ddp,
@@ -26,6 +24,8 @@ from parent_checks import (
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.io.hf_export import export_hf
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.models import tiny_model
 
 
 def test_parent_tests_on_two_ranks():
@@ -95,7 +95,7 @@ def test_sizes_that_do_not_tile_the_world_are_refused(num_nodes, devices, dp, tp
 def test_parent_argument_names(kwargs, dp_shard, tp):
     strategy = AutoModelParallelStrategy(**kwargs)
     _set_up(strategy, num_nodes=2, devices=4)
-    assert (strategy.parallel_dims.dp_shard, strategy.parallel_dims.tp) == (dp_shard, tp)
+    assert (strategy.options.dims.dp_shard, strategy.options.dims.tp) == (dp_shard, tp)
 
 
 @pytest.mark.parametrize(

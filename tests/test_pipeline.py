@@ -9,10 +9,8 @@ from functools import partial
 
 import pytest
 import torch
-from harness import run_checks
 from lightning_checks import check_checkpoint_resume_across_layouts, check_validate_then_fit
 from lm_checks import check_causal_lm_module_split
-from models import tiny_model
 from pipeline_checks import (
     check_loss_from_logits_is_refused,
     check_pipeline_accumulation_and_clipping,
@@ -20,13 +18,15 @@ from pipeline_checks import (
     check_pipeline_loaded_weights,
     check_pipeline_lora,
     check_pipeline_refusals,
-    check_pipeline_trainer_parity,
 )
 
 from lightning_automodel import ParallelDims, parallelize
 from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.pipeline import pipeline_problem, split_into_stage, stage_view
 from lightning_automodel.planning.simulation import fake_world
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.models import tiny_model
+from lightning_automodel.testing.trainer_checks import check_pipeline_trainer_parity
 
 # Gemma 3 with layers of both kinds, placed so that a stage reading the per-layer settings of the rank's other stage
 # (rank 0 holds layers 0 and 2) computes the wrong attention

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from models import tiny_config, tiny_model
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -12,26 +11,25 @@ from lightning_automodel.hf.shrink import tiny_config as coverage_config
 from lightning_automodel.parallel import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
+    ParallelOptions,
     decoder_layers,
     parallelize,
     register_parallelization_strategy,
 )
-from lightning_automodel.parallel.parallelizer import (
+from lightning_automodel.parallel.parallelizer import is_meta, parallelization_strategy_for
+from lightning_automodel.parallel.preflight import (
     blocks_recomputed_outside_calls,
     check_before_collectives,
-    is_meta,
-    parallelization_strategy_for,
     probe_unsharded,
 )
 from lightning_automodel.parallel.tensor.hf_plan import hf_style_strings, translate_style
-from lightning_automodel.parallel.tensor.plans import select_tp_plan, unmatched_patterns
+from lightning_automodel.parallel.tensor.plan_coverage import unmatched_patterns
+from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
+from lightning_automodel.parallel.tensor.projection_styles import PackedColwiseParallel, RegroupedColwiseParallel
 from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes
-from lightning_automodel.parallel.tensor.styles import (
-    PackedColwiseParallel,
-    RegroupedColwiseParallel,
-    SequenceParallelAllGather,
-)
+from lightning_automodel.parallel.tensor.stream_styles import SequenceParallelAllGather
 from lightning_automodel.planning.simulation import fake_world
+from lightning_automodel.testing.models import tiny_config, tiny_model
 
 
 def coverage_model(model_type, **overrides):
@@ -355,14 +353,14 @@ def test_a_registered_parallelization_strategy_takes_over_the_flow():
 
     @register_parallelization_strategy("Family")
     class FamilyStrategy(ParallelizationStrategy):
-        def parallelize(self, model, device_mesh, **options):
+        def parallelize(self, model, device_mesh, options):
             calls.append((model, device_mesh, options))
             return model
 
     model = Family()
     assert isinstance(parallelization_strategy_for(model), FamilyStrategy)
     assert parallelize(model, "mesh", sp=True) is model
-    assert calls == [(model, "mesh", {"sp": True})]
+    assert calls == [(model, "mesh", ParallelOptions(sp=True))]
     assert isinstance(parallelization_strategy_for(tiny_model()), DefaultParallelizationStrategy)
 
 
@@ -481,7 +479,7 @@ def test_plans_are_completed_with_experts_latent_attention_and_shared_experts():
     whole, the rotary key's gradient summed) and its shared experts. GPT-OSS's names lm_head only: measured by one
     expert's matrix, its attention weights are large, and the completed Llama-style plan wins."""
     from lightning_automodel.parallel.experts.tensor_parallel import ExpertTensorParallel
-    from lightning_automodel.parallel.tensor.styles import KeptWhole, LatentKeyValueProjection
+    from lightning_automodel.parallel.tensor.projection_styles import KeptWhole, LatentKeyValueProjection
 
     with torch.device("meta"):
         deepseek, gpt_oss = coverage_model("deepseek_v3"), coverage_model("gpt_oss")

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from models import tiny_config
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.pipeline import PipelineOptions
+from lightning_automodel.testing.models import tiny_config
 
 LLAMA_8B = dict(
     hidden_size=4096,

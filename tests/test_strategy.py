@@ -5,9 +5,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from harness import run_checks
 from lightning_checks import (
-    check_bf16_trainer,
     check_data_parallel_wiring,
     check_gradient_accumulation,
     check_invalid_size_raises_everywhere,
@@ -15,8 +13,6 @@ from lightning_checks import (
     check_meta_model_from_configure_model,
     check_no_hf_model_is_an_error,
     check_self_parallelized_module_left_alone,
-    check_trainer_gradient_clipping,
-    check_trainer_parity,
     check_validate_then_fit,
     check_verify_plans_failing_on_one_rank_stops_every_rank,
     check_verify_plans_refuses_a_wrong_plan_everywhere,
@@ -25,6 +21,12 @@ from lightning_checks import (
 import lightning_automodel
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.trainer_checks import (
+    check_bf16_trainer,
+    check_trainer_gradient_clipping,
+    check_trainer_parity,
+)
 
 AC = (False, True)
 
@@ -98,7 +100,8 @@ def test_constructible_from_lightning_cli():
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AutoModelParallelStrategy)
-    assert (strategy.parallel_dims.tp, strategy.sp, strategy.activation_checkpointing) == (2, True, True)
+    options = strategy.options
+    assert (options.dims.tp, options.parallel.sp, options.parallel.activation_checkpointing) == (2, True, True)
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,14 @@ launch also runs the pipeline's pp x tp x dp_shard layout and HSDP x cp."""
 
 from functools import partial
 
-from context_parallel_checks import check_context_parallel_trainer_parity
-from harness import run_checks
-from lightning_checks import check_bf16_trainer, check_trainer_parity
-from pipeline_checks import check_pipeline_trainer_parity
-from training_checks import (
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.trainer_checks import (
+    check_bf16_trainer,
+    check_context_parallel_trainer_parity,
+    check_pipeline_trainer_parity,
+    check_trainer_parity,
+)
+from lightning_automodel.testing.training_checks import (
     check_evaluation_without_fit,
     check_param_groups,
     check_refused_precision,

@@ -2,15 +2,15 @@
 
 import pytest
 import torch.distributed as dist
-from harness import free_port
-from models import tiny_model
 from torch.distributed.tensor.parallel import ColwiseParallel
 from transformers import BertConfig, GraniteConfig, LlamaConfig, Qwen3Config
 
 from lightning_automodel import verify_plan
 from lightning_automodel.hf.shrink import heads_for, shrunk_config
-from lightning_automodel.parallel.tensor.plans import select_tp_plan
+from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
 from lightning_automodel.planning.verify import FP32_TOLERANCE
+from lightning_automodel.testing.harness import free_port
+from lightning_automodel.testing.models import tiny_model
 
 
 def test_a_registered_family_plan_passes_with_sequence_parallel():
@@ -83,10 +83,10 @@ def test_a_per_head_norm_left_plain_is_caught_by_its_gradient(monkeypatch):
     """Qwen3's q_norm and k_norm act per head on the heads the plan splits. Left plain (the probe that finds them
     switched off), the forward is still right, but each rank holds only its heads' part of their gradient: the
     logits pass and the gradients of exactly those norms fail."""
-    from lightning_automodel.parallel import tensor_parallel
+    from lightning_automodel.parallel.tensor import apply
     from lightning_automodel.parallel.tensor.sharded_activations import ShardedActivations
 
-    monkeypatch.setattr(tensor_parallel, "find_sharded_activations", lambda *a, **k: ShardedActivations({}, [], []))
+    monkeypatch.setattr(apply, "find_sharded_activations", lambda *a, **k: ShardedActivations({}, [], []))
     verification = verify_plan(Qwen3Config(), raise_on_failure=False)
     assert verification.logits_error < FP32_TOLERANCE and verification.loss_error < FP32_TOLERANCE
     assert not verification.passed
@@ -110,8 +110,9 @@ def gptj_plan(model, sp):
 def test_adding_a_plan_as_the_readme_shows(monkeypatch):
     from transformers import GPTJConfig
 
-    from lightning_automodel.parallel.tensor import plans
+    from lightning_automodel.parallel.tensor import family_plans
 
-    monkeypatch.setitem(plans._FAMILY_PLANS, "GPTJForCausalLM", gptj_plan)  # register_tp_plan, undone after the test
+    # register_tp_plan, undone after the test
+    monkeypatch.setitem(family_plans._FAMILY_PLANS, "GPTJForCausalLM", gptj_plan)
     verification = verify_plan(GPTJConfig())
     assert verification.passed and verification.plan_source == "family plan for GPTJForCausalLM", verification

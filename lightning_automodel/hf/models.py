@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from torch import nn
+from transformers import PreTrainedModel
 
 
 def find_hf_models(module: nn.Module) -> list[nn.Module]:
     """The outermost ``transformers.PreTrainedModel`` instances inside ``module``, whatever their attribute names."""
-    from transformers import PreTrainedModel
-
     found: list[nn.Module] = []
     for child in module.children():
         if isinstance(child, PreTrainedModel):

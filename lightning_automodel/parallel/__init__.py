@@ -3,18 +3,23 @@
 from lightning_automodel.hf.decoder_layers import decoder_layers
 from lightning_automodel.parallel import anomaly  # noqa: F401  (registers a DTensor rule anomaly mode needs)
 from lightning_automodel.parallel.fsdp.dtypes import iter_maximal_uniform_dtype_subtrees
+from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.fsdp.sharding import fully_shard_by_dtype
 from lightning_automodel.parallel.loss import causal_lm_loss, global_token_mean
+from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelizer import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
     parallelize,
     register_parallelization_strategy,
 )
-from lightning_automodel.parallel.tensor.plans import register_tp_plan, select_tp_plan
+from lightning_automodel.parallel.tensor.family_plans import register_tp_plan
+from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
 
 __all__ = [
     "DefaultParallelizationStrategy",
+    "FSDPOptions",
+    "ParallelOptions",
     "ParallelizationStrategy",
     "causal_lm_loss",
     "decoder_layers",

@@ -1,22 +1,7 @@
-"""The next-token loss a sequence chunk at a time: a training step that never holds the whole logits.
-
-The logits a loss reads ([rows, tokens, vocabulary / tp], in fp32), and in backward their log-softmax and gradient, are
-the largest tensors of many steps: a 128k vocabulary at a few thousand tokens a row outweighs a decoder layer's saved
-activations. Here the base model's last hidden states are split along the sequence, and forward runs each chunk's head,
-cross-entropy and their backward at once, keeping of the chunk only its summed loss and the gradients of that sum with
-respect to the chunk's hidden states and to the head's weights (torchtitan's chunked loss does the same). Those
-gradients are those of a loss whose own gradient is fixed (1 over the rank's positions, to keep them mean-sized):
-backward multiplies them by the gradient the loss actually gets over that (:class:`_PrecomputedBackward`), so that
-a loss scaled after this one (Lightning divides it under gradient accumulation) scales the head's gradients with the
-decoder's. Nothing is recomputed; the hidden states' gradient
-([rows, tokens / tp under sp, hidden]) and the head's (which backward would allocate anyway) are held from forward to
-backward, where the whole logits would hold [rows, tokens, vocabulary / tp] and more.
-
-The head is the model's output embedding on the last hidden states, read from the model's own call with its head an
-identity (:func:`last_hidden_states`): a scale the call applies after a linear head (Granite's ``logits_scaling``)
-then scales the hidden states instead, to the same logits. A class whose logits are more than that (soft-capping) is
-refused: :func:`chunking_problem` compares both on a shrunk replica of it.
-"""
+"""The next-token loss a sequence chunk at a time: a training step that never holds the whole logits ([rows, tokens,
+vocabulary / tp] in fp32, and in backward their log-softmax and gradient: often a step's largest tensors). Forward runs
+each chunk's head, cross-entropy and their backward at once, keeping the chunk's summed loss and the gradients of it
+(torchtitan's chunked loss does the same); nothing is recomputed."""
 
 from __future__ import annotations
 
@@ -25,7 +10,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_automodel.hf.shrink import shrunk_config
+from lightning_automodel.hf.replica import replica_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.fsdp.sharding import view_outputs_allowed
 from lightning_automodel.parallel.loss import next_token_targets, token_hits, token_loss_sum
@@ -48,11 +33,15 @@ def chunked_causal_lm_loss_sum(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """This rank's summed next-token cross-entropy, how many tokens it sums and how many of them the logits rank
     first: :func:`~lightning_automodel.parallel.loss.causal_lm_loss_sum` and ``next_token_hits`` of ``model``'s
-    logits, computed ``chunks`` sequence chunks at a time (see the module's docstring). ``model``: a Hugging Face
-    causal LM (or a PEFT model of one) that :func:`chunking_problem` accepts; under tensor parallel, call it inside
-    ``loss_parallel`` as the whole logits' loss."""
+    logits, computed ``chunks`` sequence chunks at a time. ``model``: a Hugging Face causal LM (or a PEFT model of
+    one) that :func:`chunking_problem` accepts; under tensor parallel, call it inside ``loss_parallel`` as the whole
+    logits' loss. The gradients computed in forward are those of a loss whose gradient is 1 over the rank's positions;
+    backward scales them by the gradient the loss gets (:class:`_PrecomputedBackward`), so that a loss scaled after
+    this one (gradient accumulation) scales the head's gradients with the decoder's."""
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = _evenly_split(last_hidden_states(hf_model, input_ids=input_ids, attention_mask=attention_mask))
+    hidden = _replicated_or_evenly_sharded(
+        last_hidden_states(hf_model, input_ids=input_ids, attention_mask=attention_mask)
+    )
     targets = next_token_targets(labels, ignore_index=ignore_index)
     if hidden.size(1) != targets.size(1):
         raise ValueError(
@@ -70,7 +59,7 @@ def chunked_causal_lm_loss_sum(
         return _total(losses), tokens, _total(hits)
     if not hidden.requires_grad and isinstance(hf_model, FSDPModule):
         raise ValueError(
-            f"loss_chunks={chunks} with lm_head the only trained part of {_unsharded_class(hf_model)}: FSDP2 reduces"
+            f"loss_chunks={chunks} with lm_head the only trained part of {_class_name(hf_model)}: FSDP2 reduces"
             " the head's gradients once backward reaches the hidden states, which here need none. Use loss_chunks=1."
         )
     scale = float(targets.numel())  # the gradients are computed for the loss over this rank's positions: mean-sized
@@ -80,7 +69,7 @@ def chunked_causal_lm_loss_sum(
     return _PrecomputedBackward.apply(loss_sum, gradients, scale, hidden, *weights), tokens, hits
 
 
-def _unsharded_class(model: nn.Module) -> str:
+def _class_name(model: nn.Module) -> str:
     """``model``'s class name, not the one FSDP2 derives from it."""
     return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule)).__name__
 
@@ -117,7 +106,7 @@ def _forward_and_backward(
                 total.add_(grad)
         losses.append(loss.detach())
         hits.append(chunk_hits)
-    hidden_grad = _along_sequence(hidden_grads, like=hidden) if hidden.requires_grad else None
+    hidden_grad = _joined_like(hidden_grads, like=hidden) if hidden.requires_grad else None
     return _total(losses), _total(hits), [hidden_grad, *(weight_grads or [])]
 
 
@@ -129,10 +118,11 @@ def _chunk_loss(head: nn.Module, *, hidden: Tensor, targets: Tensor, ignore_inde
 
 
 def _total(values: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
+    """The sum of ``values``, a tensor (as their type: a DTensor under tp)."""
     return sum(values[1:], values[0])
 
 
-def _evenly_split(hidden: Tensor) -> Tensor:
+def _replicated_or_evenly_sharded(hidden: Tensor) -> Tensor:
     """The hidden states, replicated over the tp ranks unless sequence parallel left each rank an equal share of the
     sequence (a DTensor sharded along it alone): those stay as they are, and :func:`_chunks` cuts each share."""
     if not isinstance(hidden, DTensor) or all(placement.is_replicate() for placement in hidden.placements):
@@ -150,18 +140,18 @@ def _chunks(hidden: Tensor, *, targets: Tensor, chunks: int) -> list[tuple[Tenso
     local = hidden.to_local() if isinstance(hidden, DTensor) else hidden
     shares, size = targets.size(1) // local.size(1), -(-local.size(1) // chunks)
     target_chunks = [share.flatten(1, 2) for share in targets.unflatten(1, (shares, -1)).split(size, dim=2)]
-    hidden_chunks = [_as(chunk, like=hidden) for chunk in local.detach().split(size, dim=1)]
+    hidden_chunks = [_placed_like(chunk, like=hidden) for chunk in local.detach().split(size, dim=1)]
     return list(zip(hidden_chunks, target_chunks, strict=True))
 
 
-def _as(local: Tensor, *, like: Tensor) -> Tensor:
+def _placed_like(local: Tensor, *, like: Tensor) -> Tensor:
     """``local`` in ``like``'s placements (as it is, unless ``like`` is a DTensor)."""
     if not isinstance(like, DTensor):
         return local
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
 
 
-def _along_sequence(chunks: list[Tensor], *, like: Tensor) -> Tensor:
+def _joined_like(chunks: list[Tensor], *, like: Tensor) -> Tensor:
     """The hidden chunks' gradients put back together as :func:`_chunks` cut ``like``, in its placements."""
     if not isinstance(like, DTensor):
         return torch.cat(chunks, dim=1)
@@ -205,10 +195,10 @@ class _PrecomputedBackward(torch.autograd.Function):
                 " (create_graph=True): its gradients were computed in forward, once. Use loss_chunks=1."
             )
         gradients, ctx.gradients = ctx.gradients, None  # freed now, not when the loss tensor is
-        return None, None, None, *(_times(gradient, loss_grad * ctx.scale) for gradient in gradients)
+        return None, None, None, *(_scaled(gradient, loss_grad * ctx.scale) for gradient in gradients)
 
 
-def _times(gradient: Tensor | None, factor: Tensor) -> Tensor | None:
+def _scaled(gradient: Tensor | None, factor: Tensor) -> Tensor | None:
     """``gradient`` times the scalar ``factor``, either a DTensor where the other is not (tp without sp: the hidden
     states are plain, the head's weights and the loss DTensors)."""
     if gradient is None:
@@ -220,27 +210,14 @@ def _times(gradient: Tensor | None, factor: Tensor) -> Tensor | None:
     return gradient * factor
 
 
-def _head_error(model: nn.Module) -> float:
-    """The largest difference between a shrunk replica's logits and its head on its last hidden states, relative to
-    the largest logit."""
-    config = shrunk_config(model.config)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        replica = type(model)(config).eval()
-        tokens = torch.randint(0, config.get_text_config().vocab_size, (2, 8))
-    with torch.no_grad():
-        expected = replica(input_ids=tokens, use_cache=False).logits
-        actual = replica.get_output_embeddings()(last_hidden_states(replica, input_ids=tokens))
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
-
-
 def chunking_problem(model: nn.Module) -> str | None:
     """Why ``model``'s loss cannot be chunked, or None: its logits must be its output embedding applied to its last
-    hidden states (checked on a shrunk replica, in this process), no auxiliary loss may ride on its call
-    (a mixture of experts' router loss), and its call must not compute the loss itself (pipeline and context
-    parallel). The same on every rank."""
+    hidden states (checked on a shrunk replica, in this process: a scale after a linear head, Granite's
+    ``logits_scaling``, passes, as it scales the hidden states instead; soft-capping does not), no auxiliary loss may
+    ride on its call (a mixture of experts' router loss), and its call must not compute the loss itself (pipeline and
+    context parallel). The same on every rank."""
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    name, text_config = _unsharded_class(hf_model), hf_model.config.get_text_config()
+    name, text_config = _class_name(hf_model), hf_model.config.get_text_config()
     if pipeline_of(model) is not None or context_parallel_of(model) is not None:
         return SPLIT_CALLS
     if getattr(text_config, "final_logit_softcapping", None):
@@ -249,13 +226,15 @@ def chunking_problem(model: nn.Module) -> str | None:
         return f"{name} adds its router's auxiliary loss in its own call: set output_router_logits=False"
     if hf_model.get_output_embeddings() is None:
         return f"{name} has no output embedding (lm_head) to run a chunk at a time"
-    try:
-        error = _head_error(hf_model)
-    except Exception as failure:  # noqa: BLE001 - the model's own code, whatever it raises, refuses chunking
-        return f"{name} fails on a shrunk replica ({type(failure).__name__}: {failure})"
-    if not error < 1e-5:
-        return (
-            f"{name}'s logits are more than its lm_head on its last hidden states (relative error {error:.2g} on a"
-            " shrunk replica)"
-        )
-    return None
+    return replica_problem(
+        hf_model,
+        split_logits=_head_of_hidden_states,
+        fails=f"{name} fails",
+        differs=f"{name}'s logits are more than its lm_head on its last hidden states",
+        text_vocabulary=True,
+    )
+
+
+def _head_of_hidden_states(replica: nn.Module, tokens: Tensor) -> Tensor:
+    """The replica's output embedding on its last hidden states."""
+    return replica.get_output_embeddings()(last_hidden_states(replica, input_ids=tokens))

@@ -18,11 +18,12 @@ from torch.distributed.tensor import DTensor
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.mesh import ParallelDims
-from lightning_automodel.parallel.parallelizer import check_before_collectives, parallelize
+from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
+from lightning_automodel.parallel.preflight import check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan
 from lightning_automodel.parallel.tensor.patterns import pattern_matches
-from lightning_automodel.parallel.tensor.plans import PlanSpec
+from lightning_automodel.parallel.tensor.plan_selection import PlanSpec
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.planning.simulation import fake_world
 

@@ -1,24 +1,5 @@
-"""Expert parallel: each ep rank holds whole experts, and tokens travel to their experts and back by all-to-all.
-
-A layer's experts module (transformers 5's fused 3D parameters, see :mod:`~parallel.experts.tensor_parallel`)
-keeps 1/ep of its experts on each rank of the "ep" axis: a DTensor sharded on the expert dim (and, with tp > 1, split
-inside each expert over tp as expert tensor parallel does). The ranks of an ep group read different tokens (ep is
-borrowed from dp_shard x cp, see :mod:`lightning_automodel.parallel.mesh`), so every layer:
-
-1. sorts this rank's (token, choice) pairs by expert and exchanges how many go to each expert (one small
-   all-to-all), then sends each token to the rank holding its expert (``all_to_all_single``, as many copies of a
-   token as it chose experts there);
-2. runs the module's own forward (eager loop, batched or grouped matmul, whichever the config picks) on what it
-   received, with its local experts and local expert indices;
-3. sends the outputs back by the reverse all-to-all, weights each by its routing weight where the token lives, and
-   sums a token's choices in expert order, in the hidden dtype, as transformers' eager loop does.
-
-Routing, and so the router's gradient and the load-balancing loss, stay where the tokens are. Both all-to-alls run
-on every rank in every layer whatever its tokens chose: a rank whose experts get no token computes on none, and a
-rank whose tokens chose no remote expert sends nothing, so uneven load cannot leave a rank waiting. The backward of
-an all-to-all is the reverse all-to-all (``torch.distributed.nn.functional``), so each expert's gradient sums the
-contributions of every rank's tokens; FSDP over "efsdp" then divides by the whole data-parallel size, as for the
-dense weights.
+"""Expert parallel: each ep rank holds whole experts, 1/ep of every experts module's, and tokens travel to their
+experts and back by all-to-all; routing, the router's gradient and the load-balancing loss stay where the tokens are.
 """
 
 from __future__ import annotations
@@ -39,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_automodel.hf.peft import is_lora_layer
 from lightning_automodel.parallel.experts.tensor_parallel import is_experts
-from lightning_automodel.parallel.tensor.styles import local_parameters
+from lightning_automodel.parallel.tensor.parameter_styles import local_parameters
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -93,8 +74,17 @@ def expert_precision_problem(model: nn.Module, reduce_dtype: torch.dtype | None)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Keep this rank's experts of every experts module of ``model`` and dispatch tokens to them (see the module
-    docstring). ``mesh``: "ep", or ("ep", "tp") when the experts are already tensor parallel over tp."""
+    """Keep this rank's experts of every experts module of ``model`` (a DTensor sharded on the expert dim) and
+    dispatch tokens to them. ``mesh``: "ep", or ("ep", "tp") when the experts are already tensor parallel over tp.
+
+    The ranks of an ep group read different tokens (ep is borrowed from dp_shard x cp, see
+    :mod:`lightning_automodel.parallel.mesh`). Every layer sorts this rank's (token, choice) pairs by expert, exchanges
+    the counts, sends each token to the rank holding its expert, runs the module's own forward there on its local
+    experts, and sends the outputs back, to be weighted and summed where the token lives in expert order, in the hidden
+    dtype, as transformers' eager loop does. Both all-to-alls run on every rank in every layer whatever its tokens
+    chose, so uneven load cannot leave a rank waiting. Their backward is the reverse all-to-all, so each expert's
+    gradient sums every rank's tokens; FSDP over "efsdp" then divides by the whole data-parallel size.
+    """
     ep_mesh = mesh["ep"] if mesh.ndim > 1 else mesh
     for _, module in experts_modules(model):
         experts = _experts_count(module)
@@ -144,7 +134,7 @@ def _dispatched_forward(
     arrived = _exchange(tokens[token_of], sizes=routes.received, split_sizes=routes.sent, group=group)
     local_index = routes.local_experts_received()
     unweighted = torch.ones(local_index.shape, dtype=top_k_weights.dtype, device=top_k_weights.device)
-    with _experts_counted_as(self, routes.local_experts):
+    with _with_num_experts(self, routes.local_experts):
         computed = local_forward(arrived, local_index, unweighted)
     if arrived.requires_grad and not computed.requires_grad:
         # The eager loop returns a fresh zeros tensor when no token arrived: tie it to the tokens, or this rank would
@@ -200,7 +190,7 @@ def _exchange(
 
 
 @contextmanager
-def _experts_counted_as(module: nn.Module, count: int) -> Iterator[None]:
+def _with_num_experts(module: nn.Module, count: int) -> Iterator[None]:
     """The experts module's own forward sizes its routing by ``num_experts``: this rank's experts for one call."""
     held = module.num_experts
     module.num_experts = count

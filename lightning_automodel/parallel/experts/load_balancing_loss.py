@@ -1,16 +1,5 @@
-"""The auxiliary load-balancing loss of mixture-of-experts models over the global batch, and the experts' load.
-
-transformers' mixture-of-experts causal LMs (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, ERNIE-4.5-MoE, ...) add Switch
-Transformer's auxiliary loss when ``output_router_logits`` is set: per expert, the share of the top-k assignments it
-got times its mean routing probability, summed over experts, times their number. Both shares are means over the
-batch's tokens. Under data parallelism each rank would take them over its own tokens, and the mean of the ranks'
-losses is not the loss of the global batch (the mean of products is not the product of means). Here each rank sums
-its tokens' assignments and probabilities per layer and expert, the sums are added over the data-parallel ranks (one
-all-reduce each), and the loss follows from the totals: on every rank the single-process loss of the global batch.
-
-Gradient: the sum's backward adds every rank's gradient of the shared loss, ``dp`` times the derivative through the
-rank's own tokens; FSDP then averages over those ranks, as it does for
-:func:`~lightning_automodel.parallel.loss.global_token_mean`'s share of the language-model loss.
+"""The auxiliary load-balancing loss of mixture-of-experts models over the global batch, and the experts' load: the
+mean of per-rank losses is not the loss of the global batch (the mean of products is not the product of means).
 """
 
 from __future__ import annotations
@@ -46,7 +35,15 @@ def load_balancing_loss(
 ) -> tuple[Tensor, ExpertLoad]:
     """The load-balancing loss of the tokens whose router logits (one (tokens, experts) tensor per layer) all ranks
     of ``group`` hold together, as transformers computes it for one batch in one process; padding (``attention_mask``
-    zero) left out. Without ``group``, of this rank's tokens alone."""
+    zero) left out. Without ``group``, of this rank's tokens alone.
+
+    Switch Transformer's loss, as transformers adds it under ``output_router_logits``: per expert, the share of the
+    top-k assignments it got times its mean routing probability, summed over experts, times their number. Each rank
+    sums its tokens' assignments and probabilities per layer and expert, and the sums are added over ``group`` (one
+    all-reduce each). Gradient: the sum's backward adds every rank's gradient of the shared loss, ``dp`` times the
+    derivative through the rank's own tokens; FSDP then averages over those ranks, as it does for
+    :func:`~lightning_automodel.parallel.loss.global_token_mean`'s share of the language-model loss.
+    """
     first = router_logits[0]
     rows = (
         torch.ones(first.shape[0], device=first.device)

@@ -1,19 +1,5 @@
-"""Expert tensor parallel: the experts of a mixture-of-experts layer split on their intermediate dimension.
-
-transformers 5 keeps a layer's experts as fused 3D parameters in one module: ``gate_up_proj`` (or ``up_proj`` where
-there is no gate) and ``down_proj``, experts on dim 0, stored (out, in) per expert, or (in, out) where the module is
-``is_transposed`` (GPT-OSS, Aria, Llama 4). Each rank keeps every expert's slice of the intermediate units: its rows
-of gate and of up (the two halves of ``gate_up_proj`` when ``is_concatenated``, a strided placement as for Phi3's
-[gate; up]; neighbouring columns when interleaved, GPT-OSS, a plain one), and the matching inputs of ``down_proj``.
-This is the Megatron MLP layout applied to every expert at once: the router and token dispatch stay whole and
-identical on every rank, the expert outputs are partial sums, added over tp once per layer.
-
-The module's own forward runs on this rank's local parameters (whichever experts implementation the config picks:
-eager loop, batched or grouped matmul; DTensor has no rules for the routing ops). Its floating-point inputs, the
-tokens and the routing weights, are whole on every rank and each rank's partial output depends on them, so their
-gradients are summed over tp on the way back: the router gets the gradient of the whole layer. A bias of
-``down_proj`` (GPT-OSS), whole on every rank, is added as a 1/tp share by each, so that the sum adds it once (up to
-the rounding of the sum it joins), and its gradient is summed likewise.
+"""Expert tensor parallel: the experts of a mixture-of-experts layer, transformers 5's fused 3D parameters, split on
+their intermediate units: the Megatron MLP layout applied to every expert at once.
 """
 
 from __future__ import annotations
@@ -30,7 +16,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_map
 
-from lightning_automodel.parallel.tensor.styles import local_parameters, summed_gradient, whole_local
+from lightning_automodel.parallel.tensor.parameter_styles import local_parameters, summed_gradient, whole_local
 
 # The parameters of an experts module, as (name, the dim holding intermediate units when stored (out, in)).
 _UP = {"gate_up_proj": 1, "up_proj": 1}
@@ -68,7 +54,20 @@ def _is_activation(module: nn.Module) -> bool:
 
 
 class ExpertTensorParallel(ParallelStyle):
-    """Split every expert of an experts module on its intermediate units over tp (see the module docstring)."""
+    """Split every expert of an experts module on its intermediate units over tp.
+
+    transformers 5 keeps a layer's experts in one module: ``gate_up_proj`` (or ``up_proj`` where there is no gate) and
+    ``down_proj``, experts on dim 0, stored (out, in) per expert, or (in, out) where the module is ``is_transposed``
+    (GPT-OSS, Aria, Llama 4). Each rank keeps every expert's rows of gate and of up (a strided placement for the halves
+    of a concatenated ``gate_up_proj``, a plain one for GPT-OSS's interleaved columns) and the matching inputs of
+    ``down_proj``; the router and token dispatch stay whole and identical on every rank, and the partial outputs are
+    summed over tp once per layer.
+
+    The module's own forward runs on this rank's local parameters (DTensor has no rules for the routing ops). Its
+    inputs, the tokens and routing weights, are whole on every rank, so their gradients are summed over tp on the way
+    back: the router gets the gradient of the whole layer. A bias of ``down_proj`` (GPT-OSS) is added as a 1/tp share
+    by each rank, so that the sum adds it once.
+    """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         problem = experts_problem(module)

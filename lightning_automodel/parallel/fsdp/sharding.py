@@ -20,6 +20,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from lightning_automodel.hf.decoder_layers import layers_sharing_parameters
 from lightning_automodel.parallel.fsdp.dtypes import compute_dtype_resolver, iter_maximal_uniform_dtype_subtrees
+from lightning_automodel.parallel.fsdp.options import FSDPOptions
 
 log = logging.getLogger(__name__)
 
@@ -59,55 +60,42 @@ def apply_fsdp(
     model: nn.Module,
     layers: Sequence[nn.Module],
     mesh: DeviceMesh,
+    options: FSDPOptions,
     *,
     experts: ExpertSharding | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
-    reshard_after_forward: bool | None = None,
-    forward_prefetch: int = 0,
-    backward_prefetch: int = 1,
     fp32_compute_module_names: Iterable[str] = (),
 ) -> None:
-    """Shard each decoder layer, then the root, with :func:`fully_shard_by_dtype`. A layer sharing a parameter with
-    another layer or the rest of the model (see :func:`~hf.decoder_layers.layers_sharing_parameters`)
+    """Shard each decoder layer, then the root, with :func:`fully_shard_by_dtype`, as ``options`` say. A layer sharing
+    a parameter with another layer or the rest of the model (see :func:`~hf.decoder_layers.layers_sharing_parameters`)
     is no unit of its own: the root holds it. ``experts`` (expert parallel) are units of their own, inside their
-    layers, over their own mesh.
-
-    ``reshard_after_forward``: None, the default, reshards every layer but the last, whose parameters the backward
-    needs again at once, and not the root (embeddings, final norm, lm_head), which backward also starts with;
-    True reshards all of them (least memory), False none (no all-gather in backward, most memory).
-
-    ``forward_prefetch``: how many following layers each layer all-gathers before running its own forward (0:
-    FSDP's default, each layer gathers its own when it starts). ``backward_prefetch``: how many preceding layers
-    each layer all-gathers in backward (1: FSDP's default). More overlaps communication further and holds more
-    unsharded layers at once.
-    """
-    validate_prefetch(forward_prefetch, backward_prefetch)
+    layers, over their own mesh."""
     shared = layers_sharing_parameters(model, layers)
     if shared:
         log.info("%d decoder layers share parameters with other layers: the unit around them holds them", len(shared))
     layers = [layer for layer in layers if not any(layer is s for s in shared)]
-    options = dict(
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
+    policies = dict(
+        mp_policy=options.mp_policy,
+        offload_policy=options.offload_policy,
         fp32_compute_module_names=tuple(fp32_compute_module_names),
     )
+    reshard_after_forward = options.reshard_after_forward
     if experts is not None:
-        shard_experts(experts, reshard_after_forward=reshard_after_forward is not False, **options)
+        shard_experts(experts, reshard_after_forward=reshard_after_forward is not False, **policies)
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
         fully_shard_by_dtype(
             layer,
             mesh=mesh,
             reshard_after_forward=not last if reshard_after_forward is None else reshard_after_forward,
-            **options,
+            **policies,
         )
-    fully_shard_by_dtype(model, mesh=mesh, reshard_after_forward=bool(reshard_after_forward), **options)
+    fully_shard_by_dtype(model, mesh=mesh, reshard_after_forward=bool(reshard_after_forward), **policies)
+    ahead, behind = options.forward_prefetch, options.backward_prefetch
     for index, layer in enumerate(layers):
-        if forward_prefetch > 0:
-            layer.set_modules_to_forward_prefetch(list(layers[index + 1 : index + 1 + forward_prefetch]))
-        if backward_prefetch > 1:
-            layer.set_modules_to_backward_prefetch(list(layers[max(0, index - backward_prefetch) : index][::-1]))
+        if ahead > 0:
+            layer.set_modules_to_forward_prefetch(list(layers[index + 1 : index + 1 + ahead]))
+        if behind > 1:
+            layer.set_modules_to_backward_prefetch(list(layers[max(0, index - behind) : index][::-1]))
 
 
 def shard_experts(experts: ExpertSharding, **options: object) -> None:
@@ -122,14 +110,6 @@ def shard_experts(experts: ExpertSharding, **options: object) -> None:
             if isinstance(unit, FSDPModule):
                 unit.set_gradient_divide_factor(experts.gradient_divide_factor)
                 unit.set_force_sum_reduction_for_comms(sum_then_scale)
-
-
-def validate_prefetch(forward_prefetch: int, backward_prefetch: int) -> None:
-    if forward_prefetch < 0 or backward_prefetch < 1:
-        raise ValueError(
-            f"forward_prefetch={forward_prefetch}, backward_prefetch={backward_prefetch}: they count decoder layers"
-            " gathered ahead (0 or more) and behind (1 or more, FSDP's default being 1)."
-        )
 
 
 def fully_shard_by_dtype(

@@ -1,10 +1,7 @@
-"""Tensor parallel for one model: choose its plan and check it on a meta-device copy, then shard the model with it.
+"""Tensor parallel for one model: its plan chosen and checked on a meta-device copy, then the model sharded with it.
 
-Everything that can refuse happens on the copy, before any collective and the same way on every rank: the plan's
-choice (the first candidate that shards every decoder block), the modules its styles are given, and one probe step
-of the sharded copy (see :mod:`.probe`), which finds the modules computing on sharded activations (they get
-:class:`~parallel.tensor.styles.ReplicateOnShardedInput`) and refuses layouts that do not fit the model.
-Only then is the model itself sharded, with exactly what was checked.
+Everything that can refuse (the plan's choice, the modules its styles are given, one probe step of the sharded copy)
+happens on the copy, before any collective and alike on every rank; the model is then sharded with exactly that.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, pro
 from lightning_automodel.parallel.tensor.head_counts import head_parameter_styles, localize_head_counts, splits_outputs
 from lightning_automodel.parallel.tensor.lora import lora_aware
 from lightning_automodel.parallel.tensor.patterns import pattern_matches
-from lightning_automodel.parallel.tensor.plans import PlanChoice, PlanSpec, select_tp_plan
+from lightning_automodel.parallel.tensor.plan_selection import PlanChoice, PlanSpec, select_tp_plan
 from lightning_automodel.parallel.tensor.sharded_activations import LayoutMismatch, find_sharded_activations
 
 log = logging.getLogger(__name__)

@@ -1,31 +1,6 @@
-"""A tensor-parallel plan derived from how a model's data flows through its decoder blocks, for models no family plan,
-Hugging Face plan or Llama-style names cover (BERT, BART/OPT, GPT-2, Bloom, Falcon, GPT-J, ...).
-
-One forward step of a meta-device copy is followed operation by operation (a ``TorchDispatchMode``, with hooks on
-every projection: ``nn.Linear`` or transformers' ``Conv1D``). Within a block, a projection whose input comes from the
-residual stream without passing through another projection of the block is an *entry* (column-parallel: its output,
-split over tp, is what the ranks compute on apart); one whose input is computed from entries' outputs is an *exit*
-(row-parallel: its output is whole again). That is Megatron's layout under any names: separate q/k/v/o, fc1/fc2,
-parallel attention and MLP blocks. An entry whose split output is never closed by an exit (it reaches the block's
-output, or nothing row-parallel) stays whole, and the step is followed again without it.
-
-How the model's code takes an entry's output apart decides how its weight may be split, never its name:
-
-* viewed as (..., heads, rest) (q, k, v; Bloom's and Falcon's fused qkv laid out per head): contiguous rows are whole
-  heads, so plain column-parallel is right once head counts are this rank's (:mod:`.heads`);
-* split along its last dimension into blocks (GPT-2's ``c_attn``, MPT's ``Wqkv``, fused [gate; up]), or viewed as
-  (..., parts, rest) and then taken apart along ``parts`` (Moshi's [gate; up]): each rank needs its slice of every
-  block (:class:`~lightning_automodel.parallel.tensor.styles.PackedColwiseParallel`, or
-  :class:`~lightning_automodel.parallel.tensor.styles.RegroupedColwiseParallel` for blocks of unequal size);
-* used element by element, or by the next projection: plain column-parallel;
-* anything else is refused, naming the module: a plan that runs with the right shapes can still be wrong.
-
-The embedding and lm_head are vocabulary-parallel as in the Llama plan, unless the lm_head shares a parameter with
-anything but the input embedding. The plan is then checked like any other, on a probe of the sharded copy.
-
-With sp=True the plan gets the sequence-parallel layout a Hugging Face plan gets
-(:mod:`parallel.tensor.sequence_parallel`): the stream is split inside the blocks, exits reduce-scatter
-into it, entries given it gather the sequence in their matmul.
+"""A tensor-parallel plan derived from how data flows through a model's decoder blocks, for models no family plan,
+Hugging Face plan or Llama-style names cover (BERT, BART/OPT, GPT-2, Bloom, Falcon, GPT-J, ...): Megatron's layout
+found under any names (see :func:`derived_plan`).
 """
 
 from __future__ import annotations
@@ -51,7 +26,7 @@ from lightning_automodel.parallel.probe import (
     tensor_leaves,
 )
 from lightning_automodel.parallel.tensor.patterns import keyed_by_position
-from lightning_automodel.parallel.tensor.styles import (
+from lightning_automodel.parallel.tensor.projection_styles import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
     PackedColwiseParallel,
@@ -66,7 +41,7 @@ _SPLITS = {aten.split, aten.split_with_sizes, aten.unsafe_split, aten.unsafe_spl
 _TAKING_APART = {**dict.fromkeys(_SPLITS, 2), aten.select: 1, aten.slice: 1, aten.unbind: 1, aten.narrow: 1}
 _VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.unflatten}
 
-# How an entry's output is taken apart (see the module docstring).
+# How an entry's output is taken apart (see derived_plan).
 PLAIN = "plain"  # element by element, or by another projection
 HEADS = "heads"  # viewed as (..., units, rest): contiguous rows are whole units
 OTHER = "other"  # something this module cannot classify
@@ -91,8 +66,30 @@ class ProjectionFlow:
 
 
 def derived_plan(model: nn.Module) -> dict[str, ParallelStyle]:
-    """The plan derived from ``model``'s data flow (see the module docstring). Raises a ValueError saying why there is
-    none: a step that fails on the meta device, or an entry whose output this module cannot classify."""
+    """The plan derived from ``model``'s data flow. Raises a ValueError saying why there is none: a step that fails on
+    the meta device, or an entry whose output this module cannot classify.
+
+    One forward step of a meta-device copy is followed operation by operation (a ``TorchDispatchMode``, with hooks on
+    every projection: ``nn.Linear`` or transformers' ``Conv1D``). Within a block, a projection whose input comes from
+    the residual stream without passing through another projection of the block is an *entry* (column-parallel: its
+    output, split over tp, is what the ranks compute on apart); one whose input is computed from entries' outputs is
+    an *exit* (row-parallel: its output is whole again). An entry whose split output is never closed by an exit stays
+    whole (:func:`follow_projections`).
+
+    How the model's code takes an entry's output apart decides how its weight may be split, never its name:
+
+    * viewed as (..., heads, rest) (q, k, v; Bloom's and Falcon's fused qkv laid out per head): contiguous rows are
+      whole heads, so plain column-parallel is right once head counts are this rank's (:mod:`.head_counts`);
+    * split along its last dimension into blocks (GPT-2's ``c_attn``, MPT's ``Wqkv``, fused [gate; up]), or viewed as
+      (..., parts, rest) and then taken apart along ``parts`` (Moshi's [gate; up]): each rank needs its slice of every
+      block (:class:`PackedColwiseParallel`, or :class:`RegroupedColwiseParallel` for blocks of unequal size);
+    * used element by element, or by the next projection: plain column-parallel;
+    * anything else is refused, naming the module: a plan that runs with the right shapes can still be wrong.
+
+    The embedding and lm_head are vocabulary-parallel as in the Llama plan, unless the lm_head shares a parameter with
+    anything but the input embedding. With sp the plan gets the layout of :mod:`.sequence_parallel`, as a Hugging Face
+    plan does.
+    """
     flow = follow_projections(model)
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = _vocabulary_parallel(model)

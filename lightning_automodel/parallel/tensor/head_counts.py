@@ -1,12 +1,5 @@
-"""Head counts where attention reads them: once its projections are split, a rank computes attention on its share of
-the heads, and the sizes the module's code reads must be that share.
-
-transformers 5 reshapes most attention with ``-1`` heads and needs nothing here. Some attention modules read the
-global count (StableLM's ``self.num_heads``, Phi3's ``config.num_attention_heads``, Mllama's cross-attention) or
-the width of all heads (``self.hidden_size`` in a reshape before the output projection): with half the heads on a
-rank, their reshapes fail, or split the wrong way. The attributes are found by what they hold (the config's head
-counts, or heads x head size, under a name that says so) and by whether the module's own code reads them, on every
-module whose projections a plan split by heads; the probe then checks the result (see :mod:`.probe`).
+"""Head counts where attention reads them: once a plan splits its projections, a rank computes attention on its share
+of the heads, and the counts and widths the module's own code reads must be that share.
 """
 
 from __future__ import annotations
@@ -23,18 +16,20 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from lightning_automodel.hf.packed_weights import is_packed
 from lightning_automodel.parallel.tensor.lora import LoraParallel
+from lightning_automodel.parallel.tensor.parameter_styles import HeadShardedParameters
+from lightning_automodel.parallel.tensor.projection_styles import PackedColwiseParallel, RegroupedColwiseParallel
 from lightning_automodel.parallel.tensor.sizes import model_config
-from lightning_automodel.parallel.tensor.styles import (
-    HeadShardedParameters,
-    PackedColwiseParallel,
-    RegroupedColwiseParallel,
-)
 
 
 def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -> list[str]:
     """Make the head counts and head widths that attention modules read this rank's (global // tp); return what was
     changed (``module.attribute``, ``module.config.field``). A module's ``config`` is copied first: the model's own
     keeps the global counts.
+
+    transformers 5 reshapes most attention with ``-1`` heads and needs nothing here; some read the global count
+    (StableLM's ``self.num_heads``, Phi3's ``config.num_attention_heads``) or the width of all heads. The attributes
+    are found by what they hold (the config's head counts, or heads x head size, under a name that says so) and by
+    whether the module's own code reads them; the probe then checks the result.
 
     ``split``: the modules whose outputs the plan leaves split over tp (see :func:`splits_outputs`); attention modules
     are those with such a child. A projection whose output is gathered again leaves every head on every rank.

@@ -1,10 +1,7 @@
-"""The model's own Hugging Face tensor-parallel plan, translated to torch ``ParallelStyle`` objects.
+"""The model's own Hugging Face tensor-parallel plan, its style strings translated to torch ``ParallelStyle`` objects.
 
-Hugging Face names styles with strings (``config.base_model_tp_plan``, the class and instance ``_tp_plan``).
-Each string means a layout that torch's styles express directly, or one of ours: the experts of a mixture-of-experts
-layer (:mod:`.experts`) and the latent projection of multi-head latent attention. The few left that need Hugging Face's
-own machinery (expert-parallel routing, local-tensor modules) are refused with the module they were meant for, so a
-plan is never applied half-understood.
+Strings needing Hugging Face's own machinery (expert-parallel routing, local-tensor modules) are refused with the
+module they were meant for, so a plan is never applied half-understood.
 """
 
 from __future__ import annotations
@@ -16,8 +13,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_automodel.parallel.experts.tensor_parallel import ExpertTensorParallel
+from lightning_automodel.parallel.tensor.projection_styles import LatentKeyValueProjection, PackedColwiseParallel
 from lightning_automodel.parallel.tensor.sizes import model_config
-from lightning_automodel.parallel.tensor.styles import LatentKeyValueProjection, PackedColwiseParallel
 
 # Hugging Face style string -> the torch style with the same layout. Covers transformers 4.4x to 5.x.
 _TRANSLATIONS: dict[str, Callable[[], ParallelStyle | None]] = {

@@ -1,16 +1,5 @@
-"""Tensor parallel for PEFT LoRA layers, so the family plans shard LoRA-wrapped models unchanged.
-
-A LoRA layer computes ``base(x) + B(A(x)) * scaling``. Sharded like its base weight:
-
-* column-parallel (q/k/v, gate/up): ``B`` is split on its output rows like the base weight, ``A`` is replicated;
-  every rank computes the full low-rank ``A(x)`` and its own slice of ``B(A(x))``, matching its slice of
-  ``base(x)``. No collective is added in forward; in backward ``A``'s gradient, partial on each rank, is summed.
-* row-parallel (o, down): ``A`` is split on its input columns like the base weight, ``B`` is replicated; the
-  low-rank path stays a partial sum and is reduced together with the base output, by the one reduction the
-  base layer needs anyway.
-
-The plan's own style keeps the layer's edges (input layout, output layout and reduction), now around the whole
-LoRA layer, so sequence parallel and the families' special styles work as they do without LoRA.
+"""Tensor parallel for PEFT LoRA layers, so that plans shard LoRA-wrapped models unchanged: each LoRA layer is
+sharded like the projection it wraps (see :class:`LoraParallel`).
 """
 
 from __future__ import annotations
@@ -23,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_automodel.hf.peft import is_lora_layer
-from lightning_automodel.parallel.tensor.styles import PackedColwiseParallel
+from lightning_automodel.parallel.tensor.projection_styles import PackedColwiseParallel
 
 _LORA_STYLES = (ColwiseParallel, RowwiseParallel, PackedColwiseParallel)
 
@@ -38,7 +27,17 @@ def lora_aware(plan: dict[str, ParallelStyle], model: nn.Module) -> dict[str, Pa
 
 
 class LoraParallel(ParallelStyle):
-    """``style`` for a LoRA layer (see the module docstring); a plain Linear gets ``style`` itself."""
+    """``style`` for a LoRA layer, ``base(x) + B(A(x)) * scaling``; a plain Linear gets ``style`` itself.
+
+    * column-parallel (q/k/v, gate/up): ``B`` is split on its output rows like the base weight, ``A`` is replicated;
+      every rank computes the full low-rank ``A(x)`` and its own slice of ``B(A(x))``. No collective is added in
+      forward; in backward ``A``'s gradient, partial on each rank, is summed.
+    * row-parallel (o, down): ``A`` is split on its input columns like the base weight, ``B`` is replicated; the
+      low-rank path stays a partial sum, reduced together with the base output by the one reduction it needs anyway.
+
+    ``style`` keeps the layer's edges (input and output layouts, reduction), now around the whole LoRA layer, so
+    sequence parallel and the special styles work as they do without LoRA.
+    """
 
     def __init__(self, style: ColwiseParallel | RowwiseParallel | PackedColwiseParallel) -> None:
         super().__init__()
@@ -61,7 +60,7 @@ class LoraParallel(ParallelStyle):
         for layer in replicated.values():
             _replicate(layer, device_mesh)
         for layer in module.lora_A.values():  # DoRA feeds A a plain identity matrix to form B @ A
-            distribute_module(layer, device_mesh, input_fn=partial(_as_dtensor, (Shard(-1),) if rowwise else None))
+            distribute_module(layer, device_mesh, input_fn=partial(_dtensor_inputs, (Shard(-1),) if rowwise else None))
         for magnitude in getattr(module, "lora_magnitude_vector", {}).values():  # DoRA: one scale per output row
             (_replicate if rowwise else partial(self.style._partition_linear_fn, ""))(magnitude, device_mesh)
         # What the matmul needs (RowwiseParallel sets it only inside its own _apply).
@@ -85,7 +84,7 @@ class LoraParallel(ParallelStyle):
             self.style._apply(layer, device_mesh)
         for layer in module.lora_A.values():
             _replicate(layer, device_mesh)
-            distribute_module(layer, device_mesh, input_fn=partial(_as_dtensor, None))
+            distribute_module(layer, device_mesh, input_fn=partial(_dtensor_inputs, None))
         return module
 
 
@@ -95,7 +94,7 @@ def _replicate(module: nn.Module, device_mesh: DeviceMesh) -> None:
         module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
-def _as_dtensor(placements: tuple | None, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+def _dtensor_inputs(placements: tuple | None, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
     """Plain inputs are taken as replicated and, if ``placements`` are given, redistributed (sliced) to them."""
     converted = []
     for x in inputs:

@@ -1,10 +1,6 @@
-"""Completing a plan with the layouts its patterns leave out: the experts of mixture-of-experts layers, with their
-block's routers (kept whole) and shared experts (gated MLPs under Llama's names), and multi-head latent attention,
-found by their structure.
-
-Hugging Face plans written before transformers fused the experts (GPT-OSS's), that leave attention out (DeepSeek-V3
-lists only its MLP) or the shared experts (Qwen2-MoE), and the Llama-style and derived plans, which name projections
-only, would leave these blocks whole; completed, they shard them like the plans that name them.
+"""Completing a plan with the layouts its patterns leave out, found by structure: the experts of mixture-of-experts
+layers (their block's routers kept whole, its shared experts split) and multi-head latent attention. Hugging Face
+plans that predate fused experts or leave attention out, and the Llama-style and derived plans, would leave them whole.
 """
 
 from __future__ import annotations
@@ -15,8 +11,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_automodel.hf.peft import is_lora_layer
 from lightning_automodel.parallel.experts.tensor_parallel import ExpertTensorParallel, is_experts
 from lightning_automodel.parallel.tensor.patterns import keyed_by_position, matches_inside, pattern_matches
+from lightning_automodel.parallel.tensor.projection_styles import KeptWhole, LatentKeyValueProjection
 from lightning_automodel.parallel.tensor.sizes import model_config
-from lightning_automodel.parallel.tensor.styles import KeptWhole, LatentKeyValueProjection, WholeSequenceRegion
+from lightning_automodel.parallel.tensor.stream_styles import WholeSequenceRegion
 
 # Multi-head latent attention under transformers' names: the down-projections stay whole, the per-head up-projections
 # are column- and the output row-parallel.

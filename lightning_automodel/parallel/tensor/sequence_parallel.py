@@ -1,23 +1,5 @@
-"""A sequence-parallel layout for a tensor-parallel plan that has none (a model's Hugging Face plan, a derived plan).
-
-Sequence parallel keeps the residual stream inside the decoder blocks split along the sequence over tp, as a
-``Shard(1)`` DTensor: every row-parallel projection reduce-scatters its sum back into it, and the norms that act on it
-compute on their shard of the tokens. A norm that opens a block (its output feeds column-parallel projections)
-all-gathers its output once, for all of them; a norm whose output stays in the stream (sandwich norms) does not; a
-column-parallel projection given the stream itself (a post-norm block's) gathers it.
-
-The stream is split where the model's blocks begin and gathered where they end
-(:class:`~parallel.tensor.styles.SequenceShardedStream`), once per list of blocks the model calls one
-after another: what a model does outside its blocks (learned or sinusoidal positions, scalings, masks, an embedding
-kept whole, states of its own mixed into the stream) runs on whole tensors as without sp. That costs one all-gather
-per step more than the family plans' layout, which begins the stream at a vocabulary-parallel embedding and fits the
-models they are registered for only.
-
-The layout follows from the plan's styles and from what one step of the model shows (see
-:mod:`lightning_automodel.parallel.probe`): which modules are norms on the stream (vectors of the hidden size as their
-only parameters, called on a (rows, tokens, hidden) tensor), whose output the projections read, and which argument of
-the first block is the stream. Anything else a block does with the stream, the probe of the sharded model checks: a
-layout that does not fit is refused there, naming the module.
+"""A sequence-parallel layout for a tensor-parallel plan that has none (a model's Hugging Face plan, a derived plan),
+found from the plan's styles and one probe step of the model, not from module names.
 """
 
 from __future__ import annotations
@@ -31,10 +13,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.probe import TensorArg, Trace
 from lightning_automodel.parallel.tensor.lora import LoraParallel
+from lightning_automodel.parallel.tensor.parameter_styles import ReturnedParameters
 from lightning_automodel.parallel.tensor.patterns import keyed_by_position, matches_inside, pattern_matches
-from lightning_automodel.parallel.tensor.styles import (
-    Conv1DRowwiseParallel,
-    ReturnedParameters,
+from lightning_automodel.parallel.tensor.projection_styles import Conv1DRowwiseParallel
+from lightning_automodel.parallel.tensor.stream_styles import (
     SequenceParallelAllGather,
     SequenceShardedStream,
     WholeSequenceRegion,
@@ -45,6 +27,15 @@ TPPlan = dict[str, ParallelStyle]
 
 def with_sequence_parallel(model: nn.Module, plan: Mapping[str, ParallelStyle], *, trace: Trace | None) -> TPPlan:
     """``plan`` (tensor parallel only) with the sequence-parallel layout of the residual stream in its blocks.
+
+    Inside the blocks the stream is a ``Shard(1)`` DTensor: row-parallel projections reduce-scatter into it, and the
+    norms on it compute on their shard of the tokens. A norm that opens a block all-gathers its output once for the
+    projections after it; a norm whose output stays in the stream (sandwich norms) does not; a column-parallel
+    projection given the stream itself gathers it. The stream is split where a list of blocks the model calls one after
+    another begins and gathered where it ends (:class:`SequenceShardedStream`): what a model does outside its blocks
+    runs on whole tensors, for one all-gather per step more than the family plans' layout. The norms, and which
+    argument of the first block is the stream, come from ``trace`` (see :mod:`lightning_automodel.parallel.probe`);
+    the probe of the sharded model refuses a layout that does not fit, naming the module.
 
     Raises a ValueError when there is no probe of the model to find the blocks' stream and norms with, or when a
     block is not called on a (rows, tokens, hidden) stream.
@@ -111,7 +102,7 @@ def _gathers_output(style: ParallelStyle) -> bool:
 
 
 def _stream_boundaries(blocks: list[str], trace: Trace) -> TPPlan:
-    """Where each list of blocks begins and ends the sequence-sharded stream (see the module docstring)."""
+    """Where each list of blocks begins and ends the sequence-sharded stream (see :func:`with_sequence_parallel`)."""
     lists: dict[str, list[str]] = {}
     for name in blocks:
         lists.setdefault(name.rpartition(".")[0], []).append(name)

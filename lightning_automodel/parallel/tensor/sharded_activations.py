@@ -1,23 +1,6 @@
-"""What each module receives once a plan shards the model, read from two probes of it (see :mod:`.probe`): one of the
-model as it is, one after tensor parallel.
-
-Every tensor a module receives in the sharded step is one of:
-
-* the same shape as in one process: whole on every rank;
-* smaller along exactly one dimension, by the tp size: this rank's shard of an activation the plan splits (the
-  heads after a column-parallel projection, the MLP's hidden units);
-* a DTensor whose global shape is the one-process shape: a layout the plan declares and torch keeps track of;
-* anything else: a layout that does not fit the model. A style took the whole sequence for a shard (sequence
-  parallel where the model feeds lm_head the full sequence), or the module's code read a global size.
-
-A plain parameter (one every rank holds whole) computes on sharded activations when an operation of the sharded step
-combines it with activations and yields a smaller result than in one process (see ``Trace.uses``): found so, whatever
-the parameter's or its module's name. A module holding such parameters, or holding plain parameters and receiving a
-shard, gets :class:`~parallel.tensor.styles.ReplicateOnShardedInput`, which makes their gradients right;
-where the module itself receives only whole tensors (GPT-OSS's attention sinks, used on its heads inside the
-attention's own code), no style can, and the plan is refused. A module that fails on a DTensor it was given because
-its own tensors are plain (a norm on the sequence-parallel residual stream that no plan names) gets the style too; one
-that only reads a DTensor's shape or dtype (rotary embeddings) is left alone.
+"""What each module receives once a plan shards the model, read from two probes of it (as it is, and sharded): the
+modules that compute on sharded activations with whole parameters, whose gradients would silently be wrong, and the
+layouts that do not fit the model.
 """
 
 from __future__ import annotations
@@ -30,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_automodel.parallel.probe import Call, TensorArg, Trace
-from lightning_automodel.parallel.tensor.styles import ReplicateOnShardedInput
+from lightning_automodel.parallel.tensor.parameter_styles import ReplicateOnShardedInput
 
 
 @dataclass(frozen=True)
@@ -63,6 +46,14 @@ def find_sharded_activations(
     model: nn.Module, unsharded: Trace, sharded: Trace, *, tp: int, failed_in: Sequence[str] = ()
 ) -> ShardedActivations:
     """Compare the probes of ``model`` before and after sharding (``model`` is the sharded one).
+
+    Every tensor a module receives in the sharded step is whole (the one-process shape), this rank's shard (smaller
+    along exactly one dimension, by tp), a DTensor of the one-process global shape, or a layout that does not fit (a
+    mismatch: a style took the whole sequence for a shard, or the module's code read a global size). A module whose
+    whole parameters an operation combines with a shard (see :func:`parameters_meeting_shards`), or that holds plain
+    parameters and receives a shard, gets :class:`ReplicateOnShardedInput`, which makes their gradients right; where
+    it receives only whole tensors (GPT-OSS's sinks, used on its heads in the attention's own code), no style can, and
+    the parameter is unfixable.
 
     ``failed_in``: the modules running when the sharded probe failed, outermost first; the innermost of them that
     holds plain tensors and was given a DTensor gets a style too.

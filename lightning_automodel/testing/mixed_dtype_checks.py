@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from models import tiny_model
-from parity import BF16, check_training, dims_for, forward_backward_errors, within_bf16_noise
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightning_automodel import parallelize
@@ -18,6 +16,14 @@ from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
+from lightning_automodel.testing.models import tiny_model
+from lightning_automodel.testing.parity import (
+    BF16,
+    check_training,
+    dims_for,
+    forward_backward_errors,
+    within_bf16_noise,
+)
 
 
 def ernie(seed: int = 0, router: torch.dtype = torch.float32, rest: torch.dtype = torch.float32) -> torch.nn.Module:

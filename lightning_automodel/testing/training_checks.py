@@ -8,12 +8,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning_checks import GLOBAL_BATCH, CausalLM, compare_training, data, reference_run, trainer
-from models import SEQ, batch, tiny_model
-from parity import FP32_TOLERANCE, LR, STEPS, TRAINED_LOSS_TOLERANCE, relative_error
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_automodel import AutoModelParallelStrategy, causal_lm_loss
+from lightning_automodel.testing.models import SEQ, batch, tiny_model
+from lightning_automodel.testing.parity import FP32_TOLERANCE, LR, STEPS, TRAINED_LOSS_TOLERANCE, relative_error
+from lightning_automodel.testing.trainer_parity import (
+    GLOBAL_BATCH,
+    CausalLM,
+    compare_training,
+    data,
+    reference_run,
+    trainer,
+)
 
 
 def uneven_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""The bytes each kind of collective moves in a call, counted at dispatch: what the benchmarks report and the tests hold
-to the whole logits' (a chunked loss must not add a collective)."""
+"""The collectives a call dispatches, counted at dispatch: the bytes of each kind, what the benchmarks report and the
+tests hold to the whole logits' (a chunked loss must not add a collective); how many, which a refusal must precede."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 NOT_COLLECTIVES = ("wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd")
 
@@ -24,6 +25,22 @@ class CollectiveBytes(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional") and name not in NOT_COLLECTIVES:
             self.bytes[_kind(name)] += _whole_bytes(name, args)
         return func(*args, **kwargs)
+
+
+class CollectiveCount(TorchDispatchMode):
+    """Counts the collectives dispatched while active: a refusal should come before any, so that no rank can be
+    left waiting in one. Collectives on meta tensors (the probe's, see lightning_automodel.parallel.probe) only
+    propagate shapes, communicate nothing, and do not count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            self.count += not all(t.device.type == "meta" for t in tensors)
+        return func(*args, **(kwargs or {}))
 
 
 def _kind(name: str) -> str:

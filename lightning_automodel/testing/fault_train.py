@@ -48,13 +48,13 @@ def main() -> None:
     parser.add_argument("--save-on-exception", action="store_true", help="OnExceptionCheckpoint into OUT_DIR/ckpt")
     args = parser.parse_args()
     redirect_output(args.out_dir)
-
+    # Imported once the output is redirected: what importing prints (warnings, errors) lands in this rank's log.
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
-    from lightning_checks import CausalLM, data
-    from models import tiny_model
 
     from lightning_automodel import AutoModelParallelStrategy
+    from lightning_automodel.testing.models import tiny_model
+    from lightning_automodel.testing.trainer_parity import CausalLM, data
 
     class Progress(Callback):
         def on_train_start(self, trainer, pl_module):

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
 Check = Callable[[], Any]
 
@@ -61,16 +63,11 @@ def init_worker(rank: int, world_size: int, port: int, pg_timeout: float) -> Non
             "OMP_NUM_THREADS": "1",
         }
     )
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
 
 
 def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], results: Any, pg_timeout: float) -> None:
-    import torch.distributed as dist
-
     init_worker(rank, world_size, port, pg_timeout)
     try:
         for check in checks:
@@ -160,8 +157,6 @@ def _later_failures(results: Any, wait: float = 3.0) -> list[str]:
 
 def shared_directory() -> Path:
     """Inside a worker: a fresh temporary directory, the same path on every rank."""
-    import torch.distributed as dist
-
     path = [tempfile.mkdtemp(prefix="lam-test-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     return Path(path[0])

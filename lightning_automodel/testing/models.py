@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -14,12 +16,13 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Phi3Config,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
 
 from lightning_automodel.hf import shrink
-from lightning_automodel.planning.verify import SEQ_LEN, token_batch
+from lightning_automodel.planning.replica_comparison import SEQ_LEN, token_batch
 
 VOCAB = shrink.VOCAB  # that of every tiny model, the coverage report's too
 SEQ = SEQ_LEN
@@ -120,9 +123,6 @@ def batch(batch_size: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tenso
 
 def tiny_tokenizer():
     """A word-level tokenizer over the tiny vocabulary, built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
+    tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="w0", unk_token="w1")

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import free_port
+from lightning_automodel.testing.harness import free_port
 
 SCRIPT = Path(__file__).parent / "fault_train.py"
 PR_SET_CHILD_SUBREAPER = 36

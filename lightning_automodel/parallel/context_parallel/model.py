@@ -1,0 +1,180 @@
+"""A model made context parallel: its call takes the whole batch, as without cp, and runs this rank's share of every
+sequence. Labels are shifted for next-token prediction before the split, position ids are the global ones, and rows
+are padded on the right to a multiple of 2 cp tokens (ignored by the loss, never seen by an earlier token); the loss
+is this rank's share of the global batch's token mean, as under pp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_automodel.parallel.context_parallel.attention import ATTENTION, CPAttention, attention_kernel
+from lightning_automodel.parallel.context_parallel.sequence_split import SequenceSplit, documents, token_indices
+from lightning_automodel.parallel.loss import global_token_mean, next_token_targets, token_hits, token_loss_sum
+from lightning_automodel.parallel.mesh import axis_size
+from lightning_automodel.parallel.model_calls import (
+    ParallelCausalLMOutput,
+    own_forward,
+    take_over_calls,
+    taken_over,
+    training_call,
+)
+
+
+class ContextParallel:
+    """A model's context-parallel split: the cp group, and what a call needs to split its batch."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, *, attention: CPAttention = "auto") -> None:
+        self.model = model
+        self.mesh = mesh
+        self.cp = axis_size(mesh, "cp")
+        self.group = mesh["cp"].get_group()
+        self.rank = mesh["cp"].get_local_rank()
+        self.kernel = attention_kernel(attention, mesh.device_type)
+
+    def run(
+        self,
+        input_ids: Tensor,
+        *,
+        labels: Tensor | None,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        **inputs: Any,
+    ) -> ParallelCausalLMOutput:
+        """The model's call on this rank's share of the batch; with labels, the loss (this rank's share of the
+        global token mean) and the totals of this rank's tokens. The logits are this rank's tokens' (in the order of
+        :func:`token_indices`)."""
+        training_call(
+            self.model,
+            labels,
+            why="Under context parallel (cp > 1) each rank computes the logits of its share of every sequence only",
+        )
+        self._check_same_rows(input_ids)
+        length = input_ids.size(1)
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.size(0), -1)
+        visible = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        targets = next_token_targets(labels) if labels is not None else None
+        extra = -length % (2 * self.cp)
+        if extra:  # padding on the right, at the last position: nothing attends to it, and the loss ignores it
+            input_ids, visible = F.pad(input_ids, (0, extra)), F.pad(visible, (0, extra), value=False)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(-1, extra)], dim=1)
+            targets = F.pad(targets, (0, extra), value=-100) if targets is not None else None
+        split = self.split(position_ids, visible, length + extra)
+        index = split.query_index
+        outputs = own_forward(self.model, ContextParallelModel)(
+            input_ids=input_ids[:, index],
+            position_ids=position_ids[:, index],
+            sequence_split=split,
+            **{**inputs, "use_cache": False},  # a cache of this rank's keys and values would serve nothing
+        )
+        if targets is None:
+            return ParallelCausalLMOutput(logits=outputs.logits)
+        return self._with_loss(outputs.logits, targets[:, index])
+
+    def _check_same_rows(self, input_ids: Tensor) -> None:
+        """The ranks of a cp group split the same rows (the sampler deals them by dp rank): rows of other shapes would
+        gather mismatched keys, other tokens would be attended to as if they were these. One small all-reduce."""
+        if is_fake(input_ids):  # a memory estimate (planning/activation_memory.py): rows without values to compare
+            return
+        summary = torch.tensor([*input_ids.shape, int(input_ids.sum())], device=input_ids.device)
+        extremes = torch.cat([summary, -summary])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(extremes[:3], -extremes[3:]):
+            raise ValueError(
+                f"cp rank {self.rank} was given other rows than its cp peers (shape {tuple(input_ids.shape)}): every"
+                " rank of a cp group must call the model with the same batch, as Lightning's sampler deals it by"
+                " data-parallel rank. A sampler or data module of your own must deal by dp rank, not by global rank."
+            )
+
+    def split(self, position_ids: Tensor, visible: Tensor, length: int) -> SequenceSplit:
+        """The split of a batch of ``length`` tokens a row (a multiple of 2 cp)."""
+        held = [token_indices(length, self.cp, rank, position_ids.device) for rank in range(self.cp)]
+        query_index, key_index = held[self.rank], torch.cat(held)
+        document = documents(position_ids)
+        return SequenceSplit(
+            query_index=query_index,
+            key_index=key_index,
+            query_document=document[:, query_index],
+            key_document=document[:, key_index],
+            key_visible=visible[:, key_index],
+            group=self.group,
+            kernel=self.kernel,
+        )
+
+    def _with_loss(self, logits: Tensor, targets: Tensor) -> ParallelCausalLMOutput:
+        loss_sum, tokens = token_loss_sum(logits, targets)
+        hits, _ = token_hits(logits, targets)
+        loss = global_token_mean(loss_sum, tokens, self.mesh)
+        plain_sum = (loss_sum.to_local() if isinstance(loss_sum, DTensor) else loss_sum).detach()  # tp: replicated
+        return ParallelCausalLMOutput(loss=loss, logits=logits, loss_sum=plain_sum, num_tokens=tokens, num_hits=hits)
+
+
+# A split of whole rows of token ids only: no cache (named cache since transformers 5.24), no embeddings.
+REFUSED_INPUTS = ("cache", "past_key_values", "cache_position", "inputs_embeds")
+
+
+class ContextParallelModel(nn.Module):
+    """The forward of a context-parallel model (see :func:`take_over_calls`): it splits the batch it is called with
+    over the cp ranks."""
+
+    context: ContextParallel
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("Under context parallel (cp > 1) the model trains and evaluates; generate with cp=1.")
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        *args: Any,
+        labels: Tensor | None = None,
+        **inputs: Any,
+    ) -> ParallelCausalLMOutput:
+        given = {name: value for name, value in inputs.items() if value is not None}
+        refused = [name for name in REFUSED_INPUTS if name in given] + (
+            ["return_dict=False"] if given.get("return_dict") is False else []
+        )
+        if args or input_ids is None or refused:
+            raise ValueError(
+                "Under context parallel (cp > 1) the model's call splits whole rows over the cp ranks: it takes"
+                " input_ids, labels, a 2D attention_mask and position_ids as keywords (got"
+                f" {len(args)} more positional arguments{'' if input_ids is not None else ', no input_ids'}"
+                f"{', ' + ', '.join(refused) if refused else ''}); no cache, no generation: generate with cp=1."
+            )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"Under context parallel (cp > 1) the attention mask marks each token of the rows: shape"
+                f" {tuple(input_ids.shape)}, as input_ids (got {tuple(attention_mask.shape)})."
+            )
+        return self.context.run(
+            input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids, **given
+        )
+
+
+def check_cp_with_pp(*, cp: int, pp: int) -> None:
+    """Context parallel does not compose with pipeline parallel yet: refused."""
+    if cp > 1 and pp > 1:
+        raise ValueError(f"cp={cp} with pp={pp}: context parallel does not compose with pipeline parallel yet.")
+
+
+def context_parallel_model(model: nn.Module, mesh: DeviceMesh, *, attention: CPAttention = "auto") -> ContextParallel:
+    """Make ``model``'s calls split their batch over the cp ranks of ``mesh``, its attention gather the rest (with the
+    kernel ``attention`` names)."""
+    model.set_attn_implementation(ATTENTION)
+    context = ContextParallel(model, mesh, attention=attention)
+    take_over_calls(model, ContextParallelModel, prefix="ContextParallel", context=context)
+    return context
+
+
+def context_parallel_of(model: nn.Module) -> ContextParallel | None:
+    """The context-parallel split of a model :func:`context_parallel_model` made (a PEFT model's base), or None."""
+    return taken_over(model, ContextParallelModel, "context")

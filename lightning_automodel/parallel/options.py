@@ -1,0 +1,87 @@
+"""The options of :func:`~lightning_automodel.parallel.parallelize`: typed, and checked once when built.
+
+Sizes are the mesh's (:class:`~lightning_automodel.parallel.mesh.ParallelDims`); checks that need them run in
+``parallelize``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from lightning_automodel.parallel.activation_checkpointing import ACMode, validate_ac_mode
+from lightning_automodel.parallel.compile import CompileSpec, check_compile, compile_options
+from lightning_automodel.parallel.context_parallel import CPAttention, attention_kernel
+from lightning_automodel.parallel.fsdp.options import FSDPOptions
+from lightning_automodel.parallel.pipeline import PipelineOptions
+from lightning_automodel.parallel.tensor.plan_selection import PlanSpec
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How each axis of the mesh is applied to a model."""
+
+    sp: bool = False
+    """Sequence parallel: also split norms and the residual stream on the sequence over the tp ranks (needs tp > 1)."""
+
+    tp_plan: PlanSpec | None = None
+    """A dict of module pattern -> ParallelStyle, an import path to one, or a function ``(model, sp) -> dict``;
+    default: the first of the family's registered plan, the model's Hugging Face plan and the default Llama-style
+    plan that shards every decoder block."""
+
+    allow_unsharded_linears: bool = False
+    """Accept a plan that leaves large weights of the decoder blocks whole on every tp rank (the candidate sharding
+    the largest share of them then wins)."""
+
+    activation_checkpointing: bool | ACMode = False
+    """Recompute activations in backward: True or "full" (whole decoder layers), "selective" (keep attention and
+    every other matmul output) or "submodule" (attention and MLP apart); see
+    :mod:`~lightning_automodel.parallel.activation_checkpointing`."""
+
+    compile: CompileSpec = False
+    """Compile every decoder block's forward with torch.compile after tensor parallel and activation checkpointing,
+    before FSDP2: False (default), True (torch's defaults) or a dict of torch.compile's keyword arguments (e.g.
+    ``{"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}``). The blocks share one graph; composes with
+    activation_checkpointing="full" (the other modes are refused); see :mod:`~lightning_automodel.parallel.compile`."""
+
+    cp_attention: CPAttention = "auto"
+    """The attention kernel at cp > 1: "flex" (flex attention over a block mask: the masked blocks skipped, nothing
+    quadratic in the sequence stored; trains on GPUs only, torch has no CPU backward), "sdpa" (SDPA over a dense
+    [S / cp, S] mask a row: any device, memory quadratic in the sequence) or "auto" (default: flex on GPUs, sdpa
+    elsewhere); see :mod:`~lightning_automodel.parallel.context_parallel`."""
+
+    pipeline: PipelineOptions | None = None
+    """How the mesh's pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s;
+    the strategy's ``pp_*`` arguments): ``pp_schedule`` "1F1B" (default), "GPipe", or with pp_stages_per_rank >= 2
+    "Interleaved1F1B", "LoopedBFS" or "InterleavedZeroBubble" (torch's schedule names); ``pp_microbatches`` per step
+    (default: pp), which must divide the batch, and be >= pp for "1F1B"; ``pp_layers_per_stage``, a manual split, the
+    number of decoder layers of each stage (pp x pp_stages_per_rank stages; default: an even split in which the
+    embedding and the head count as one layer each); ``pp_stages_per_rank``, virtual stages each rank holds for the
+    interleaved schedules (rank r holds stages r, r + pp, ...; the bubble shrinks to (pp - 1) / (pp_stages_per_rank x
+    m + pp - 1)); ``pp_loss_fn``, a loss of your own (in YAML, its import path): ``f(logits, labels)`` returns a
+    micro-batch's loss summed over its tokens, which the last stage computes and the pipeline divides by the global
+    batch's scored tokens (default: the next-token cross-entropy). Without the strategy, a pipelined model built on
+    the meta device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
+    ``.sum_tied_gradients()`` before each optimizer step; see :mod:`~lightning_automodel.parallel.pipeline`."""
+
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    """How FSDP2 shards, gathers and computes (under pp, ``reshard_after_forward=None`` is False: a stage gathers its
+    weights once a step)."""
+
+    def __post_init__(self) -> None:
+        attention_kernel(self.cp_attention, "cpu")  # a name it does not know is refused here
+        validate_ac_mode(self.activation_checkpointing)
+        compile_options(self.compile)
+        # ep is the mesh's: parallelize checks compile against it.
+        check_compile(compile=self.compile, activation_checkpointing=self.activation_checkpointing, ep=1)
+
+    @classmethod
+    def from_keywords(cls, **keywords: Any) -> ParallelOptions:
+        """Options from flat keywords, FSDP2's among them (``mp_policy=...``), as :func:`parallelize` takes them."""
+        flat = {name: keywords.pop(name) for name in _FSDP_FIELDS if name in keywords}
+        if flat:  # beside fsdp=FSDPOptions(...), refused as a keyword given twice
+            return cls(**keywords, fsdp=FSDPOptions(**flat))
+        return cls(**keywords)
+
+
+_FSDP_FIELDS = tuple(option.name for option in fields(FSDPOptions))

@@ -1,0 +1,332 @@
+"""One rank's stages of a pipelined model, run by torch's schedules: a call of the model runs one schedule step. The
+loss is summed on the last stage and divided by the global batch's token count (micro-batches x dp ranks), as in one
+process, and reaches every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule, get_schedule_class
+from torch.distributed.pipelining.stage import InferenceMode
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from lightning_automodel.parallel.fsdp.sharding import view_outputs_allowed
+from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hits, next_token_targets
+from lightning_automodel.parallel.mesh import axis_size, reduction_mesh
+from lightning_automodel.parallel.model_calls import ParallelCausalLMOutput, own_forward, training_call
+from lightning_automodel.parallel.pipeline.gradients import (
+    backward_adds_gradients,
+    gradients_held_back,
+    param_groups,
+    sharded_parameters,
+)
+from lightning_automodel.parallel.pipeline.options import PipelineOptions
+from lightning_automodel.parallel.pipeline.stage_split import path_to_blocks, stage_view
+from lightning_automodel.parallel.pipeline.tied_embedding import TiedEmbedding
+
+MODEL_INPUTS = ("attention_mask", "position_ids")  # split into micro-batches and given to every stage
+
+
+class Pipeline:
+    """One rank's stages of a model and the schedule that runs them (built at the first step, once weights exist).
+
+    With one stage per rank the model itself is the stage; with several (virtual stages) the model holds the layers
+    of all of them and each stage is a view of it (:func:`stage_view`), which FSDP makes a root of its own."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        options: PipelineOptions,
+        *,
+        layers: dict[int, range],
+        tied: bool,
+        blocks_config: Any,
+    ) -> None:
+        """``layers``: the decoder layers of each stage this rank holds, by stage index; ``blocks_config``: the whole
+        model's config of the module looping over them (its stage views cut theirs from it)."""
+        self.model = model
+        self.mesh = mesh
+        self.options = options
+        self.pp = axis_size(mesh, "pp")
+        self.num_stages = self.pp * options.stages_per_rank
+        self.layers = layers
+        self._blocks_config = blocks_config
+        self.stage_indices = sorted(layers)
+        self.first, self.last = 0 in layers, self.num_stages - 1 in layers
+        self._stage_of_view = {id(model): self.stage_indices[0]}
+        self.tied_embedding = None
+        if tied:
+            self.tied_embedding = TiedEmbedding(
+                model, group=self.group, first=self.first, last=self.last, parameters=self._sharded_parameters
+            )
+        self.in_schedule = False
+        self._loss_scale = torch.tensor(1.0)
+        self._views: list[nn.Module] | None = None
+        self._stages: list[PipelineStage] | None = None
+        self._schedules: dict[bool, _PipelineSchedule] = {}
+        self._batch_shape: tuple[int, ...] | None = None
+        self._totals: list[Tensor] = []
+        self._stream_layout: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
+        self._parameters: dict[str, nn.Parameter] | None = None
+        self._told_stream: Tensor | None = None
+
+    def stage_modules(self) -> list[nn.Module]:
+        """The module each of this rank's stages runs, in stage order: the model itself when it holds one stage, else
+        views of it (made at the first call: after tensor parallel and before FSDP, which makes each a root)."""
+        if self._views is None:
+            self._views = (
+                [self.model] if len(self.stage_indices) == 1 else [self._view(index) for index in self.stage_indices]
+            )
+        return self._views
+
+    def _view(self, stage: int) -> nn.Module:
+        first, last = stage == 0, stage == self.num_stages - 1
+        view = stage_view(self.model, layers=self.layers[stage], first=first, last=last, config=self._blocks_config)
+        self._stage_of_view[id(view)] = stage
+        return view
+
+    def _sync_view_modes(self) -> None:
+        """Give the modules copied for the views the training mode of those they copy (the rest they share)."""
+        if len(self.stage_indices) > 1:
+            for view in self.stage_modules():
+                for name, module in path_to_blocks(view):
+                    module.training = self.model.get_submodule(name).training
+
+    def _fsdp_units(self) -> list[FSDPModule]:
+        """The FSDP units of the model and of its stage views (whose copied modules may be units of their own)."""
+        modules = [*self.model.modules(), *(module for view in self.stage_modules() for module in view.modules())]
+        return list({id(module): module for module in modules if isinstance(module, FSDPModule)}.values())
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    def schedule(self, *, with_loss: bool) -> _PipelineSchedule:
+        """The schedule over this rank's stages (the same stages, two schedules): with the loss (training, evaluating
+        with labels) or forward only (logits without labels). Built at first use, once the weights exist."""
+        if with_loss not in self._schedules:
+            if self._stages is None:
+                self._stages = [
+                    PipelineStage(
+                        module, index, self.num_stages, self._device(), group=self.group, **self._told_metadata(index)
+                    )
+                    for module, index in zip(self.stage_modules(), self.stage_indices, strict=True)
+                ]
+            schedule_class = get_schedule_class(self.options.schedule)
+            stages = self._stages if issubclass(schedule_class, PipelineScheduleMulti) else self._stages[0]
+            loss = dict(loss_fn=self._loss, scale_grads=False) if with_loss else {}
+            schedule = schedule_class(stages, self.options.microbatches_for(self.pp), **loss)
+            if self._told_stream is not None:
+                schedule._warmup_p2p = _every_stage_told
+            self._schedules[with_loss] = schedule
+        return self._schedules[with_loss]
+
+    def tell_shapes(self, *, batch_shape: tuple[int, int], hidden_size: int, dtype: torch.dtype) -> None:
+        """Tell this rank's stages what they hand each other for batches of ``batch_shape`` (rows, tokens), instead
+        of their exchanging it at their first step: the hidden states of a micro-batch, [rows, tokens (this rank's
+        share under sp), ``hidden_size``] in ``dtype``. A fake process group needs it, whose messages carry nothing:
+        the activation estimate runs the schedule in one (:mod:`~lightning_automodel.planning.activation_memory`)."""
+        rows, tokens = batch_shape
+        shape = [rows // self.options.microbatches_for(self.pp), tokens, hidden_size]
+        if self._stream_layout is not None:
+            mesh, placements = self._stream_layout
+            for mesh_dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):
+                    shape[placement.dim] //= mesh.size(mesh_dim)
+        self._told_stream = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+        self._stages, self._schedules, self._batch_shape = None, {}, (rows, tokens)
+
+    def _told_metadata(self, stage: int) -> dict[str, Tensor]:
+        """The static metadata of ``stage`` (torch's ``input_args`` and ``output_args``), where shapes were told. A
+        last stage's outputs go to the loss, not to another stage: torch reads their metadata for their count only."""
+        stream = self._told_stream
+        if stream is None:
+            return {}
+        rows, tokens = stream.shape[0], self._batch_shape[1]
+        inputs = torch.empty(rows, tokens, dtype=torch.long, device="meta") if stage == 0 else stream
+        return dict(input_args=inputs, output_args=stream)
+
+    def receive_stream_as(self, mesh: DeviceMesh, placements: tuple[Placement, ...] | None) -> None:
+        """Stages send their part of the hidden states (a DTensor's local shard); a stage that did not embed them
+        itself receives them as a DTensor of ``placements`` on ``mesh`` (the tp mesh: how the embedding leaves them
+        under sequence parallel), so that the model's code sees the whole sequence; None: as a whole tensor."""
+        self._stream_layout = (mesh, placements) if placements is not None else None
+
+    def stage_forward(self, module: nn.Module, stream: Tensor, **inputs: Any) -> Tensor:
+        """The part of the model a stage's ``module`` computes: token ids (first stage) or hidden states in, hidden
+        states or logits out."""
+        stage = self._stage_of_view[id(module)]
+        if stage > 0 and self._stream_layout is not None:
+            stream = DTensor.from_local(stream, *self._stream_layout, run_check=False)
+        given = {"input_ids": stream} if stage == 0 else {"inputs_embeds": stream}
+        if stage == self.num_stages - 1:
+            return own_forward(module, PipelinedModel)(**given, **inputs, use_cache=False).logits
+        return _local(module.base_model(**given, **inputs, use_cache=False).last_hidden_state)
+
+    def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> ParallelCausalLMOutput:
+        """One schedule step over the whole batch. Trains (forward and backward) when gradients are enabled and the
+        model is in training mode; otherwise runs forward only. With labels, the loss and its totals reach every
+        rank; the logits exist on the last stage only (None elsewhere), and only when not training."""
+        microbatches = self.options.microbatches_for(self.pp)
+        if input_ids.size(0) % microbatches:
+            raise ValueError(
+                f"pp_microbatches={microbatches} does not divide this batch of {input_ids.size(0)} rows: make the"
+                " batch size a multiple of it (or drop the last, smaller batch: DataLoader(drop_last=True))."
+            )
+        training = training_call(
+            self.model,
+            labels,
+            why="Under pipeline parallel (pp > 1) the model's call runs forward and backward of every micro-batch, and"
+            " the last stage computes the loss, from logits that exist there only, one micro-batch at a time",
+            instead=" For a loss of your own, give the strategy pp_loss_fn=f, f(logits, labels) returning a"
+            " micro-batch's loss summed over its tokens: the last stage applies it.",
+        )
+        self._check_sequence_split(input_ids)
+        if labels is not None:
+            self._loss_scale = self._global_token_scale(labels)
+        if tuple(input_ids.shape) != self._batch_shape:  # a stage sizes what it receives at its first step
+            if self._told_stream is not None:
+                raise ValueError(f"Shapes were told for batches of {self._batch_shape}; got {tuple(input_ids.shape)}.")
+            self._stages, self._schedules, self._batch_shape = None, {}, tuple(input_ids.shape)
+        self._sync_view_modes()
+        schedule = self.schedule(with_loss=labels is not None)
+        args = (input_ids,) if self.first else ()
+        targets = {"target": labels} if self.last and labels is not None else {}
+        self._totals = []
+        self.in_schedule = True
+        try:
+            # A stage sends the local shard of its DTensor output, a view; the schedule writes to none in place.
+            with view_outputs_allowed(*(type(module).__name__ for module in self.stage_modules())):
+                if training:
+                    with gradients_held_back(self._sharded_parameters) as computed:
+                        logits = schedule.step(*args, **targets, return_outputs=False, **inputs)
+                else:
+                    logits = schedule.eval(*args, **targets, **inputs)
+        finally:
+            self.in_schedule = False
+        if labels is None:
+            return ParallelCausalLMOutput(logits=logits)
+        loss_sum, tokens, hits = self._totals_on_every_rank()
+        loss = loss_sum * self._loss_scale
+        if training:
+            loss = backward_adds_gradients(loss, computed=computed, parameters=self._sharded_parameters)
+        return ParallelCausalLMOutput(loss=loss, logits=logits, loss_sum=loss_sum, num_tokens=tokens, num_hits=hits)
+
+    def _sharded_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters that hold the gradients, by name (see :func:`sharded_parameters`), found once."""
+        if self._parameters is None:
+            self._parameters = sharded_parameters(self.model, units=self._fsdp_units())
+        return self._parameters
+
+    def _check_sequence_split(self, input_ids: Tensor) -> None:
+        """Stages send their even share of a sequence-sharded stream: the sequence must split evenly over tp."""
+        if self._stream_layout is None:
+            return
+        mesh, _ = self._stream_layout
+        if input_ids.size(1) % mesh.size():
+            raise ValueError(
+                f"A sequence of {input_ids.size(1)} tokens does not split evenly over tp={mesh.size()}, as sequence"
+                " parallel under pp needs: pad the rows to a multiple of tp (or use sp=False)."
+            )
+
+    def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """A micro-batch's share of the global token mean; its summed loss, tokens and next-token hits are kept."""
+        if self.options.loss_fn is None:
+            loss_sum, tokens = causal_lm_loss_sum(logits, labels)
+        else:
+            loss_sum, tokens = self.options.loss_fn(logits, labels), (next_token_targets(labels) != -100).sum()
+        hits, _ = next_token_hits(logits, labels)
+        self._totals.append(torch.stack([_local(loss_sum).detach(), tokens.float(), hits.float()]))
+        return loss_sum * self._loss_scale
+
+    def _global_token_scale(self, labels: Tensor) -> Tensor:
+        """dp / the global batch's scored tokens: a micro-batch's summed loss times it is its share of the global
+        token mean, which FSDP's mean over the dp ranks turns into the single-process gradient."""
+        tokens = (next_token_targets(labels) != -100).sum().float()
+        group = reduction_mesh(self.mesh).get_group()
+        dist.all_reduce(tokens, group=group)
+        return dist.get_world_size(group) / tokens.clamp_min(1)
+
+    def _totals_on_every_rank(self) -> Tensor:
+        """This rank's batch's summed loss, scored tokens and next-token hits, from the last stage to every stage.
+        Those of the micro-batches only: at its first step a schedule infers the stages' shapes by running the stages
+        and the loss once more, before them."""
+        microbatches = self.options.microbatches_for(self.pp)
+        totals = torch.stack(self._totals[-microbatches:]).sum(0) if self.last else torch.zeros(3)
+        return self.from_last_stage(totals)
+
+    def from_last_stage(self, tensor: Tensor) -> Tensor:
+        """The last stage's ``tensor`` (fp32, of the same shape on every stage) on every stage of the pipeline."""
+        tensor = tensor.to(device=self._device(), dtype=torch.float32)
+        dist.broadcast(tensor, group=self.group, group_src=self.pp - 1)
+        return tensor
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of the tied embedding's two copies (first and last stage) over the pp ranks; the stages
+        in between add zeros. Call once per optimizer step, after the last backward."""
+        if self.tied_embedding is not None:
+            self.tied_embedding.sum_gradients()
+
+    def copies(self) -> list[nn.Parameter]:
+        """Parameters another stage holds too (the last stage's copy of a tied embedding): a norm over all stages
+        counts them once, on the first stage."""
+        return self.tied_embedding.copies() if self.tied_embedding is not None else []
+
+    def adopt_weights(self) -> None:
+        """Once the weights exist (materialized from the meta device, or loaded): the last stage's copy of a tied
+        embedding takes the first stage's values, and the stage views take the parameters
+        (:meth:`adopt_view_weights`)."""
+        self.adopt_view_weights()
+        if self.tied_embedding is not None:
+            self.tied_embedding.take_first_stage_values()
+
+    def adopt_view_weights(self) -> None:
+        """The FSDP units of stage views (several stages per rank) that the model's ``to_empty`` does not reach (the
+        views' copied modules) take the parameters it registered."""
+        in_model = {id(module) for module in self.model.modules()}
+        for unit in self._fsdp_units():
+            if id(unit) not in in_model:
+                for fsdp_param in (param for group in param_groups(unit) for param in group.fsdp_params):
+                    fsdp_param.reset_sharded_param()
+        self._parameters = None
+
+    def _device(self) -> torch.device:
+        return next(iter(self.model.parameters())).device
+
+
+def _every_stage_told(stages: list[PipelineStage], has_backward: bool, p2p_done: bool) -> None:
+    """What torch's schedules decide at their first step by a vote over the stages' process group (its
+    ``_warmup_p2p``), where every stage was told its shapes: each takes them as told."""
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class PipelinedModel(nn.Module):
+    """The forward of a pipelined model (see :func:`take_over_calls`): called by the schedule, it computes this
+    rank's stage; called by anyone else, it runs one schedule step."""
+
+    pipeline: Pipeline
+
+    def forward(self, input_ids: Tensor | None = None, *args: Any, labels: Tensor | None = None, **inputs: Any) -> Any:
+        if self.pipeline.in_schedule:
+            return self.pipeline.stage_forward(self, input_ids, *args, **inputs)
+        unknown = [name for name, value in inputs.items() if value is not None and name not in MODEL_INPUTS]
+        if args or input_ids is None or unknown:
+            raise ValueError(
+                "Under pipeline parallel (pp > 1) the model takes input_ids, labels and"
+                f" {', '.join(MODEL_INPUTS)} as keywords (got {len(args)} more positional arguments and"
+                f" {unknown or 'no other'} keywords{'' if input_ids is not None else ', no input_ids'})."
+            )
+        given = {name: value for name, value in inputs.items() if value is not None}
+        return self.pipeline.run(input_ids, labels=labels, **given)

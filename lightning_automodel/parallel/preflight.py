@@ -1,0 +1,148 @@
+"""The checks :func:`~lightning_automodel.parallel.parallelize` runs before its first collective, on every rank.
+
+A model or layout that cannot work is refused here, identically everywhere, before any rank waits in a collective
+the others never reach; what they find (the tensor-parallel plan) is what the sharding then applies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import PreTrainedModel
+
+from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.parallel.context_parallel import check_cp_with_pp, context_parallel_problem
+from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
+from lightning_automodel.parallel.mesh import axis_size, tp_mesh
+from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem, stage_split_problem
+from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
+from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_tensor_parallel
+from lightning_automodel.parallel.tensor.plan_selection import PlanSpec
+from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What the checks before any collective found, for the sharding that follows."""
+
+    planned: TensorParallelPlan | None  # the tensor-parallel plan; None at tp = 1
+    held_by_root: tuple[str, ...] = ()  # blocks recomputed outside their calls: no FSDP units of their own
+
+
+def check_before_collectives(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    sp: bool = False,
+    tp_plan: PlanSpec | None = None,
+    allow_unsharded_linears: bool = False,
+    reshard_after_forward: bool | None = None,
+    activation_checkpointing: bool = False,
+    pipeline: PipelineOptions | None = None,
+) -> ShardingPlan:
+    """Every check of :func:`~lightning_automodel.parallel.parallelize` that can refuse, run without a collective:
+    sizes, a probe step of the model on the meta device, and at tp > 1 the tensor-parallel plan it then applies.
+    :func:`~lightning_automodel.planning.verify.verify_plan` shares it, so that what it verifies is the plan training
+    gets."""
+    tp = axis_size(device_mesh, "tp")
+    if sp and tp == 1:
+        raise ValueError("sp=True (sequence parallel) shards activations over the tp axis; it needs tp > 1.")
+    if tp > 1:
+        validate_tp_sizes(model, tp)
+    ep = axis_size(device_mesh, "ep")
+    problem = expert_parallel_problem(model, ep=ep) if ep > 1 else None
+    if problem is not None:
+        raise ValueError(f"ep={ep} (expert parallel): {problem}. Use ep=1 for this model.")
+    pp = axis_size(device_mesh, "pp")
+    if pp > 1:
+        check_pipeline(
+            model, pipeline or PipelineOptions(), pp=pp, ep=ep, activation_checkpointing=activation_checkpointing
+        )
+    cp = axis_size(device_mesh, "cp")
+    if cp > 1:
+        check_context_parallel(model, cp=cp, pp=pp)
+    unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
+    recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
+    if recomputed and (reshard_after_forward or activation_checkpointing):
+        undoing = "reshard_after_forward=True" if reshard_after_forward else "activation checkpointing"
+        raise ValueError(
+            f"{type(model).__name__} runs {recomputed[0]} without autograd in its training forward and recomputes it"
+            " in backward without calling it (a reversible block): FSDP2 gathers a unit's weights around its calls"
+            " only, so such blocks belong to the root's unit, whose weights stay gathered from forward through"
+            f" backward. {undoing} would recompute them on sharded weights: leave reshard_after_forward unset and"
+            " activation_checkpointing off."
+        )
+    if tp == 1:
+        return ShardingPlan(None, held_by_root=recomputed)
+    planned = plan_tensor_parallel(
+        model,
+        tp_mesh(device_mesh),
+        sp=sp,
+        tp_plan=tp_plan,
+        allow_unsharded_linears=allow_unsharded_linears,
+        unsharded=unsharded,
+    )
+    return ShardingPlan(planned, held_by_root=recomputed)
+
+
+def check_pipeline(
+    model: nn.Module, pipeline: PipelineOptions, *, pp: int, ep: int, activation_checkpointing: bool = False
+) -> None:
+    """At pp > 1: the options suit the model, which splits into stages that compute what it computes whole (see
+    :mod:`lightning_automodel.parallel.pipeline`)."""
+    pipeline.validate(pp, num_layers=len(named_decoder_layers(model)))
+    if activation_checkpointing and pipeline.splits_backward():
+        raise ValueError(
+            f"pp_schedule={pipeline.schedule!r} computes the weights' gradients apart from the inputs' (zero bubble),"
+            " which recomputes a checkpointed layer twice: torch's checkpoint fails there. Use"
+            " pp_schedule='Interleaved1F1B', or activation_checkpointing=False."
+        )
+    problem = pipeline_problem(model, pp=pp, stages_per_rank=pipeline.stages_per_rank) or stage_split_problem(model)
+    if problem is not None:
+        raise ValueError(f"pp={pp} (pipeline parallel): {problem}. Use pp=1 for this model.")
+
+
+def check_context_parallel(model: nn.Module, *, cp: int, pp: int) -> None:
+    """At cp > 1: the model splits its sequences over cp ranks and computes what it computes whole (see
+    :mod:`lightning_automodel.parallel.context_parallel`); pipeline parallel is off (not composed with it yet)."""
+    check_cp_with_pp(cp=cp, pp=pp)
+    problem = context_parallel_problem(model)
+    if problem is not None:
+        raise ValueError(f"cp={cp} (context parallel): {problem}. Use cp=1 for this model.")
+
+
+def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:
+    """One step of a meta-device copy of the Hugging Face ``model`` (see :mod:`lightning_automodel.parallel.probe`),
+    or how it failed at every sequence length tried. Models that are not Hugging Face ones, whose inputs are
+    unknown, are not probed (None)."""
+    if not isinstance(model, PreTrainedModel):
+        return None
+    failure = None
+    for tokens in sequence_lengths(model, tp=tp):
+        try:
+            return probe(meta_copy(model), tokens=tokens)
+        except ProbeError as error:
+            failure = failure or error
+            if not refuses_length(error):
+                break
+    log.debug("The meta-device probe of %s failed: %s", type(model).__name__, failure)
+    return failure
+
+
+def blocks_recomputed_outside_calls(model: nn.Module, unsharded: Trace) -> tuple[str, ...]:
+    """The decoder blocks a training forward runs without autograd and backward recomputes without calling them
+    (Reformer's reversible layers): FSDP2 gathers a unit's weights around its calls only, so as units of their own
+    they would be recomputed on sharded weights. A block recomputed by calling it again (checkpointing) is fine."""
+    found = []
+    for name, block in named_decoder_layers(model):
+        calls = unsharded.calls.get(name, [])
+        trains = any(p.requires_grad for p in block.parameters())
+        recomputed_by_a_call = name in unsharded.called_in_backward
+        if calls and trains and not any(call.grad_enabled for call in calls) and not recomputed_by_a_call:
+            found.append(name)
+    return tuple(found)

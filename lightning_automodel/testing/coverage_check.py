@@ -1,0 +1,243 @@
+"""Coverage: any model type of transformers, parallelized on one layout as the strategy does it, against one process.
+
+A check builds the type's tiny config (:mod:`lightning_automodel.hf.shrink`), a single-process reference from it, and
+the same model on the meta device, which it parallelizes and materializes as ``AutoModelParallelStrategy`` does
+(``parallelize`` with the strategy's defaults, then ``materialize_hf_model``); it then loads the reference's weights
+shard by shard and compares loss, logits and every gradient. A check never raises: it returns what happened on its
+rank, and :func:`~lightning_automodel.testing.coverage_verdicts.classify` turns the outcomes of every rank into one
+verdict. ``scripts/coverage.py`` runs every type this way (:mod:`~lightning_automodel.testing.coverage_launch`);
+``tests/test_coverage.py`` runs a representative few.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from transformers import AutoModelForCausalLM
+
+from lightning_automodel import ParallelDims, parallelize
+from lightning_automodel.hf.initialization import copy_shard, materialize_hf_model
+from lightning_automodel.hf.shrink import tiny_config
+from lightning_automodel.parallel import decoder_layers
+from lightning_automodel.parallel.mesh import data_mesh
+from lightning_automodel.parallel.parallelizer import is_meta
+from lightning_automodel.planning.replica_comparison import fp64_copy, gradient_limits
+from lightning_automodel.testing.collectives import CollectiveCount
+from lightning_automodel.testing.coverage_verdicts import NO_TINY_CONFIG, describe_error, first_line
+from lightning_automodel.testing.parity import (
+    FP32_TOLERANCE,
+    Outputs,
+    dp_slice,
+    full,
+    gradient_errors,
+    parallel_outputs,
+    relative_error,
+    single_process_outputs,
+)
+
+# Layouts of a world of two, as the strategy's arguments.
+LAYOUTS = {"tp2": dict(tp=2, sp=False), "tp2_sp": dict(tp=2, sp=True), "dp_shard2": dict(tp=1, sp=False)}
+WORLD_SIZE = 2
+# Every collective gives up after this long, so that a hang becomes an error the classifier can see.
+COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+
+# Gradients below this share of the model's largest are zero up to rounding (see parity.gradient_errors).
+ZERO_GRADIENT = 1e-5
+
+
+@dataclass
+class Reference:
+    config: Any
+    model: nn.Module
+    outputs: Outputs
+    # Each gradient's limit: the fp32 tolerance, or four times the single process's own error against fp64 where that is
+    # larger, up to a ceiling (see lightning_automodel.planning.replica_comparison.gradient_limits).
+    grad_limits: dict[str, float]
+
+
+def coverage_check(model_type: str, layout: str, tp_plan: str | None = None) -> dict[str, Any]:
+    """What happens on this rank when ``model_type`` trains one step on ``layout``: a JSON-able outcome.
+
+    ``tp_plan``: an import path to a plan function to use instead of the one ``parallelize`` chooses (a plan the
+    check must catch)."""
+    try:
+        reference = single_process_reference(model_type)
+    except NoTinyConfig as error:
+        return {"status": NO_TINY_CONFIG, "reason": str(error)}
+    collectives = CollectiveCount()
+    with _plan_log() as plan_log:
+        stage = "build on the meta device"
+        try:
+            model, built = _build_as_the_strategy_advises(reference.config)
+            tp, sp = LAYOUTS[layout]["tp"], LAYOUTS[layout]["sp"]
+            mesh = layout_mesh(tp)
+            stage = "parallelize"
+            with collectives:
+                parallelize(model, mesh, sp=sp, tp_plan=tp_plan)
+            sharding = tp_sharding(model, trained=reference.outputs.grads.keys()) if tp > 1 else {}
+            stage = "materialize"
+            if built == META:
+                materialize_hf_model(model, torch.device("cpu"))
+            uninitialised = load_reference(model, reference.model)
+            stage = "forward and backward"
+            outputs = parallel_outputs(model, data_mesh(mesh))
+        except Exception as error:  # noqa: BLE001 - every failure is an outcome to classify
+            # Later stages follow collectives: materialization starts with a broadcast of the random state.
+            late = {"build on the meta device": False, "parallelize": collectives.count > 0}.get(stage, True)
+            return {"status": "raised", "stage": stage, "after_collectives": late, **describe_error(error), **plan_log}
+    comparison = compare(outputs, reference, dp_slice(data_mesh(mesh), batch_size=4))
+    build = {} if built == META else {"build": built}
+    return {"status": "ran", **comparison, "uninitialised_buffers": uninitialised, **sharding, **plan_log, **build}
+
+
+META = "meta"
+# A model whose constructor makes real tensors under the meta device (XLNet's torch.FloatTensor parameters) is refused
+# by is_meta with the fix to build it with real weights; the check follows that fix.
+REAL = "with real weights: its constructor makes real matrices under the meta device, which the strategy refuses"
+
+
+def _build_as_the_strategy_advises(config: Any) -> tuple[nn.Module, str]:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    try:
+        is_meta(model)
+    except ValueError:
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config)), REAL
+    return model, META
+
+
+class NoTinyConfig(Exception):
+    """The type has no tiny config that builds and trains in one process: transformers' limit, not ours."""
+
+
+@functools.lru_cache(maxsize=1)  # the three layouts of a type run one after another against the same reference
+def single_process_reference(model_type: str) -> Reference:
+    stage = "config"
+    try:
+        config = tiny_config(model_type)
+        stage = "build"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        stage = "single-process step"
+        outputs = single_process_outputs(model)
+        return Reference(config, model, outputs, grad_limits_of(model, outputs))
+    except Exception as error:  # noqa: BLE001 - transformers' own failures, reported as such
+        raise NoTinyConfig(f"{stage}: {type(error).__name__}: {first_line(error)}") from error
+
+
+def grad_limits_of(model: nn.Module, outputs: Outputs) -> dict[str, float]:
+    """The largest error each gradient may have (see
+    :func:`lightning_automodel.planning.replica_comparison.gradient_limits`), from one step of an fp64 copy; the fp32
+    tolerance alone for a model whose kernels take no fp64."""
+    try:
+        exact = single_process_outputs(fp64_copy(model))
+    except RuntimeError:
+        return dict.fromkeys(outputs.grads, FP32_TOLERANCE)
+    loosened = gradient_limits(gradient_errors(outputs, exact, floor=ZERO_GRADIENT))
+    return {name: loosened.get(name, FP32_TOLERANCE) for name in outputs.grads}
+
+
+@functools.cache
+def layout_mesh(tp: int) -> DeviceMesh:
+    """One mesh per tp size for the whole process: process groups are not free, and every check reuses them."""
+    return ParallelDims(tp=tp).resolve(dist.get_world_size()).build_mesh("cpu", timeout=COLLECTIVE_TIMEOUT)
+
+
+def load_reference(model: nn.Module, reference: nn.Module) -> list[str]:
+    """Copy the reference's weights into ``model``, each rank its shards, and its buffers; return the buffers that
+    materialization left different from the reference's (a meta-device build would train with those)."""
+    parameters = dict(reference.named_parameters(remove_duplicate=False))
+    buffers = dict(reference.named_buffers(remove_duplicate=False))
+    uninitialised = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            copy_shard(param, parameters[name].detach())
+        for name, buffer in model.named_buffers():
+            expected = buffers[name]
+            if not _equal(full(buffer), expected):
+                uninitialised.append(name)
+                copy_shard(buffer, expected)
+    return uninitialised
+
+
+def tp_sharding(model: nn.Module, *, trained: Sequence[str]) -> dict[str, Any]:
+    """How much of the model tensor parallelism split: the share of the decoder blocks' weight elements (those
+    that train in a text-only step) sharded over tp, and whether the embedding and lm_head are."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    block_params = {id(p): p for block in decoder_layers(model) for p in block.parameters() if names[id(p)] in trained}
+    total = sum(p.numel() for p in block_params.values())
+    sharded = sum(p.numel() for p in block_params.values() if sharded_over_tp(p))
+    output = model.get_output_embeddings()
+    return {
+        "sharded": sharded / total if total else None,
+        "embedding_sharded": sharded_over_tp(model.get_input_embeddings().weight),
+        "lm_head_sharded": output is not None and sharded_over_tp(output.weight),
+    }
+
+
+def sharded_over_tp(param: torch.Tensor) -> bool:
+    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    return "tp" in names and isinstance(param.placements[names.index("tp")], Shard | _StridedShard)
+
+
+def compare(outputs: Outputs, reference: Reference, rank_slice: slice) -> dict[str, Any]:
+    """The errors of the loss, this rank's logits and every gradient; the gradient furthest off for its limit, and
+    whether any exceeds its limit (see :class:`Reference`)."""
+    expected = reference.outputs
+    try:
+        grads = gradient_errors(outputs, expected, floor=ZERO_GRADIENT)
+        errors = {
+            "loss": relative_error(outputs.loss, expected.loss),
+            "logits": relative_error(outputs.logits, expected.logits[rank_slice]),
+            "grad": max(grads.values()),
+        }
+    except AssertionError as mismatch:  # shapes, or which parameters get a gradient
+        return {"errors": {}, "mismatch": str(mismatch)}
+    share = {name: error / reference.grad_limits[name] for name, error in grads.items()}
+    worst = max(share, key=lambda name: math.inf if math.isnan(share[name]) else share[name])
+    loosened = {name: limit for name, limit in reference.grad_limits.items() if limit > FP32_TOLERANCE}
+    within = all(value < 1 for value in share.values())  # NaN is not
+    return {"errors": errors, "worst_grad": worst, "grads_within_limits": within, "loosened_limits": loosened}
+
+
+def _equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Exactly equal, NaN and infinities included (masks hold -inf)."""
+    return actual.shape == expected.shape and torch.equal(actual.nan_to_num(), expected.nan_to_num())
+
+
+@contextmanager
+def _plan_log() -> Iterator[dict[str, Any]]:
+    """What parallelize logs about its plan: where the plan came from, and patterns that matched nothing."""
+    found: dict[str, Any] = {}
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg.startswith("Tensor parallel over"):
+                found["plan"] = record.args[1]
+            elif record.msg.startswith("Tensor-parallel plan patterns that match no module"):
+                found["unmatched"] = list(record.args[1])
+
+    logger = logging.getLogger("lightning_automodel.parallel.tensor.apply")
+    handler, level = Collect(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -90,7 +90,7 @@ class LossTable(Callback):
         self.history: list[tuple[int, float]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pl_module.print(f"{trainer.strategy.parallel_dims}\n{'step':>6} {'loss':>8}")
+        pl_module.print(f"{trainer.strategy.options.dims}\n{'step':>6} {'loss':>8}")
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int

@@ -27,7 +27,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_automodel.io.checkpoint_to_hf import convert
+from lightning_automodel.io.checkpoint_to_hf import export_checkpoint
 from lightning_automodel.lm import CausalLMModule  # the package also brings its data modules' short names
 from lightning_automodel.lm.progress import StepProgressBar
 from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
@@ -319,7 +319,7 @@ def export_command(argv: list[str]) -> None:
     )
     parser.add_argument("--model_class", default="", help="transformers class (default: the config's architecture)")
     args = parser.parse_args(argv)
-    convert(args.checkpoint, args.output, config=args.config, model_class=args.model_class)
+    export_checkpoint(args.checkpoint, args.output, config=args.config, model_class=args.model_class)
     print(f"wrote {args.output}")
 
 

@@ -1,6 +1,6 @@
 """Coverage report: every decoder-only model type of the installed transformers, trained one step at tp=2, tp=2 with
 sequence parallel and dp_shard=2 on 2 gloo processes, against a single process (see
-lightning_automodel/testing/coverage_check.py).
+lightning_automodel/testing/coverage_report/check.py).
 
     .venv/bin/python scripts/coverage.py                                  # what docs/coverage.json lacks, then the page
     .venv/bin/python scripts/coverage.py --fresh                          # measure everything again
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_automodel.testing.coverage_check import COLLECTIVE_TIMEOUT, LAYOUTS
-from lightning_automodel.testing.coverage_launch import Job, measure
-from lightning_automodel.testing.coverage_verdicts import PASS, REFUSAL, VERDICTS, WRONG
-from lightning_automodel.testing.model_types import SKIP_REASONS, causal_lm_types, library_revision
+from lightning_automodel.testing.coverage_report.check import COLLECTIVE_TIMEOUT, LAYOUTS
+from lightning_automodel.testing.coverage_report.launch import Job, measure
+from lightning_automodel.testing.coverage_report.model_types import SKIP_REASONS, causal_lm_types, library_revision
+from lightning_automodel.testing.coverage_report.verdicts import PASS, REFUSAL, VERDICTS, WRONG
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = "skipped"

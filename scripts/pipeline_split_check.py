@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_automodel.testing.model_types import SKIP_REASONS, causal_lm_types, library_revision
+from lightning_automodel.testing.coverage_report.model_types import SKIP_REASONS, causal_lm_types, library_revision
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with the package and its test and docs dependencies.
+# Create .venv with the package and its test, docs and lint dependencies.
 #
 # torch is installed first and on its own: with torch 2.13.0 already present, the other requirements do not
 # pull a newer CUDA build (several GB). On a CPU-only machine without a local torch wheel, set

@@ -190,7 +190,7 @@ def check_pretrained_peft(tp: int, sp: bool) -> dict:
 def check_export_failure_on_rank0() -> dict:
     """A write failing on rank 0 only, halfway through the tensors, raises on every rank instead of leaving the
     others waiting in the next gather, and leaves no directory behind."""
-    from lightning_automodel.hf import export
+    from lightning_automodel.io import hf_export as export
 
     directory = saved_checkpoint("llama")
     model = from_pretrained(directory, dtype=torch.float32)

@@ -42,7 +42,7 @@ def check_frozen_stays_frozen(sp: bool, family: str = "llama") -> dict[str, int]
 def check_naive_plan_is_wrong(family: str, replace: dict[str, object]) -> dict[str, float]:
     """The family plan with some styles replaced by what the reference uses: it runs, and the check says how
     wrong it is (the test asserts the errors are large, so our styles are what makes the family right)."""
-    from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
+    from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
 
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = tiny_model(family), tiny_model(family)
@@ -59,7 +59,7 @@ def check_plan_alone_is_wrong(model_type: str, plan: str) -> dict[str, float]:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_automodel.parallel.mesh import tp_mesh
-    from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
+    from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
 
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = any_model(model_type), any_model(model_type)
@@ -128,7 +128,7 @@ def naive_fused_plan(model: torch.nn.Module, sp: bool) -> dict:
     gate or up rather than half of each: it runs, and trains wrong (what verify_plan must catch)."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
+    from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
 
     return {**select_tp_plan(model, sp=sp).plan, "model.layers.*.mlp.gate_up_proj": ColwiseParallel()}
 
@@ -157,7 +157,7 @@ def check_user_plan(spec: str) -> dict[str, float]:
 
 def check_phi3_attention_kept_whole() -> dict[str, float]:
     """A user plan may leave Phi3's attention replicated (the reference's layout): head counts stay global."""
-    from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
+    from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
 
     mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
     reference, model = tiny_model("phi3_gqa"), tiny_model("phi3_gqa")

@@ -10,9 +10,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from lightning_automodel.testing.coverage_check import Reference, compare, coverage_check
-from lightning_automodel.testing.coverage_launch import measure
-from lightning_automodel.testing.coverage_verdicts import CRASH, HANG, PASS, REFUSAL, WRONG, classify, describe_error
+from lightning_automodel.testing.coverage_report.check import Reference, compare, coverage_check
+from lightning_automodel.testing.coverage_report.launch import measure
+from lightning_automodel.testing.coverage_report.verdicts import (
+    CRASH,
+    HANG,
+    PASS,
+    REFUSAL,
+    WRONG,
+    classify,
+    describe_error,
+)
 from lightning_automodel.testing.harness import check_name, run_checks
 from lightning_automodel.testing.parity import Outputs
 
@@ -95,7 +103,7 @@ NO_BUFFER_NOTE = (("apertus", "tp2"),)
 def plain_gate_up(model, sp):
     """Moshi's derived plan with its fused [gate; up] fc1 split the plain way: rank 0 holds all of gate, rank 1 all of
     up. Every shape fits, so only the numbers can tell."""
-    from lightning_automodel.parallel.tensor.derived_plan import derived_plan
+    from lightning_automodel.parallel.tensor.plans.derived import derived_plan
 
     plan = derived_plan(model)
     return {**plan, **{name: ColwiseParallel() for name in plan if name.endswith("mlp.fc1")}}
@@ -104,8 +112,8 @@ def plain_gate_up(model, sp):
 def rotary_key_gradient_left_partial(model, sp):
     """DeepSeek-V3's plan with its latent key/value projection kept whole but its rotary key's gradient, partial on
     each rank (it meets this rank's heads only), not summed."""
-    from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
-    from lightning_automodel.parallel.tensor.projection_styles import KeptWhole, LatentKeyValueProjection
+    from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
+    from lightning_automodel.parallel.tensor.styles.projections import KeptWhole, LatentKeyValueProjection
 
     plan = select_tp_plan(model, sp=sp).plan
     return {key: KeptWhole() if isinstance(style, LatentKeyValueProjection) else style for key, style in plan.items()}
@@ -117,7 +125,7 @@ def broken_experts(model_type: str, broken: str) -> dict:
 
     from torch.distributed.tensor import Shard
 
-    from lightning_automodel.parallel.tensor.parameter_styles import summed_gradient
+    from lightning_automodel.parallel.tensor.styles.parameters import summed_gradient
 
     replacements = {
         # gate and up split the plain way: rank 0 holds every expert's gate, rank 1 every expert's up
@@ -130,7 +138,7 @@ def broken_experts(model_type: str, broken: str) -> dict:
             summed_gradient(param.to_local(), mesh=mesh) if param.placements[0].is_replicate() else param.to_local()
         ),
     }
-    with mock.patch(f"lightning_automodel.parallel.experts.tensor_parallel.{broken}", replacements[broken]):
+    with mock.patch(f"lightning_automodel.parallel.experts.expert_tensor_parallel.{broken}", replacements[broken]):
         return coverage_check(model_type, "tp2")
 
 
@@ -145,7 +153,7 @@ def naive_stream_split(model_type: str) -> dict:
         local = stream.tensor_split(mesh.size(), dim=1)[mesh.get_local_rank()]
         return DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
 
-    with mock.patch("lightning_automodel.parallel.tensor.stream_styles._sequence_shard", naive):
+    with mock.patch("lightning_automodel.parallel.tensor.styles.stream._sequence_shard", naive):
         return coverage_check(model_type, "tp2_sp")
 
 

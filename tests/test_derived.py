@@ -1,4 +1,4 @@
-"""Derived plans (parallel.tensor.derived_plan): the style each module of a block gets, from following the
+"""Derived plans (parallel.tensor.plans.derived): the style each module of a block gets, from following the
 data through one meta-device step; no process group needed."""
 
 import pytest
@@ -9,16 +9,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.probe import PROBE_TOKENS_PER_RANK, meta_copy, probe
-from lightning_automodel.parallel.tensor.derived_plan import derived_plan
-from lightning_automodel.parallel.tensor.patterns import pattern_matches
-from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
-from lightning_automodel.parallel.tensor.projection_styles import (
+from lightning_automodel.parallel.tensor.plans.derived import derived_plan
+from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
+from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
+from lightning_automodel.parallel.tensor.sequence_parallel import with_sequence_parallel
+from lightning_automodel.parallel.tensor.styles.projections import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
     PackedColwiseParallel,
     VocabParallelEmbedding,
 )
-from lightning_automodel.parallel.tensor.sequence_parallel import with_sequence_parallel
 
 COLWISE, ROWWISE = ColwiseParallel, RowwiseParallel
 

@@ -7,7 +7,7 @@ from transformers import BertConfig, GraniteConfig, LlamaConfig, Qwen3Config
 
 from lightning_automodel import verify_plan
 from lightning_automodel.hf.shrink import heads_for, shrunk_config
-from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
+from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
 from lightning_automodel.planning.verify import FP32_TOLERANCE
 from lightning_automodel.testing.harness import free_port
 from lightning_automodel.testing.models import tiny_model
@@ -110,7 +110,7 @@ def gptj_plan(model, sp):
 def test_adding_a_plan_as_the_readme_shows(monkeypatch):
     from transformers import GPTJConfig
 
-    from lightning_automodel.parallel.tensor import family_plans
+    from lightning_automodel.parallel.tensor.plans import family as family_plans
 
     # register_tp_plan, undone after the test
     monkeypatch.setitem(family_plans._FAMILY_PLANS, "GPTJForCausalLM", gptj_plan)

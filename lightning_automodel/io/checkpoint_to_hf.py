@@ -27,7 +27,7 @@ _WEIGHTS = "state_dict."
 _METADATA = "meta.pt"  # Lightning's: everything of the checkpoint but the model and optimizer states
 
 
-def convert(
+def export_checkpoint(
     checkpoint: str | os.PathLike,
     output: str | os.PathLike,
     *,
@@ -97,7 +97,7 @@ def _load_weights(model: nn.Module, checkpoint: Path) -> None:
 
 def _weights_for(model: torch.nn.Module, checkpoint: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors for ``model``'s state dict, found under the LightningModule attribute that held it.
-    Packed weights, stored block by block (see ``io.lightning_checkpoint.split_packed``), are joined."""
+    Packed weights, stored block by block (see :func:`.lightning_checkpoint.split_packed`), are joined."""
     stored = {
         key[len(_WEIGHTS) :]: meta
         for key, meta in FileSystemReader(checkpoint).read_metadata().state_dict_metadata.items()

@@ -63,7 +63,7 @@ def _is_torch_save(path: Path) -> bool:
 
 def split_packed(tree: Any) -> Any:
     """``tree`` (a state dict, possibly nested) with every packed weight replaced by its blocks (see
-    :func:`~lightning_automodel.parallel.tensor.styles.packed_blocks`): torch's distributed checkpoint refuses strided
+    :func:`~lightning_automodel.hf.packed_weights.packed_blocks`): torch's distributed checkpoint refuses strided
     shards ("overlapping chunks"). The blocks share the weights' storage, so loading into them loads the weights."""
     if isinstance(tree, dict):
         return {key: split_packed(value) for key, value in tree.items()}

@@ -213,8 +213,8 @@ class CausalLMModule(L.LightningModule):
 
     def _load_balancing_loss(self, stage: str, outputs: Any, attention_mask: Tensor | None) -> Tensor:
         """The mixture-of-experts auxiliary loss (``output_router_logits``), weighted as the model weighs it, over
-        the global batch (see :mod:`parallel.experts.load_balancing_loss`); logged with each layer's expert
-        load imbalance, the same on every rank."""
+        the global batch (see :mod:`lightning_automodel.parallel.experts.load_balancing_loss`); logged with each
+        layer's expert load imbalance, the same on every rank."""
         hf_model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         options = dict(num_experts=hf_model.num_experts, top_k=hf_model.num_experts_per_tok)
         if not self._load_balancing_checked:

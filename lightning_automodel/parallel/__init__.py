@@ -1,4 +1,6 @@
-"""Parallelization of Hugging Face models with torch's own DTensor, tensor parallel and FSDP2 (no Lightning)."""
+"""Every axis of the 5D mesh applied to a Hugging Face model with torch's own DTensor, pipelining and FSDP2, without
+Lightning: a folder per axis (:mod:`.tensor`, :mod:`.pipeline`, :mod:`.context_parallel`, :mod:`.experts`,
+:mod:`.fsdp`), the mesh (:mod:`.mesh`), and :func:`parallelize` (:mod:`.parallelizer`) putting them in order."""
 
 from lightning_automodel.hf.decoder_layers import decoder_layers
 from lightning_automodel.parallel import anomaly  # noqa: F401  (registers a DTensor rule anomaly mode needs)
@@ -13,8 +15,8 @@ from lightning_automodel.parallel.parallelizer import (
     parallelize,
     register_parallelization_strategy,
 )
-from lightning_automodel.parallel.tensor.family_plans import register_tp_plan
-from lightning_automodel.parallel.tensor.plan_selection import select_tp_plan
+from lightning_automodel.parallel.tensor.plans.family import register_tp_plan
+from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
 
 __all__ = [
     "DefaultParallelizationStrategy",

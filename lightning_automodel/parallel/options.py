@@ -14,7 +14,7 @@ from lightning_automodel.parallel.compile import CompileSpec, check_compile, com
 from lightning_automodel.parallel.context_parallel import CPAttention, attention_kernel
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.pipeline import PipelineOptions
-from lightning_automodel.parallel.tensor.plan_selection import PlanSpec
+from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 
 
 @dataclass(frozen=True)

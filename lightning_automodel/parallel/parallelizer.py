@@ -27,13 +27,13 @@ from lightning_automodel.parallel.experts.expert_parallel import (
     expert_precision_problem,
     experts_modules,
 )
-from lightning_automodel.parallel.experts.tensor_parallel import give_every_expert_a_gradient
+from lightning_automodel.parallel.experts.expert_tensor_parallel import give_every_expert_a_gradient
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.fsdp.sharding import ExpertSharding, apply_fsdp
 from lightning_automodel.parallel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, name_of, pipeline_model
-from lightning_automodel.parallel.preflight import ShardingPlan, check_before_collectives
+from lightning_automodel.parallel.preflight import PreflightFindings, check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, apply_tensor_parallel
 from lightning_automodel.parallel.tensor.sequence_parallel import stage_stream_boundaries, stream_placements
 
@@ -121,7 +121,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
 
 def _refuse_before_collectives(
     model: nn.Module, device_mesh: DeviceMesh, options: ParallelOptions, *, pipeline: PipelineOptions | None
-) -> ShardingPlan:
+) -> PreflightFindings:
     """The checks of :mod:`~lightning_automodel.parallel.preflight`, and those that need the options' mesh sizes."""
     ep = axis_size(device_mesh, "ep")
     check_compile(compile=options.compile, activation_checkpointing=options.activation_checkpointing, ep=ep)
@@ -177,7 +177,7 @@ def _apply_fsdp(
     *,
     stages: Pipeline | None,
     experts: ExpertSharding | None,
-    sharding: ShardingPlan,
+    sharding: PreflightFindings,
 ) -> None:
     """FSDP2 over each root: the model, or under pp each stage a rank holds."""
     if stages is not None and options.reshard_after_forward is None:

@@ -20,14 +20,14 @@ from lightning_automodel.parallel.mesh import axis_size, tp_mesh
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem, stage_split_problem
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_tensor_parallel
-from lightning_automodel.parallel.tensor.plan_selection import PlanSpec
+from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ShardingPlan:
+class PreflightFindings:
     """What the checks before any collective found, for the sharding that follows."""
 
     planned: TensorParallelPlan | None  # the tensor-parallel plan; None at tp = 1
@@ -44,7 +44,7 @@ def check_before_collectives(
     reshard_after_forward: bool | None = None,
     activation_checkpointing: bool = False,
     pipeline: PipelineOptions | None = None,
-) -> ShardingPlan:
+) -> PreflightFindings:
     """Every check of :func:`~lightning_automodel.parallel.parallelize` that can refuse, run without a collective:
     sizes, a probe step of the model on the meta device, and at tp > 1 the tensor-parallel plan it then applies.
     :func:`~lightning_automodel.planning.verify.verify_plan` shares it, so that what it verifies is the plan training
@@ -78,7 +78,7 @@ def check_before_collectives(
             " activation_checkpointing off."
         )
     if tp == 1:
-        return ShardingPlan(None, held_by_root=recomputed)
+        return PreflightFindings(None, held_by_root=recomputed)
     planned = plan_tensor_parallel(
         model,
         tp_mesh(device_mesh),
@@ -87,7 +87,7 @@ def check_before_collectives(
         allow_unsharded_linears=allow_unsharded_linears,
         unsharded=unsharded,
     )
-    return ShardingPlan(planned, held_by_root=recomputed)
+    return PreflightFindings(planned, held_by_root=recomputed)
 
 
 def check_pipeline(

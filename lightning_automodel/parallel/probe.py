@@ -4,7 +4,7 @@ On meta tensors kernels only propagate shapes, and so do collectives: the probe 
 nothing, so every rank can run it before any collective, whatever it finds. Run on a copy of the model before and
 after tensor parallel, it shows which modules a text-only step calls and with what, where a plan's layouts do not
 fit the model (a module that reads a global size, a style that takes the whole sequence for a shard), and which
-modules compute on activations tensor parallel shards (see :mod:`parallel.tensor.sharded_activations`).
+modules compute on activations tensor parallel shards (see :mod:`.tensor.sharded_activations`).
 """
 
 from __future__ import annotations

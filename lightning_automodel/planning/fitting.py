@@ -3,7 +3,7 @@ node-wide shard groups replicated across nodes, with the activation-checkpointin
 step fits, the best estimated throughput first.
 
 A layout's memory is measured by running the code: the plan report's parameters, gradients and AdamW state per rank
-(the model parallelized in a fake process group) plus :mod:`~planning.activation_memory`'s activation peak
+(the model parallelized in a fake process group) plus :mod:`.activation_memory`'s activation peak
 (one training step on fake tensors); under pp, that of the stage where they add up to the most. Its throughput is a
 model, not a measurement, and says so: matmul FLOPs at a fixed share of the GPU's peak, times the checkpointing mode's
 recomputation; tensor- and context-parallel collectives and the hidden states stages hand each other exposed (they sit
@@ -17,7 +17,7 @@ Each data-parallel rank keeps the rows it is given (the data module's ``batch_si
 ranks trains a smaller global batch, and tokens/s per GPU compares the layouts at their own batches. pp layouts run
 torch's 1F1B schedule over micro-batches of one row (as many as the rows: 1F1B needs at least pp of them), which keeps
 the fewest activations and the smallest idle share. Under cp the activation estimate counts SDPA's dense mask (see
-:mod:`~planning.activation_memory`), which flex attention on a GPU does not hold: cp layouts are listed with
+:mod:`.activation_memory`), which flex attention on a GPU does not hold: cp layouts are listed with
 more memory than they take there.
 
 HSDP layouts (dp_replicate > 1) are those whose shard group (tp x cp x dp_shard) fills a node exactly, replicated

@@ -22,8 +22,8 @@ from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
 from lightning_automodel.parallel.preflight import check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan
-from lightning_automodel.parallel.tensor.patterns import pattern_matches
-from lightning_automodel.parallel.tensor.plan_selection import PlanSpec
+from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
+from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.planning.simulation import fake_world
 
@@ -187,7 +187,7 @@ def plan_report(
     first rank) on a copy of the model, for its layers and per-rank memory; the largest is the report's per rank.
 
     With ``batch_shape`` (rows per data-parallel rank and step, tokens a row), the report adds the activation memory
-    of a training step under each activation-checkpointing mode (see :mod:`planning.activation_memory`);
+    of a training step under each activation-checkpointing mode (see :mod:`.activation_memory`);
     ``step_options``: parallelize's options that shape it but not the plan (``mp_policy``, ``cp_attention``). Under
     pp each stage's is estimated on its first rank (a zero-bubble schedule, which runs no checkpointing, under "off"
     alone), and the report's per mode is that of the stage where state and activations add up to the most:

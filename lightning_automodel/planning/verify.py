@@ -19,8 +19,8 @@ from lightning_automodel.hf.shrink import heads_for, shrunk_config
 from lightning_automodel.parallel.mesh import ParallelDims, tp_mesh
 from lightning_automodel.parallel.preflight import check_before_collectives
 from lightning_automodel.parallel.tensor.apply import apply_tensor_parallel
-from lightning_automodel.parallel.tensor.family_plans import family_plan
-from lightning_automodel.parallel.tensor.plan_selection import PlanSpec
+from lightning_automodel.parallel.tensor.plans.family import family_plan
+from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.child_process import in_child_process
 from lightning_automodel.planning.replica_comparison import (
     FP32_TOLERANCE,

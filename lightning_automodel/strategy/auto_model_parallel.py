@@ -47,7 +47,7 @@ from lightning_automodel.parallel.mesh import ParallelDims, axis_size, data_mesh
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelizer import is_meta, parallelize
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
-from lightning_automodel.parallel.tensor.plan_selection import PlanSpec
+from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.strategy.faults import (
     FaultMonitor,
     notify_sigterm_locally,

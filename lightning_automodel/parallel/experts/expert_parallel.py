@@ -19,8 +19,8 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_automodel.hf.peft import is_lora_layer
-from lightning_automodel.parallel.experts.tensor_parallel import is_experts
-from lightning_automodel.parallel.tensor.parameter_styles import local_parameters
+from lightning_automodel.parallel.experts.expert_tensor_parallel import is_experts
+from lightning_automodel.parallel.tensor.styles.parameters import local_parameters
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -19,8 +19,8 @@ from lightning_automodel.hf.ties import ties_kept
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe
 from lightning_automodel.parallel.tensor.head_counts import head_parameter_styles, localize_head_counts, splits_outputs
 from lightning_automodel.parallel.tensor.lora import lora_aware
-from lightning_automodel.parallel.tensor.patterns import pattern_matches
-from lightning_automodel.parallel.tensor.plan_selection import PlanChoice, PlanSpec, select_tp_plan
+from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
+from lightning_automodel.parallel.tensor.plans.selection import PlanChoice, PlanSpec, select_tp_plan
 from lightning_automodel.parallel.tensor.sharded_activations import LayoutMismatch, find_sharded_activations
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from lightning_automodel.hf.packed_weights import is_packed
 from lightning_automodel.parallel.tensor.lora import LoraParallel
-from lightning_automodel.parallel.tensor.parameter_styles import HeadShardedParameters
-from lightning_automodel.parallel.tensor.projection_styles import PackedColwiseParallel, RegroupedColwiseParallel
 from lightning_automodel.parallel.tensor.sizes import model_config
+from lightning_automodel.parallel.tensor.styles.parameters import HeadShardedParameters
+from lightning_automodel.parallel.tensor.styles.projections import PackedColwiseParallel, RegroupedColwiseParallel
 
 
 def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -> list[str]:

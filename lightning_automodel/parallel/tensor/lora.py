@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_automodel.hf.peft import is_lora_layer
-from lightning_automodel.parallel.tensor.projection_styles import PackedColwiseParallel
+from lightning_automodel.parallel.tensor.styles.projections import PackedColwiseParallel
 
 _LORA_STYLES = (ColwiseParallel, RowwiseParallel, PackedColwiseParallel)
 

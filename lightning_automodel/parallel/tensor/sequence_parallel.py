@@ -13,16 +13,15 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.probe import TensorArg, Trace
 from lightning_automodel.parallel.tensor.lora import LoraParallel
-from lightning_automodel.parallel.tensor.parameter_styles import ReturnedParameters
-from lightning_automodel.parallel.tensor.patterns import keyed_by_position, matches_inside, pattern_matches
-from lightning_automodel.parallel.tensor.projection_styles import Conv1DRowwiseParallel
-from lightning_automodel.parallel.tensor.stream_styles import (
+from lightning_automodel.parallel.tensor.plans.family import TPPlan
+from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, matches_inside, pattern_matches
+from lightning_automodel.parallel.tensor.styles.parameters import ReturnedParameters
+from lightning_automodel.parallel.tensor.styles.projections import Conv1DRowwiseParallel
+from lightning_automodel.parallel.tensor.styles.stream import (
     SequenceParallelAllGather,
     SequenceShardedStream,
     WholeSequenceRegion,
 )
-
-TPPlan = dict[str, ParallelStyle]
 
 
 def with_sequence_parallel(model: nn.Module, plan: Mapping[str, ParallelStyle], *, trace: Trace | None) -> TPPlan:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_automodel.parallel.probe import Call, TensorArg, Trace
-from lightning_automodel.parallel.tensor.parameter_styles import ReplicateOnShardedInput
+from lightning_automodel.parallel.tensor.styles.parameters import ReplicateOnShardedInput
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from lightning_automodel.parallel.probe import (
     meta_copy,
     tensor_leaves,
 )
-from lightning_automodel.parallel.tensor.patterns import keyed_by_position
-from lightning_automodel.parallel.tensor.projection_styles import (
+from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position
+from lightning_automodel.parallel.tensor.styles.projections import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
     PackedColwiseParallel,
@@ -79,7 +79,7 @@ def derived_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     How the model's code takes an entry's output apart decides how its weight may be split, never its name:
 
     * viewed as (..., heads, rest) (q, k, v; Bloom's and Falcon's fused qkv laid out per head): contiguous rows are
-      whole heads, so plain column-parallel is right once head counts are this rank's (:mod:`.head_counts`);
+      whole heads, so plain column-parallel is right once head counts are this rank's (:mod:`..head_counts`);
     * split along its last dimension into blocks (GPT-2's ``c_attn``, MPT's ``Wqkv``, fused [gate; up]), or viewed as
       (..., parts, rest) and then taken apart along ``parts`` (Moshi's [gate; up]): each rank needs its slice of every
       block (:class:`PackedColwiseParallel`, or :class:`RegroupedColwiseParallel` for blocks of unequal size);
@@ -87,7 +87,7 @@ def derived_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     * anything else is refused, naming the module: a plan that runs with the right shapes can still be wrong.
 
     The embedding and lm_head are vocabulary-parallel as in the Llama plan, unless the lm_head shares a parameter with
-    anything but the input embedding. With sp the plan gets the layout of :mod:`.sequence_parallel`, as a Hugging Face
+    anything but the input embedding. With sp the plan gets the layout of :mod:`..sequence_parallel`, as a Hugging Face
     plan does.
     """
     flow = follow_projections(model)

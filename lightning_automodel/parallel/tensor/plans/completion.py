@@ -9,11 +9,11 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_automodel.hf.peft import is_lora_layer
-from lightning_automodel.parallel.experts.tensor_parallel import ExpertTensorParallel, is_experts
-from lightning_automodel.parallel.tensor.patterns import keyed_by_position, matches_inside, pattern_matches
-from lightning_automodel.parallel.tensor.projection_styles import KeptWhole, LatentKeyValueProjection
+from lightning_automodel.parallel.experts.expert_tensor_parallel import ExpertTensorParallel, is_experts
+from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, matches_inside, pattern_matches
 from lightning_automodel.parallel.tensor.sizes import model_config
-from lightning_automodel.parallel.tensor.stream_styles import WholeSequenceRegion
+from lightning_automodel.parallel.tensor.styles.projections import KeptWhole, LatentKeyValueProjection
+from lightning_automodel.parallel.tensor.styles.stream import WholeSequenceRegion
 
 # Multi-head latent attention under transformers' names: the down-projections stay whole, the per-head up-projections
 # are column- and the output row-parallel.

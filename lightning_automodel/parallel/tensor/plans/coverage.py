@@ -10,10 +10,14 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_automodel.hf.peft import is_lora_layer
-from lightning_automodel.parallel.experts.tensor_parallel import ExpertTensorParallel, experts_problem, is_experts
+from lightning_automodel.parallel.experts.expert_tensor_parallel import (
+    ExpertTensorParallel,
+    experts_problem,
+    is_experts,
+)
 from lightning_automodel.parallel.tensor.lora import LoraParallel
-from lightning_automodel.parallel.tensor.patterns import pattern_matches
-from lightning_automodel.parallel.tensor.projection_styles import (
+from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
+from lightning_automodel.parallel.tensor.styles.projections import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
     KeptWhole,

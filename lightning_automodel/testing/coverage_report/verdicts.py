@@ -23,6 +23,7 @@ REFUSAL_TYPES = (ValueError, TypeError, NotImplementedError)
 
 
 PACKAGE_DIR = Path(lightning_automodel.__file__).parent
+TESTING_DIR = PACKAGE_DIR / "testing"
 
 
 # Errors of a rank that only waited for a peer which failed or hung: the cause is elsewhere.
@@ -80,8 +81,8 @@ def describe_error(error: BaseException) -> dict[str, Any]:
     """The error as data: its type, first line, where it was raised, and whether it is a clear refusal of ours."""
     frame = traceback.extract_tb(error.__traceback__)[-1]
     site = Path(frame.filename)
-    ours = PACKAGE_DIR in site.parents
-    shown = site.relative_to(PACKAGE_DIR.parent) if ours else Path(*site.parts[-3:])
+    ours = PACKAGE_DIR in site.parents and TESTING_DIR not in site.parents  # the harness's own errors are crashes
+    shown = site.relative_to(PACKAGE_DIR.parent) if PACKAGE_DIR in site.parents else Path(*site.parts[-3:])
     message = first_line(error)
     return {
         "error": type(error).__name__,

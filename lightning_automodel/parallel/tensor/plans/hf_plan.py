@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_automodel.parallel.experts.tensor_parallel import ExpertTensorParallel
-from lightning_automodel.parallel.tensor.projection_styles import LatentKeyValueProjection, PackedColwiseParallel
+from lightning_automodel.parallel.experts.expert_tensor_parallel import ExpertTensorParallel
 from lightning_automodel.parallel.tensor.sizes import model_config
+from lightning_automodel.parallel.tensor.styles.projections import LatentKeyValueProjection, PackedColwiseParallel
 
 # Hugging Face style string -> the torch style with the same layout. Covers transformers 4.4x to 5.x.
 _TRANSLATIONS: dict[str, Callable[[], ParallelStyle | None]] = {

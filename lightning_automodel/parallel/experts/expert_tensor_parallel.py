@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_map
 
-from lightning_automodel.parallel.tensor.parameter_styles import local_parameters, summed_gradient, whole_local
+from lightning_automodel.parallel.tensor.styles.parameters import local_parameters, summed_gradient, whole_local
 
 # The parameters of an experts module, as (name, the dim holding intermediate units when stored (out, in)).
 _UP = {"gate_up_proj": 1, "up_proj": 1}

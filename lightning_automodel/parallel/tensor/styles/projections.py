@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_map
 
-from lightning_automodel.parallel.tensor.parameter_styles import summed_gradient, whole_local
+from lightning_automodel.parallel.tensor.styles.parameters import summed_gradient, whole_local
 
 
 class PackedColwiseParallel(ParallelStyle):

@@ -18,9 +18,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_automodel.parallel.tensor.projection_styles import PackedColwiseParallel, RegroupedColwiseParallel
 from lightning_automodel.parallel.tensor.sizes import model_config
-from lightning_automodel.parallel.tensor.stream_styles import SequenceParallelAllGather
+from lightning_automodel.parallel.tensor.styles.projections import PackedColwiseParallel, RegroupedColwiseParallel
+from lightning_automodel.parallel.tensor.styles.stream import SequenceParallelAllGather
 
 TPPlan = dict[str, ParallelStyle]
 PlanFunction = Callable[[nn.Module, bool], Mapping[str, ParallelStyle]]

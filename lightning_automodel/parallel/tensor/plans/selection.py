@@ -13,11 +13,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.probe import Trace
-from lightning_automodel.parallel.tensor.derived_plan import derived_plan
-from lightning_automodel.parallel.tensor.family_plans import PlanFunction, TPPlan, family_plan, llama_plan
-from lightning_automodel.parallel.tensor.hf_plan import hf_style_strings, hf_tp_plan, translate_style
-from lightning_automodel.parallel.tensor.plan_completion import completed
-from lightning_automodel.parallel.tensor.plan_coverage import Coverage, coverage, unmatched_patterns
+from lightning_automodel.parallel.tensor.plans.completion import completed
+from lightning_automodel.parallel.tensor.plans.coverage import Coverage, coverage, unmatched_patterns
+from lightning_automodel.parallel.tensor.plans.derived import derived_plan
+from lightning_automodel.parallel.tensor.plans.family import PlanFunction, TPPlan, family_plan, llama_plan
+from lightning_automodel.parallel.tensor.plans.hf_plan import hf_style_strings, hf_tp_plan, translate_style
 from lightning_automodel.parallel.tensor.sequence_parallel import with_sequence_parallel
 
 PlanSpec = Mapping[str, ParallelStyle | str] | str | PlanFunction
@@ -62,7 +62,7 @@ def select_tp_plan(
 
     ``trace``: a probe step of the model (see :mod:`~lightning_automodel.parallel.probe`), where known: the weights
     of modules it never calls (a decoder's cross-attention) need no sharding, and a candidate without a
-    sequence-parallel layout of its own gets one with ``sp`` (see :mod:`.sequence_parallel`).
+    sequence-parallel layout of its own gets one with ``sp`` (see :mod:`..sequence_parallel`).
     """
     blocks = named_decoder_layers(model) if blocks is None else blocks
     called = trace.called if trace is not None else None

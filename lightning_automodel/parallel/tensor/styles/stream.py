@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from torch.utils._pytree import tree_map
 
-from lightning_automodel.parallel.tensor.parameter_styles import whole_local
+from lightning_automodel.parallel.tensor.styles.parameters import whole_local
 
 
 class SequenceParallelAllGather(SequenceParallel):

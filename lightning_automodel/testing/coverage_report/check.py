@@ -4,8 +4,8 @@ A check builds the type's tiny config (:mod:`lightning_automodel.hf.shrink`), a 
 the same model on the meta device, which it parallelizes and materializes as ``AutoModelParallelStrategy`` does
 (``parallelize`` with the strategy's defaults, then ``materialize_hf_model``); it then loads the reference's weights
 shard by shard and compares loss, logits and every gradient. A check never raises: it returns what happened on its
-rank, and :func:`~lightning_automodel.testing.coverage_verdicts.classify` turns the outcomes of every rank into one
-verdict. ``scripts/coverage.py`` runs every type this way (:mod:`~lightning_automodel.testing.coverage_launch`);
+rank, and :func:`.verdicts.classify` turns the outcomes of every rank into one
+verdict. ``scripts/coverage.py`` runs every type this way (:mod:`~lightning_automodel.testing.coverage_report.launch`);
 ``tests/test_coverage.py`` runs a representative few.
 """
 
@@ -35,9 +35,9 @@ from lightning_automodel.hf.shrink import tiny_config
 from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.parallel.parallelizer import is_meta
-from lightning_automodel.planning.replica_comparison import fp64_copy, gradient_limits
+from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, fp64_copy, gradient_limits
 from lightning_automodel.testing.collectives import CollectiveCount
-from lightning_automodel.testing.coverage_verdicts import NO_TINY_CONFIG, describe_error, first_line
+from lightning_automodel.testing.coverage_report.verdicts import NO_TINY_CONFIG, describe_error, first_line
 from lightning_automodel.testing.parity import (
     FP32_TOLERANCE,
     Outputs,
@@ -54,9 +54,6 @@ LAYOUTS = {"tp2": dict(tp=2, sp=False), "tp2_sp": dict(tp=2, sp=True), "dp_shard
 WORLD_SIZE = 2
 # Every collective gives up after this long, so that a hang becomes an error the classifier can see.
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
-
-# Gradients below this share of the model's largest are zero up to rounding (see parity.gradient_errors).
-ZERO_GRADIENT = 1e-5
 
 
 @dataclass

@@ -14,14 +14,14 @@ from typing import Any
 import torch.distributed as dist
 from transformers.utils import logging as transformers_logging
 
-from lightning_automodel.testing.coverage_check import (
+from lightning_automodel.testing.coverage_report.check import (
     COLLECTIVE_TIMEOUT,
     LAYOUTS,
     WORLD_SIZE,
     coverage_check,
     layout_mesh,
 )
-from lightning_automodel.testing.coverage_verdicts import (
+from lightning_automodel.testing.coverage_report.verdicts import (
     CRASH,
     HANG,
     NO_TINY_CONFIG,

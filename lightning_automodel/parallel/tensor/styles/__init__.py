@@ -1,0 +1,4 @@
+"""Parallel styles torch does not ship, each a small subclass of a torch ``ParallelStyle`` that changes only a
+module's edge: the sequence-sharded residual stream (:mod:`.stream`), fused, Conv1D and vocabulary projections
+(:mod:`.projections`), and parameters computing on sharded activations (:mod:`.parameters`).
+"""

@@ -15,6 +15,7 @@ logger a CSVLogger, which the end-of-training summary draws its loss curve from,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> None:
     """``argv`` defaults to the command line (which LightningCLI then reads itself, as it prefers)."""
-    given = sys.argv[1:] if argv is None else argv
+    given = [expand_home(argument) for argument in (sys.argv[1:] if argv is None else argv)]
+    if argv is None:
+        sys.argv[1:] = given  # what LightningCLI, and the processes Lightning's launcher starts, read
     commands = {"plan": plan_command, "export": export_command}
     _ignore_lightning_deprecations()
     if not given or given[0] in ("-h", "--help"):
@@ -68,7 +71,14 @@ def main(argv: list[str] | None = None) -> None:
     elif given[0] in commands:
         commands[given[0]](given[1:])
     else:
-        cli(argv)
+        cli(None if argv is None else given)
+
+
+def expand_home(argument: str) -> str:
+    """``--output=~/models/x`` with the home directory for ``~``: a shell expands a ``~`` that starts a word, not one
+    after ``=``, and the option would name a folder called ``~``."""
+    option, equals, value = argument.partition("=") if argument.startswith("--") else ("", "", argument)
+    return option + equals + os.path.expanduser(value) if value.startswith("~") else argument
 
 
 def _front_door(given: list[str]) -> None:

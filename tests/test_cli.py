@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -15,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_automodel.cli import cli, main, plan_for_config
+from lightning_automodel.cli import cli, expand_home, main, plan_for_config
 from lightning_automodel.lm import DemoDataModule
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -315,3 +316,16 @@ def test_the_help_lists_every_command(capsys):
     with pytest.raises(SystemExit) as exit_:
         main([])
     assert exit_.value.code == 2 and "a command is needed" in capsys.readouterr().err
+
+
+def test_a_tilde_after_an_equals_sign_is_the_home_directory(capsys, monkeypatch, tmp_path):
+    """`--output=~/models/x`: the shell leaves that `~` alone, and the command expands it in every option."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copy(EXAMPLES / "demo.yaml", tmp_path / "demo.yaml")
+    command = ["plan", "--config=~/demo.yaml"]
+    monkeypatch.setattr(sys, "argv", ["lightning-automodel", *command])
+    main()
+    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1)" in capsys.readouterr().out
+    assert sys.argv[1:] == ["plan", f"--config={tmp_path}/demo.yaml"]  # as Lightning's launcher re-runs it
+    assert expand_home("--output=~/models/x") == f"--output={tmp_path}/models/x"
+    assert expand_home('--model.config={"path": "~"}') == '--model.config={"path": "~"}'

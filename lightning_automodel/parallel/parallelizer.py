@@ -97,16 +97,16 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         """
         on_meta = is_meta(model)
         pipeline = (options.pipeline or PipelineOptions()) if axis_size(device_mesh, "pp") > 1 else None
-        sharding = _refuse_before_collectives(model, device_mesh, options, pipeline=pipeline)
+        findings = _refuse_before_collectives(model, device_mesh, options, pipeline=pipeline)
         if not on_meta:
             model.to(device_mesh.device_type)
             broadcast_from_rank0(model)
-        stages, tensor_parallel = None, sharding.planned
+        stages, tensor_parallel = None, findings.planned
         if pipeline is not None:
             stages, tensor_parallel = _split_into_stages(model, device_mesh, pipeline, tensor_parallel=tensor_parallel)
         if axis_size(device_mesh, "cp") > 1:
             context_parallel_model(model, device_mesh, attention=options.cp_attention)
-        layers = [layer for name, layer in named_decoder_layers(model) if name not in sharding.held_by_root]
+        layers = [layer for name, layer in named_decoder_layers(model) if name not in findings.held_by_root]
         if tensor_parallel is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), tensor_parallel)
         experts = _apply_expert_parallel(model, device_mesh) if axis_size(device_mesh, "ep") > 1 else None
@@ -115,7 +115,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if (compiled := compile_options(options.compile)) is not None:
             apply_compile(model, layers, compiled)
         give_every_expert_a_gradient(model)
-        _apply_fsdp(model, device_mesh, options.fsdp, stages=stages, experts=experts, sharding=sharding)
+        _apply_fsdp(model, device_mesh, options.fsdp, stages=stages, experts=experts, findings=findings)
         return model
 
 
@@ -125,7 +125,7 @@ def _refuse_before_collectives(
     """The checks of :mod:`~lightning_automodel.parallel.preflight`, and those that need the options' mesh sizes."""
     ep = axis_size(device_mesh, "ep")
     check_compile(compile=options.compile, activation_checkpointing=options.activation_checkpointing, ep=ep)
-    sharding = check_before_collectives(
+    findings = check_before_collectives(
         model,
         device_mesh,
         pipeline=pipeline,
@@ -140,7 +140,7 @@ def _refuse_before_collectives(
     problem = expert_precision_problem(model, reduce_dtype) if ep > 1 else None
     if problem is not None:
         raise ValueError(f"ep={ep} (expert parallel): {problem}.")
-    return sharding
+    return findings
 
 
 def _split_into_stages(
@@ -177,7 +177,7 @@ def _apply_fsdp(
     *,
     stages: Pipeline | None,
     experts: ExpertSharding | None,
-    sharding: PreflightFindings,
+    findings: PreflightFindings,
 ) -> None:
     """FSDP2 over each root: the model, or under pp each stage a rank holds."""
     if stages is not None and options.reshard_after_forward is None:
@@ -187,7 +187,7 @@ def _apply_fsdp(
     for root in stages.stage_modules() if stages is not None else [model]:
         apply_fsdp(
             root,
-            [layer for name, layer in named_decoder_layers(root) if name not in sharding.held_by_root],
+            [layer for name, layer in named_decoder_layers(root) if name not in findings.held_by_root],
             fsdp_mesh(device_mesh),
             options,
             experts=experts.within(root) if experts is not None else None,

@@ -7,7 +7,8 @@ from the fault to its exit, and what it printed (fault_train.py gives each rank 
 
 Exit codes of processes that are not this one's children: this process becomes a "child subreaper" (Linux), so
 that ranks orphaned by a dead launcher are reparented to it and reaped here; a rank that exits while its parent
-lives is read as a zombie from /proc, or from torchrun's failure summary once its agent reaped it.
+lives is read as a zombie from /proc, or from torchrun's failure summary once its agent reaped it, or from the
+``rank<r>.exit`` that Lightning's rank 0 writes for the ranks it reaped.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def launch(
     for rank, pid in pids.items():
         code, seconds = ended.get(rank, (None, None))
         output = (out_dir / f"rank{rank}.log").read_text(errors="replace")
-        ranks[rank] = RankEnd(code if code is not None else codes.get(pid), seconds, output)
+        if code is None:
+            code = codes.get(pid, _read_int(out_dir / f"rank{rank}.exit"))
+        ranks[rank] = RankEnd(code, seconds, output)
     return Outcome(fault, ranks, launchers)
 
 

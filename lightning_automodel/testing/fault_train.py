@@ -3,7 +3,8 @@
 Launched as users launch: ``python fault_train.py OUT_DIR ...`` (Lightning's own launcher starts the other ranks by
 running this script again) or under torchrun. Each rank writes ``OUT_DIR/rank<r>.log`` (its stdout and stderr),
 ``rank<r>.pid`` once training runs, and ``rank<r>.step`` at every step, so that a driver can inject a fault mid-step
-and see what every rank printed.
+and see what every rank printed. Rank 0 under Lightning's launcher also writes ``rank<r>.exit``, the exit code of each
+rank it started and reaped (the driver cannot read those).
 
 Usage: fault_train.py OUT_DIR [--devices N] [--nodes N] [--timeout SECONDS] [--steps N] [--save-every N]
     [--in-save RANK] [--nan-rank RANK [--nan-step STEP]] [--detect-anomaly] [--save-on-exception]
@@ -12,6 +13,7 @@ Usage: fault_train.py OUT_DIR [--devices N] [--nodes N] [--timeout SECONDS] [--s
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -95,7 +97,16 @@ def main() -> None:
         callbacks=callbacks,
         detect_anomaly=args.detect_anomaly,
     )
+    atexit.register(record_exit_codes_of_started_ranks, trainer, args.out_dir)
     trainer.fit(NaNLoss(tiny_model()), data(args.devices * args.nodes // 2))
+
+
+def record_exit_codes_of_started_ranks(trainer, out_dir: Path) -> None:
+    """Lightning's launcher signals the ranks it started on its way out, and signalling first reaps those that have
+    exited: their exit codes are then known only here."""
+    for offset, process in enumerate(getattr(trainer.strategy.launcher, "procs", ()), start=1):
+        if process.returncode is not None:
+            (out_dir / f"rank{trainer.global_rank + offset}.exit").write_text(str(process.returncode))
 
 
 def kill_midway_through_second_save() -> None:

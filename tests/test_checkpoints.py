@@ -1,6 +1,8 @@
 """Sharded Lightning checkpoints: exact resume, a save failing midway, resume into other layouts, conversion."""
 
+import os
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +16,10 @@ from checkpoint_checks import (
     check_save_unsharded_resume_sharded,
 )
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from lightning_automodel.io.atomic_directory import atomic_directory, readable_path
 from lightning_automodel.io.lightning_checkpoint import load_sharded_checkpoint
 from lightning_automodel.testing.harness import run_checks
 
@@ -35,6 +39,46 @@ def test_resume_exactly_and_into_other_layouts(tmp_path, family):
 def test_data_position_restored_mid_epoch(tmp_path):
     """Resumed mid-epoch at tp=2 x dp_shard=2: a stateful loader continues at the next batch."""
     run_checks(4, [partial(check_data_position_restored, str(tmp_path), 2)])
+
+
+class Killed(BaseException):
+    """The job dies here: nothing after it runs (not even ``finally`` blocks that catch ``Exception``)."""
+
+
+@pytest.mark.parametrize("renames_before_the_kill", [0, 1, 2, 3])
+def test_the_newest_complete_save_is_found_at_every_moment_of_a_swap(tmp_path, monkeypatch, renames_before_the_kill):
+    """The second save of last.ckpt is killed after each of the renames of its swap (and of the clean-up): the path
+    (as ``readable_path`` reads it) and Lightning's ``ckpt_path="last"`` (the newest ``last*.ckpt``) find the
+    second save once it is complete, the first before; the next save finishes what the killed one began and
+    leaves last.ckpt alone."""
+    target = tmp_path / "last.ckpt"
+
+    def save(version: int) -> None:
+        with atomic_directory(target, unowned=lambda path: []) as staging:
+            (staging / "version").write_text(str(version))
+            os.utime(staging, (0, 0))  # whatever time the file server's clock gave it: the swap makes it the newest
+
+    save(1)
+    rename, renames = Path.rename, []
+
+    def rename_then_maybe_die(self, destination):
+        if len(renames) == renames_before_the_kill:
+            raise Killed
+        renames.append(destination)
+        return rename(self, destination)
+
+    monkeypatch.setattr(Path, "rename", rename_then_maybe_die)
+    with pytest.raises(Killed):
+        save(2)
+    monkeypatch.setattr(Path, "rename", rename)
+    expected = "1" if renames_before_the_kill == 0 else "2"  # complete once named last.new.ckpt
+    assert (readable_path(target) / "version").read_text() == expected
+    candidates = ModelCheckpoint(dirpath=tmp_path)._find_last_checkpoints(trainer=None)
+    newest = max(candidates, key=lambda path: Path(path).stat().st_mtime)  # as Lightning resolves "last"
+    assert (Path(newest) / "version").read_text() == expected, sorted(candidates)
+    save(3)
+    assert [path.name for path in tmp_path.iterdir()] == ["last.ckpt"]
+    assert (target / "version").read_text() == "3"
 
 
 def test_optimizer_settings_load_by_group_position(tmp_path):

@@ -17,6 +17,7 @@ from fault_checks import (
     check_nan_loss_trains_on,
     check_nan_stops_every_rank,
     check_resume_after_killed_save,
+    check_resume_after_killed_swap,
 )
 
 from lightning_automodel.io.lightning_checkpoint import check_checkpoint
@@ -41,13 +42,17 @@ def assert_named(outcome: Outcome, failed: int, reason: str, *, since: float = 0
 
 def test_rank_killed_mid_save_then_checkpoint_faults(tmp_path):
     """Rank 1 SIGKILLs itself halfway through writing its shard of the second last.ckpt (tp=2 under Lightning's
-    launcher): rank 0 exits naming it. Then, in one gloo launch: the resume from the last.ckpt it left equals the
-    uninterrupted run; a full disk on one rank and on both; damaged, foreign and missing checkpoints; NaN losses."""
+    launcher): rank 0 exits naming it. Rank 0 SIGKILLs itself between the two renames of that save's swap. Then, in
+    one gloo launch: the resumes from what each left equal the uninterrupted run; a full disk on one rank and on
+    both; damaged, foreign and missing checkpoints; NaN losses."""
     killed = launch(tmp_path / "run", None, world=2, timeout=TIMEOUT, args=("--save-every=2", "--in-save=1"))
     assert killed.ranks[1].code == -signal.SIGKILL, killed.describe()
     assert_named(killed, 1, GONE, since=killed.ranks[1].seconds)
+    swapping = launch(tmp_path / "swap", None, world=2, timeout=TIMEOUT, args=("--save-every=2", "--in-swap"))
+    assert swapping.ranks[0].code == -signal.SIGKILL, swapping.describe()
     checks = [
         partial(check_resume_after_killed_save, str(tmp_path / "run")),
+        partial(check_resume_after_killed_swap, str(tmp_path / "swap")),
         partial(check_full_disk, str(tmp_path), (1,), 100_000),
         partial(check_full_disk, str(tmp_path), (0, 1), None),
         partial(check_damaged_checkpoints, str(tmp_path)),

@@ -3,6 +3,13 @@
 A save replaces what stands at its path only when that is a previous save of the same kind (a checkpoint, a
 Hugging Face model directory): a path that holds anything else (a user's notes, a dataset, an experiment folder)
 is refused on every rank before anything is written, and a failed save leaves the previous one as it was.
+
+There is no moment at which the newest complete copy cannot be found, by Lightning's ``ckpt_path="last"`` (the
+newest ``last*.ckpt`` by modification time) or by the path itself (:func:`readable_path`). A save writes into a
+hidden staging directory; once every rank has written its part, the staging directory becomes ``last.new.ckpt``
+(touched: the newest), the previous copy goes aside as ``last.old.ckpt``, and the new one moves in. A job killed
+between these renames leaves complete copies under names both lookups find, and the next save finishes the swap
+before it writes. A copy is deleted only once a newer one stands at the path, and renamed out of sight first.
 """
 
 from __future__ import annotations
@@ -88,15 +95,31 @@ def refuse_unowned(target: Path, *, unowned: Unowned) -> None:
         )
 
 
+def readable_path(target: Path) -> Path:
+    """The newest complete copy of ``target``: itself, unless a save was killed in the middle of its swap."""
+    candidates = (_renamed(target, "new"), target, _renamed(target, "old"))
+    return next((path for path in candidates if path.exists()), target)
+
+
+def _renamed(target: Path, tag: str) -> Path:
+    """``last.ckpt`` -> ``last.{tag}.ckpt``: a name that ``ckpt_path="last"`` still matches."""
+    return target.with_name(f"{target.stem}.{tag}{target.suffix}")
+
+
 def _make_staging(target: Path, *, unowned: Unowned) -> str:
     """A fresh directory beside ``target``, with the permissions a plain ``mkdir`` would give it. What a save killed
-    midway left there (its staging directory) is removed first."""
+    midway left is dealt with first: a swap it began is finished, its staging directory and half-deleted copies
+    are removed."""
+    newest = readable_path(target)
+    if newest != target:
+        refuse_unowned(newest, unowned=unowned)
+        _move_in(target, newest)
     refuse_unowned(target, unowned=unowned)
     target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{target.name}.staging-"
-    for leftover in target.parent.glob(f"{glob.escape(prefix)}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    staging = tempfile.mkdtemp(prefix=prefix, dir=target.parent)
+    for prefix in (_STAGING.format(target.name), _DELETING.format(_renamed(target, "old").name)):
+        for leftover in target.parent.glob(f"{glob.escape(prefix)}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    staging = tempfile.mkdtemp(prefix=_STAGING.format(target.name), dir=target.parent)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)
@@ -133,19 +156,37 @@ def _everywhere(flag: bool) -> bool:
     return bool(count.item())
 
 
+_STAGING = ".{}.staging-"
+_DELETING = ".{}.deleting"
+
+
 def _replace(target: Path, staging: Path) -> None:
-    if not target.exists():
-        staging.rename(target)
+    """Put the complete ``staging`` at ``target``, under names that find it at every moment."""
+    new = _renamed(target, "new")
+    staging.rename(new)
+    os.utime(new)  # the newest copy by modification time, which ckpt_path="last" goes by
+    _move_in(target, new)
+
+
+def _move_in(target: Path, newest: Path) -> None:
+    """The renames that put ``newest`` at ``target`` (the previous copy aside until then), and the clean-up."""
+    aside = _renamed(target, "old")
+    if newest != aside:
+        _delete(aside)  # stale: a newer copy exists
+        if target.exists():
+            target.rename(aside)
+    newest.rename(target)
+    _delete(aside)
+
+
+def _delete(path: Path) -> None:
+    """Remove ``path``, first renaming it out of sight, so that no lookup finds it half deleted."""
+    if not path.exists():
         return
-    old = target.with_name(f".{target.name}.old")
-    _remove(old)
-    target.rename(old)
-    try:
-        staging.rename(target)
-    except OSError:
-        old.rename(target)  # put the previous one back
-        raise
-    _remove(old)
+    hidden = path.with_name(_DELETING.format(path.name))
+    _remove(hidden)
+    path.rename(hidden)
+    _remove(hidden)
 
 
 def _remove(path: Path) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_automodel.hf.packed_weights import packed_block_keys
 from lightning_automodel.hf.peft import with_lora
-from lightning_automodel.io.atomic_directory import atomic_directory
+from lightning_automodel.io.atomic_directory import atomic_directory, readable_path
 from lightning_automodel.io.hf_export import not_model_files
 
 _WEIGHTS = "state_dict."
@@ -45,7 +45,7 @@ def export_checkpoint(
     """
     import transformers
 
-    checkpoint = Path(checkpoint)
+    checkpoint = readable_path(Path(checkpoint))
     metadata = _metadata(checkpoint)
     if config is not None:
         hf_config = transformers.AutoConfig.from_pretrained(config)

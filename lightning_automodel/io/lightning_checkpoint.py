@@ -186,9 +186,7 @@ def raise_everywhere(problem: Exception | None) -> None:
 
 def _damage(path: Path) -> Exception | None:
     if not path.exists():
-        old = path.with_name(f".{path.name}.old")
-        hint = f" An interrupted save left the previous one at {old}: rename it back." if old.exists() else ""
-        return FileNotFoundError(f"No checkpoint at {path}.{hint}")
+        return FileNotFoundError(f"No checkpoint at {path}.")
     if not path.is_dir():
         return None  # a single-file checkpoint: torch.load names it if it is damaged
     parts = [path / _METADATA_FILENAME, path / ".metadata"]

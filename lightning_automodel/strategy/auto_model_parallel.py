@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_automodel.hf.models import find_hf_models
-from lightning_automodel.io.atomic_directory import atomic_directory, check_save_path
+from lightning_automodel.io.atomic_directory import atomic_directory, check_save_path, readable_path
 from lightning_automodel.io.lightning_checkpoint import (
     check_checkpoint,
     explain_save_failure,
@@ -281,7 +281,7 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
+        path = Path(self.broadcast(str(readable_path(Path(checkpoint_path)))))
         check_checkpoint(path)
         if not self.options.save_trainable_only and not _is_sharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only=weights_only)

@@ -7,7 +7,7 @@ and see what every rank printed. Rank 0 under Lightning's launcher also writes `
 rank it started and reaped (the driver cannot read those).
 
 Usage: fault_train.py OUT_DIR [--devices N] [--nodes N] [--timeout SECONDS] [--steps N] [--save-every N]
-    [--in-save RANK] [--nan-rank RANK [--nan-step STEP]] [--detect-anomaly] [--save-on-exception]
+    [--in-save RANK] [--in-swap] [--nan-rank RANK [--nan-step STEP]] [--detect-anomaly] [--save-on-exception]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--save-every", type=int, default=0, help="last.ckpt every N steps, in OUT_DIR/ckpt")
     parser.add_argument("--in-save", type=int, default=None, help="this rank kills itself midway through a save")
+    parser.add_argument("--in-swap", action="store_true", help="rank 0 dies between the renames of its second swap")
     parser.add_argument("--nan-rank", type=int, default=None, help="this rank's loss turns NaN at --nan-step")
     parser.add_argument("--nan-step", type=int, default=3)
     parser.add_argument("--detect-anomaly", action="store_true", help="Trainer(detect_anomaly=True)")
@@ -81,6 +82,8 @@ def main() -> None:
         callbacks.append(OnExceptionCheckpoint(args.out_dir / "ckpt"))
     if args.in_save is not None and global_rank() == args.in_save:
         kill_midway_through_second_save()
+    if args.in_swap and global_rank() == 0:
+        kill_between_the_renames_of_a_swap()
 
     options = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
     strategy = AutoModelParallelStrategy(tp=2, **options)
@@ -125,6 +128,20 @@ def kill_midway_through_second_save() -> None:
         return result
 
     filesystem._write_files_from_queue = write_then_die
+
+
+def kill_between_the_renames_of_a_swap() -> None:
+    """SIGKILL this process once a checkpoint swap has set the previous last.ckpt aside, before the new one moves in:
+    a job killed in the window of a slow rename on a network file system."""
+    rename = Path.rename
+
+    def rename_then_die(self, target):
+        result = rename(self, target)
+        if Path(target).name == "last.old.ckpt":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    Path.rename = rename_then_die
 
 
 if __name__ == "__main__":

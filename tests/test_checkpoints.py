@@ -1,9 +1,12 @@
 """Sharded Lightning checkpoints: exact resume, a save failing midway, resume into other layouts, conversion."""
 
+import io
 import os
+import random
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -12,6 +15,7 @@ from checkpoint_checks import (
     assert_converted,
     check_data_position_restored,
     check_resume_into_layout,
+    check_resume_with_dropout_exactly,
     check_save_and_exact_resume,
     check_save_unsharded_resume_sharded,
 )
@@ -21,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from lightning_automodel.io.atomic_directory import atomic_directory, readable_path
 from lightning_automodel.io.lightning_checkpoint import load_sharded_checkpoint
+from lightning_automodel.io.random_states import gather_random_states, restore_random_states
 from lightning_automodel.testing.harness import run_checks
 
 
@@ -36,9 +41,24 @@ def test_resume_exactly_and_into_other_layouts(tmp_path, family):
     assert_converted(tmp_path, family)
 
 
-def test_data_position_restored_mid_epoch(tmp_path):
-    """Resumed mid-epoch at tp=2 x dp_shard=2: a stateful loader continues at the next batch."""
-    run_checks(4, [partial(check_data_position_restored, str(tmp_path), 2)])
+def test_data_position_and_random_states_restored(tmp_path):
+    """Resumed mid-epoch at tp=2 x dp_shard=2: a stateful loader continues at the next batch; with attention dropout,
+    mid-epoch and at an epoch's end, the resumed run draws the uninterrupted run's masks."""
+    checks = [partial(check_data_position_restored, str(tmp_path), 2)]
+    checks.append(partial(check_resume_with_dropout_exactly, str(tmp_path), 2))
+    for name, results in run_checks(4, checks).items():
+        print(name, results[0])
+
+
+def test_random_states_load_with_weights_only_and_restore_every_generator():
+    """Python's, NumPy's and torch's generators come back as saved, from a file ``torch.load(weights_only=True)``
+    reads (Lightning's ``fit(weights_only=True)``)."""
+    saved = io.BytesIO()
+    torch.save({"random_states": gather_random_states()}, saved)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    saved.seek(0)
+    restore_random_states(torch.load(saved, weights_only=True)["random_states"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
 class Killed(BaseException):

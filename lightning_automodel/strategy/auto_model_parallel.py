@@ -10,35 +10,23 @@ import weakref
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_automodel.hf.models import find_hf_models
-from lightning_automodel.io.atomic_directory import atomic_directory, check_save_path, readable_path
-from lightning_automodel.io.lightning_checkpoint import (
-    check_checkpoint,
-    explain_save_failure,
-    load_sharded_checkpoint,
-    not_checkpoint_files,
-    only_trainable,
-    split_packed,
-)
 from lightning_automodel.parallel.activation_checkpointing import ACMode
 from lightning_automodel.parallel.compile import CompileSpec
 from lightning_automodel.parallel.context_parallel import CPAttention
@@ -48,6 +36,7 @@ from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelizer import is_meta, parallelize
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
+from lightning_automodel.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_automodel.strategy.faults import (
     FaultMonitor,
     notify_sigterm_locally,
@@ -81,7 +70,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class AutoModelParallelStrategy(ModelParallelStrategy):
+class AutoModelParallelStrategy(CheckpointHooks):
     """Lightning's ModelParallelStrategy that parallelizes the LightningModule's Hugging Face models itself, over a
     5D mesh: pipeline (pp), HSDP and FSDP2 (dp_replicate, dp_shard), context (cp), tensor and sequence (tp, sp) and
     expert (ep) parallel. Its arguments are documented on the fields of
@@ -253,47 +242,6 @@ class AutoModelParallelStrategy(ModelParallelStrategy):
     def model_to_device(self) -> None:
         if not self.options.cpu_offload:  # offloaded FSDP shards must stay in CPU memory
             super().model_to_device()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        state = only_trainable(state, self.model) if self.options.save_trainable_only else state
-        return split_packed(state) if self._save_distributed_checkpoint else state
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        state = super().optimizer_state(optimizer)
-        return split_packed(state) if self._save_distributed_checkpoint else state
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Sharded checkpoints are written beside their path and swapped in once every rank has written its part:
-        a save that fails midway (a full disk, a killed job) leaves the previous checkpoint at that path whole.
-
-        A save replaces a previous checkpoint at its path and nothing else: a path holding other files (a user's
-        folder, a dataset) is refused on every rank, where the parent would delete them or write among them."""
-        path = Path(self.broadcast(filepath))
-        if not self._save_distributed_checkpoint:
-            check_save_path(path, unowned=not_checkpoint_files)
-            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-        with atomic_directory(path, unowned=not_checkpoint_files) as staging, explain_save_failure(path):
-            super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(readable_path(Path(checkpoint_path)))))
-        check_checkpoint(path)
-        if not self.options.save_trainable_only and not _is_sharded_checkpoint(path):
-            return super().load_checkpoint(path, weights_only=weights_only)
-        assert self.lightning_module is not None
-        return load_sharded_checkpoint(
-            path,
-            self.model,
-            self.optimizers,
-            trainable_only=self.options.save_trainable_only,
-            strict=self.lightning_module.strict_loading,
-            weights_only=weights_only,
-        )
 
     @property
     def _pipelines(self) -> list[Pipeline]:

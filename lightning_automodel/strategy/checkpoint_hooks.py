@@ -1,0 +1,116 @@
+"""The strategy's checkpoint hooks: saves that appear whole or not at all and replace nothing a user wrote, loads
+that check the checkpoint first and reshard it to this run's layout, and every rank's random states.
+
+Random states: restored at the load, before the loader's iterator is made (its base seed is a draw), so that a
+resume at an epoch's end draws what the uninterrupted run drew when it began the next epoch; and again as
+training starts when the resumed epoch has batches left, where the uninterrupted run made no new iterator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_automodel.io.atomic_directory import atomic_directory, check_save_path, readable_path
+from lightning_automodel.io.lightning_checkpoint import (
+    check_checkpoint,
+    explain_save_failure,
+    load_sharded_checkpoint,
+    not_checkpoint_files,
+    only_trainable,
+    split_packed,
+)
+from lightning_automodel.io.random_states import RandomStates, gather_random_states, restore_random_states
+from lightning_automodel.strategy.options import StrategyOptions
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+RANDOM_STATES = "random_states"
+
+
+class CheckpointHooks(ModelParallelStrategy):
+    options: StrategyOptions
+    _random_states: list[RandomStates] | None = None  # loaded, until training starts
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        state = only_trainable(state, self.model) if self.options.save_trainable_only else state
+        return split_packed(state) if self._save_distributed_checkpoint else state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        return split_packed(state) if self._save_distributed_checkpoint else state
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Sharded checkpoints are written beside their path and swapped in once every rank has written its part:
+        a save that fails midway (a full disk, a killed job) leaves the previous checkpoint at that path whole.
+
+        A save replaces a previous checkpoint at its path and nothing else: a path holding other files (a user's
+        folder, a dataset) is refused on every rank, where the parent would delete them or write among them."""
+        path = Path(self.broadcast(filepath))
+        checkpoint = {**checkpoint, RANDOM_STATES: gather_random_states()}
+        if not self._save_distributed_checkpoint:
+            check_save_path(path, unowned=not_checkpoint_files)
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        with atomic_directory(path, unowned=not_checkpoint_files) as staging, explain_save_failure(path):
+            super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(readable_path(Path(checkpoint_path)))))
+        check_checkpoint(path)
+        if not self.options.save_trainable_only and not _is_sharded_checkpoint(path):
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        else:
+            assert self.lightning_module is not None
+            checkpoint = load_sharded_checkpoint(
+                path,
+                self.model,
+                self.optimizers,
+                trainable_only=self.options.save_trainable_only,
+                strict=self.lightning_module.strict_loading,
+                weights_only=weights_only,
+            )
+        self._random_states = self._restorable(checkpoint.pop(RANDOM_STATES, None), path)
+        if self._random_states is not None:
+            restore_random_states(self._random_states)
+        return checkpoint
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.lightning_module is not None
+        if self._random_states is not None and _batches_left(self.lightning_module.trainer):
+            restore_random_states(self._random_states)
+        self._random_states = None
+
+    def _restorable(self, saved: list[RandomStates] | None, path: Path) -> list[RandomStates] | None:
+        """``saved`` if it can be restored into this run: a fit on as many processes as saved it."""
+        assert self.lightning_module is not None
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return None
+        if saved is None or len(saved) != self.world_size:
+            found = "none" if saved is None else f"those of {len(saved)} processes"
+            rank_zero_warn(
+                f"{path} holds {found} and this run has {self.world_size}: the random states are not restored, so"
+                " what a step draws (dropout) differs from the uninterrupted run."
+            )
+            return None
+        return saved
+
+
+def _batches_left(trainer: pl.Trainer) -> bool:
+    """Whether the epoch a resumed run goes on with has batches left (it resumed mid-epoch)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready < trainer.fit_loop.max_batches

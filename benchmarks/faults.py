@@ -3,10 +3,11 @@
     .venv/bin/python benchmarks/faults.py                      # every fault, default and 30 s timeouts (~20 min)
     .venv/bin/python benchmarks/faults.py --timeouts 30 --cases "SIGKILL rank 1" "SIGTERM rank 1"
 
-Each case launches lightning_automodel/testing/fault_train.py as users do (Lightning's launcher, or torchrun with one or
-two agents), the tiny Llama at tp=2 x dp_shard=2 on 4 CPU processes over gloo, and injects the fault once every rank has
-trained 2 steps (see lightning_automodel/testing/fault_launch.py). A survivor still running ``--wait`` seconds after the
-fault is reported as such and killed. Run it against another checkout with PYTHONPATH=that/checkout.
+Each case launches lightning_automodel/testing/fault_train.py as users do (Lightning's launcher, torchrun with one or
+two agents, or each rank as srun starts it in a SLURM job step), the tiny Llama at tp=2 x dp_shard=2 on 4 CPU
+processes over gloo, and injects the fault once every rank has trained 2 steps (see
+lightning_automodel/testing/fault_launch.py). A survivor still running ``--wait`` seconds after the fault is reported
+as such and killed. Run it against another checkout with PYTHONPATH=that/checkout.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
 
-KILL, TERM, INT, STOP = signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGSTOP
+KILL, TERM, INT, STOP, USR1 = signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGSTOP, signal.SIGUSR1
 
 # name -> (launcher, nodes, fault, fault_train.py arguments, the rank that failed)
 CASES = {
@@ -37,6 +38,8 @@ CASES = {
     "torchrun: Ctrl-C": ("torchrun", 1, Fault(INT, "group"), (), None),
     "torchrun 2 nodes: SIGKILL rank 3": ("torchrun", 2, Fault(KILL, 3), (), 3),
     "torchrun 2 nodes: SIGSTOP rank 3": ("torchrun", 2, Fault(STOP, 3), (), 3),
+    "SLURM: SIGUSR1 (requeue) to rank 1": ("slurm", 1, Fault(USR1, 1), ("--save-every=1000",), None),
+    "SLURM: SIGTERM to all in a 5 s save": ("slurm", 1, Fault(TERM, "all"), ("--save-every=2", "--slow-save=5"), None),
 }
 
 

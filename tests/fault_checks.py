@@ -165,6 +165,21 @@ def check_resume_after_killed_swap(directory: str) -> dict:
     return result
 
 
+def check_resume_after_requeue(directory: str) -> dict:
+    """The job requeued after SLURM's requeue signal runs again with ``ckpt_path="last"``: it resumes from the
+    last.ckpt saved on the way out, and its next 2 steps equal the uninterrupted run's, losses and weights."""
+    checkpoints = Path(directory) / "ckpt"
+    step = torch.load(checkpoints / "last.ckpt" / "meta.pt", weights_only=False)["global_step"]
+    whole = CausalLM(tiny_model())
+    fit(whole, TP, step + 2)
+    resumed = CausalLM(tiny_model(seed=5 + dist.get_rank()))
+    saving = ModelCheckpoint(checkpoints, every_n_train_steps=1000, save_top_k=0, save_last=True)
+    run = trainer(AutoModelParallelStrategy(tp=TP), max_steps=step + 2, callbacks=[saving], enable_checkpointing=True)
+    run.fit(resumed, data(dist.get_world_size() // TP), ckpt_path="last")
+    weights = dict(whole.model.named_parameters())
+    return {"step": step, **_assert_continues(resumed, whole.losses[step - 2 :], weights)}  # steps step+1, step+2
+
+
 class NaNProbe(CausalLM):
     """Logs, unsynced, a copy of the loss that is NaN on rank 1 alone at step 1: one rank's EarlyStopping sees it."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 from functools import partial
 
+import torch
 from fault_checks import (
     check_damaged_checkpoints,
     check_full_disk,
@@ -18,9 +19,11 @@ from fault_checks import (
     check_nan_stops_every_rank,
     check_resume_after_killed_save,
     check_resume_after_killed_swap,
+    check_resume_after_requeue,
 )
 
 from lightning_automodel.io.lightning_checkpoint import check_checkpoint
+from lightning_automodel.strategy.stragglers import flight_recorder_environment
 from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
 from lightning_automodel.testing.harness import run_checks
 
@@ -102,6 +105,65 @@ def test_ctrl_c(tmp_path):
     outcome = launch(tmp_path, Fault(signal.SIGINT, "group"), world=2, timeout=TIMEOUT)
     assert all(end.code not in (0, None) for end in outcome.ranks.values()), outcome.describe()
     assert "received Ctrl-C (SIGINT)" in outcome.ranks[0].output, outcome.describe()
+
+
+def test_requeue_signal_under_slurm(tmp_path):
+    """SLURM's requeue signal (``sbatch --signal=USR1@120``) to rank 1 alone of a job step: every rank stops after
+    the same step, last.ckpt is saved, rank 0 runs ``scontrol requeue`` (a stand-in records it) and every rank exits
+    0. The requeued job, run with ``ckpt_path="last"``, continues as the uninterrupted run."""
+    args = ("--save-every=1000",)  # a ModelCheckpoint whose last.ckpt only the requeue writes
+    outcome = launch(tmp_path, Fault(signal.SIGUSR1, 1), launcher="slurm", world=2, timeout=TIMEOUT, args=args)
+    assert [end.code for end in outcome.ranks.values()] == [0, 0], outcome.describe()
+    assert max(end.seconds for end in outcome.ranks.values()) < TIMEOUT, outcome.describe()
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    assert "saved last.ckpt after step" in outcome.ranks[0].output, outcome.describe()
+    print({rank: end.seconds for rank, end in outcome.ranks.items()})
+    print(run_checks(2, [partial(check_resume_after_requeue, str(tmp_path))]))
+
+
+def test_sigterm_during_a_save_under_slurm(tmp_path):
+    """SIGTERM to every rank (what ``scancel`` does through srun) while each writes its shard of last.ckpt at step
+    3, which takes 5 s: the save completes, every rank stops after that step and exits 143 once it is written (not
+    saving it again), and last.ckpt is the whole save of step 3."""
+    slow = 5.0
+    args = ("--save-every=3", f"--slow-save={slow}")
+    fault = Fault(signal.SIGTERM, "all")
+    outcome = launch(tmp_path, fault, launcher="slurm", world=2, timeout=TIMEOUT, after_step=3, args=args)
+    assert [end.code for end in outcome.ranks.values()] == [143, 143], outcome.describe()
+    seconds = [end.seconds for end in outcome.ranks.values()]
+    assert max(seconds) < 2 * slow, outcome.describe()  # one save's time, not two
+    last = tmp_path / "ckpt" / "last.ckpt"
+    check_checkpoint(last)
+    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 3
+    print(seconds)
+
+
+def test_a_stalled_rank_is_named_while_the_others_wait(tmp_path):
+    """Rank 1 stalls before its third batch (a slow data loader; 60 s, past the 30 s timeout): rank 0, waiting in
+    batch 3, says after a quarter of the timeout which rank it waits for, at which batch and where that rank is;
+    when the collective times out, rank 0 names rank 1 as the one behind, and rank 1, ended, says where it was."""
+    args = ("--stall-rank=1", "--stall-step=2", "--stall-seconds=60", "--steps=4")
+    outcome = launch(tmp_path, None, world=2, timeout=TIMEOUT, args=args)
+    rank_zero = outcome.ranks[0].output
+    waited = [line for line in rank_zero.splitlines() if "lightning-automodel: batch 3 has waited" in line]
+    assert waited and "for rank 1 (" in waited[0] and "still at batch 2, in on_train_batch_start" in waited[0], (
+        rank_zero
+    )
+    stopped = [line for line in rank_zero.splitlines() if "lightning-automodel: the run stopped" in line]
+    assert stopped and "the others were waiting for rank 1 (" in stopped[0], outcome.describe()
+    assert "on_train_batch_start (fault_train.py" in outcome.ranks[1].output, outcome.describe()
+    assert all(end.code not in (0, None) for end in outcome.ranks.values()), outcome.describe()
+    print(waited[0], stopped[0], sep="\n")
+
+
+def test_the_nccl_flight_recorder_dumps_beside_the_run_unless_told_otherwise(tmp_path, monkeypatch):
+    """On GPUs the strategy points torch's NCCL flight recorder at the run's directory; a user's own settings stay."""
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "500")
+    environment = flight_recorder_environment(tmp_path)
+    assert environment["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "nccl_flight_recorder" / "rank_")
+    assert environment["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
+    assert environment["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
 
 
 def test_torchrun_node_loses_a_rank(tmp_path):

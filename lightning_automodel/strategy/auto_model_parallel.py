@@ -39,7 +39,6 @@ from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_automodel.strategy.faults import (
     FaultMonitor,
-    notify_sigterm_locally,
     report_failure,
     stop_watching,
     watch_stage,
@@ -65,6 +64,8 @@ from lightning_automodel.strategy.options import (
 )
 from lightning_automodel.strategy.plan_verification import VerifiedPlans
 from lightning_automodel.strategy.predict_batches import require_equal_batch_counts
+from lightning_automodel.strategy.preemption import Preemption
+from lightning_automodel.strategy.stragglers import point_flight_recorder
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -169,10 +170,12 @@ class AutoModelParallelStrategy(CheckpointHooks):
         self.options = self.options.at_setup(
             devices_per_node=self.num_processes, num_nodes=self.num_nodes, precision=self.precision_plugin.precision
         )
+        assert self.lightning_module is not None
+        if self.root_device.type == "cuda":  # nccl: its flight recorder dumps the last collectives at a timeout
+            point_flight_recorder(self.lightning_module.trainer.default_root_dir)
         self._setup_distributed()
         if self._device_mesh is None:  # later stages (validate after fit) reuse the mesh the model lives on
             self._device_mesh = self.options.dims.build_mesh(self.root_device.type, timeout=self._timeout)
-        assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         self._fault_monitor = watch_stage(self)
 
@@ -190,7 +193,7 @@ class AutoModelParallelStrategy(CheckpointHooks):
         assert self.accelerator is not None
         refuse_fsdp1(self.model)
         self.accelerator.setup(trainer)
-        notify_sigterm_locally(trainer, self._fault_monitor)
+        self._preemption = Preemption(trainer, self._fault_monitor)
         # "bf16-true"/"16-true" cast the module: done before sharding, so FSDP shards and gathers the low-precision
         # weights it will compute with (and materializes them directly in that dtype).
         self.model = convert_keeping_pinned_fp32(self.model, self.precision_plugin.convert_module)
@@ -262,10 +265,15 @@ class AutoModelParallelStrategy(CheckpointHooks):
                 pipeline.sum_tied_gradients()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sum_tied_gradients, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_sum_tied_gradients, model, **kwargs)
+        assert self._preemption is not None
+        self._preemption.agree()  # a signal stops every rank after the same step
+        return result
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fault_monitor is not None:
+            self._fault_monitor.stragglers.begin_batch()
         return to_local(super().training_step(*args, **kwargs))
 
     @override
@@ -328,6 +336,8 @@ class AutoModelParallelStrategy(CheckpointHooks):
     @override
     def on_exception(self, exception: BaseException) -> None:
         report_failure(self._fault_monitor, exception)
+        if self._preemption is not None:
+            self._preemption.leave(exception)
 
     @override
     def teardown(self) -> None:

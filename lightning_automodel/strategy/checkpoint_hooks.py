@@ -30,6 +30,7 @@ from lightning_automodel.io.lightning_checkpoint import (
 )
 from lightning_automodel.io.random_states import RandomStates, gather_random_states, restore_random_states
 from lightning_automodel.strategy.options import StrategyOptions
+from lightning_automodel.strategy.preemption import Preemption
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,6 +40,7 @@ RANDOM_STATES = "random_states"
 
 class CheckpointHooks(ModelParallelStrategy):
     options: StrategyOptions
+    _preemption: Preemption | None = None
     _random_states: list[RandomStates] | None = None  # loaded, until training starts
 
     @override
@@ -63,9 +65,12 @@ class CheckpointHooks(ModelParallelStrategy):
         checkpoint = {**checkpoint, RANDOM_STATES: gather_random_states()}
         if not self._save_distributed_checkpoint:
             check_save_path(path, unowned=not_checkpoint_files)
-            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-        with atomic_directory(path, unowned=not_checkpoint_files) as staging, explain_save_failure(path):
-            super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        else:
+            with atomic_directory(path, unowned=not_checkpoint_files) as staging, explain_save_failure(path):
+                super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
+        if self._preemption is not None:  # a signal that came during the save stops the job now
+            self._preemption.saved(path)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

@@ -27,15 +27,17 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint import CheckpointException
 
+from lightning_automodel.strategy.stragglers import Stragglers
+
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
+    pass
 
 INTERVAL = 1.0  # seconds between heartbeats
 GONE_AFTER = 3.0  # once a failure is known, a rank without a heartbeat for this long is gone
@@ -79,6 +81,7 @@ class FaultMonitor:
         self._seen: dict[int, tuple[int, float, float]] = {}  # rank -> (heartbeat, when it changed, first look)
         self._who: dict[int, dict[str, str]] = {}
         self._thread = threading.Thread(target=self._run, name="lightning-automodel-faults", daemon=True)
+        self.stragglers = Stragglers(rank=rank, world_size=world_size, after=self.silent_after / 2, whois=self._whois)
 
     def start(self) -> None:
         self._thread.start()
@@ -140,6 +143,7 @@ class FaultMonitor:
     def _introduce(self) -> None:
         self._store.set(f"who/{self.rank}", f"{socket.gethostname()}|{_machine()}|{os.getpid()}")
         self._store.append("notes", "")
+        self.stragglers.introduce(self._store)
 
     def _tick(self) -> None:
         self._publish()
@@ -150,6 +154,7 @@ class FaultMonitor:
                 self._stopping_since = time.monotonic()
             elif self.world_size > 1:
                 self._watch((self.rank + 1) % self.world_size)
+                self.stragglers.tick(self._store, time.monotonic())
         if self._stopping_since is not None:
             if not self._verdict_ready.is_set():
                 verdict = self._roll_call(time.monotonic())
@@ -186,7 +191,8 @@ class FaultMonitor:
         if self._handling or time.monotonic() - self._stopping_since < GRACE:
             return
         print(
-            f"[rank {self.rank}] lightning-automodel: ending this process, which was waiting for ranks that stopped.",
+            f"[rank {self.rank}] lightning-automodel: ending this process, which was waiting for ranks that stopped,"
+            f" in {self.stragglers.place()}.",
             file=sys.stderr,
             flush=True,
         )
@@ -210,6 +216,9 @@ class FaultMonitor:
                 undecided = True
         if undecided and not any(note.kind in (ERROR, GONE, FROZEN) for note in found):
             return None
+        assert self._stopping_since is not None
+        if not found and now - self._stopping_since < GONE_AFTER:
+            return None  # ranks that stop together after a signal: its note comes with the signalled rank's next tick
         return self._describe(found)
 
     def _announce(self, verdict: str) -> None:
@@ -226,7 +235,9 @@ class FaultMonitor:
         for note in found:
             if note.kind == kind:
                 texts.setdefault(note.text, []).append(note.rank)
-        return "; ".join(self._explain(kind, text, ranks) for text, ranks in list(texts.items())[:3]).rstrip(".") + "."
+        said = "; ".join(self._explain(kind, text, ranks) for text, ranks in list(texts.items())[:3]).rstrip(".")
+        behind = self.stragglers.behind(self._store) if kind == COLLECTIVE else ""
+        return said + (f"; {behind}" if behind else "") + "."
 
     def _explain(self, kind: str, text: str, ranks: list[int]) -> str:
         who = self._name(ranks)
@@ -361,24 +372,6 @@ def watch_stage(strategy: ModelParallelStrategy) -> FaultMonitor | None:
     )
     monitor.start()
     return monitor
-
-
-def notify_sigterm_locally(trainer: pl.Trainer, monitor: FaultMonitor | None) -> None:
-    """Lightning 2.6's SIGTERM handler broadcasts from inside the handler: on any rank but 0 that broadcast meets
-    another collective of rank 0's and every rank waits until the timeout. This handler does the rest of what
-    Lightning's does (forward the signal to the processes its launcher started; stop the loop at the next step) and
-    records the signal for the monitor. Call it before the Trainer registers its handlers (it does so after the
-    strategy's ``setup``, at every stage)."""
-    connector = trainer._signal_connector
-
-    def notify(signum: int, frame: Any) -> None:
-        if not connector.received_sigterm and trainer.strategy.launcher is not None:
-            trainer.strategy.launcher.kill(signum)
-        connector.received_sigterm = True
-        if monitor is not None:
-            monitor.note_signal("SIGTERM")
-
-    connector._sigterm_notifier_fn = notify
 
 
 def report_failure(monitor: FaultMonitor | None, exception: BaseException) -> None:

@@ -1,9 +1,11 @@
 """Launch fault_train.py as users do, inject a fault mid-step, and record how every rank ended.
 
-Launchers: Lightning's own (``python fault_train.py``; Lightning starts ranks 1-3 as children of rank 0) and
-torchrun (one agent, or several on this machine standing for nodes). Faults: a signal to one rank, to a launcher,
-or to a launcher's whole process group (what Ctrl-C in its terminal does). For each rank: its exit code, the seconds
-from the fault to its exit, and what it printed (fault_train.py gives each rank a log of its own).
+Launchers: Lightning's own (``python fault_train.py``; Lightning starts ranks 1-3 as children of rank 0), torchrun
+(one agent, or several on this machine standing for nodes), and SLURM as srun starts a job step (each rank a process
+of its own, with SLURM's variables; a stand-in ``scontrol`` on the PATH records its arguments in ``scontrol.log``).
+Faults: a signal to one rank, to every rank, to a launcher, or to a launcher's whole process group (what Ctrl-C in its
+terminal does). For each rank: its exit code, the seconds from the fault to its exit, and what it printed
+(fault_train.py gives each rank a log of its own).
 
 Exit codes of processes that are not this one's children: this process becomes a "child subreaper" (Linux), so
 that ranks orphaned by a dead launcher are reparented to it and reaped here; a rank that exits while its parent
@@ -33,7 +35,8 @@ PR_SET_CHILD_SUBREAPER = 36
 @dataclass(frozen=True)
 class Fault:
     signal: signal.Signals
-    target: int | str  # a global rank, "launcher" (the first one) or "group" (its process group, as Ctrl-C)
+    # A global rank, "launcher" (the first one), "group" (its process group, as Ctrl-C), or "all" ranks (as srun).
+    target: int | str
 
 
 @dataclass
@@ -109,6 +112,8 @@ def launch(
 
 def _start(out_dir: Path, launcher: str, world: int, nodes: int, options: list[str]) -> list[subprocess.Popen]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if launcher == "slurm":
+        return _start_slurm_job_step(out_dir, world, options, env)
     if launcher == "lightning":
         commands = [[sys.executable, str(SCRIPT), *options]]
     else:
@@ -131,6 +136,41 @@ def _start(out_dir: Path, launcher: str, world: int, nodes: int, options: list[s
             )
         if launcher == "torchrun" and index == 0:
             _wait_for_rendezvous(port, processes[0], out_dir)
+    return processes
+
+
+SLURM_JOB_ID = "4242"
+SCONTROL = """#!/bin/sh
+echo "$@" >> "$(dirname "$0")/../scontrol.log"
+"""
+
+
+def _start_slurm_job_step(out_dir: Path, world: int, options: list[str], env: dict) -> list[subprocess.Popen]:
+    """Every rank as srun starts it on one node: a process of its own with SLURM's variables."""
+    stand_ins = out_dir / "bin"
+    stand_ins.mkdir(exist_ok=True)
+    (stand_ins / "scontrol").write_text(SCONTROL)
+    (stand_ins / "scontrol").chmod(0o755)
+    slurm = {
+        "SLURM_JOB_ID": SLURM_JOB_ID,
+        "SLURM_JOB_NAME": "faults",
+        "SLURM_NTASKS": str(world),
+        "SLURM_NTASKS_PER_NODE": str(world),
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PATH": f"{stand_ins}{os.pathsep}{env['PATH']}",
+    }
+    processes = []
+    for rank in range(world):
+        rank_env = {**env, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}
+        with (out_dir / f"launcher{rank}.log").open("wb") as log:
+            command = [sys.executable, str(SCRIPT), *options]
+            processes.append(
+                subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
     return processes
 
 
@@ -163,6 +203,9 @@ def _wait_for_training(out_dir: Path, processes: list, world: int, after_step: i
 def _inject(fault: Fault, pids: dict[int, int], processes: list[subprocess.Popen]) -> None:
     if fault.target == "group":
         os.killpg(processes[0].pid, fault.signal)
+    elif fault.target == "all":
+        for pid in pids.values():
+            os.kill(pid, fault.signal)
     elif fault.target == "launcher":
         os.kill(processes[0].pid, fault.signal)
     else:

@@ -7,7 +7,8 @@ and see what every rank printed. Rank 0 under Lightning's launcher also writes `
 rank it started and reaped (the driver cannot read those).
 
 Usage: fault_train.py OUT_DIR [--devices N] [--nodes N] [--timeout SECONDS] [--steps N] [--save-every N]
-    [--in-save RANK] [--in-swap] [--nan-rank RANK [--nan-step STEP]] [--detect-anomaly] [--save-on-exception]
+    [--in-save RANK] [--in-swap] [--slow-save SECONDS] [--nan-rank RANK [--nan-step STEP]] [--detect-anomaly]
+    [--save-on-exception] [--stall-rank RANK [--stall-step STEP] [--stall-seconds SECONDS]]
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import atexit
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 
 def global_rank() -> int:
-    """Torchrun sets RANK; Lightning's launcher sets LOCAL_RANK in the processes it starts (one node here)."""
-    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    """Torchrun sets RANK, srun SLURM_PROCID; Lightning's launcher sets LOCAL_RANK in the processes it starts (one
+    node here)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
 
 
 def redirect_output(out_dir: Path) -> None:
@@ -45,6 +48,10 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="last.ckpt every N steps, in OUT_DIR/ckpt")
     parser.add_argument("--in-save", type=int, default=None, help="this rank kills itself midway through a save")
     parser.add_argument("--in-swap", action="store_true", help="rank 0 dies between the renames of its second swap")
+    parser.add_argument("--slow-save", type=float, default=0.0, help="every rank's shard takes this long to write")
+    parser.add_argument("--stall-rank", type=int, default=None, help="this rank stalls before a batch (a slow loader)")
+    parser.add_argument("--stall-step", type=int, default=2)
+    parser.add_argument("--stall-seconds", type=float, default=60.0)
     parser.add_argument("--nan-rank", type=int, default=None, help="this rank's loss turns NaN at --nan-step")
     parser.add_argument("--nan-step", type=int, default=3)
     parser.add_argument("--detect-anomaly", action="store_true", help="Trainer(detect_anomaly=True)")
@@ -66,6 +73,10 @@ def main() -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             (args.out_dir / f"rank{trainer.global_rank}.step").write_text(str(trainer.global_step))
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == args.stall_rank and trainer.global_step == args.stall_step:
+                time.sleep(args.stall_seconds)
+
     class NaNLoss(CausalLM):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
@@ -84,6 +95,8 @@ def main() -> None:
         kill_midway_through_second_save()
     if args.in_swap and global_rank() == 0:
         kill_between_the_renames_of_a_swap()
+    if args.slow_save:
+        slow_down_saves(args.slow_save)
 
     options = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
     strategy = AutoModelParallelStrategy(tp=2, **options)
@@ -128,6 +141,19 @@ def kill_midway_through_second_save() -> None:
         return result
 
     filesystem._write_files_from_queue = write_then_die
+
+
+def slow_down_saves(seconds: float) -> None:
+    """Each rank's shard of a save takes ``seconds`` to write, as on a slow file system."""
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    write = filesystem._write_files_from_queue
+
+    def write_slowly(*args, **kwargs):
+        time.sleep(seconds)
+        return write(*args, **kwargs)
+
+    filesystem._write_files_from_queue = write_slowly
 
 
 def kill_between_the_renames_of_a_swap() -> None:

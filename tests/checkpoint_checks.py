@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.io.lightning_checkpoint import check_checkpoint
 from lightning_automodel.testing.models import batch, tiny_config, tiny_model, tiny_tokenizer
 from lightning_automodel.testing.parity import FP32_TOLERANCE, full
 from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, CausalLM, data, trainer
@@ -174,3 +175,26 @@ def check_resume_with_dropout_exactly(directory: str, tp: int) -> dict:
         result[when] = {"losses": max(losses), "weights": max((full(p) - full(q)).abs().max().item() for p, q in pairs)}
     assert all(value == 0.0 for errors in result.values() for value in errors.values()), result
     return result
+
+
+def check_asynchronous_saves_resume_exactly(directory: str, tp: int) -> dict:
+    """``async_save=True``: a checkpoint every 2 of 6 steps, each written while training goes on, and the best one
+    by loss (ModelCheckpoint removes the previous best once the new one is in place). Every one is complete once
+    fit returns, and 2 steps resumed from the one of step 4 equal steps 5 and 6, losses and weights: each holds the
+    weights of its step, not of a later one."""
+    saving = ModelCheckpoint(Path(directory) / "async", every_n_train_steps=2, save_top_k=-1)
+    best = ModelCheckpoint(Path(directory) / "async-best", every_n_train_steps=2, save_top_k=1, monitor="train_loss")
+    whole = CausalLM(tiny_model())
+    options = dict(callbacks=[saving, best], enable_checkpointing=True)
+    run = trainer(AutoModelParallelStrategy(tp=tp, async_save=True), max_steps=6, **options)
+    run.fit(whole, data(dist.get_world_size() // tp))
+    saved = sorted(path.name for path in Path(saving.dirpath).iterdir())
+    assert saved == [f"epoch={step - 1}-step={step}.ckpt" for step in (2, 4, 6)], saved
+    for name in saved:
+        check_checkpoint(Path(saving.dirpath) / name)
+    kept = [path.name for path in Path(best.dirpath).iterdir()]
+    assert kept == [Path(best.best_model_path).name], kept
+    check_checkpoint(Path(best.best_model_path))
+    resumed = CausalLM(tiny_model(seed=5 + dist.get_rank()))
+    fit(resumed, tp, 6, ckpt_path=Path(saving.dirpath) / "epoch=3-step=4.ckpt")
+    return _assert_continues(resumed, whole.losses[2:], dict(whole.model.named_parameters()))  # steps 5 and 6

@@ -92,6 +92,30 @@ def check_full_disk(directory: str, ranks: tuple[int, ...], room: int | None) ->
     return message
 
 
+def check_asynchronous_save_failure(directory: str) -> str:
+    """``async_save=True``: the disk fills up on rank 1 while it writes the second save in the background. The next
+    save raises on every rank, naming the checkpoint, the rank and the error; the first save stays byte for byte,
+    and an older checkpoint whose removal waited for the failed save is kept."""
+    path, older = Path(directory) / "async-full.ckpt", Path(directory) / "async-older.ckpt"
+    run = trainer(AutoModelParallelStrategy(tp=TP, async_save=True), max_steps=1)
+    run.fit(CausalLM(tiny_model()), data(dist.get_world_size() // TP))
+    run.save_checkpoint(older)
+    run.save_checkpoint(path)
+    run.strategy.wait_for_saves()
+    saved = _contents(path)
+    with disk_full(ranks=(1,), room=None):
+        run.save_checkpoint(path)  # returns once the shards are copied; the write fails later
+        run.strategy.remove_checkpoint(older)  # as ModelCheckpoint removes a checkpoint a new one replaces
+        with pytest.raises(OSError) as error:
+            run.save_checkpoint(Path(directory) / "async-other.ckpt")
+    message = str(error.value)
+    assert message.startswith(f"Could not save the checkpoint {path}: rank 1 failed to write"), message
+    assert "No space left on device" in message, message
+    assert _contents(path) == saved, "a failed save changed the previous checkpoint"
+    assert sorted(p.name for p in Path(directory).iterdir() if "async" in p.name) == [older.name, path.name]
+    return message
+
+
 def check_damaged_checkpoints(directory: str) -> dict[str, str]:
     """Resumes from a checkpoint with a truncated shard, a missing shard, no ``meta.pt``, no ``.metadata``, from
     another model's checkpoint and from a path that does not exist: every rank raises, before any collective of

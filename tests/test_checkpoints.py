@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from checkpoint_checks import (
     FAMILIES,
     assert_converted,
+    check_asynchronous_saves_resume_exactly,
     check_data_position_restored,
     check_resume_into_layout,
     check_resume_with_dropout_exactly,
@@ -41,11 +42,13 @@ def test_resume_exactly_and_into_other_layouts(tmp_path, family):
     assert_converted(tmp_path, family)
 
 
-def test_data_position_and_random_states_restored(tmp_path):
-    """Resumed mid-epoch at tp=2 x dp_shard=2: a stateful loader continues at the next batch; with attention dropout,
-    mid-epoch and at an epoch's end, the resumed run draws the uninterrupted run's masks."""
+def test_data_position_random_states_and_asynchronous_saves(tmp_path):
+    """At tp=2 x dp_shard=2: resumed mid-epoch, a stateful loader continues at the next batch; with attention
+    dropout, mid-epoch and at an epoch's end, the resumed run draws the uninterrupted run's masks; checkpoints saved
+    asynchronously resume exactly."""
     checks = [partial(check_data_position_restored, str(tmp_path), 2)]
     checks.append(partial(check_resume_with_dropout_exactly, str(tmp_path), 2))
+    checks.append(partial(check_asynchronous_saves_resume_exactly, str(tmp_path), 2))
     for name, results in run_checks(4, checks).items():
         print(name, results[0])
 

@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 from fault_checks import (
+    check_asynchronous_save_failure,
     check_damaged_checkpoints,
     check_full_disk,
     check_nan_loss_trains_on,
@@ -39,7 +40,9 @@ def assert_named(outcome: Outcome, failed: int, reason: str, *, since: float = 0
             continue
         assert end.seconds is not None and end.seconds - since <= TIMEOUT, outcome.describe()
         assert end.code not in (0, None), outcome.describe()
-        said = [line for line in end.output.splitlines() if f"[rank {rank}] lightning-automodel:" in line]
+        said = [
+            line for line in end.output.splitlines() if f"[rank {rank}] lightning-automodel: the run stopped" in line
+        ]
         assert said and f"rank {failed} (" in said[0] and reason in said[0], outcome.describe()
 
 
@@ -58,6 +61,7 @@ def test_rank_killed_mid_save_then_checkpoint_faults(tmp_path):
         partial(check_resume_after_killed_swap, str(tmp_path / "swap")),
         partial(check_full_disk, str(tmp_path), (1,), 100_000),
         partial(check_full_disk, str(tmp_path), (0, 1), None),
+        partial(check_asynchronous_save_failure, str(tmp_path)),
         partial(check_damaged_checkpoints, str(tmp_path)),
         check_nan_stops_every_rank,
         check_nan_loss_trains_on,

@@ -42,7 +42,7 @@ def atomic_directory(directory: str | os.PathLike, *, unowned: Unowned) -> Gener
     left as it was, and every rank raises, so none goes on as if the save had happened.
     """
     target = Path(directory)
-    path = Path(_from_rank_zero(lambda: _make_staging(target, unowned=unowned)))
+    path = staging_directory(target, unowned=unowned)
     succeeded = False
     try:
         yield path
@@ -52,12 +52,9 @@ def atomic_directory(directory: str | os.PathLike, *, unowned: Unowned) -> Gener
         swap_error = None
         if _rank() == 0:
             try:
-                if everywhere:
-                    refuse_unowned(target, unowned=unowned)  # nothing of the user's appeared there while we wrote
-                    _replace(target, path)
+                put_in_place(target, path, unowned=unowned, written=everywhere)
             except OSError as error:
                 swap_error = error
-            shutil.rmtree(path, ignore_errors=True)  # left over only if not swapped in
         swapped = _everywhere(swap_error is None)
         if swap_error is not None:
             raise swap_error
@@ -65,6 +62,22 @@ def atomic_directory(directory: str | os.PathLike, *, unowned: Unowned) -> Gener
             raise RuntimeError(f"Rank 0 failed to put {target} in place; see its error.")
         if succeeded and not everywhere:
             raise RuntimeError(f"Another rank failed to write {target}; it was left as it was. See that rank's error.")
+
+
+def staging_directory(target: Path, *, unowned: Unowned) -> Path:
+    """The directory beside ``target`` that every rank writes a save into (made by rank 0); collective."""
+    return Path(_from_rank_zero(lambda: _make_staging(target, unowned=unowned)))
+
+
+def put_in_place(target: Path, staging: Path, *, unowned: Unowned, written: bool) -> None:
+    """On rank 0 alone: once every rank has ``written`` its part, ``staging`` replaces ``target``; in any case no
+    staging directory is left."""
+    try:
+        if written:
+            refuse_unowned(target, unowned=unowned)  # nothing of the user's appeared there while we wrote
+            _replace(target, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # left over only if not swapped in
 
 
 def unowned_entries(path: Path, *, owned: Callable[[Path], bool]) -> list[str]:

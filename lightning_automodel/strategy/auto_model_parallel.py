@@ -110,6 +110,7 @@ class AutoModelParallelStrategy(CheckpointHooks):
         backward_prefetch: int = 1,
         save_trainable_only: bool = False,
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         data_parallel_size: int | Literal["auto"] | None = None,
@@ -127,6 +128,7 @@ class AutoModelParallelStrategy(CheckpointHooks):
             cpu_offload=cpu_offload,
             save_trainable_only=save_trainable_only,
             save_distributed_checkpoint=save_distributed_checkpoint,
+            async_save=async_save,
         )
         tp = size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=1)
         dp_shard = size_by_either_name("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset="auto")
@@ -155,9 +157,12 @@ class AutoModelParallelStrategy(CheckpointHooks):
             verify_plans=verify_plans,
             cpu_offload=cpu_offload,
             save_trainable_only=save_trainable_only,
+            async_save=async_save,
         )
         require_sharded_saves(
-            save_trainable_only=save_trainable_only, save_distributed_checkpoint=save_distributed_checkpoint
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_trainable_only=save_trainable_only,
+            async_save=async_save,
         )
         self._verified_plans = VerifiedPlans()
         self._loss_parallel = ExitStack()
@@ -341,9 +346,12 @@ class AutoModelParallelStrategy(CheckpointHooks):
 
     @override
     def teardown(self) -> None:
-        stop_watching(self._fault_monitor)
-        self._loss_parallel.close()
-        super().teardown()
+        try:
+            self._close_saves()
+        finally:
+            stop_watching(self._fault_monitor)
+            self._loss_parallel.close()
+            super().teardown()
 
     @classmethod
     @override

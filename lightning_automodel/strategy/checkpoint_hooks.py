@@ -1,5 +1,6 @@
-"""The strategy's checkpoint hooks: saves that appear whole or not at all and replace nothing a user wrote, loads
-that check the checkpoint first and reshard it to this run's layout, and every rank's random states.
+"""The strategy's checkpoint hooks: saves that appear whole or not at all and replace nothing a user wrote (written
+while training goes on with ``async_save``), loads that check the checkpoint first and reshard it to this run's
+layout, and every rank's random states.
 
 Random states: restored at the load, before the loader's iterator is made (its base seed is a draw), so that a
 resume at an epoch's end draws what the uninterrupted run drew when it began the next epoch; and again as
@@ -19,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_automodel.io.async_save import AsyncSaver
 from lightning_automodel.io.atomic_directory import atomic_directory, check_save_path, readable_path
 from lightning_automodel.io.lightning_checkpoint import (
     check_checkpoint,
@@ -41,6 +43,7 @@ RANDOM_STATES = "random_states"
 class CheckpointHooks(ModelParallelStrategy):
     options: StrategyOptions
     _preemption: Preemption | None = None
+    _async_saver: AsyncSaver | None = None  # made at the first asynchronous save of a stage
     _random_states: list[RandomStates] | None = None  # loaded, until training starts
 
     @override
@@ -63,7 +66,9 @@ class CheckpointHooks(ModelParallelStrategy):
         folder, a dataset) is refused on every rank, where the parent would delete them or write among them."""
         path = Path(self.broadcast(filepath))
         checkpoint = {**checkpoint, RANDOM_STATES: gather_random_states()}
-        if not self._save_distributed_checkpoint:
+        if self.options.async_save:
+            self._save_asynchronously(checkpoint, path)
+        elif not self._save_distributed_checkpoint:
             check_save_path(path, unowned=not_checkpoint_files)
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         else:
@@ -72,8 +77,39 @@ class CheckpointHooks(ModelParallelStrategy):
         if self._preemption is not None:  # a signal that came during the save stops the job now
             self._preemption.saved(path)
 
+    def _save_asynchronously(self, checkpoint: dict[str, Any], path: Path) -> None:
+        if self._async_saver is None:
+            self._async_saver = AsyncSaver(timeout=self._timeout)
+        state = {"state_dict": checkpoint.pop("state_dict")}  # as the parent lays a sharded checkpoint out
+        optimizers = checkpoint.pop("optimizer_states", [])
+        state.update({f"optimizer_{index}": optimizer for index, optimizer in enumerate(optimizers)})
+        self._async_saver.save(state, checkpoint, path, unowned=not_checkpoint_files)
+
+    def wait_for_saves(self) -> None:
+        """Until the asynchronous save in flight is in place; its failure, on any rank, raises on every rank
+        (collective). Saves, loads and the end of a stage wait on their own."""
+        if self._async_saver is not None:
+            self._async_saver.wait()
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """With a save in flight, the removal (of an older checkpoint) waits for it in the background, and is not
+        done if the save fails."""
+        remove = super().remove_checkpoint
+        if self._async_saver is None:
+            remove(filepath)
+        else:
+            self._async_saver.then(lambda: remove(filepath))
+
+    def _close_saves(self) -> None:
+        """At the end of a stage: the save in flight in place (its failure raised on every rank)."""
+        saver, self._async_saver = self._async_saver, None
+        if saver is not None:
+            saver.close()
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_saves()
         path = Path(self.broadcast(str(readable_path(Path(checkpoint_path)))))
         check_checkpoint(path)
         if not self.options.save_trainable_only and not _is_sharded_checkpoint(path):

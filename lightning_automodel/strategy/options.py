@@ -69,6 +69,11 @@ class StrategyOptions:
     """Checkpoints hold the trainable parameters only (LoRA adapters) with the optimizer and loop state; resuming
     takes the frozen rest from the model as built (its pretrained weights or seed)."""
 
+    async_save: bool = False
+    """Checkpoints are written while training goes on: a save costs the step only the copy of each rank's shards to
+    CPU memory (pinned on GPUs). Atomic as a synchronous save; one save in flight at a time (the next save waits
+    for it); a failed write is raised on every rank at the next save, load or end of the stage. Sharded saves only."""
+
     def __post_init__(self) -> None:
         dims, parallel = self.dims, self.parallel
         check_cp_with_pp(cp=dims.cp, pp=dims.pp)
@@ -122,8 +127,8 @@ def size_by_either_name(parent_name: str, parent_value: Any, name: str, value: A
     return parent_value
 
 
-def require_sharded_saves(*, save_trainable_only: bool, save_distributed_checkpoint: bool) -> None:
-    if save_trainable_only and not save_distributed_checkpoint:
-        raise ValueError(
-            "save_trainable_only=True writes sharded checkpoints; it needs save_distributed_checkpoint=True."
-        )
+def require_sharded_saves(*, save_distributed_checkpoint: bool, **flags: bool) -> None:
+    """``flags`` (``save_trainable_only``, ``async_save``) that need sharded checkpoints."""
+    for name, value in flags.items():
+        if value and not save_distributed_checkpoint:
+            raise ValueError(f"{name}=True writes sharded checkpoints; it needs save_distributed_checkpoint=True.")

@@ -98,7 +98,9 @@ class Stragglers:
 
     def _describe(self, store: dist.Store, behind: list[int], counts: dict[int, int]) -> str:
         first = behind[0]
-        where = store.get(f"place/{first}").decode() if store.check([f"place/{first}"]) else "a place not yet known"
+        where = (
+            store.get(f"place/{first}").decode() if store.check([f"place/{first}"]) else "a place it has not published"
+        )
         others = f" and {len(behind) - 1} more" if len(behind) > 1 else ""
         return f"rank {first} ({self._whois(first)}){others}, still at batch {counts[first]}, in {where}"
 

@@ -112,7 +112,8 @@ def check_asynchronous_save_failure(directory: str) -> str:
     assert message.startswith(f"Could not save the checkpoint {path}: rank 1 failed to write"), message
     assert "No space left on device" in message, message
     assert _contents(path) == saved, "a failed save changed the previous checkpoint"
-    assert sorted(p.name for p in Path(directory).iterdir() if "async" in p.name) == [older.name, path.name]
+    left = sorted(p.name for p in Path(directory).iterdir() if "async" in p.name)
+    assert left == sorted([older.name, path.name]), left
     return message
 
 

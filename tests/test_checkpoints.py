@@ -24,7 +24,7 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from lightning_automodel.io.atomic_directory import atomic_directory, readable_path
+from lightning_automodel.io.atomic_directory import atomic_directory, readable_path, unowned_entries
 from lightning_automodel.io.lightning_checkpoint import load_sharded_checkpoint
 from lightning_automodel.io.random_states import gather_random_states, restore_random_states
 from lightning_automodel.testing.harness import run_checks
@@ -102,6 +102,25 @@ def test_the_newest_complete_save_is_found_at_every_moment_of_a_swap(tmp_path, m
     save(3)
     assert [path.name for path in tmp_path.iterdir()] == ["last.ckpt"]
     assert (target / "version").read_text() == "3"
+
+
+def test_a_users_folder_beside_the_path_is_refused_not_deleted(tmp_path):
+    """A swap puts the previous copy aside as ``<name>.old``: a folder of that name holding a user's files makes the
+    save refuse (FileExistsError, before anything is written), and the folder is left as it was."""
+    target = tmp_path / "model"
+    with atomic_directory(target, unowned=_only_weights) as staging:
+        (staging / "weights").write_text("1")
+    (tmp_path / "model.old").mkdir()
+    (tmp_path / "model.old" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        with atomic_directory(target, unowned=_only_weights) as staging:
+            (staging / "weights").write_text("2")
+    assert (tmp_path / "model.old" / "notes.txt").read_text() == "mine"
+    assert (target / "weights").read_text() == "1"
+
+
+def _only_weights(path: Path) -> list[str]:
+    return unowned_entries(path, owned=lambda entry: entry.name == "weights")
 
 
 def test_optimizer_settings_load_by_group_position(tmp_path):

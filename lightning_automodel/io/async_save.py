@@ -11,6 +11,7 @@ checkpoint (ModelCheckpoint's top-k) waits in the writer thread until the new on
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -30,10 +31,10 @@ from lightning_automodel.io.lightning_checkpoint import explain_save_failure, ra
 class AsyncSaver:
     """The asynchronous saves of one stage. Collective: make it, and call every method, on every rank."""
 
-    def __init__(self, *, timeout: timedelta | None) -> None:
+    def __init__(self, *, timeout: timedelta | None, pinned: bool) -> None:
+        """``pinned``: stage in pinned memory with non-blocking copies (the shards are on a GPU)."""
         self._group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
-        on_gpu = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(on_gpu, False, False, on_gpu))  # pinned, non-blocking on GPUs
+        self._stager = DefaultStager(StagingOptions(pinned, False, False, pinned))
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-automodel-save")
         self._pending: tuple[Path, Future] | None = None
 
@@ -42,8 +43,15 @@ class AsyncSaver:
         checkpoint ``target``; returns once the shards are copied."""
         self.wait()
         staging = staging_directory(target, unowned=unowned)
+        problem = None
         if not dist.is_initialized() or dist.get_rank() == 0:
-            torch.save(metadata, staging / _METADATA_FILENAME)
+            try:
+                with explain_save_failure(target):
+                    torch.save(metadata, staging / _METADATA_FILENAME)
+            except Exception as error:
+                put_in_place(target, staging, unowned=unowned, written=False)
+                problem = error
+        raise_everywhere(problem)  # before the writer threads meet in their collectives
         upload = dcp.async_save(state, checkpoint_id=staging, process_group=self._group, async_stager=self._stager)
         self._pending = (target, self._writer.submit(_finish, upload, target, staging, unowned))
 
@@ -56,8 +64,9 @@ class AsyncSaver:
         target, saving = self._pending
         self._pending = (target, self._writer.submit(_after, saving, action))
 
-    def wait(self) -> None:
-        """Until the save in flight is in place; a failure on any rank raises on every rank."""
+    def wait(self, *, collective: bool = True) -> None:
+        """Until the save in flight is in place; a failure on any rank raises on every rank (``collective``), or,
+        where this rank stops alone, is said on this rank."""
         if self._pending is None:
             return
         target, finished = self._pending
@@ -68,11 +77,14 @@ class AsyncSaver:
                 finished.result()
         except Exception as error:
             problem = error
-        raise_everywhere(problem)
+        if collective:
+            raise_everywhere(problem)
+        elif problem is not None:
+            print(f"lightning-automodel: {problem}", file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, *, collective: bool = True) -> None:
         try:
-            self.wait()
+            self.wait(collective=collective)
         finally:
             self._writer.shutdown()
             self._stager.close()

@@ -75,7 +75,7 @@ def put_in_place(target: Path, staging: Path, *, unowned: Unowned, written: bool
     try:
         if written:
             refuse_unowned(target, unowned=unowned)  # nothing of the user's appeared there while we wrote
-            _replace(target, staging)
+            _replace(target, staging, unowned=unowned)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # left over only if not swapped in
 
@@ -125,8 +125,7 @@ def _make_staging(target: Path, *, unowned: Unowned) -> str:
     are removed."""
     newest = readable_path(target)
     if newest != target:
-        refuse_unowned(newest, unowned=unowned)
-        _move_in(target, newest)
+        _move_in(target, newest, unowned=unowned)
     refuse_unowned(target, unowned=unowned)
     target.parent.mkdir(parents=True, exist_ok=True)
     for prefix in (_STAGING.format(target.name), _DELETING.format(_renamed(target, "old").name)):
@@ -173,17 +172,21 @@ _STAGING = ".{}.staging-"
 _DELETING = ".{}.deleting"
 
 
-def _replace(target: Path, staging: Path) -> None:
+def _replace(target: Path, staging: Path, *, unowned: Unowned) -> None:
     """Put the complete ``staging`` at ``target``, under names that find it at every moment."""
     new = _renamed(target, "new")
+    refuse_unowned(new, unowned=unowned)  # nothing is there but what an interrupted save left, finished beforehand
     staging.rename(new)
     os.utime(new)  # the newest copy by modification time, which ckpt_path="last" goes by
-    _move_in(target, new)
+    _move_in(target, new, unowned=unowned)
 
 
-def _move_in(target: Path, newest: Path) -> None:
-    """The renames that put ``newest`` at ``target`` (the previous copy aside until then), and the clean-up."""
+def _move_in(target: Path, newest: Path, *, unowned: Unowned) -> None:
+    """The renames that put ``newest`` at ``target`` (the previous copy aside until then), and the clean-up. The
+    copies at ``newest`` and aside must be saves of this kind: a user's ``model.old`` is refused, never deleted."""
     aside = _renamed(target, "old")
+    for path in {newest, aside}:
+        refuse_unowned(path, unowned=unowned)
     if newest != aside:
         _delete(aside)  # stale: a newer copy exists
         if target.exists():

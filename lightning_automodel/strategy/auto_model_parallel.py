@@ -168,6 +168,7 @@ class AutoModelParallelStrategy(CheckpointHooks):
         self._loss_parallel = ExitStack()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._fault_monitor: FaultMonitor | None = None
+        self._stopped_alone = False  # the stage failed on this rank, not in a stop every rank agreed
 
     @override
     def setup_environment(self) -> None:
@@ -279,6 +280,8 @@ class AutoModelParallelStrategy(CheckpointHooks):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._fault_monitor is not None:
             self._fault_monitor.stragglers.begin_batch()
+        if self._preemption is not None:
+            self._preemption.begin_batch()
         return to_local(super().training_step(*args, **kwargs))
 
     @override
@@ -341,14 +344,15 @@ class AutoModelParallelStrategy(CheckpointHooks):
     @override
     def on_exception(self, exception: BaseException) -> None:
         report_failure(self._fault_monitor, exception)
-        if self._preemption is not None:
-            self._preemption.leave(exception)
+        together = self._preemption is not None and self._preemption.leave(exception)
+        self._stopped_alone = not together  # no collective at teardown: the other ranks may be elsewhere
 
     @override
     def teardown(self) -> None:
         try:
-            self._close_saves()
+            self._close_saves(collective=not self._stopped_alone)
         finally:
+            self._stopped_alone = False
             stop_watching(self._fault_monitor)
             self._loss_parallel.close()
             super().teardown()

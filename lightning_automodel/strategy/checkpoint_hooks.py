@@ -79,7 +79,7 @@ class CheckpointHooks(ModelParallelStrategy):
 
     def _save_asynchronously(self, checkpoint: dict[str, Any], path: Path) -> None:
         if self._async_saver is None:
-            self._async_saver = AsyncSaver(timeout=self._timeout)
+            self._async_saver = AsyncSaver(timeout=self._timeout, pinned=self.root_device.type == "cuda")
         state = {"state_dict": checkpoint.pop("state_dict")}  # as the parent lays a sharded checkpoint out
         optimizers = checkpoint.pop("optimizer_states", [])
         state.update({f"optimizer_{index}": optimizer for index, optimizer in enumerate(optimizers)})
@@ -101,11 +101,12 @@ class CheckpointHooks(ModelParallelStrategy):
         else:
             self._async_saver.then(lambda: remove(filepath))
 
-    def _close_saves(self) -> None:
-        """At the end of a stage: the save in flight in place (its failure raised on every rank)."""
+    def _close_saves(self, *, collective: bool) -> None:
+        """At the end of a stage: the save in flight in place, its failure raised on every rank (``collective``),
+        or, where this rank stops alone, said on this rank."""
         saver, self._async_saver = self._async_saver, None
         if saver is not None:
-            saver.close()
+            saver.close(collective=collective)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

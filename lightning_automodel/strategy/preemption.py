@@ -41,8 +41,8 @@ REQUEUE_TIMEOUT = 60.0  # seconds scontrol gets
 
 class Preemption:
     """One stage's signals: install it before the Trainer registers its handlers (after the strategy's ``setup``),
-    call :meth:`agree` at the end of every optimizer step, :meth:`saved` after every save, and :meth:`leave` from
-    ``on_exception``."""
+    call :meth:`begin_batch` as each training batch begins, :meth:`agree` at the end of every optimizer step,
+    :meth:`saved` after every save, and :meth:`leave` from ``on_exception``."""
 
     def __init__(self, trainer: pl.Trainer, monitor: FaultMonitor | None) -> None:
         self._trainer = trainer
@@ -50,6 +50,7 @@ class Preemption:
         self._received = [False, False]  # by this rank
         self._agreed = [False, False]  # by every rank, after the same step
         self._last_save: tuple[Path, int] | None = None  # path and step
+        self._after_step = False  # between an optimizer step and the next batch: a stop there loses nothing
         connector = trainer._signal_connector
         connector._sigterm_notifier_fn = self._on_sigterm
         connector._slurm_sigusr_handler_fn = self._on_requeue_signal
@@ -59,29 +60,41 @@ class Preemption:
         flags = torch.tensor(self._received, dtype=torch.int32, device=self._trainer.strategy.root_device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self._after_step = True
         if flags.any():
-            self._stop_after_this_step([bool(flag) for flag in flags.tolist()])
+            self._agreed = [bool(flag) for flag in flags.tolist()]
+            self._trainer._signal_connector.received_sigterm = True  # Lightning's loop raises SIGTERMException
+
+    def begin_batch(self) -> None:
+        self._after_step = False
 
     def saved(self, path: Path) -> None:
-        """A checkpoint save ended on every rank (collective)."""
+        """A checkpoint save ended on every rank (collective). Right after an optimizer step, a signal that came
+        during the save stops every rank now; elsewhere (mid-accumulation, a validation) at the next step's end."""
         self._last_save = (path, self._trainer.global_step)
-        self.agree()
+        if self._after_step:
+            self.agree()
 
-    def leave(self, exception: BaseException) -> None:
-        """After the agreed step, on every rank (collective): save ``last.ckpt`` and, after the requeue signal,
-        requeue the job; the exit code says whether it was requeued."""
-        if not isinstance(exception, SIGTERMException) or not any(self._agreed):
-            return
+    def leave(self, exception: BaseException) -> bool:
+        """After the agreed step of a fit, on every rank (collective): save ``last.ckpt`` (written before anything
+        else is done) and, after the requeue signal, requeue the job; the exit code says whether it was requeued.
+        Whether the ranks stopped together, as agreed."""
+        fitting = self._trainer.state.fn == TrainerFn.FITTING
+        if not isinstance(exception, SIGTERMException) or not any(self._agreed) or not fitting:
+            return False
         path = last_checkpoint_path(self._trainer)
         if path is None:
             rank_zero_warn(
                 "lightning-automodel: nothing saved on the way out: the Trainer has no ModelCheckpoint (pass"
                 " enable_checkpointing=True or a ModelCheckpoint callback to save last.ckpt when a job is preempted)."
             )
-        elif self._last_save != (path, self._trainer.global_step):
-            self._trainer.save_checkpoint(path)
+        else:
+            if self._last_save != (path, self._trainer.global_step):
+                self._trainer.save_checkpoint(path)
+            self._trainer.strategy.wait_for_saves()  # an asynchronous save: in place before the job is requeued
         if self._agreed[REQUEUE]:
             exception.code = 0 if path is not None and _requeue_from_rank_zero(self._trainer) else 1
+        return True
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._note(TERM, signum)
@@ -91,7 +104,7 @@ class Preemption:
 
     def _note(self, which: int, signum: int) -> None:
         """In the signal handler: forward the signal to the ranks Lightning's launcher started (as Lightning does)
-        and note it; outside a fit, where no step ends, stop at once."""
+        and note it; outside a fit, where no step ends, Lightning's loop stops at its next batch."""
         launcher = self._trainer.strategy.launcher
         if not any(self._received) and launcher is not None:
             launcher.kill(signum)
@@ -99,11 +112,7 @@ class Preemption:
         if self._monitor is not None:
             self._monitor.note_signal(signal.Signals(signum).name)
         if self._trainer.state.fn != TrainerFn.FITTING:
-            self._stop_after_this_step(self._received)
-
-    def _stop_after_this_step(self, agreed: list[bool]) -> None:
-        self._agreed = agreed
-        self._trainer._signal_connector.received_sigterm = True  # Lightning's loop raises SIGTERMException
+            self._trainer._signal_connector.received_sigterm = True
 
 
 def last_checkpoint_path(trainer: pl.Trainer) -> Path | None:

@@ -40,6 +40,7 @@ class Stragglers:
         self._published = -1
         self._placed = 0.0
         self._reported = 0.0
+        self._failed = False
 
     def begin_batch(self) -> None:
         """The main thread begins a training batch (an attribute write: no store, no lock)."""
@@ -48,7 +49,17 @@ class Stragglers:
 
     def tick(self, store: dist.Store, now: float) -> None:
         """From the monitor's thread, every heartbeat: publish this rank's count, and report the ranks behind once
-        this rank has waited ``after`` seconds (again every ``after`` seconds)."""
+        this rank has waited ``after`` seconds (again every ``after`` seconds). A failure here ends the reports, not
+        the monitor (a store that is gone fails the heartbeat next)."""
+        if self._failed:
+            return
+        try:
+            self._tick(store, now)
+        except Exception as error:
+            self._failed = True
+            print(f"[rank {self.rank}] lightning-automodel: no more straggler reports: {error}", file=sys.stderr)
+
+    def _tick(self, store: dist.Store, now: float) -> None:
         batch, since = self._batch, self._since
         if batch != self._published:
             store.set(f"batch/{self.rank}", str(batch))
@@ -72,11 +83,14 @@ class Stragglers:
 
     def behind(self, store: dist.Store) -> str:
         """The ranks behind the others (for the report of a stage stopped by a failed collective), or ""."""
-        counts = self._counts(store)
-        behind = [rank for rank, count in counts.items() if count == min(counts.values(), default=0)]
-        if len(behind) == len(counts):
+        try:
+            counts = self._counts(store)
+            behind = [rank for rank, count in counts.items() if count == min(counts.values(), default=0)]
+            if len(behind) == len(counts):
+                return ""
+            return f"the others were waiting for {self._describe(store, behind, counts)}"
+        except Exception:  # the store is gone: the report says so
             return ""
-        return f"the others were waiting for {self._describe(store, behind, counts)}"
 
     def place(self) -> str:
         """Where this rank's main thread is: its innermost frames, innermost first."""

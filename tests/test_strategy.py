@@ -123,6 +123,8 @@ def test_constructible_from_lightning_cli():
         (dict(tp=0), "tp=0 is invalid"),
         (dict(forward_prefetch=-1), "gathered ahead (0 or more)"),
         (dict(backward_prefetch=0), "behind (1 or more"),
+        (dict(async_save=True, save_distributed_checkpoint=False), "async_save=True writes sharded checkpoints"),
+        (dict(save_trainable_only=True, save_distributed_checkpoint=False), "save_trainable_only=True writes sharded"),
     ],
 )
 def test_unsupported_options_are_refused_at_construction(kwargs, message):

@@ -144,10 +144,10 @@ class CheckpointHooks(ModelParallelStrategy):
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             return None
         if saved is None or len(saved) != self.world_size:
-            found = "none" if saved is None else f"those of {len(saved)} processes"
+            found = "no random states" if saved is None else f"the random states of {len(saved)} processes"
             rank_zero_warn(
-                f"{path} holds {found} and this run has {self.world_size}: the random states are not restored, so"
-                " what a step draws (dropout) differs from the uninterrupted run."
+                f"{path} holds {found} and this run has {self.world_size}: they are not restored, so what a step"
+                " draws (dropout) differs from the uninterrupted run."
             )
             return None
         return saved

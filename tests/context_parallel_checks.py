@@ -6,14 +6,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from lora_checks import fit_lora_against_one_process
+from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoModelForCausalLM
 
-from lightning_automodel import AutoModelParallelStrategy, ParallelDims
+from lightning_automodel import AutoModelParallelStrategy, ParallelDims, parallelize
 from lightning_automodel.hf import shrink
 from lightning_automodel.parallel.context_parallel import context_parallel_model, context_parallel_of, token_indices
+from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
 from lightning_automodel.testing.models import CONFIGS, SHRUNK, batch, tiny_model
-from lightning_automodel.testing.parity import FP32_TOLERANCE, relative_error
+from lightning_automodel.testing.parity import FP32_TOLERANCE, full, relative_error
 from lightning_automodel.testing.trainer_checks import CONTEXT_PARALLEL_LAYERS as LAYERS
+from lightning_automodel.testing.trainer_checks import z_loss_sum
 from lightning_automodel.testing.trainer_parity import CausalLM, HFLossCausalLM, data, trainer
 
 
@@ -82,18 +85,19 @@ def any_model(family: str, **config: object) -> torch.nn.Module:
 
 
 def check_context_parallel_refusals(cp: int) -> list[str]:
-    """Refused on every rank before any collective, naming the fix: cp with pp, a model that computes other logits
-    with its sequences split (Mamba: a state-space model, no attention to gather), a training step computing its
-    loss from the logits (each rank holds its share of the sequence's logits only); calls the split cannot serve
-    (a 4D mask, a cache, generation) and, in one small all-reduce, rows that differ between the cp peers."""
+    """Refused on every rank before any collective, naming the fix: a loss of one's own under pp with cp, a model that
+    computes other logits with its sequences split (Mamba: a state-space model, no attention to gather), a training
+    step computing its loss from the logits (each rank holds its share of the sequence's logits only); calls the
+    split cannot serve (a 4D mask, a cache, generation) and, in one small all-reduce, rows that differ between the cp
+    peers."""
     refused = []
     try:
-        AutoModelParallelStrategy(cp=cp, pp=2)
+        AutoModelParallelStrategy(cp=cp, pp=2, pp_loss_fn=z_loss_sum)
     except ValueError as error:
-        assert "does not compose with pipeline parallel" in str(error), error
+        assert "pp_loss_fn with cp=2: the loss function shifts a micro-batch's labels itself" in str(error), error
         refused.append(str(error))
     else:
-        raise AssertionError("cp with pp was not refused")
+        raise AssertionError("pp_loss_fn with cp was not refused")
     fits = [
         (HFLossCausalLM(any_model("mamba")), "computes other logits with its sequences split than whole"),
         (CausalLM(tiny_model(num_hidden_layers=LAYERS)), "call the model with labels"),
@@ -134,3 +138,69 @@ def check_context_parallel_lora(cp: int, tp: int = 1, sp: bool = False) -> dict:
     module, result = fit_lora_against_one_process(strategy, dp=dist.get_world_size() // cp // tp, layers=LAYERS)
     assert context_parallel_of(module.model) is not None
     return result
+
+
+def check_rows_split_over_pp_and_cp(
+    family: str,
+    *,
+    pp: int,
+    schedule: str = "1F1B",
+    stages_per_rank: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    **config: object,
+) -> dict:
+    """The calls of a model pipelined over ``pp`` ranks with its sequences split over cp (the rest of the world) on
+    rows of a length 2 cp does not divide, each row padded, then packed, its own way (each micro-batch's stages must
+    get the split of its own rows): the losses (the mean of the cp ranks' shares), every gradient after both (FSDP's
+    mean over cp) and, in evaluation, the last stage's logits against one process on the whole rows. ``config``:
+    overrides of the family's tiny config (a mixture-of-experts model's load-balancing loss: transformers' loss
+    includes it, over the real tokens of every layer)."""
+    world, length = dist.get_world_size(), 15
+    cp = world // pp // tp
+    config = dict(config, num_hidden_layers=pp * stages_per_rank * 2)
+    model, reference = any_model(family, **config), any_model(family, **config)
+    pipeline_options = PipelineOptions(schedule, microbatches=4, stages_per_rank=stages_per_rank)
+    parallelize(
+        model, ParallelDims(pp=pp, cp=cp, tp=tp).resolve(world).build_mesh("cpu"), sp=sp, pipeline=pipeline_options
+    )
+    pipeline, context = pipeline_of(model), context_parallel_of(model)
+    result = {"loss": 0.0}
+    for inputs in varied_rows(rows=4, length=length):
+        with loss_parallel():  # vocabulary-sharded logits under tp (the strategy enters it around its steps)
+            loss = model(**inputs).loss
+            loss.backward()
+        expected = reference(**inputs, use_cache=False)
+        expected.loss.backward()
+        dist.all_reduce(shares := loss.detach().clone(), group=context.group)
+        result["loss"] = max(result["loss"], abs(shares.item() / cp - expected.loss.item()) / expected.loss.item())
+    pipeline.sum_tied_gradients()
+    grads = dict(reference.named_parameters())
+    result["grads"] = max(relative_error(full(p.grad), grads[n].grad) for n, p in model.named_parameters())
+    model.eval()
+    inputs.pop("labels")
+    with torch.no_grad():
+        logits, expected = model(**inputs).logits, reference(**inputs, use_cache=False).logits
+    if pipeline.last:
+        held = token_indices(context.padded_length(length), cp, context.rank)
+        real = held < length
+        result["logits"] = relative_error(full(logits)[:, real], expected[:, held[real]])
+    assert max(result.values()) < FP32_TOLERANCE, result
+    return result
+
+
+def varied_rows(*, rows: int, length: int) -> list[dict[str, torch.Tensor]]:
+    """Two batches of ``rows`` rows of ``length`` tokens, each row its own: row r hides its last r tokens (an
+    attention mask; labels ignored there) in the first, and packs r + 1 documents in the second."""
+    tokens, labels = batch(rows)
+    tokens, labels = tokens[:, :length], labels[:, :length]
+    mask, padded_labels, positions = torch.ones_like(tokens), labels.clone(), torch.empty_like(tokens)
+    for row in range(rows):
+        positions[row] = torch.arange(length) % -(-length // (row + 1))
+        if row:
+            mask[row, -row:] = 0
+            padded_labels[row, -row:] = -100
+    return [
+        dict(input_ids=tokens, labels=padded_labels, attention_mask=mask),
+        dict(input_ids=tokens, labels=labels, position_ids=positions),
+    ]

@@ -274,13 +274,14 @@ class PretrainedRecordingLM(RecordingLM):
         self.losses, self.accuracies, self.grads = [], [], []
 
 
-def check_causal_lm_module_split(*, pp: int = 1, cp: int = 1, tp: int = 1) -> dict:
+def check_causal_lm_module_split(*, pp: int = 1, cp: int = 1, tp: int = 1, family: str = "llama") -> dict:
     """CausalLMModule unchanged when the model's call splits the batch, under pp (1F1B over pp micro-batches) or cp
     (also x tp, whose vocabulary-sharded logits make the summed loss a DTensor):
     3 steps on padded rows (AdamW with decay groups, warm-up then cosine) match transformers' model in one process:
     the logged loss and accuracy at every step, this rank's gradients, the weights; then validation's loss,
-    perplexity and accuracy; predict's per-sequence losses on every rank under pp, refused under cp."""
-    directory = saved_checkpoint("llama")
+    perplexity and accuracy; predict's per-sequence losses on every rank under pp, refused under cp. A
+    mixture-of-experts family adds its load-balancing loss (logged apart) over the real tokens of the global batch."""
+    directory = saved_checkpoint(family, **(AUXILIARY if family in SHRUNK else {}))
     train, val = padded_rows(GLOBAL_BATCH, seed=1), padded_rows(2 * GLOBAL_BATCH, seed=2)
     dp = dist.get_world_size() // pp // cp // tp
     module = PretrainedRecordingLM(directory)

@@ -62,7 +62,7 @@ def _receive_buffer_bytes(pipeline) -> int:
     on (their ``_RecvInfo``s)."""
     infos = [
         info
-        for stage in pipeline._stages
+        for stage in pipeline.torch_stages()
         for received in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
         for info in received
     ]

@@ -189,3 +189,26 @@ def check_pipeline_batch_shapes(pp: int) -> list[float]:
     else:
         raise AssertionError("a second backward of a pipelined loss was not refused")
     return errors
+
+
+def check_accumulation_around_forward_only_calls(pp: int) -> dict:
+    """Two training calls accumulating their gradients with a forward-only call (logits, no labels, no gradients)
+    between them: the gradients equal one process's sum of both. torch's schedules prepare their stages for forward
+    only or training when they switch, so a forward-only schedule sharing the training one's stages left them
+    prepared for forward only (the second call's gradients lost), and FSDP2 mixed the gradients held from the first
+    call into the forward-only pass."""
+    model, reference = (tiny_model("llama", num_hidden_layers=LAYERS) for _ in range(2))
+    parallelize(model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"))
+    tokens, labels = batch(GLOBAL_BATCH)
+    errors = []
+    for _ in range(2):
+        model(input_ids=tokens, labels=labels).loss.backward()
+        hf_loss(reference, tokens, labels).backward()
+        expected = dict(reference.named_parameters())
+        errors.append(max(relative_error(full(p.grad), expected[n].grad) for n, p in model.named_parameters()))
+        with torch.no_grad():
+            logits = model(input_ids=tokens).logits
+        if pipeline_of(model).last:
+            errors.append(relative_error(logits, reference(input_ids=tokens).logits))
+    assert max(errors) < FP32_TOLERANCE, errors
+    return {"errors": errors}

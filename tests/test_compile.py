@@ -1,7 +1,9 @@
 """Compiled decoder blocks (``compile=``) against the eager model in one process, through a real Trainer: 3 AdamW
 steps (the loss and every gradient at each step, the weights after) and validate's loss, at tp=2 with sp and full
 activation checkpointing (inductor), and traced by dynamo and AOTAutograd as inductor's are (the "aot_eager" backend:
-inductor's code generation is most of a compile's cost on CPU) at cp=2, pp=2, LoRA over dp_shard=2 and bf16-mixed;
+inductor's code generation is most of a compile's cost on CPU) at cp=2, pp=2, LoRA over dp_shard=2, bf16-mixed, and
+selective and submodule checkpointing inside the compiled blocks (which keep fewer activations for it), and Qwen3-MoE
+at ep=2 (the token exchange eager between the blocks' graphs);
 no graph compiled after the first step and its validation; the options refused; generation (a call with a cache)
 runs the blocks eagerly. scripts/compile_sweep.py runs every layout with inductor."""
 
@@ -15,6 +17,7 @@ from torch._dynamo.utils import counters
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_automodel.parallel.compile import apply_compile
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import batch, tiny_model
@@ -28,8 +31,40 @@ def test_compiled_blocks_on_two_ranks():
         partial(check_compiled_trainer_parity, pp=2, backend="aot_eager"),
         partial(check_compiled_lora, backend="aot_eager"),
         partial(check_bf16_trainer, 1, "bf16-mixed", compile={"backend": "aot_eager"}),
+        partial(check_compiled_trainer_parity, activation_checkpointing="selective", backend="aot_eager"),
+        partial(check_compiled_trainer_parity, activation_checkpointing="submodule", backend="aot_eager"),
+        partial(check_compiled_trainer_parity, "qwen3_moe", ep=2, backend="aot_eager", exact_graphs=False),
     ]
     run_checks(2, checks, timeout=600)
+
+
+def test_checkpointing_inside_compiled_blocks_keeps_fewer_activations():
+    """Selective and submodule checkpointing go inside a compiled block's forward (torch.utils.checkpoint, traced by
+    dynamo): the step keeps fewer activations for backward than the compiled block without checkpointing (bytes
+    autograd saves, counted by its saved-tensor hooks), and full checkpointing fewer still. Measured: 3.55 MB
+    without, 2.73 MB selective, 2.45 MB submodule, 0.33 MB full."""
+    saved = {mode: _saved_bytes(mode) for mode in (False, "selective", "submodule", "full")}
+    assert saved[False] > saved["selective"] > saved["submodule"] > saved["full"], saved
+
+
+def _saved_bytes(mode: str | bool) -> int:
+    torch._dynamo.reset()
+    model = tiny_model(num_hidden_layers=2, hidden_size=128, intermediate_size=512)
+    layers = [layer for _, layer in named_decoder_layers(model)]
+    if mode:
+        apply_activation_checkpointing(model, layers, mode=mode, compiled=True)
+    apply_compile(model, layers, {"backend": "aot_eager"})
+    tokens, labels = batch(4)
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    return sum(saved)
 
 
 @pytest.mark.parametrize(
@@ -37,9 +72,6 @@ def test_compiled_blocks_on_two_ranks():
     [
         (dict(compile="yes"), "use False, True or a dict"),
         (dict(compile={"fullgraf": True}), "fullgraf not among torch.compile's keyword arguments"),
-        (dict(compile=True, activation_checkpointing="selective"), "dispatches no op for its policy"),
-        (dict(compile=True, activation_checkpointing="submodule"), "checkpoint hooks of its attention and MLP"),
-        (dict(compile=True, ep=2), "compile with ep=2 is not supported yet"),
     ],
 )
 def test_compile_options_refused(options, message):

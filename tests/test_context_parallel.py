@@ -14,17 +14,25 @@ from context_parallel_checks import (
     check_context_parallel_lora,
     check_context_parallel_refusals,
     check_rows_split_over_cp,
+    check_rows_split_over_pp_and_cp,
 )
 from lightning_checks import check_checkpoint_resume_across_layouts
-from lm_checks import check_causal_lm_module_split
+from lm_checks import AUXILIARY, check_causal_lm_module_split
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.parallel.context_parallel import attention_kernel, documents, token_indices
 from lightning_automodel.testing.harness import run_checks
-from lightning_automodel.testing.trainer_checks import check_bf16_trainer, check_context_parallel_trainer_parity
+from lightning_automodel.testing.trainer_checks import (
+    check_bf16_trainer,
+    check_context_parallel_trainer_parity,
+    check_pipeline_trainer_parity,
+)
 
 # Gemma 3 with a full-attention and a sliding layer, its window (3 tokens) shorter than a rank's chunk (4)
 GEMMA3_SHORT_WINDOW = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=3)
+GEMMA3_EIGHT_LAYERS = dict(GEMMA3_SHORT_WINDOW, layer_types=["full_attention", "sliding_attention"] * 4)
+ROWS = partial(check_rows_split_over_pp_and_cp, pp=2)  # the rest of the world is cp
+INTERLEAVED = dict(schedule="Interleaved1F1B", stages_per_rank=2)
 
 
 def test_context_parallel_on_two_ranks(tmp_path):
@@ -32,8 +40,9 @@ def test_context_parallel_on_two_ranks(tmp_path):
     on three packed documents a row (Llama; Mistral with a window longer than a chunk), on right-padded rows of 15
     tokens, with Gemma 2's soft-capped logits and GPT-OSS's sinks; under flex attention (evaluation calls, training
     refused on CPU) packed and padded rows, Gemma 3's mixed windows, soft-capping and sinks; CausalLMModule
-    unchanged; bf16 (mixed and true) as close to fp32 as one bf16 process; LoRA; a checkpoint saved at cp=2 resumed
-    at cp=1 with the uninterrupted run's losses; refusals."""
+    unchanged, and with a mixture-of-experts model's load-balancing loss over every token (Qwen3-MoE); bf16 (mixed
+    and true) as close to fp32 as one bf16 process; LoRA; a checkpoint saved at cp=2 resumed at cp=1 with the
+    uninterrupted run's losses; refusals."""
     rows = partial(check_rows_split_over_cp, length=16, packed=False, padded=False)
     checks = [
         partial(check_context_parallel_trainer_parity, 2),
@@ -49,6 +58,7 @@ def test_context_parallel_on_two_ranks(tmp_path):
         partial(rows, "gemma2", attention="flex"),
         partial(rows, "gpt_oss", attention="flex"),
         partial(check_causal_lm_module_split, cp=2),
+        partial(check_causal_lm_module_split, cp=2, family="qwen3_moe"),
         partial(check_bf16_trainer, 1, "bf16-mixed", cp=2),
         partial(check_bf16_trainer, 1, "bf16-true", cp=2),
         partial(check_context_parallel_lora, 2),
@@ -60,14 +70,37 @@ def test_context_parallel_on_two_ranks(tmp_path):
 
 def test_context_parallel_with_tensor_and_data_parallel():
     """World 4: Llama at cp=2 x tp=2 with sp; Qwen3 at cp=2 x dp_shard=2 with activation checkpointing; Mistral with a
-    3-token window at cp=2 x tp=2; CausalLMModule at cp=2 x tp=2."""
+    3-token window at cp=2 x tp=2; CausalLMModule at cp=2 x tp=2. Under pp=2 x cp=2: Llama through the Trainer
+    (1F1B); the model's call on rows padded and packed each their own way, under 1F1B (Llama), Interleaved1F1B
+    (Gemma 3: tied, sliding layers), InterleavedZeroBubble (Llama), and with Qwen3-MoE's load-balancing loss (1F1B).
+    The sweep below: the other schedules and more families."""
     checks = [
         partial(check_context_parallel_trainer_parity, 2, tp=2, sp=True),
         partial(check_context_parallel_trainer_parity, 2, "qwen3", activation_checkpointing=True),
         partial(check_context_parallel_trainer_parity, 2, "mistral", tp=2, config=dict(sliding_window=3)),
         partial(check_causal_lm_module_split, cp=2, tp=2),
+        partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=2, cp=2),
+        partial(ROWS, "llama"),
+        partial(ROWS, "gemma3", **INTERLEAVED, **GEMMA3_EIGHT_LAYERS),
+        partial(ROWS, "llama", schedule="InterleavedZeroBubble", stages_per_rank=2),
+        partial(ROWS, "qwen3_moe", **AUXILIARY),
     ]
     run_checks(4, checks, timeout=400)
+
+
+@pytest.mark.sweep
+def test_pipeline_with_context_parallel_sweep():
+    """World 4 at pp=2 x cp=2: the model's call under GPipe (Qwen3) and LoopedBFS (Llama), Qwen3-MoE's
+    load-balancing loss under Interleaved1F1B; through the Trainer, Gemma 3 under GPipe with activation
+    checkpointing and Qwen3-MoE with its load-balancing loss."""
+    checks = [
+        partial(ROWS, "qwen3", schedule="GPipe"),
+        partial(ROWS, "llama", schedule="LoopedBFS", stages_per_rank=2),
+        partial(ROWS, "qwen3_moe", **INTERLEAVED, **AUXILIARY),
+        partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3", cp=2, activation_checkpointing=True),
+        partial(check_pipeline_trainer_parity, 2, "1F1B", "qwen3_moe", microbatches=2, cp=2, config=AUXILIARY),
+    ]
+    run_checks(4, checks, timeout=600)
 
 
 def test_split_covers_every_token_once_and_balances_causal_work():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 from functools import partial
 
+import pytest
 import torch
 from fault_checks import (
     check_asynchronous_save_failure,
@@ -90,6 +91,7 @@ def test_sigterm_to_the_launcher(tmp_path):
     check_checkpoint(tmp_path / "ckpt" / "on_exception.ckpt")
 
 
+@pytest.mark.sweep  # 34 s of waiting; test_a_stalled_rank_is_named_while_the_others_wait names a silent rank too
 def test_frozen_rank(tmp_path):
     """A rank that stops responding (SIGSTOP: what a hung host or a dead nccl peer looks like to the others): its
     heartbeat goes silent, and the others exit naming it within half the timeout (plus a 5 s grace)."""

@@ -46,8 +46,8 @@ def test_each_layout_takes_the_least_recomputing_setting_that_fits():
     """A budget between a layout's memory without and with full checkpointing: the layout is listed with the first
     setting (off, selective, submodule, full) whose memory fits, that memory being the plan's state plus the setting's
     activation estimate (under pp, the largest stage's); a layout the tiny model's 2 KV heads cannot split over tp=4 is
-    refused with the plan's reason, pp=4 for want of rows (1F1B: a row per micro-batch, as many as stages), pp with cp
-    as training refuses it: printed."""
+    refused with the plan's reason, pp=4 for want of rows (1F1B: a row per micro-batch, as many as stages): printed.
+    pp x cp is listed with its memory (a stage receiving its rank's share of the rows)."""
     single = ParallelDims(dp_shard=4).resolve(4)
     off, full = _memory(single, "off"), _memory(single, "full")
     assert full < off
@@ -57,11 +57,11 @@ def test_each_layout_takes_the_least_recomputing_setting_that_fits():
     )
     layouts = [*fitting.fits, *fitting.too_large]
     listed = {(layout.dims.pp, layout.dims.tp, layout.dims.cp): layout for layout in layouts}
-    assert set(listed) == {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 2, 1)}
-    assert list(fitting.refused) == ["tp=4 cp=1 dp_shard=1", "pp=2 tp=1 cp=2 dp_shard=1", "pp=4 tp=1 cp=1 dp_shard=1"]
+    assert set(listed) == {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 1, 2), (2, 2, 1)}
+    assert list(fitting.refused) == ["tp=4 cp=1 dp_shard=1", "pp=4 tp=1 cp=1 dp_shard=1"]
     assert listed[(1, 1, 1)] in fitting.fits and listed[(1, 1, 1)].checkpointing != "off"
-    # data parallel; tp with sp; pp over data parallel (each estimate costs seconds)
-    for layout in (listed[(1, 1, 1)], listed[(1, 2, 1)], listed[(2, 1, 1)]):
+    # data parallel; tp with sp; pp over data parallel; pp x cp (each estimate costs seconds)
+    for layout in (listed[(1, 1, 1)], listed[(1, 2, 1)], listed[(2, 1, 1)], listed[(2, 1, 2)]):
         assert layout in fitting.fits
         assert layout.memory_bytes == _memory(layout.dims, layout.checkpointing) <= budget
         earlier = list(AC_SETTINGS)[: list(AC_SETTINGS).index(layout.checkpointing)]

@@ -38,12 +38,12 @@ LAYOUTS = [
     (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="GPipe", microbatches=4))),
     (ParallelDims(pp=2), dict(mp_policy=BF16_MIXED, pipeline=PipelineOptions(microbatches=2))),  # bf16 hand-over
     (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=4))),
+]
+SWEEP_LAYOUTS = [
     (
         ParallelDims(pp=2),
         dict(pipeline=PipelineOptions(schedule="InterleavedZeroBubble", stages_per_rank=2, microbatches=4)),
     ),
-]
-SWEEP_LAYOUTS = [
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="selective")),
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="submodule")),
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="full")),
@@ -53,6 +53,7 @@ SWEEP_LAYOUTS = [
 # Stages handing each other sequence shards (tp + sp) and FSDP2 holding a stage's gradients unsharded until the last
 # micro-batch (dp_shard).
 FOUR_RANK_SWEEP_LAYOUTS = [
+    (ParallelDims(pp=2, cp=2), dict(pipeline=PipelineOptions(microbatches=4))),  # a stage receives its cp share
     (ParallelDims(pp=2, tp=2), dict(sp=True, pipeline=PipelineOptions(microbatches=4))),
     (
         ParallelDims(pp=2, dp_shard=2),

@@ -12,6 +12,7 @@ import torch
 from lightning_checks import check_checkpoint_resume_across_layouts, check_validate_then_fit
 from lm_checks import check_causal_lm_module_split
 from pipeline_checks import (
+    check_accumulation_around_forward_only_calls,
     check_loss_from_logits_is_refused,
     check_pipeline_accumulation_and_clipping,
     check_pipeline_batch_shapes,
@@ -35,9 +36,12 @@ MIXED_LAYERS = dict(layer_types=["full_attention", "full_attention", "sliding_at
 
 
 def test_pipeline_two_stages_against_one_process():
-    """World 2 at pp=2: Llama with 1F1B over 4 micro-batches, Gemma 3 (tied embeddings) with GPipe, and with
+    """World 2 at pp=2: Llama with 1F1B over 4 micro-batches, Gemma 3 (tied embeddings) with GPipe and FSDP2's CPU
+    offload, and with
     accumulate_grad_batches=2 and gradient_clip_val; pretrained Llama and Gemma 3 loaded stage by stage; CausalLMModule
-    unchanged (loss, accuracy, validation metrics); batches of other shapes one after another, and a second backward
+    unchanged (loss, accuracy, validation metrics), and with a mixture-of-experts model's load-balancing loss over
+    every layer and token (Qwen3-MoE, pretrained); two training calls accumulating around a forward-only call;
+    batches of other shapes one after another, and a second backward
     of one loss refused; a training_step
     computing its loss from the logits stops at its first step, naming the call and the hook that work; validate
     before fit with two stages per rank (the optimizer steps the sharded weights, not those validate left gathered);
@@ -46,11 +50,13 @@ def test_pipeline_two_stages_against_one_process():
     (tied, layers of both kinds) with LoopedBFS, and loaded stage by stage."""
     checks = [
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4),
-        partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3"),
+        partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3", cpu_offload=True),
         partial(check_pipeline_accumulation_and_clipping, 2),
         partial(check_pipeline_loaded_weights, 2, "llama"),
         partial(check_pipeline_loaded_weights, 2, "gemma3"),
         partial(check_causal_lm_module_split, pp=2),
+        partial(check_causal_lm_module_split, pp=2, family="qwen3_moe"),
+        partial(check_accumulation_around_forward_only_calls, 2),
         partial(check_pipeline_batch_shapes, 2),
         partial(check_loss_from_logits_is_refused, 2),
         partial(check_validate_then_fit, 2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2),

@@ -167,7 +167,7 @@ class CausalLMModule(L.LightningModule):
         if self.hparams.loss_chunks > 1 and not self._chunking_checked:
             self._check_chunking()
         if pipeline_of(self.model) is not None or context_parallel_of(self.model) is not None:
-            loss, loss_sum, tokens, hits = self._split_step(batch)
+            loss, loss_sum, tokens, hits = self._split_step(stage, batch)
         else:
             loss, loss_sum, tokens, hits = self._whole_step(stage, batch)
         metrics = getattr(self, f"{stage}_metrics")
@@ -203,12 +203,16 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"loss_chunks={self.hparams.loss_chunks}: {problem}. Use loss_chunks=1.")
         self._chunking_checked = True
 
-    def _split_step(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _split_step(self, stage: str, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The same when the model's call splits the batch: under pipeline parallel the last stage computes them,
-        micro-batch by micro-batch; under context parallel each rank its share of the sequences."""
+        micro-batch by micro-batch; under context parallel each rank its share of the sequences. The call's loss
+        includes a mixture-of-experts model's load-balancing loss over the global batch, logged apart."""
         outputs = self.model(
             input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"]
         )
+        if outputs.aux_loss is not None:
+            on_step = stage == "train"
+            self.log(f"{stage}_aux_loss", outputs.aux_loss, on_step=on_step, on_epoch=not on_step)
         return outputs.loss, outputs.loss_sum, outputs.num_tokens, outputs.num_hits
 
     def _load_balancing_loss(self, stage: str, outputs: Any, attention_mask: Tensor | None) -> Tensor:

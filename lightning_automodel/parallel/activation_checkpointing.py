@@ -7,7 +7,10 @@
   their activations.
 
 Uses torch's composable ``checkpoint``, which works through module hooks: parameter names stay those of the
-Hugging Face model, so state dicts, checkpoints and exports need no renaming.
+Hugging Face model, so state dicts, checkpoints and exports need no renaming. Blocks compiled by ``torch.compile``
+(see :mod:`~lightning_automodel.parallel.compile`) take ``"selective"`` and ``"submodule"`` as calls of
+``torch.utils.checkpoint`` inside their forward instead, which dynamo traces into the compiled graph (torchtitan's
+way): hooks stay outside a compiled forward, whose ops a policy never sees dispatched.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
+from types import MethodType
 from typing import Literal
 
 import torch
@@ -23,6 +27,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_automodel.parallel.model_calls import build_no_cache
 
@@ -52,8 +57,11 @@ def validate_ac_mode(mode: ACMode | bool) -> None:
         raise ValueError(f'activation_checkpointing={mode!r}: use False, True/"full", "selective" or "submodule".')
 
 
-def apply_activation_checkpointing(model: nn.Module, layers: Sequence[nn.Module], mode: ACMode | bool = "full") -> None:
-    """Checkpoint each decoder layer in ``layers`` with ``mode`` (True means "full")."""
+def apply_activation_checkpointing(
+    model: nn.Module, layers: Sequence[nn.Module], mode: ACMode | bool = "full", *, compiled: bool = False
+) -> None:
+    """Checkpoint each decoder layer in ``layers`` with ``mode`` (True means "full"); ``compiled``: the layers'
+    forwards are to be compiled next, the checkpoints of "selective" and "submodule" go inside them."""
     validate_ac_mode(mode)
     mode = "full" if mode is True else mode
     if not layers:
@@ -65,11 +73,34 @@ def apply_activation_checkpointing(model: nn.Module, layers: Sequence[nn.Module]
     for layer in layers:
         if mode == "full":
             checkpoint(layer)
+        elif mode == "selective" and compiled:
+            _checkpoint_in_forward(layer, context_fn=_traced_selective_contexts)
         elif mode == "selective":
             checkpoint(layer, context_fn=_selective_contexts)
         else:
             for block in _attention_and_mlp(layer):
-                checkpoint(block)
+                _checkpoint_in_forward(block) if compiled else checkpoint(block)
+
+
+def _checkpoint_in_forward(module: nn.Module, context_fn: Callable | None = None) -> None:
+    """Make ``module``'s forward run its current one under ``torch.utils.checkpoint`` (non-reentrant, which dynamo
+    traces). The same function for every module, the module's own as an attribute: blocks compiled alike share one
+    graph."""
+    module.checkpointed_forward = module.forward.__func__
+    module.checkpoint_context = context_fn
+    module.forward = MethodType(_checkpointed_forward, module)
+
+
+def _checkpointed_forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+    context = {} if self.checkpoint_context is None else {"context_fn": self.checkpoint_context}
+    return torch_checkpoint(self.checkpointed_forward, self, *args, use_reentrant=False, **context, **kwargs)
+
+
+def _traced_selective_contexts() -> tuple:
+    """:func:`_selective_contexts` for a compiled forward, where dynamo traces the checkpoint and AOTAutograd applies
+    the policy to the graph's ops (no profiler marks there: FSDP2's hooks stay outside the compiled block)."""
+    counts: dict[str, int] = defaultdict(int)
+    return create_selective_checkpoint_contexts(partial(_keep_attention_and_every_other_matmul, counts))
 
 
 def _attention_and_mlp(layer: nn.Module) -> list[nn.Module]:

@@ -8,11 +8,11 @@ FSDP2's all-gathers and reshards and the composable activation checkpoint run as
 names stay the model's (an ``OptimizedModule`` wrapper would add ``_orig_mod.`` to every one of them). Tensor
 parallel's and sequence parallel's hooks on the projections inside a block are traced with it.
 
-Activation checkpointing composes in its ``"full"`` mode (the checkpoint wraps the compiled forward and recomputes
-it). ``"selective"`` chooses what to keep op by op as the forward dispatches them, which a compiled forward does not
-do, and ``"submodule"`` puts checkpoint hooks inside the traced forward (torch's recomputation then sees other
-tensor metadata): both are refused with compile. So is expert parallel, whose token dispatch is a function of each
-layer's own (a graph per layer).
+Activation checkpointing composes in every mode: ``"full"``'s checkpoint wraps the compiled forward and recomputes
+it; ``"selective"`` and ``"submodule"`` go inside it, as ``torch.utils.checkpoint`` calls dynamo traces (see
+:mod:`~lightning_automodel.parallel.activation_checkpointing`). Under expert parallel the token exchange between the
+ranks runs eagerly between a block's compiled graphs (its sizes are data: dynamo breaks the graph there), one
+dispatch function for every layer.
 """
 
 from __future__ import annotations
@@ -54,28 +54,6 @@ def compile_options(compile: CompileSpec) -> dict[str, Any] | None:
     return dict(compile)
 
 
-def check_compile(*, compile: CompileSpec, activation_checkpointing: bool | str, ep: int) -> None:
-    """Compile composes with full activation checkpointing only, and not with expert parallel (see the module's
-    docstring)."""
-    if compile is False:
-        return
-    why = {
-        "selective": "a compiled block dispatches no op for its policy to choose from",
-        "submodule": "a compiled block would trace the checkpoint hooks of its attention and MLP",
-    }
-    if activation_checkpointing in why:
-        raise ValueError(
-            f"compile with activation_checkpointing={activation_checkpointing!r} is not supported:"
-            f" {why[activation_checkpointing]}. Use activation_checkpointing='full' (or True), or compile=False."
-        )
-    if ep > 1:
-        raise ValueError(
-            f"compile with ep={ep} is not supported yet: the experts' token dispatch is a function of each layer's own,"
-            " which would compile a graph per layer (and run eagerly past dynamo's recompile limit). Use compile=False"
-            " or ep=1."
-        )
-
-
 def apply_compile(model: nn.Module, layers: Sequence[nn.Module], options: dict[str, Any]) -> None:
     """Compile each layer's forward in place with ``torch.compile(**options)``; calls with a cache run it eagerly.
 
@@ -89,8 +67,9 @@ def apply_compile(model: nn.Module, layers: Sequence[nn.Module], options: dict[s
             " transformer blocks (model.layers in Hugging Face models)."
         )
     build_no_cache(model)
-    for layer in layers:
-        layer.compiled_forward = torch.compile(type(layer).forward, **options)
+    for layer in layers:  # its current forward: the class's, or activation checkpointing's around it
+        layer.eager_forward = getattr(layer.forward, "__func__", type(layer).forward)
+        layer.compiled_forward = torch.compile(layer.eager_forward, **options)
         layer.forward = MethodType(_compiled_unless_cached, layer)  # a module-level function: deepcopy rebinds it
 
 
@@ -100,10 +79,10 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", 
 
 
 def _compiled_unless_cached(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The layer's compiled forward, or its class's own when the call carries a cache."""
+    """The layer's compiled forward, or the same eagerly when the call carries a cache."""
     cached = any(isinstance(value, Cache) for value in [*args, *kwargs.values()])
     if cached or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
-        return type(self).forward(self, *args, **kwargs)
+        return self.eager_forward(self, *args, **kwargs)
     args, kwargs = tree_map(_landed, (args, kwargs))
     return self.compiled_forward(self, *args, **kwargs)
 
@@ -118,4 +97,4 @@ def _landed(value: Any) -> Any:
     return value
 
 
-__all__ = ["CompileSpec", "apply_compile", "check_compile", "compile_options"]
+__all__ = ["CompileSpec", "apply_compile", "compile_options"]

@@ -17,11 +17,14 @@ class ParallelCausalLMOutput(CausalLMOutputWithPast):
     the global batch's loss), and the totals it came from: ``loss_sum`` (summed next-token cross-entropy),
     ``num_tokens`` (scored tokens), ``num_hits`` (tokens whose target the logits rank first), of this rank's batch
     (pipeline: on every rank) or of this rank's share of the sequences (context parallel). ``logits``: what this
-    rank computed (pipeline: the last stage's, when not training; None elsewhere)."""
+    rank computed (pipeline: the last stage's, when not training; None elsewhere); ``aux_loss``: the load-balancing
+    loss of a mixture-of-experts model adding one (``output_router_logits``), over the global batch, which ``loss``
+    includes with the model's weight."""
 
     loss_sum: Tensor | None = None
     num_tokens: Tensor | None = None
     num_hits: Tensor | None = None
+    aux_loss: Tensor | None = None  # a mixture-of-experts model's load-balancing loss over the global batch
 
 
 def take_over_calls(model: nn.Module, forward: type[nn.Module], *, prefix: str, **attributes: Any) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_automodel.parallel.activation_checkpointing import ACMode, validate_ac_mode
-from lightning_automodel.parallel.compile import CompileSpec, check_compile, compile_options
+from lightning_automodel.parallel.compile import CompileSpec, compile_options
 from lightning_automodel.parallel.context_parallel import CPAttention, attention_kernel
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.pipeline import PipelineOptions
@@ -41,8 +41,8 @@ class ParallelOptions:
     compile: CompileSpec = False
     """Compile every decoder block's forward with torch.compile after tensor parallel and activation checkpointing,
     before FSDP2: False (default), True (torch's defaults) or a dict of torch.compile's keyword arguments (e.g.
-    ``{"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}``). The blocks share one graph; composes with
-    activation_checkpointing="full" (the other modes are refused); see :mod:`~lightning_automodel.parallel.compile`."""
+    ``{"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}``). The blocks share one graph; composes with every
+    activation_checkpointing mode; see :mod:`~lightning_automodel.parallel.compile`."""
 
     cp_attention: CPAttention = "auto"
     """The attention kernel at cp > 1: "flex" (flex attention over a block mask: the masked blocks skipped, nothing
@@ -72,8 +72,6 @@ class ParallelOptions:
         attention_kernel(self.cp_attention, "cpu")  # a name it does not know is refused here
         validate_ac_mode(self.activation_checkpointing)
         compile_options(self.compile)
-        # ep is the mesh's: parallelize checks compile against it.
-        check_compile(compile=self.compile, activation_checkpointing=self.activation_checkpointing, ep=1)
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> ParallelOptions:

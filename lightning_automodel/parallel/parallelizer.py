@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_automodel.parallel.compile import apply_compile, check_compile, compile_options
+from lightning_automodel.parallel.compile import apply_compile, compile_options
 from lightning_automodel.parallel.context_parallel import context_parallel_model
 from lightning_automodel.parallel.experts.expert_parallel import (
     apply_expert_parallel,
@@ -110,9 +110,11 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if tensor_parallel is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), tensor_parallel)
         experts = _apply_expert_parallel(model, device_mesh) if axis_size(device_mesh, "ep") > 1 else None
+        compiled = compile_options(options.compile)
         if options.activation_checkpointing:
-            apply_activation_checkpointing(model, layers, mode=options.activation_checkpointing)
-        if (compiled := compile_options(options.compile)) is not None:
+            mode = options.activation_checkpointing
+            apply_activation_checkpointing(model, layers, mode=mode, compiled=compiled is not None)
+        if compiled is not None:
             apply_compile(model, layers, compiled)
         give_every_expert_a_gradient(model)
         _apply_fsdp(model, device_mesh, options.fsdp, stages=stages, experts=experts, findings=findings)
@@ -124,7 +126,6 @@ def _refuse_before_collectives(
 ) -> PreflightFindings:
     """The checks of :mod:`~lightning_automodel.parallel.preflight`, and those that need the options' mesh sizes."""
     ep = axis_size(device_mesh, "ep")
-    check_compile(compile=options.compile, activation_checkpointing=options.activation_checkpointing, ep=ep)
     findings = check_before_collectives(
         model,
         device_mesh,

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
-from lightning_automodel.parallel.context_parallel import check_cp_with_pp, context_parallel_problem
+from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline, context_parallel_problem
 from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
 from lightning_automodel.parallel.mesh import axis_size, tp_mesh
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem, stage_split_problem
@@ -65,7 +65,7 @@ def check_before_collectives(
         )
     cp = axis_size(device_mesh, "cp")
     if cp > 1:
-        check_context_parallel(model, cp=cp, pp=pp)
+        check_context_parallel(model, cp=cp, pipeline=pipeline if pp > 1 else None)
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
     recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
     if recomputed and (reshard_after_forward or activation_checkpointing):
@@ -107,10 +107,10 @@ def check_pipeline(
         raise ValueError(f"pp={pp} (pipeline parallel): {problem}. Use pp=1 for this model.")
 
 
-def check_context_parallel(model: nn.Module, *, cp: int, pp: int) -> None:
+def check_context_parallel(model: nn.Module, *, cp: int, pipeline: PipelineOptions | None) -> None:
     """At cp > 1: the model splits its sequences over cp ranks and computes what it computes whole (see
-    :mod:`lightning_automodel.parallel.context_parallel`); pipeline parallel is off (not composed with it yet)."""
-    check_cp_with_pp(cp=cp, pp=pp)
+    :mod:`lightning_automodel.parallel.context_parallel`); a pipeline's options compose with the split."""
+    check_cp_with_pipeline(cp=cp, pipeline=pipeline)
     problem = context_parallel_problem(model)
     if problem is not None:
         raise ValueError(f"cp={cp} (context parallel): {problem}. Use cp=1 for this model.")

@@ -170,9 +170,10 @@ def _step_peak(
                         parameter.grad = torch.zeros_like(parameter)
             input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         if pipeline is not None:
+            context = context_parallel_of(model)  # a pipeline under cp receives a rank's share of the rows
             pipeline.adopt_view_weights()
             pipeline.tell_shapes(
-                batch_shape=(micro_batch, seq_len),
+                batch_shape=(micro_batch, seq_len if context is None else context.padded_length(seq_len) // dims.cp),
                 hidden_size=model.config.get_text_config().hidden_size,
                 dtype=_stream_dtype(model, options.get("mp_policy")),
             )

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
+from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
@@ -48,6 +49,7 @@ class PlanReport:
     pipeline: PipelineOptions | None = None
     stages: list[StageReport] = field(default_factory=list)  # under pp: what each stage's ranks hold
     gathered_bytes_per_token: int = 0  # under cp: keys and values a rank receives per token of a row and layer
+    padded_to: int = 0  # under cp: rows are padded to a multiple of this many tokens
     batch_shape: tuple[int, int] | None = None  # (rows, tokens a row) the activation estimates are for
     activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
     # (under pp: the stage whose ranks' total is the largest; each stage's are its StageReport's)
@@ -80,9 +82,9 @@ class PlanReport:
             cp = self.dims.cp
             lines.append(
                 f"context parallel: cp={cp}, each rank holds 1/{cp} of every sequence (chunks i and {2 * cp - 1}-i of"
-                f" {2 * cp}; rows padded to a multiple of {2 * cp} tokens); attention all-gathers keys and values:"
-                f" {self.gathered_bytes_per_token:,} bytes received per token of a row, per layer and rank (in the"
-                " weights' dtype; bf16 activations halve fp32's)"
+                f" {2 * cp}; rows padded to a multiple of {self.padded_to} tokens); attention all-gathers keys and"
+                f" values: {self.gathered_bytes_per_token:,} bytes received per token of a row, per layer and rank (in"
+                " the weights' dtype; bf16 activations halve fp32's)"
             )
         if self.stages:
             lines += self._pipeline_lines()
@@ -283,6 +285,8 @@ def _parallelized(
         if report is not None:
             _describe_plan(report, check_before_collectives(model, mesh, **options).planned, model)
         parallelize(model, mesh, pipeline=pipeline, **options)
+        if report is not None and (context := context_parallel_of(model)) is not None:
+            report.padded_to = context.padded_length(1)
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     return sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local)
 

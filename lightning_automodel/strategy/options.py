@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from lightning_automodel.parallel.compile import check_compile
-from lightning_automodel.parallel.context_parallel import check_cp_with_pp
+from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.options import ParallelOptions
@@ -46,8 +45,8 @@ class StrategyOptions:
     ``pp``: each of pp ranks holds a stage of every model (consecutive decoder layers, the embedding on the first,
     the head on the last), and a schedule of torch.distributed.pipelining runs forward and backward of every
     micro-batch. training_step returns the model's own loss (``self.model(input_ids=..., labels=...).loss``): the
-    last stage computes it, and it reaches every rank. Composes with tp (and sp), dp_shard, dp_replicate, ep,
-    activation checkpointing and LoRA; not with cp yet."""
+    last stage computes it, and it reaches every rank. Composes with tp (and sp), dp_shard, dp_replicate, cp, ep,
+    activation checkpointing, CPU offload and LoRA."""
 
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     """How each axis is applied. Its ``fsdp.mp_policy`` defaults to the one of ``Trainer(precision=...)``, and
@@ -76,14 +75,11 @@ class StrategyOptions:
 
     def __post_init__(self) -> None:
         dims, parallel = self.dims, self.parallel
-        check_cp_with_pp(cp=dims.cp, pp=dims.pp)
-        if dims.pp > 1 and self.cpu_offload:
-            raise ValueError(f"pp={dims.pp} with cpu_offload=True is not supported yet: use one of them.")
+        check_cp_with_pipeline(cp=dims.cp, pipeline=parallel.pipeline if dims.pp > 1 else None)
         if parallel.pipeline is not None:
             parallel.pipeline.validate(dims.pp)
         if parallel.sp and dims.tp == 1 and not self.tp_per_node:
             raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
-        check_compile(compile=parallel.compile, activation_checkpointing=parallel.activation_checkpointing, ep=dims.ep)
 
     def at_setup(self, *, devices_per_node: int, num_nodes: int, precision: str) -> StrategyOptions:
         """These options for a world of ``num_nodes x devices_per_node`` processes and a Trainer's ``precision``,

@@ -196,13 +196,16 @@ def check_pipeline_trainer_parity(
     tp: int = 1,
     sp: bool = False,
     ep: int = 1,
+    cp: int = 1,
     stages_per_rank: int = 1,
     config: dict | None = None,
     own_loss: bool = False,
+    cpu_offload: bool = False,
 ) -> dict:
     """3 AdamW steps through Trainer.fit at pp ranks of ``stages_per_rank`` stages (dp_shard takes the rest) match one
     process; validate's loss too. The weights every rank starts from differ: rank 0's must win. ``config``: overrides
-    of the family's tiny config; ``own_loss``: the strategy's pp_loss_fn is :func:`z_loss_sum`."""
+    of the family's tiny config; ``own_loss``: the strategy's pp_loss_fn is :func:`z_loss_sum`; ``cp``: every
+    sequence split over cp ranks before the schedule; ``cpu_offload``: FSDP2's CPU offload of the stages' weights."""
     config = dict(config or {}, num_hidden_layers=PIPELINE_LAYERS)
     strategy = AutoModelParallelStrategy(
         tp,
@@ -214,18 +217,23 @@ def check_pipeline_trainer_parity(
         pp_loss_fn=z_loss_sum if own_loss else None,
         dp_replicate=dp_replicate,
         ep=ep,
+        cp=cp,
         activation_checkpointing=activation_checkpointing,
+        cpu_offload=cpu_offload,
     )
     module, result = fit_against_one_process(
         strategy,
         family,
         config,
-        dp=dist.get_world_size() // pp // tp,
+        dp=dist.get_world_size() // pp // tp // cp,
         loss=z_loss if own_loss else hf_loss,
         stages=True,
     )
     pipeline = pipeline_of(module.model)
     assert pipeline is not None and pipeline.pp == pp and len(pipeline.stage_modules()) == stages_per_rank
+    assert (context_parallel_of(module.model) is not None) == (cp > 1)
+    offload = decoder_layers(module.model)[0]._get_fsdp_state()._fsdp_param_group.offload_policy
+    assert isinstance(offload, CPUOffloadPolicy) == cpu_offload, offload
     assert_experts_distributed(module.model, ep=ep)
     return result
 

@@ -13,7 +13,7 @@ from lightning_automodel.parallel.context_parallel.attention import (
 from lightning_automodel.parallel.context_parallel.model import (
     ContextParallel,
     ContextParallelModel,
-    check_cp_with_pp,
+    check_cp_with_pipeline,
     context_parallel_model,
     context_parallel_of,
 )
@@ -27,7 +27,7 @@ __all__ = [
     "ContextParallelModel",
     "SequenceSplit",
     "attention_kernel",
-    "check_cp_with_pp",
+    "check_cp_with_pipeline",
     "context_parallel_attention",
     "context_parallel_model",
     "context_parallel_of",

@@ -1,7 +1,9 @@
 """A model made context parallel: its call takes the whole batch, as without cp, and runs this rank's share of every
 sequence. Labels are shifted for next-token prediction before the split, position ids are the global ones, and rows
 are padded on the right to a multiple of 2 cp tokens (ignored by the loss, never seen by an earlier token); the loss
-is this rank's share of the global batch's token mean, as under pp."""
+is this rank's share of the global batch's token mean, as under pp. A pipelined model (pp > 1) is split once, before
+its schedule: the stages hand each other this rank's share of the hidden states, and each micro-batch's stages get
+the split of its rows."""
 
 from __future__ import annotations
 
@@ -17,7 +19,14 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.parallel.context_parallel.attention import ATTENTION, CPAttention, attention_kernel
 from lightning_automodel.parallel.context_parallel.sequence_split import SequenceSplit, documents, token_indices
-from lightning_automodel.parallel.loss import global_token_mean, next_token_targets, token_hits, token_loss_sum
+from lightning_automodel.parallel.experts.load_balancing_loss import balancing_of, load_balancing_loss
+from lightning_automodel.parallel.loss import (
+    data_parallel_group,
+    global_token_mean,
+    next_token_targets,
+    token_hits,
+    token_loss_sum,
+)
 from lightning_automodel.parallel.mesh import axis_size
 from lightning_automodel.parallel.model_calls import (
     ParallelCausalLMOutput,
@@ -26,6 +35,8 @@ from lightning_automodel.parallel.model_calls import (
     taken_over,
     training_call,
 )
+from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
+from lightning_automodel.parallel.pipeline.calls import refuse_unknown_inputs
 
 
 class ContextParallel:
@@ -50,34 +61,62 @@ class ContextParallel:
     ) -> ParallelCausalLMOutput:
         """The model's call on this rank's share of the batch; with labels, the loss (this rank's share of the
         global token mean) and the totals of this rank's tokens. The logits are this rank's tokens' (in the order of
-        :func:`token_indices`)."""
+        :func:`token_indices`; under pp on the last stage only, when not training)."""
         training_call(
             self.model,
             labels,
             why="Under context parallel (cp > 1) each rank computes the logits of its share of every sequence only",
         )
         self._check_same_rows(input_ids)
+        split, held, targets = self._split_rows(input_ids, labels, attention_mask, position_ids)
+        token_mask = split.query_visible
+        if (pipeline := pipeline_of(self.model)) is not None:
+            refuse_unknown_inputs(inputs)
+            rows_split = lambda rows: {"sequence_split": split.rows(rows)}  # noqa: E731 - a micro-batch's rows
+            return pipeline.run(**held, targets=targets, token_mask=token_mask, row_inputs=rows_split)
+        outputs = own_forward(self.model, ContextParallelModel)(
+            **held,
+            sequence_split=split,
+            **{**inputs, "use_cache": False},  # a cache of this rank's keys and values would serve nothing
+        )
+        if targets is None:
+            return ParallelCausalLMOutput(logits=outputs.logits)
+        result = self._with_loss(outputs.logits, targets)
+        if (balancing := balancing_of(self.model)) is not None:
+            group = data_parallel_group(self.mesh)
+            options = dict(num_experts=balancing.num_experts, top_k=balancing.top_k)
+            aux_loss, _ = load_balancing_loss(outputs.router_logits, attention_mask=token_mask, group=group, **options)
+            loss = result.loss.full_tensor() if isinstance(result.loss, DTensor) else result.loss  # tp: replicated
+            result.loss = loss + balancing.weight * aux_loss
+            result.aux_loss = aux_loss.detach()
+        return result
+
+    def _split_rows(
+        self, input_ids: Tensor, labels: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None
+    ) -> tuple[SequenceSplit, dict[str, Tensor], Tensor | None]:
+        """The split of the rows (padded to :meth:`padded_length`), this rank's token ids and global positions, and
+        its shifted labels."""
         length = input_ids.size(1)
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.size(0), -1)
         visible = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         targets = next_token_targets(labels) if labels is not None else None
-        extra = -length % (2 * self.cp)
+        extra = self.padded_length(length) - length
         if extra:  # padding on the right, at the last position: nothing attends to it, and the loss ignores it
             input_ids, visible = F.pad(input_ids, (0, extra)), F.pad(visible, (0, extra), value=False)
             position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(-1, extra)], dim=1)
             targets = F.pad(targets, (0, extra), value=-100) if targets is not None else None
         split = self.split(position_ids, visible, length + extra)
         index = split.query_index
-        outputs = own_forward(self.model, ContextParallelModel)(
-            input_ids=input_ids[:, index],
-            position_ids=position_ids[:, index],
-            sequence_split=split,
-            **{**inputs, "use_cache": False},  # a cache of this rank's keys and values would serve nothing
-        )
-        if targets is None:
-            return ParallelCausalLMOutput(logits=outputs.logits)
-        return self._with_loss(outputs.logits, targets[:, index])
+        held = dict(input_ids=input_ids[:, index], position_ids=position_ids[:, index])
+        return split, held, targets[:, index] if targets is not None else None
+
+    def padded_length(self, length: int) -> int:
+        """The length rows of ``length`` tokens are padded to, a rank holding 1 / cp of it: a multiple of 2 cp (two
+        chunks a rank), times the ranks a pipeline's stages split their share over (tp under sequence parallel)."""
+        pipeline = pipeline_of(self.model)
+        multiple = 2 * self.cp * (pipeline.sequence_shards() if pipeline is not None else 1)
+        return -(-length // multiple) * multiple
 
     def _check_same_rows(self, input_ids: Tensor) -> None:
         """The ranks of a cp group split the same rows (the sampler deals them by dp rank): rows of other shapes would
@@ -104,6 +143,7 @@ class ContextParallel:
             key_index=key_index,
             query_document=document[:, query_index],
             key_document=document[:, key_index],
+            query_visible=visible[:, query_index],
             key_visible=visible[:, key_index],
             group=self.group,
             kernel=self.kernel,
@@ -139,6 +179,9 @@ class ContextParallelModel(nn.Module):
         labels: Tensor | None = None,
         **inputs: Any,
     ) -> ParallelCausalLMOutput:
+        pipeline = pipeline_of(self)
+        if pipeline is not None and pipeline.in_schedule:  # a stage of the schedule run() started: split already
+            return super().forward(input_ids, attention_mask=attention_mask, position_ids=position_ids, **inputs)
         given = {name: value for name, value in inputs.items() if value is not None}
         refused = [name for name in REFUSED_INPUTS if name in given] + (
             ["return_dict=False"] if given.get("return_dict") is False else []
@@ -160,10 +203,15 @@ class ContextParallelModel(nn.Module):
         )
 
 
-def check_cp_with_pp(*, cp: int, pp: int) -> None:
-    """Context parallel does not compose with pipeline parallel yet: refused."""
-    if cp > 1 and pp > 1:
-        raise ValueError(f"cp={cp} with pp={pp}: context parallel does not compose with pipeline parallel yet.")
+def check_cp_with_pipeline(*, cp: int, pipeline: PipelineOptions | None) -> None:
+    """A loss of one's own under pp (``pp_loss_fn``) shifts a micro-batch's labels itself; under cp a rank holds two
+    separate chunks of every sequence, whose labels cannot be shifted where they are: refused."""
+    if cp > 1 and pipeline is not None and pipeline.loss_fn is not None:
+        raise ValueError(
+            f"pp_loss_fn with cp={cp}: the loss function shifts a micro-batch's labels itself, and under context"
+            " parallel a rank holds two separate chunks of every sequence, whose labels cannot be shifted where they"
+            " are. Use the default loss (pp_loss_fn=None), or cp=1."
+        )
 
 
 def context_parallel_model(model: nn.Module, mesh: DeviceMesh, *, attention: CPAttention = "auto") -> ContextParallel:

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from lightning_automodel.hf.replica import replica_problem
 from lightning_automodel.parallel.context_parallel.attention import ATTENTION
 from lightning_automodel.parallel.context_parallel.sequence_split import SequenceSplit, token_indices
+from lightning_automodel.parallel.experts.load_balancing_loss import balancing_problem
 
 SIMULATED_CP = 2  # the split the replica's tokens are reordered by
 
@@ -25,11 +26,8 @@ def context_parallel_problem(model: nn.Module) -> str | None:
         return f"{name} is not a Hugging Face model; context parallel splits those only"
     if getattr(model.config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder model; context parallel splits decoder-only models"
-    if getattr(model.config, "output_router_logits", False):
-        return (
-            f"{name} adds its experts' load-balancing loss (output_router_logits=True), which would be over this"
-            " rank's tokens only: set output_router_logits=False"
-        )
+    if (problem := balancing_problem(model)) is not None:
+        return problem
     return replica_problem(
         model,
         split_logits=_reordered_logits,
@@ -51,6 +49,7 @@ def _reordered_logits(replica: nn.Module, tokens: Tensor) -> Tensor:
         key_index=order,
         query_document=torch.ones(rows, length, dtype=torch.long),
         key_document=torch.ones(rows, length, dtype=torch.long),
+        query_visible=torch.ones(rows, length, dtype=torch.bool),
         key_visible=torch.ones(rows, length, dtype=torch.bool),
         group=None,
     )

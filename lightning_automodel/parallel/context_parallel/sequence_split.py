@@ -40,6 +40,7 @@ class SequenceSplit:
         key_index: Tensor,
         query_document: Tensor,
         key_document: Tensor,
+        query_visible: Tensor,
         key_visible: Tensor,
         group: dist.ProcessGroup | None,
         kernel: str = "sdpa",
@@ -48,10 +49,24 @@ class SequenceSplit:
         self.key_index = key_index  # [S] positions of the gathered keys
         self.query_document = query_document  # [B, S / cp]
         self.key_document = key_document  # [B, S]
+        self.query_visible = query_visible  # [B, S / cp] False where this rank's token is padding
         self.key_visible = key_visible  # [B, S] False where the attention mask hides a key (padding)
         self.group = group
         self.kernel = kernel
         self._masks: dict[tuple, Tensor | BlockMask] = {}
+
+    def rows(self, rows: Tensor) -> SequenceSplit:
+        """The split of the batch's ``rows`` alone (a pipeline's micro-batch), with masks of its own."""
+        return SequenceSplit(
+            query_index=self.query_index,
+            key_index=self.key_index,
+            query_document=self.query_document[rows],
+            key_document=self.key_document[rows],
+            query_visible=self.query_visible[rows],
+            key_visible=self.key_visible[rows],
+            group=self.group,
+            kernel=self.kernel,
+        )
 
     def bias(self, sliding_window: int | None, like: Tensor) -> Tensor:
         """:meth:`mask` as an additive bias (0 or the lowest value of ``like``'s dtype, on its device), made once per

@@ -5,10 +5,9 @@ experts and back by all-to-all; routing, the router's gradient and the load-bala
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from types import MethodType
 
 import torch
@@ -93,17 +92,20 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
             placements = (Shard(0), *param.placements) if isinstance(param, DTensor) else (Shard(0),)
             distributed = DTensor.from_local(local, mesh, placements, run_check=False)
             module.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))
-        # Expert tensor parallel's forward already computes on this rank's parts; without it, the module's own does.
-        local_forward = module.forward if mesh.ndim > 1 else partial(_on_local_parameters, module, module.forward)
-        dispatched = partial(
-            _dispatched_forward, local_forward=local_forward, group=ep_mesh.get_group(), experts=experts
-        )
-        module.forward = MethodType(dispatched, module)
+        # One function for every layer, what differs kept on the module: compiled blocks share one graph. Expert
+        # tensor parallel's forward already computes on this rank's parts; without it, the module's own does.
+        module.experts_forward = module.forward.__func__
+        module.experts_on_local_parameters = mesh.ndim == 1
+        module.experts_group, module.experts_count = ep_mesh.get_group(), experts
+        module.forward = MethodType(_dispatched_forward, module)
 
 
-def _on_local_parameters(module: nn.Module, forward: Callable, *args: torch.Tensor) -> torch.Tensor:
+def _local_experts_forward(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    """The experts module's forward (before dispatch) on the tokens that arrived, with this rank's experts."""
+    if not module.experts_on_local_parameters:
+        return module.experts_forward(module, *args)
     with local_parameters(module):
-        return forward(*args)
+        return module.experts_forward(module, *args)
 
 
 def _this_ranks_experts(param: torch.Tensor, *, ep_mesh: DeviceMesh) -> torch.Tensor:
@@ -113,15 +115,9 @@ def _this_ranks_experts(param: torch.Tensor, *, ep_mesh: DeviceMesh) -> torch.Te
 
 
 def _dispatched_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    *,
-    local_forward: Callable,
-    group: dist.ProcessGroup,
-    experts: int,
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
+    group, experts = self.experts_group, self.experts_count
     tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
     choices = top_k_index.reshape(tokens.shape[0], top_k_index.shape[-1])
     if top_k_weights.numel() != top_k_index.numel():
@@ -135,7 +131,7 @@ def _dispatched_forward(
     local_index = routes.local_experts_received()
     unweighted = torch.ones(local_index.shape, dtype=top_k_weights.dtype, device=top_k_weights.device)
     with _with_num_experts(self, routes.local_experts):
-        computed = local_forward(arrived, local_index, unweighted)
+        computed = _local_experts_forward(self, arrived, local_index, unweighted)
     if arrived.requires_grad and not computed.requires_grad:
         # The eager loop returns a fresh zeros tensor when no token arrived: tie it to the tokens, or this rank would
         # skip the all-to-alls its peers run in backward.

@@ -4,10 +4,11 @@ forward computes each stage: the first from ``input_ids``, the others from the p
 ``inputs_embeds``. A call of the model runs one schedule step (:mod:`.runtime`); models whose class does not compose
 that way are refused before any collective (:mod:`.problems`). See docs/pipeline.md."""
 
+from lightning_automodel.parallel.pipeline.calls import PipelinedModel
 from lightning_automodel.parallel.pipeline.model import pipeline_model, pipeline_of
 from lightning_automodel.parallel.pipeline.options import PipelineOptions, bubble_fraction, stage_layers
 from lightning_automodel.parallel.pipeline.problems import pipeline_problem, stage_split_problem
-from lightning_automodel.parallel.pipeline.runtime import Pipeline, PipelinedModel
+from lightning_automodel.parallel.pipeline.runtime import Pipeline
 from lightning_automodel.parallel.pipeline.stage_split import name_of, split_into_stage, stage_view
 
 __all__ = [

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.replica import replica_problem
+from lightning_automodel.parallel.experts.load_balancing_loss import balancing_problem
 from lightning_automodel.parallel.pipeline.options import stage_layers
 from lightning_automodel.parallel.pipeline.stage_split import (
     FINAL_NORM_NAMES,
@@ -39,11 +40,8 @@ def pipeline_problem(model: nn.Module, *, pp: int, stages_per_rank: int = 1) -> 
             f"{type(model).__name__} has no final norm beside its blocks (one named one of {FINAL_NORM_NAMES}, or the"
             " one child whose class is a norm)"
         )
-    if getattr(model.config, "output_router_logits", False):
-        return (
-            f"{type(model).__name__} adds its experts' load-balancing loss (output_router_logits=True), over the layers"
-            " of the last stage only under pp: set output_router_logits=False"
-        )
+    if (problem := balancing_problem(model)) is not None:
+        return problem
     layers, stages = len(named_decoder_layers(model)), pp * stages_per_rank
     if layers < stages:
         return (

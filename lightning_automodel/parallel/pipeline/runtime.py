@@ -1,9 +1,11 @@
 """One rank's stages of a pipelined model, run by torch's schedules: a call of the model runs one schedule step. The
-loss is summed on the last stage and divided by the global batch's token count (micro-batches x dp ranks), as in one
-process, and reaches every rank."""
+loss is summed on the last stage and divided by the global batch's token count (micro-batches x dp ranks, cp ranks
+included), as in one process, and reaches every rank."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -17,20 +19,24 @@ from torch.distributed.pipelining.stage import InferenceMode
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from lightning_automodel.parallel.fsdp.sharding import view_outputs_allowed
-from lightning_automodel.parallel.loss import causal_lm_loss_sum, next_token_hits, next_token_targets
+from lightning_automodel.parallel.loss import next_token_targets
 from lightning_automodel.parallel.mesh import axis_size, reduction_mesh
 from lightning_automodel.parallel.model_calls import ParallelCausalLMOutput, own_forward, training_call
+from lightning_automodel.parallel.pipeline.calls import PipelinedModel
 from lightning_automodel.parallel.pipeline.gradients import (
     backward_adds_gradients,
     gradients_held_back,
     param_groups,
     sharded_parameters,
 )
+from lightning_automodel.parallel.pipeline.load_balancing import PipelineBalancing
 from lightning_automodel.parallel.pipeline.options import PipelineOptions
 from lightning_automodel.parallel.pipeline.stage_split import path_to_blocks, stage_view
+from lightning_automodel.parallel.pipeline.step_loss import StepLoss
 from lightning_automodel.parallel.pipeline.tied_embedding import TiedEmbedding
 
-MODEL_INPUTS = ("attention_mask", "position_ids")  # split into micro-batches and given to every stage
+ROWS = "micro_batch_rows"  # the rows of the whole batch a stage's micro-batch holds (see Pipeline.run's row_inputs)
+RowInputs = Callable[[Tensor], dict[str, Any]]
 
 
 class Pipeline:
@@ -48,9 +54,11 @@ class Pipeline:
         layers: dict[int, range],
         tied: bool,
         blocks_config: Any,
+        balancing: PipelineBalancing | None = None,
     ) -> None:
         """``layers``: the decoder layers of each stage this rank holds, by stage index; ``blocks_config``: the whole
-        model's config of the module looping over them (its stage views cut theirs from it)."""
+        model's config of the module looping over them (its stage views cut theirs from it); ``balancing``: a
+        mixture-of-experts model's load-balancing loss (see :mod:`.load_balancing`)."""
         self.model = model
         self.mesh = mesh
         self.options = options
@@ -67,15 +75,17 @@ class Pipeline:
                 model, group=self.group, first=self.first, last=self.last, parameters=self._sharded_parameters
             )
         self.in_schedule = False
-        self._loss_scale = torch.tensor(1.0)
+        self.step_loss = StepLoss(options.loss_fn, group=reduction_mesh(mesh).get_group())
         self._views: list[nn.Module] | None = None
-        self._stages: list[PipelineStage] | None = None
         self._schedules: dict[bool, _PipelineSchedule] = {}
         self._batch_shape: tuple[int, ...] | None = None
-        self._totals: list[Tensor] = []
         self._stream_layout: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         self._parameters: dict[str, nn.Parameter] | None = None
         self._told_stream: Tensor | None = None
+        self._row_inputs: RowInputs | None = None
+        self._token_mask: Tensor | None = None
+        self._balancing_pass: str | None = None  # "counting", "training" or "evaluating" a load-balancing loss
+        self.balancing = balancing
 
     def stage_modules(self) -> list[nn.Module]:
         """The module each of this rank's stages runs, in stage order: the model itself when it holds one stage, else
@@ -109,24 +119,35 @@ class Pipeline:
         return self.mesh["pp"].get_group()
 
     def schedule(self, *, with_loss: bool) -> _PipelineSchedule:
-        """The schedule over this rank's stages (the same stages, two schedules): with the loss (training, evaluating
-        with labels) or forward only (logits without labels). Built at first use, once the weights exist."""
+        """The schedule over this rank's stages: with the loss (training, evaluating with labels) or forward only
+        (logits without labels; counting experts' assignments, see :mod:`.load_balancing`). Built at first use, once
+        the weights exist. Each on stages of its own (the same modules): a torch schedule prepares its stages again
+        when it switches between training and evaluating, but not when another schedule has prepared them since,
+        and a training step on stages another prepared for forward only computes wrong gradients."""
         if with_loss not in self._schedules:
-            if self._stages is None:
-                self._stages = [
-                    PipelineStage(
-                        module, index, self.num_stages, self._device(), group=self.group, **self._told_metadata(index)
-                    )
-                    for module, index in zip(self.stage_modules(), self.stage_indices, strict=True)
-                ]
+            stages = [
+                PipelineStage(
+                    module, index, self.num_stages, self._device(), group=self.group, **self._told_metadata(index)
+                )
+                for module, index in zip(self.stage_modules(), self.stage_indices, strict=True)
+            ]
             schedule_class = get_schedule_class(self.options.schedule)
-            stages = self._stages if issubclass(schedule_class, PipelineScheduleMulti) else self._stages[0]
-            loss = dict(loss_fn=self._loss, scale_grads=False) if with_loss else {}
-            schedule = schedule_class(stages, self.options.microbatches_for(self.pp), **loss)
+            loss = dict(loss_fn=self.step_loss, scale_grads=False) if with_loss else {}
+            self._schedules[with_loss] = schedule_class(
+                stages if issubclass(schedule_class, PipelineScheduleMulti) else stages[0],
+                self.options.microbatches_for(self.pp),
+                **loss,
+            )
             if self._told_stream is not None:
-                schedule._warmup_p2p = _every_stage_told
-            self._schedules[with_loss] = schedule
+                self._schedules[with_loss]._warmup_p2p = _every_stage_told
         return self._schedules[with_loss]
+
+    def torch_stages(self, *, with_loss: bool = True) -> list[PipelineStage]:
+        """The stages of torch a schedule runs (none before its first use)."""
+        schedule = self._schedules.get(with_loss)
+        if schedule is None:
+            return []
+        return list(schedule._stages) if isinstance(schedule, PipelineScheduleMulti) else [schedule._stage]
 
     def tell_shapes(self, *, batch_shape: tuple[int, int], hidden_size: int, dtype: torch.dtype) -> None:
         """Tell this rank's stages what they hand each other for batches of ``batch_shape`` (rows, tokens), instead
@@ -141,7 +162,7 @@ class Pipeline:
                 if isinstance(placement, Shard):
                     shape[placement.dim] //= mesh.size(mesh_dim)
         self._told_stream = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
-        self._stages, self._schedules, self._batch_shape = None, {}, (rows, tokens)
+        self._schedules, self._batch_shape = {}, (rows, tokens)
 
     def _told_metadata(self, stage: int) -> dict[str, Tensor]:
         """The static metadata of ``stage`` (torch's ``input_args`` and ``output_args``), where shapes were told. A
@@ -161,28 +182,55 @@ class Pipeline:
 
     def stage_forward(self, module: nn.Module, stream: Tensor, **inputs: Any) -> Tensor:
         """The part of the model a stage's ``module`` computes: token ids (first stage) or hidden states in, hidden
-        states or logits out."""
+        states or logits out. A pass counting the experts' assignments runs no head: the last stage hands on a
+        token's hidden state a row."""
         stage = self._stage_of_view[id(module)]
+        rows = inputs.pop(ROWS)
+        if self._row_inputs is not None:
+            inputs.update(self._row_inputs(rows))
         if stage > 0 and self._stream_layout is not None:
             stream = DTensor.from_local(stream, *self._stream_layout, run_check=False)
         given = {"input_ids": stream} if stage == 0 else {"inputs_embeds": stream}
-        if stage == self.num_stages - 1:
-            return own_forward(module, PipelinedModel)(**given, **inputs, use_cache=False).logits
-        return _local(module.base_model(**given, **inputs, use_cache=False).last_hidden_state)
+        if stage == self.num_stages - 1 and self._balancing_pass != "counting":
+            outputs = own_forward(module, PipelinedModel)(**given, **inputs, use_cache=False)
+            output = outputs.logits
+        else:
+            outputs = module.base_model(**given, **inputs, use_cache=False)
+            output = _local(outputs.last_hidden_state)
+            output = output[:, :1] if stage == self.num_stages - 1 else output
+        if self._balancing_pass is None:
+            return output
+        token_mask = self._token_mask[rows] if self._token_mask is not None else None
+        statistics = self.balancing.record(outputs.router_logits, stage=stage, rows=rows, token_mask=token_mask)
+        return self.balancing.with_gradient(output, statistics) if self._balancing_pass == "training" else output
 
-    def run(self, input_ids: Tensor, *, labels: Tensor | None, **inputs: Tensor) -> ParallelCausalLMOutput:
+    def run(
+        self,
+        input_ids: Tensor,
+        *,
+        labels: Tensor | None = None,
+        targets: Tensor | None = None,
+        token_mask: Tensor | None = None,
+        row_inputs: RowInputs | None = None,
+        **inputs: Tensor,
+    ) -> ParallelCausalLMOutput:
         """One schedule step over the whole batch. Trains (forward and backward) when gradients are enabled and the
-        model is in training mode; otherwise runs forward only. With labels, the loss and its totals reach every
-        rank; the logits exist on the last stage only (None elsewhere), and only when not training."""
+        model is in training mode; otherwise runs forward only. With ``labels`` (aligned with the input ids, as
+        Hugging Face's) or ``targets`` (already shifted to the positions that predict them, as context parallel
+        gives a rank's share of a sequence), the loss and its totals reach every rank; the logits exist on the last
+        stage only (None elsewhere), and only when not training. ``token_mask``: the tokens a mixture-of-experts
+        model's load-balancing loss counts (default: the attention mask's); ``row_inputs(rows)``: more keywords for
+        every stage, made from the rows of the batch a micro-batch holds (context parallel's sequence split)."""
         microbatches = self.options.microbatches_for(self.pp)
         if input_ids.size(0) % microbatches:
             raise ValueError(
                 f"pp_microbatches={microbatches} does not divide this batch of {input_ids.size(0)} rows: make the"
                 " batch size a multiple of it (or drop the last, smaller batch: DataLoader(drop_last=True))."
             )
+        scored = labels is not None or targets is not None
         training = training_call(
             self.model,
-            labels,
+            labels if targets is None else targets,
             why="Under pipeline parallel (pp > 1) the model's call runs forward and backward of every micro-batch, and"
             " the last stage computes the loss, from logits that exist there only, one micro-batch at a time",
             instead=" For a loss of your own, give the strategy pp_loss_fn=f, f(logits, labels) returning a"
@@ -190,34 +238,80 @@ class Pipeline:
         )
         self._check_sequence_split(input_ids)
         if labels is not None:
-            self._loss_scale = self._global_token_scale(labels)
+            targets = next_token_targets(labels)
+        if scored:
+            self.step_loss.start(targets)
         if tuple(input_ids.shape) != self._batch_shape:  # a stage sizes what it receives at its first step
             if self._told_stream is not None:
                 raise ValueError(f"Shapes were told for batches of {self._batch_shape}; got {tuple(input_ids.shape)}.")
-            self._stages, self._schedules, self._batch_shape = None, {}, tuple(input_ids.shape)
+            self._schedules, self._batch_shape = {}, tuple(input_ids.shape)
         self._sync_view_modes()
-        schedule = self.schedule(with_loss=labels is not None)
         args = (input_ids,) if self.first else ()
-        targets = {"target": labels} if self.last and labels is not None else {}
-        self._totals = []
+        inputs[ROWS] = torch.arange(input_ids.size(0), device=input_ids.device)
+        self._row_inputs = row_inputs
+        self._token_mask = token_mask if token_mask is not None else inputs.get("attention_mask")
+        balanced = self.balancing is not None and scored
+        target = labels if self.options.loss_fn is not None else targets
+        given = {"target": target} if self.last and scored else {}
+        try:
+            # Gradients held through every pass: FSDP2 would mix those of earlier calls (accumulation) into a pass's
+            # own, even a forward-only one's, as under pp its stages keep their weights gathered between passes.
+            with gradients_held_back(self._sharded_parameters) as computed:
+                if balanced and training:
+                    self._count_assignments(args, inputs)
+                logits = self._step(args, given, inputs, training=training, scored=scored, balanced=balanced)
+        finally:
+            self._row_inputs = self._token_mask = self._balancing_pass = None
+        if not scored:
+            return ParallelCausalLMOutput(logits=logits)
+        loss_sum, tokens, hits = self._totals_on_every_rank()
+        loss, aux_loss = self.step_loss.scaled(loss_sum), None
+        if balanced:
+            balancing_totals = self.balancing.totals(loss.device)
+            if training:
+                self.balancing.check_routed_as_counted(balancing_totals)
+            aux_loss = self.balancing.loss(balancing_totals)
+            loss = loss + self.balancing.balancing.weight * aux_loss
+        if training:
+            loss = backward_adds_gradients(loss, computed=computed, parameters=self._sharded_parameters)
+        return ParallelCausalLMOutput(
+            loss=loss, logits=logits, loss_sum=loss_sum, num_tokens=tokens, num_hits=hits, aux_loss=aux_loss
+        )
+
+    def _step(
+        self, args: tuple, given: dict, inputs: dict, *, training: bool, scored: bool, balanced: bool
+    ) -> Tensor | None:
+        """One pass of the schedule: the last stage's logits when not training."""
+        schedule = self.schedule(with_loss=scored)
+        self._balancing_pass = ("training" if training else "evaluating") if balanced else None
+        if balanced:
+            self.balancing.start()
+        with self._in_schedule():
+            if training:
+                return schedule.step(*args, **given, return_outputs=False, **inputs)
+            return schedule.eval(*args, **given, **inputs)
+
+    def _count_assignments(self, args: tuple, inputs: dict) -> None:
+        """The counting pass before a training step of a model with a load-balancing loss (see
+        :mod:`.load_balancing`): forward only, no gradients, the random state restored for the training pass."""
+        self.balancing.start()
+        self._balancing_pass = "counting"
+        device = self._device()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            with self._in_schedule():
+                self.schedule(with_loss=False).eval(*args, **inputs)
+        self.balancing.counted = self.balancing.totals(device)
+
+    @contextmanager
+    def _in_schedule(self) -> Iterator[None]:
+        """While a schedule runs: the model's calls compute stages, whose outputs may be views."""
         self.in_schedule = True
         try:
             # A stage sends the local shard of its DTensor output, a view; the schedule writes to none in place.
             with view_outputs_allowed(*(type(module).__name__ for module in self.stage_modules())):
-                if training:
-                    with gradients_held_back(self._sharded_parameters) as computed:
-                        logits = schedule.step(*args, **targets, return_outputs=False, **inputs)
-                else:
-                    logits = schedule.eval(*args, **targets, **inputs)
+                yield
         finally:
             self.in_schedule = False
-        if labels is None:
-            return ParallelCausalLMOutput(logits=logits)
-        loss_sum, tokens, hits = self._totals_on_every_rank()
-        loss = loss_sum * self._loss_scale
-        if training:
-            loss = backward_adds_gradients(loss, computed=computed, parameters=self._sharded_parameters)
-        return ParallelCausalLMOutput(loss=loss, logits=logits, loss_sum=loss_sum, num_tokens=tokens, num_hits=hits)
 
     def _sharded_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters that hold the gradients, by name (see :func:`sharded_parameters`), found once."""
@@ -225,42 +319,24 @@ class Pipeline:
             self._parameters = sharded_parameters(self.model, units=self._fsdp_units())
         return self._parameters
 
+    def sequence_shards(self) -> int:
+        """Over how many ranks the stream stages hand each other is split along the sequence: tp under sequence
+        parallel, else 1."""
+        return self._stream_layout[0].size() if self._stream_layout is not None else 1
+
     def _check_sequence_split(self, input_ids: Tensor) -> None:
         """Stages send their even share of a sequence-sharded stream: the sequence must split evenly over tp."""
-        if self._stream_layout is None:
-            return
-        mesh, _ = self._stream_layout
-        if input_ids.size(1) % mesh.size():
+        shards = self.sequence_shards()
+        if input_ids.size(1) % shards:
             raise ValueError(
-                f"A sequence of {input_ids.size(1)} tokens does not split evenly over tp={mesh.size()}, as sequence"
+                f"A sequence of {input_ids.size(1)} tokens does not split evenly over tp={shards}, as sequence"
                 " parallel under pp needs: pad the rows to a multiple of tp (or use sp=False)."
             )
 
-    def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """A micro-batch's share of the global token mean; its summed loss, tokens and next-token hits are kept."""
-        if self.options.loss_fn is None:
-            loss_sum, tokens = causal_lm_loss_sum(logits, labels)
-        else:
-            loss_sum, tokens = self.options.loss_fn(logits, labels), (next_token_targets(labels) != -100).sum()
-        hits, _ = next_token_hits(logits, labels)
-        self._totals.append(torch.stack([_local(loss_sum).detach(), tokens.float(), hits.float()]))
-        return loss_sum * self._loss_scale
-
-    def _global_token_scale(self, labels: Tensor) -> Tensor:
-        """dp / the global batch's scored tokens: a micro-batch's summed loss times it is its share of the global
-        token mean, which FSDP's mean over the dp ranks turns into the single-process gradient."""
-        tokens = (next_token_targets(labels) != -100).sum().float()
-        group = reduction_mesh(self.mesh).get_group()
-        dist.all_reduce(tokens, group=group)
-        return dist.get_world_size(group) / tokens.clamp_min(1)
-
     def _totals_on_every_rank(self) -> Tensor:
-        """This rank's batch's summed loss, scored tokens and next-token hits, from the last stage to every stage.
-        Those of the micro-batches only: at its first step a schedule infers the stages' shapes by running the stages
-        and the loss once more, before them."""
+        """This rank's batch's summed loss, scored tokens and next-token hits, from the last stage to every stage."""
         microbatches = self.options.microbatches_for(self.pp)
-        totals = torch.stack(self._totals[-microbatches:]).sum(0) if self.last else torch.zeros(3)
-        return self.from_last_stage(totals)
+        return self.from_last_stage(self.step_loss.totals(microbatches) if self.last else torch.zeros(3))
 
     def from_last_stage(self, tensor: Tensor) -> Tensor:
         """The last stage's ``tensor`` (fp32, of the same shape on every stage) on every stage of the pipeline."""
@@ -298,7 +374,12 @@ class Pipeline:
         self._parameters = None
 
     def _device(self) -> torch.device:
-        return next(iter(self.model.parameters())).device
+        """Where the stages compute and hand each other activations: the mesh's device (FSDP2's CPU offload keeps the
+        weights in CPU memory)."""
+        device_type = self.mesh.device_type
+        if device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
 
 def _every_stage_told(stages: list[PipelineStage], has_backward: bool, p2p_done: bool) -> None:
@@ -310,23 +391,3 @@ def _every_stage_told(stages: list[PipelineStage], has_backward: bool, p2p_done:
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-class PipelinedModel(nn.Module):
-    """The forward of a pipelined model (see :func:`take_over_calls`): called by the schedule, it computes this
-    rank's stage; called by anyone else, it runs one schedule step."""
-
-    pipeline: Pipeline
-
-    def forward(self, input_ids: Tensor | None = None, *args: Any, labels: Tensor | None = None, **inputs: Any) -> Any:
-        if self.pipeline.in_schedule:
-            return self.pipeline.stage_forward(self, input_ids, *args, **inputs)
-        unknown = [name for name, value in inputs.items() if value is not None and name not in MODEL_INPUTS]
-        if args or input_ids is None or unknown:
-            raise ValueError(
-                "Under pipeline parallel (pp > 1) the model takes input_ids, labels and"
-                f" {', '.join(MODEL_INPUTS)} as keywords (got {len(args)} more positional arguments and"
-                f" {unknown or 'no other'} keywords{'' if input_ids is not None else ', no input_ids'})."
-            )
-        given = {name: value for name, value in inputs.items() if value is not None}
-        return self.pipeline.run(input_ids, labels=labels, **given)

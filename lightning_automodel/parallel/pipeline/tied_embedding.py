@@ -4,6 +4,9 @@ the single tied weight would."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -28,12 +31,22 @@ class TiedEmbedding:
 
     def sum_gradients(self) -> None:
         """Sum the two copies' gradients over the pp ranks."""
-        dist.all_reduce(self._local(gradient=True), group=self.group)
+        self._in_place(self._local(gradient=True), partial(dist.all_reduce, group=self.group))
 
     def take_first_stage_values(self) -> None:
         """The last stage's copy takes the first stage's values."""
         with torch.no_grad():
-            dist.broadcast(self._local(gradient=False), group=self.group, group_src=0)
+            self._in_place(self._local(gradient=False), partial(dist.broadcast, group=self.group, group_src=0))
+
+    def _in_place(self, tensor: Tensor, collective: Callable[[Tensor], object]) -> None:
+        """``collective`` on ``tensor``, through the GPU where NCCL runs it and the tensor is in CPU memory (FSDP2's
+        CPU offload keeps sharded weights and gradients there)."""
+        if tensor.device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+            on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            collective(on_device)
+            tensor.copy_(on_device)
+        else:
+            collective(tensor)
 
     def copies(self) -> list[nn.Parameter]:
         """The last stage's copy, unless the rank holds the first stage too."""

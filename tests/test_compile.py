@@ -72,6 +72,8 @@ def _saved_bytes(mode: str | bool) -> int:
     [
         (dict(compile="yes"), "use False, True or a dict"),
         (dict(compile={"fullgraf": True}), "fullgraf not among torch.compile's keyword arguments"),
+        (dict(compile=True, ep=2, activation_checkpointing="selective"), "run every block eagerly, compiling nothing"),
+        (dict(compile=True, ep=2, activation_checkpointing="submodule"), "run every block eagerly, compiling nothing"),
     ],
 )
 def test_compile_options_refused(options, message):

@@ -72,7 +72,8 @@ def test_context_parallel_with_tensor_and_data_parallel():
     """World 4: Llama at cp=2 x tp=2 with sp; Qwen3 at cp=2 x dp_shard=2 with activation checkpointing; Mistral with a
     3-token window at cp=2 x tp=2; CausalLMModule at cp=2 x tp=2. Under pp=2 x cp=2: Llama through the Trainer
     (1F1B); the model's call on rows padded and packed each their own way, under 1F1B (Llama), Interleaved1F1B
-    (Gemma 3: tied, sliding layers), InterleavedZeroBubble (Llama), and with Qwen3-MoE's load-balancing loss (1F1B).
+    (Gemma 3: tied, sliding layers), InterleavedZeroBubble (Llama), and with Qwen3-MoE's load-balancing loss (1F1B);
+    CausalLMModule on pretrained Qwen3-MoE with its load-balancing loss.
     The sweep below: the other schedules and more families."""
     checks = [
         partial(check_context_parallel_trainer_parity, 2, tp=2, sp=True),
@@ -84,6 +85,7 @@ def test_context_parallel_with_tensor_and_data_parallel():
         partial(ROWS, "gemma3", **INTERLEAVED, **GEMMA3_EIGHT_LAYERS),
         partial(ROWS, "llama", schedule="InterleavedZeroBubble", stages_per_rank=2),
         partial(ROWS, "qwen3_moe", **AUXILIARY),
+        partial(check_causal_lm_module_split, pp=2, cp=2, family="qwen3_moe"),
     ]
     run_checks(4, checks, timeout=400)
 

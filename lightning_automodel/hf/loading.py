@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ def _load_whole_then_keep_shard(name: str, tensor: DTensor, reader: HuggingFaceS
     reader places wrongly (measured: a tp=2 x dp_shard=2 load of Phi3 is off by 0.12). Each rank reads the whole
     tensor, one at a time, and keeps its shard."""
     whole = {name: torch.empty(tensor.shape, dtype=tensor.dtype)}
-    dcp.load(whole, storage_reader=reader, no_dist=True)  # each rank its own: pipeline stages hold other tensors
+    _read_alone(whole, reader)
     copy_shard(tensor, whole[name])
 
 
@@ -111,10 +112,18 @@ def _load_held_experts(tensor: torch.Tensor, stored: Stored, reader: HuggingFace
     metadata = reader.read_metadata().state_dict_metadata
     names = experts_of(stored, first=first, last=last)
     read = {name: torch.empty(metadata[name].size, dtype=tensor.dtype) for name in names}
-    dcp.load(read, storage_reader=reader, no_dist=True)  # each rank its own: pipeline stages hold other experts
+    _read_alone(read, reader)
     whole = torch.zeros(tensor.shape, dtype=tensor.dtype)  # other ranks' experts: never part of this rank's shard
     whole[first:last] = merge_experts(stored, read)
     copy_shard(tensor, whole)
+
+
+def _read_alone(tensors: dict[str, torch.Tensor], reader: HuggingFaceStorageReader) -> None:
+    """Read whole ``tensors`` on this rank alone, no collective: pipeline stages hold other tensors and experts, so
+    ranks read different numbers of them. (torch warns it then assumes one process, which is what this read is.)"""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
 
 
 def materialize_pretrained(model: nn.Module, device: torch.device) -> None:

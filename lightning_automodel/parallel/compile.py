@@ -12,7 +12,8 @@ Activation checkpointing composes in every mode: ``"full"``'s checkpoint wraps t
 it; ``"selective"`` and ``"submodule"`` go inside it, as ``torch.utils.checkpoint`` calls dynamo traces (see
 :mod:`~lightning_automodel.parallel.activation_checkpointing`). Under expert parallel the token exchange between the
 ranks runs eagerly between a block's compiled graphs (its sizes are data: dynamo breaks the graph there), one
-dispatch function for every layer.
+dispatch function for every layer; with ``"selective"`` or ``"submodule"`` that break would fall inside a checkpointed
+region, where dynamo cannot break a graph and runs the whole block eagerly instead: refused.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def compile_options(compile: CompileSpec) -> dict[str, Any] | None:
     return dict(compile)
 
 
+def check_compile(*, compile: CompileSpec, activation_checkpointing: bool | str, ep: int) -> None:
+    """Under expert parallel, compile composes with full activation checkpointing or none (see the module's
+    docstring)."""
+    if compile is not False and ep > 1 and activation_checkpointing in ("selective", "submodule"):
+        raise ValueError(
+            f"compile with ep={ep} and activation_checkpointing={activation_checkpointing!r}: the experts' token"
+            " exchange breaks the compiled graph (its sizes are data), and dynamo cannot break one inside a"
+            " checkpointed region: it would run every block eagerly, compiling nothing. Use"
+            " activation_checkpointing='full' (or True), or compile=False."
+        )
+
+
 def apply_compile(model: nn.Module, layers: Sequence[nn.Module], options: dict[str, Any]) -> None:
     """Compile each layer's forward in place with ``torch.compile(**options)``; calls with a cache run it eagerly.
 
@@ -68,7 +81,12 @@ def apply_compile(model: nn.Module, layers: Sequence[nn.Module], options: dict[s
         )
     build_no_cache(model)
     for layer in layers:  # its current forward: the class's, or activation checkpointing's around it
-        layer.eager_forward = getattr(layer.forward, "__func__", type(layer).forward)
+        if not isinstance(layer.forward, MethodType):
+            raise ValueError(
+                f"compile: {type(layer).__name__}'s forward was replaced by {layer.forward!r}, not a method of the"
+                " layer: compiling its class's forward would drop it. Compile the model yourself, or use compile=False."
+            )
+        layer.eager_forward = layer.forward.__func__
         layer.compiled_forward = torch.compile(layer.eager_forward, **options)
         layer.forward = MethodType(_compiled_unless_cached, layer)  # a module-level function: deepcopy rebinds it
 
@@ -97,4 +115,4 @@ def _landed(value: Any) -> Any:
     return value
 
 
-__all__ = ["CompileSpec", "apply_compile", "compile_options"]
+__all__ = ["CompileSpec", "apply_compile", "check_compile", "compile_options"]

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_automodel.parallel.compile import apply_compile, compile_options
+from lightning_automodel.parallel.compile import apply_compile, check_compile, compile_options
 from lightning_automodel.parallel.context_parallel import context_parallel_model
 from lightning_automodel.parallel.experts.expert_parallel import (
     apply_expert_parallel,
@@ -126,6 +126,7 @@ def _refuse_before_collectives(
 ) -> PreflightFindings:
     """The checks of :mod:`~lightning_automodel.parallel.preflight`, and those that need the options' mesh sizes."""
     ep = axis_size(device_mesh, "ep")
+    check_compile(compile=options.compile, activation_checkpointing=options.activation_checkpointing, ep=ep)
     findings = check_before_collectives(
         model,
         device_mesh,

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
+from lightning_automodel.parallel.compile import check_compile
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims
@@ -78,6 +79,7 @@ class StrategyOptions:
         check_cp_with_pipeline(cp=dims.cp, pipeline=parallel.pipeline if dims.pp > 1 else None)
         if parallel.pipeline is not None:
             parallel.pipeline.validate(dims.pp)
+        check_compile(compile=parallel.compile, activation_checkpointing=parallel.activation_checkpointing, ep=dims.ep)
         if parallel.sp and dims.tp == 1 and not self.tp_per_node:
             raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
 

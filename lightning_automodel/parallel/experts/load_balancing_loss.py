@@ -43,13 +43,18 @@ class Balancing:
     weight: float  # transformers' router_aux_loss_coef
 
 
+def adds_balancing_loss(model: nn.Module) -> bool:
+    """Whether ``model`` adds a router's auxiliary loss to its own (transformers' ``output_router_logits``)."""
+    return bool(getattr(getattr(model, "config", None), "output_router_logits", False))
+
+
 def balancing_of(model: nn.Module) -> Balancing | None:
-    """The load-balancing settings of a Hugging Face model adding the loss to its own (``output_router_logits``), as
-    its class reads them; None for any other."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "output_router_logits", False) or not hasattr(model, "num_experts_per_tok"):
+    """The load-balancing settings of a Hugging Face model adding the loss to its own, as transformers' classes keep
+    them; None for any other (:func:`balancing_problem` refuses one adding a loss of other settings)."""
+    names = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    if not adds_balancing_loss(model) or not all(hasattr(model, name) for name in names):
         return None
-    return Balancing(model.num_experts, model.num_experts_per_tok, model.router_aux_loss_coef)
+    return Balancing(*(getattr(model, name) for name in names))
 
 
 @dataclass
@@ -63,7 +68,7 @@ class RouterStatistics:
 
 
 def router_statistics(
-    router_logits: Sequence[Tensor], *, balancing: Balancing, token_mask: Tensor | None = None
+    router_logits: Sequence[Tensor], *, num_experts: int, top_k: int, token_mask: Tensor | None = None
 ) -> RouterStatistics:
     """The statistics of router logits (one (tokens, experts) tensor per layer) over the tokens ``token_mask`` keeps
     (a mask of the rows' tokens, flattened as the logits are; None: all)."""
@@ -75,9 +80,9 @@ def router_statistics(
     assignments, probabilities = [], []
     for logits in router_logits:
         routing = torch.softmax(logits, dim=-1)
-        selected = torch.topk(routing, balancing.top_k, dim=-1).indices
-        counts = torch.zeros(balancing.num_experts, device=first.device)
-        assignments.append(counts.scatter_add(0, selected.reshape(-1), weights.repeat_interleave(balancing.top_k)))
+        selected = torch.topk(routing, top_k, dim=-1).indices
+        counts = torch.zeros(num_experts, device=first.device)
+        assignments.append(counts.scatter_add(0, selected.reshape(-1), weights.repeat_interleave(top_k)))
         probabilities.append((routing.float() * weights.unsqueeze(-1)).sum(dim=0))
     token_layers = weights.sum().reshape(1) * len(router_logits)
     return RouterStatistics(torch.stack(assignments).detach(), torch.stack(probabilities), token_layers.detach())
@@ -108,8 +113,7 @@ def load_balancing_loss(
     those ranks, as it does for :func:`~lightning_automodel.parallel.loss.global_token_mean`'s share of the
     language-model loss.
     """
-    balancing = Balancing(num_experts, top_k, 1.0)
-    statistics = router_statistics(router_logits, balancing=balancing, token_mask=attention_mask)
+    statistics = router_statistics(router_logits, num_experts=num_experts, top_k=top_k, token_mask=attention_mask)
     counts, probabilities, tokens = statistics.assignments, statistics.probabilities, statistics.token_layers
     if group is not None and dist.get_world_size(group) > 1:
         totals = torch.cat([counts.flatten(), tokens])
@@ -123,10 +127,15 @@ def balancing_problem(model: nn.Module) -> str | None:
     """Why a model adding a load-balancing loss cannot have it computed over the global batch here (None if it can):
     its shrunk replica's own auxiliary loss must be :func:`load_balancing_loss` of the router logits it returns, on a
     batch with padding."""
-    balancing = balancing_of(model)
-    if balancing is None or not isinstance(model, PreTrainedModel):
+    if not adds_balancing_loss(model) or not isinstance(model, PreTrainedModel):
         return None
     name = type(model).__name__
+    if balancing_of(model) is None:
+        return (
+            f"{name} adds an auxiliary loss without transformers' load-balancing settings (num_experts,"
+            " num_experts_per_tok, router_aux_loss_coef), which this cannot compute over the global batch: set"
+            " output_router_logits=False"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         replica = type(model)(shrunk_config(model.config)).eval()

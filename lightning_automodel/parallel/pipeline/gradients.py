@@ -45,7 +45,7 @@ def backward_adds_gradients(loss: Tensor, *, computed: dict[str, Tensor], parame
         applied.append(True)
         params = parameters()
         for name, grad in computed.items():
-            grad.mul_(scale)  # the schedule's own tensor, scaled where it lies
+            grad.mul_(scale.to(grad.device))  # the schedule's own tensor, scaled where it lies (CPU under offload)
             params[name].grad = grad if params[name].grad is None else params[name].grad + grad
 
     loss.register_hook(add_computed_gradients)

@@ -197,7 +197,7 @@ class Pipeline:
         else:
             outputs = module.base_model(**given, **inputs, use_cache=False)
             output = _local(outputs.last_hidden_state)
-            output = output[:, :1] if stage == self.num_stages - 1 else output
+            output = output[:, :1].clone() if stage == self.num_stages - 1 else output  # not the whole stream
         if self._balancing_pass is None:
             return output
         token_mask = self._token_mask[rows] if self._token_mask is not None else None
@@ -247,7 +247,7 @@ class Pipeline:
             self._schedules, self._batch_shape = {}, tuple(input_ids.shape)
         self._sync_view_modes()
         args = (input_ids,) if self.first else ()
-        inputs[ROWS] = torch.arange(input_ids.size(0), device=input_ids.device)
+        inputs[ROWS] = torch.arange(input_ids.size(0))  # on the CPU: read without waiting for a GPU
         self._row_inputs = row_inputs
         self._token_mask = token_mask if token_mask is not None else inputs.get("attention_mask")
         balanced = self.balancing is not None and scored
@@ -271,7 +271,7 @@ class Pipeline:
             if training:
                 self.balancing.check_routed_as_counted(balancing_totals)
             aux_loss = self.balancing.loss(balancing_totals)
-            loss = loss + self.balancing.balancing.weight * aux_loss
+            loss = loss + self.balancing.settings.weight * aux_loss
         if training:
             loss = backward_adds_gradients(loss, computed=computed, parameters=self._sharded_parameters)
         return ParallelCausalLMOutput(
@@ -297,9 +297,9 @@ class Pipeline:
         self.balancing.start()
         self._balancing_pass = "counting"
         device = self._device()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-            with self._in_schedule():
-                self.schedule(with_loss=False).eval(*args, **inputs)
+        devices = dict(devices=[device], device_type=device.type) if device.type != "cpu" else dict(devices=[])
+        with torch.random.fork_rng(**devices), torch.no_grad(), self._in_schedule():
+            self.schedule(with_loss=False).eval(*args, return_outputs=False, **inputs)
         self.balancing.counted = self.balancing.totals(device)
 
     @contextmanager

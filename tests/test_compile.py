@@ -2,8 +2,8 @@
 steps (the loss and every gradient at each step, the weights after) and validate's loss, at tp=2 with sp and full
 activation checkpointing (inductor), and traced by dynamo and AOTAutograd as inductor's are (the "aot_eager" backend:
 inductor's code generation is most of a compile's cost on CPU) at cp=2, pp=2, LoRA over dp_shard=2, bf16-mixed, and
-selective and submodule checkpointing inside the compiled blocks (which keep fewer activations for it), and Qwen3-MoE
-at ep=2 (the token exchange eager between the blocks' graphs);
+selective and submodule checkpointing inside the compiled blocks (which keep fewer activations for it; with ERNIE-4.5-MoE's
+fp32 router units under bf16-mixed too), and Qwen3-MoE at ep=2 (the token exchange eager between the blocks' graphs);
 no graph compiled after the first step and its validation; the options refused; generation (a call with a cache)
 runs the blocks eagerly. scripts/compile_sweep.py runs every layout with inductor."""
 
@@ -24,16 +24,22 @@ from lightning_automodel.testing.models import batch, tiny_model
 from lightning_automodel.testing.trainer_checks import check_bf16_trainer, check_compiled_trainer_parity
 
 
+AOT_EAGER = {"backend": "aot_eager"}
+
+
 def test_compiled_blocks_on_two_ranks():
     checks = [
         partial(check_compiled_trainer_parity, tp=2, sp=True, activation_checkpointing=True),
         partial(check_compiled_trainer_parity, cp=2, backend="aot_eager"),
         partial(check_compiled_trainer_parity, pp=2, backend="aot_eager"),
         partial(check_compiled_lora, backend="aot_eager"),
-        partial(check_bf16_trainer, 1, "bf16-mixed", compile={"backend": "aot_eager"}),
+        partial(check_bf16_trainer, 1, "bf16-mixed", compile=AOT_EAGER),
         partial(check_compiled_trainer_parity, activation_checkpointing="selective", backend="aot_eager"),
         partial(check_compiled_trainer_parity, activation_checkpointing="submodule", backend="aot_eager"),
         partial(check_compiled_trainer_parity, "qwen3_moe", ep=2, backend="aot_eager", exact_graphs=False),
+        partial(
+            check_bf16_trainer, 1, "bf16-mixed", "ernie_moe", compile=AOT_EAGER, activation_checkpointing="selective"
+        ),
     ]
     run_checks(2, checks, timeout=600)
 

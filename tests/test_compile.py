@@ -2,10 +2,10 @@
 steps (the loss and every gradient at each step, the weights after) and validate's loss, at tp=2 with sp and full
 activation checkpointing (inductor), and traced by dynamo and AOTAutograd as inductor's are (the "aot_eager" backend:
 inductor's code generation is most of a compile's cost on CPU) at cp=2, pp=2, LoRA over dp_shard=2, bf16-mixed, and
-selective and submodule checkpointing inside the compiled blocks (which keep fewer activations for it; with ERNIE-4.5-MoE's
-fp32 router units under bf16-mixed too), and Qwen3-MoE at ep=2 (the token exchange eager between the blocks' graphs);
-no graph compiled after the first step and its validation; the options refused; generation (a call with a cache)
-runs the blocks eagerly. scripts/compile_sweep.py runs every layout with inductor."""
+selective and submodule checkpointing inside the compiled blocks (which keep fewer activations for it; with
+ERNIE-4.5-MoE's fp32 router units under bf16-mixed too), and Qwen3-MoE at ep=2 (the token exchange eager between the
+blocks' graphs); no graph compiled after the first step and its validation; the options refused; generation (a call
+with a cache) runs the blocks eagerly. scripts/compile_sweep.py runs every layout with inductor."""
 
 from copy import deepcopy
 from functools import partial
@@ -22,7 +22,6 @@ from lightning_automodel.parallel.compile import apply_compile
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import batch, tiny_model
 from lightning_automodel.testing.trainer_checks import check_bf16_trainer, check_compiled_trainer_parity
-
 
 AOT_EAGER = {"backend": "aot_eager"}
 

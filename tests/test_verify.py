@@ -1,13 +1,15 @@
 """verify_plan: a shrunk replica, tp ranks simulated in this process, against one process; wrong plans caught."""
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel
-from transformers import BertConfig, GraniteConfig, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, BertConfig, GraniteConfig, LlamaConfig, Qwen3Config
 
-from lightning_automodel import verify_plan
-from lightning_automodel.hf.shrink import heads_for, shrunk_config
+from lightning_automodel import ParallelDims, plan_report, verify_plan
+from lightning_automodel.hf.shrink import heads_for, shrunk_config, tiny_config
 from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
+from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes
 from lightning_automodel.planning.verify import FP32_TOLERANCE
 from lightning_automodel.testing.harness import free_port
 from lightning_automodel.testing.models import tiny_model
@@ -116,3 +118,35 @@ def test_adding_a_plan_as_the_readme_shows(monkeypatch):
     monkeypatch.setitem(family_plans._FAMILY_PLANS, "GPTJForCausalLM", gptj_plan)
     verification = verify_plan(GPTJConfig())
     assert verification.passed and verification.plan_source == "family plan for GPTJForCausalLM", verification
+
+
+def _per_layer_head_widths(**overrides: object):
+    """Gemma 4 unified's config with its full-attention layer given heads twice as wide as the sliding ones (its
+    ``global_head_dim``): a heterogeneous config, whose per-layer attributes transformers refuses to read globally."""
+    config = tiny_config("gemma4_unified_text")
+    fields = {name: value for name, value in config.to_dict().items() if name != "per_layer_config"}
+    return type(config)(**{**fields, "global_head_dim": 2 * config.head_dim, **overrides})
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_config_whose_layers_have_their_own_head_widths(sp):
+    """Each attention's head counts and widths are its own layer's. Read globally they crashed
+    (AmbiguousGlobalPerLayerAttributeError); read as one set, the full-attention layer's head width (32) is the
+    sliding layers' width of two heads (2 x 16), and was halved: the probe of the sharded model refused it. Verified
+    against one process on the shrunk replica, and planned on the tiny config itself, on the meta device."""
+    config = _per_layer_head_widths()
+    assert config.is_heterogeneous
+    verification = verify_plan(config, tp=2, sp=sp)
+    assert verification.passed, verification
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    report = plan_report(model, ParallelDims(tp=2).resolve(2), sp=sp)
+    assert report.parameters_per_rank < report.total_parameters
+
+
+def test_sizes_tp_does_not_divide_are_named_layer_by_layer():
+    """A size of one layer only (the full-attention layer's key/value heads) that tp does not divide is named."""
+    config = _per_layer_head_widths(num_global_key_value_heads=3, attention_k_eq_v=True)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=\[2, 3\]"):
+        validate_tp_sizes(model, 2)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_automodel.hf.layer_configs import attention_shapes
+
 
 def flops_per_token(model: nn.Module, seq_len: int, *, training: bool = True) -> int:
     """FLOPs per token. Training: 6 per trainable weight (forward, input and weight gradients), 4 per frozen one
@@ -28,13 +30,14 @@ def flops_per_token(model: nn.Module, seq_len: int, *, training: bool = True) ->
             trainable += parameter.numel()
         else:
             frozen += parameter.numel()
-    config = model.config
-    attention = 12 * config.num_hidden_layers * _attention_width(config) * seq_len
+    attention = 12 * _attention_width(model.config) * seq_len
     if not training:
         return 2 * (trainable + frozen) + attention // 3
     return 6 * trainable + 4 * frozen + attention
 
 
 def _attention_width(config) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_attention_heads * head_dim
+    """The query width of every layer, summed (a heterogeneous config's layers each their own)."""
+    shapes = attention_shapes(config)
+    per_layer = [heads * head_dim for heads, _, head_dim in shapes]
+    return sum(per_layer) if len(shapes) > 1 else per_layer[0] * config.num_hidden_layers

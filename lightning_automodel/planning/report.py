@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.layer_configs import attention_shapes
 from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.mesh import ParallelDims
@@ -262,11 +263,10 @@ def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:
     ((cp - 1) / cp) of the tokens' keys and values for the rank's tp share of the KV heads, in the weights' dtype."""
     if dims.cp == 1:
         return 0
-    config = model.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shapes = attention_shapes(model.config.get_text_config())  # layers of a heterogeneous config: their mean
+    kv_width = sum(kv_heads // dims.tp * head_dim for _, kv_heads, head_dim in shapes) / len(shapes)
     dtype_bytes = next(model.parameters()).element_size()
-    return round(2 * (heads // dims.tp) * head_dim * dtype_bytes * (dims.cp - 1) / dims.cp)
+    return round(2 * kv_width * dtype_bytes * (dims.cp - 1) / dims.cp)
 
 
 def _parallelized(

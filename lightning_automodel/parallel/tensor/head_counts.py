@@ -14,6 +14,7 @@ from collections.abc import Collection
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
+from lightning_automodel.hf.layer_configs import attention_shapes
 from lightning_automodel.hf.packed_weights import is_packed
 from lightning_automodel.parallel.tensor.lora import LoraParallel
 from lightning_automodel.parallel.tensor.sizes import model_config
@@ -35,16 +36,14 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
     are those with such a child. A projection whose output is gathered again leaves every head on every rank.
     """
     config = model_config(model)
-    heads = getattr(config, "num_attention_heads", None)
-    if not isinstance(heads, int) or isinstance(heads, bool):
+    if not _is_int(getattr(config, "num_attention_heads", None)):
         return []
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    counts, widths = {heads, kv_heads}, {heads * head_dim, kv_heads * head_dim}
+    shapes = attention_shapes(config)
     changed = []
     for name, module in model.named_modules():
         if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
             continue
+        counts, widths = _sizes(shapes, layer=getattr(module, "layer_idx", None))
         read = _attributes_read(type(module))
         attributes = [a for a, value in vars(module).items() if _is_count(a, value, counts) and _reads(read, a)]
         head_widths = [a for a, value in vars(module).items() if _is_width(a, value, widths) and _reads(read, a)]
@@ -55,6 +54,17 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
         changed += [f"{name}.{attribute}" for attribute in attributes]
         changed += [f"{name}.config.{field}" for field in _localize_config(module, read, counts, tp)]
     return changed
+
+
+def _sizes(shapes: list[tuple[int, int, int]], *, layer: int | None) -> tuple[set[int], set[int]]:
+    """The head counts and head widths (heads x head width) a layer's attention may hold: its own layer's, where a
+    heterogeneous config gives layers their own (one layer's head width may be another's width of all heads), else
+    every layer's."""
+    if len(shapes) > 1 and _is_int(layer) and layer < len(shapes):
+        shapes = [shapes[layer]]
+    counts = {count for heads, kv_heads, _ in shapes for count in (heads, kv_heads)}
+    widths = {count * head_dim for heads, kv_heads, head_dim in shapes for count in (heads, kv_heads)}
+    return counts, widths
 
 
 def head_parameter_styles(model: nn.Module, *, split: Collection[str]) -> dict[str, HeadShardedParameters]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_automodel.hf.layer_configs import layer_configs
+
 # Config fields whose sizes tensor parallelism splits, and why each must divide evenly.
 _SPLIT_SIZES = (
     ("num_attention_heads", "attention heads are split across tp ranks"),
@@ -26,14 +28,16 @@ def validate_tp_sizes(model: nn.Module, tp: int) -> None:
     config = model_config(model)
     if config is None or tp == 1:
         return
-    sizes = {name: getattr(config, name, None) for name, _ in _SPLIT_SIZES}
-    sizes = {name: value for name, value in sizes.items() if isinstance(value, int)}
-    failing = [(name, why) for name, why in _SPLIT_SIZES if name in sizes and sizes[name] % tp]
+    layers = layer_configs(config)  # a heterogeneous config's layers each their own sizes
+    sizes = {name: {getattr(layer, name, None) for layer in layers} for name, _ in _SPLIT_SIZES}
+    sizes = {name: sorted(v for v in values if isinstance(v, int)) for name, values in sizes.items()}
+    failing = [(name, why) for name, why in _SPLIT_SIZES if any(value % tp for value in sizes[name])]
     if not failing:
         return
-    candidates = range(1, max(sizes.values()) + 1)
-    valid = [t for t in candidates if all(value % t == 0 for value in sizes.values())]
-    details = "; ".join(f"{name}={sizes[name]} ({why})" for name, why in failing)
+    every = [value for values in sizes.values() for value in values]
+    valid = [t for t in range(1, max(every) + 1) if all(value % t == 0 for value in every)]
+    shown = {name: values[0] if len(values) == 1 else values for name, values in sizes.items()}
+    details = "; ".join(f"{name}={shown[name]} ({why})" for name, why in failing)
     raise ValueError(
         f"tp={tp} does not divide {details}. tp values that divide every split size of this model: {valid}."
     )

@@ -97,8 +97,9 @@ def _checkpointed_forward(self: nn.Module, *args: object, **kwargs: object) -> o
 
 
 def _traced_selective_contexts() -> tuple:
-    """:func:`_selective_contexts` for a compiled forward, where dynamo traces the checkpoint and AOTAutograd applies
-    the policy to the graph's ops (no profiler marks there: FSDP2's hooks stay outside the compiled block)."""
+    """One context pair per layer call: the forward and its recompute must count matmuls the same way. As they are
+    for a compiled forward, where dynamo traces the checkpoint and AOTAutograd applies the policy to the graph's ops
+    (no profiler marks there: FSDP2's hooks stay outside the compiled block)."""
     counts: dict[str, int] = defaultdict(int)
     return create_selective_checkpoint_contexts(partial(_keep_attention_and_every_other_matmul, counts))
 
@@ -114,10 +115,8 @@ def _attention_and_mlp(layer: nn.Module) -> list[nn.Module]:
 
 
 def _selective_contexts() -> tuple:
-    """One context pair per layer call: the forward and its recompute must count matmuls the same way. Profiler marks
-    pass both by (see :class:`_ProfilerMarksPass`)."""
-    counts: dict[str, int] = defaultdict(int)
-    forward, recompute = create_selective_checkpoint_contexts(partial(_keep_attention_and_every_other_matmul, counts))
+    """:func:`_traced_selective_contexts` with profiler marks passing both by (see :class:`_ProfilerMarksPass`)."""
+    forward, recompute = _traced_selective_contexts()
     return _marks_passing(forward), _marks_passing(recompute)
 
 

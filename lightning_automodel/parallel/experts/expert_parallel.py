@@ -92,8 +92,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
             placements = (Shard(0), *param.placements) if isinstance(param, DTensor) else (Shard(0),)
             distributed = DTensor.from_local(local, mesh, placements, run_check=False)
             module.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))
-        # One function for every layer, what differs kept on the module: compiled blocks share one graph. Expert
-        # tensor parallel's forward already computes on this rank's parts; without it, the module's own does.
+        # One function for every layer, what differs kept on the module, as the other forwards our plans give modules.
+        # Expert tensor parallel's forward already computes on this rank's parts; without it, the module's own does.
         module.experts_forward = module.forward.__func__
         module.experts_on_local_parameters = mesh.ndim == 1
         module.experts_group, module.experts_count = ep_mesh.get_group(), experts

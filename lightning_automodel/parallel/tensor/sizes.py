@@ -29,8 +29,8 @@ def validate_tp_sizes(model: nn.Module, tp: int) -> None:
     if config is None or tp == 1:
         return
     layers = layer_configs(config)  # a heterogeneous config's layers each their own sizes
-    sizes = {name: {getattr(layer, name, None) for layer in layers} for name, _ in _SPLIT_SIZES}
-    sizes = {name: sorted(v for v in values if isinstance(v, int)) for name, values in sizes.items()}
+    values = {name: [getattr(layer, name, None) for layer in layers] for name, _ in _SPLIT_SIZES}
+    sizes = {name: sorted({v for v in found if isinstance(v, int)}) for name, found in values.items()}
     failing = [(name, why) for name, why in _SPLIT_SIZES if any(value % tp for value in sizes[name])]
     if not failing:
         return

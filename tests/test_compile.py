@@ -2,10 +2,10 @@
 steps (the loss and every gradient at each step, the weights after) and validate's loss, at tp=2 with sp and full
 activation checkpointing (inductor), and traced by dynamo and AOTAutograd as inductor's are (the "aot_eager" backend:
 inductor's code generation is most of a compile's cost on CPU) at cp=2, pp=2, LoRA over dp_shard=2, bf16-mixed, and
-selective and submodule checkpointing inside the compiled blocks (which keep fewer activations for it; with
-ERNIE-4.5-MoE's fp32 router units under bf16-mixed too), and Qwen3-MoE at ep=2 (the token exchange eager between the
-blocks' graphs); no graph compiled after the first step and its validation; the options refused; generation (a call
-with a cache) runs the blocks eagerly. scripts/compile_sweep.py runs every layout with inductor."""
+selective checkpointing inside the compiled blocks (which keep fewer activations for it; submodule checkpointing and
+ERNIE-4.5-MoE's fp32 router units under bf16-mixed with -m sweep), and Qwen3-MoE at ep=2 (the token exchange eager
+between the blocks' graphs); no graph compiled after the first step and its validation; the options refused;
+generation (a call with a cache) runs the blocks eagerly. scripts/compile_sweep.py runs every layout with inductor."""
 
 from copy import deepcopy
 from functools import partial
@@ -34,8 +34,15 @@ def test_compiled_blocks_on_two_ranks():
         partial(check_compiled_lora, backend="aot_eager"),
         partial(check_bf16_trainer, 1, "bf16-mixed", compile=AOT_EAGER),
         partial(check_compiled_trainer_parity, activation_checkpointing="selective", backend="aot_eager"),
-        partial(check_compiled_trainer_parity, activation_checkpointing="submodule", backend="aot_eager"),
         partial(check_compiled_trainer_parity, "qwen3_moe", ep=2, backend="aot_eager", exact_graphs=False),
+    ]
+    run_checks(2, checks, timeout=600)
+
+
+@pytest.mark.sweep  # the same function checkpoints every mode inside a compiled block (selective: in the suite)
+def test_compiled_blocks_with_more_checkpointing_modes():
+    checks = [
+        partial(check_compiled_trainer_parity, activation_checkpointing="submodule", backend="aot_eager"),
         partial(
             check_bf16_trainer, 1, "bf16-mixed", "ernie_moe", compile=AOT_EAGER, activation_checkpointing="selective"
         ),

@@ -95,7 +95,29 @@ EXPECTED = {
     # plan leaves out, completed; grouped routing (was: refused).
     ("deepseek_v3", "tp2"): (PASS, "Hugging Face plan", 0.88),
     ("deepseek_v3", "tp2_sp"): (PASS, "Hugging Face plan", 0.88),
+    # Issue 36: layouts found by structure (docs/layouts_by_structure.md); each was a refusal (Qwen3-Next: wrong).
+    ("mamba", "tp2"): (PASS, DERIVED, 1.0),  # Mamba's mixer: channels split, x_proj row-parallel
+    ("jamba", "tp2_sp"): (PASS, DERIVED, 1.0),  # Mamba layers with norms of dt, B and C, experts, attention
+    ("bamba", "tp2_sp"): (PASS, DERIVED, 0.99),  # Mamba-2's mixer: heads split, one group of B and C shared
+    ("falcon_h1", "tp2"): (PASS, DERIVED, 0.99),  # Mamba-2 beside attention, muP multipliers regrouped
+    ("nemotron_h", "tp2"): (PASS, DERIVED, 0.98),
+    ("lfm2_moe", "tp2"): (PASS, DERIVED, 0.99),  # LFM2's gated short convolution
+    ("gpt_bigcode", "tp2_sp"): (PASS, DERIVED, 0.99),  # one key/value head, fused: kept whole, its gradient summed
+    ("falcon", "tp2"): (PASS, DERIVED, 1.0),  # one key/value head laid out per head; its MLP adds in place
+    ("mpt", "tp2"): (PASS, DERIVED, 1.0),  # ALiBi: heads on dim 0 of an argument
+    ("bloom", "tp2_sp"): (PASS, DERIVED, 0.99),  # ALiBi: batch x heads on dim 0
+    ("minimax", "tp2_sp"): (PASS, DERIVED, 1.0),  # decay buffers per head; a norm over all heads, not the stream
+    ("llama4_text", "tp2_sp"): (PASS, "Hugging Face plan", 1.0),  # its experts block adds in place, returns tokens flat
+    ("gemma4", "tp2"): (PASS, "Hugging Face plan", 0.99),  # per-layer inputs; the embedding read directly stays whole
+    ("deepseek_v32", "tp2"): (PASS, "Hugging Face plan", 0.88),  # the sparse-attention indexer kept whole
+    ("dots3_note_text", "tp2"): (PASS, "Hugging Face plan", 0.88),  # a norm of the rotary key sums its gradient
+    ("afmoe", "tp2"): (PASS, "default Llama-style plan", 0.99),  # an attention output gate
+    # Its gated delta rule computes in fp32 whatever its inputs: A_log's limit from its rounding-sized perturbation
+    # (3.3e-4, so 1e-3), where the fp64 run rounded alike and left it 2e-5 (was: wrong at 3.2e-5).
+    ("qwen3_next", "tp2"): (PASS, "Hugging Face plan", 0.98),
 }
+# Well-conditioned: every gradient judged against the fp32 tolerance itself.
+NO_LOOSENED_LIMITS = (("olmo2", "tp2"), ("mamba", "tp2"), ("gpt_bigcode", "tp2_sp"))
 # Buffers only the constructor computes (xIELU's beta and eps): a meta-device build gets them too.
 NO_BUFFER_NOTE = (("apertus", "tp2"),)
 
@@ -117,6 +139,22 @@ def rotary_key_gradient_left_partial(model, sp):
 
     plan = select_tp_plan(model, sp=sp).plan
     return {key: KeptWhole() if isinstance(style, LatentKeyValueProjection) else style for key, style in plan.items()}
+
+
+def rotary_key_norm_unsummed(model, sp):
+    """Dots3's plan with the rotary key's gradient summed at the latent projection's output, as for DeepSeek-V3: its
+    norm of the rotary key, between them, then gets a partial gradient on each rank."""
+    from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
+    from lightning_automodel.parallel.tensor.styles.parameters import OutputGradientSummed
+    from lightning_automodel.parallel.tensor.styles.projections import KeptWhole, LatentKeyValueProjection
+
+    plan = select_tp_plan(model, sp=sp).plan
+    rotary = LatentKeyValueProjection(rotary_width=model.config.qk_rope_head_dim)
+    return {
+        key: rotary if isinstance(style, KeptWhole) and key.endswith("kv_a_proj_with_mqa") else style
+        for key, style in plan.items()
+        if not isinstance(style, OutputGradientSummed)
+    }
 
 
 def broken_experts(model_type: str, broken: str) -> dict:
@@ -165,6 +203,7 @@ BROKEN_MECHANISMS = [
     partial(broken_experts, "gpt_oss", "_this_ranks_part"),
     partial(coverage_check, "deepseek_v3", "tp2", tp_plan="test_coverage.rotary_key_gradient_left_partial"),
     partial(naive_stream_split, "bert"),
+    partial(coverage_check, "dots3_note_text", "tp2", tp_plan="test_coverage.rotary_key_norm_unsummed"),
 ]
 
 
@@ -176,6 +215,14 @@ SWEEP_JOBS = (
     ("gpt_neox_japanese", "tp2"),
     ("gpt2", "dp_shard2"),
     ("deepseek_v3", "tp2"),
+    ("jamba", "tp2_sp"),
+    ("falcon_h1", "tp2"),
+    ("nemotron_h", "tp2"),
+    ("falcon", "tp2"),
+    ("bloom", "tp2_sp"),
+    ("gemma4", "tp2"),
+    ("dots3_note_text", "tp2"),
+    ("afmoe", "tp2"),
 )
 
 
@@ -202,6 +249,7 @@ def _assert_verdicts(jobs, *, broken) -> None:
         if sharded is not None:
             assert round(result["sharded"], 2) == sharded, (job, result)
         assert job not in NO_BUFFER_NOTE or "note" not in result, (job, result)
+        assert job not in NO_LOOSENED_LIMITS or "loosened_limits" not in result, (job, result)
 
 
 def scripted_check(model_type: str, layout: str) -> dict:

@@ -130,17 +130,16 @@ def test_a_plan_covering_lm_head_only_loses_to_one_that_shards_the_blocks():
 
 
 def test_no_plan_that_leaves_the_blocks_whole_is_accepted():
-    """Mamba's mixer takes its in_proj's output apart in ways no plan classifies: refused with what each candidate
-    lacks and the fix."""
+    """RWKV's time mixing takes its key projection's output apart in ways no plan classifies: refused with what each
+    candidate lacks and the fix."""
     with pytest.raises(ValueError) as error:
-        select_tp_plan(coverage_model("mamba"), sp=False)
+        select_tp_plan(coverage_model("rwkv"), sp=False)
     message = str(error.value)
     for fragment in (
-        "No tensor-parallel plan shards every decoder block of MambaForCausalLM",
-        "the default Llama-style plan leaves backbone.layers.0.mixer, backbone.layers.0.mixer.in_proj",
-        "the derived plan (entries column-, exits row-parallel) for MambaForCausalLM cannot be used: the output of"
-        " backbone.layers.0.mixer.in_proj is taken apart in a way a derived plan cannot classify",
-        "no family plan is registered for MambaForCausalLM",
+        "No tensor-parallel plan shards every decoder block of RwkvForCausalLM",
+        "the derived plan (entries column-, exits row-parallel) for RwkvForCausalLM cannot be used: the output of"
+        " rwkv.blocks.0.attention.key is taken apart in a way a derived plan cannot classify",
+        "no family plan is registered for RwkvForCausalLM",
         "allow_unsharded_linears=True",
     ):
         assert fragment in message, message

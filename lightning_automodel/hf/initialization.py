@@ -331,9 +331,11 @@ def unsharded_view(module: nn.Module) -> nn.Module:
     """A shallow stand-in for ``module`` of its class before ``fully_shard`` swapped in ``FSDP<class>``: same
     attributes (submodules and parameters shared, nothing copied), no FSDP hooks. Code that dispatches on the
     class (transformers' init and checkpoint mappings) sees the model's own class; ``copy.copy`` of an FSDP
-    module would fail in FSDP's ``__new__``."""
+    module would fail in FSDP's ``__new__``. Sizes tensor parallel made this rank's (``global_sizes``: a Mamba-2
+    mixer's heads, whose init reads them) are the whole model's again."""
     view = object.__new__(_unsharded_class(module))
     view.__dict__.update(module.__dict__)
+    view.__dict__.update(getattr(module, "global_sizes", {}))  # sizes tensor parallel made this rank's, whole again
     return view
 
 

@@ -20,5 +20,7 @@ def attention_shapes(config: Any) -> list[tuple[int, int, int]]:
     for layer in layer_configs(config):
         heads = layer.num_attention_heads
         kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        if getattr(layer, "multi_query", False) and not getattr(layer, "new_decoder_architecture", False):
+            kv_heads = 1  # Falcon's multi-query attention, its num_kv_heads aside
         shapes.append((heads, kv_heads, getattr(layer, "head_dim", None) or layer.hidden_size // heads))
     return shapes

@@ -129,16 +129,17 @@ def gradient_errors(model: nn.Module, reference: nn.Module) -> tuple[dict[str, f
 
 
 def gradient_limits(rounding: dict[str, float]) -> dict[str, float]:
-    """The gradients whose single-process fp32 error against fp64 (``rounding``) is larger than the fp32 tolerance
-    allows for, each with four times that error as its limit: gradients through sums that cancel (DiffLlama's lambda
-    vectors), or zero in exact arithmetic and above the zero floor (a key projection's bias before a softmax). Both
-    runs round, so their difference reaches the sum of their errors, and a layout summing in another order may round
-    more: four times leaves room for both. Up to ROUNDING_CEILING: a gradient rounding more than that could hide a
-    missing reduction (errors of order 1), and keeps the tolerance."""
+    """The gradients whose single-process fp32 rounding (``rounding``: the error against fp64, or the change under a
+    rounding-sized perturbation, see :func:`worst_rounding`) is larger than the fp32 tolerance allows for, each with
+    four times that error as its limit: gradients through sums that cancel (DiffLlama's lambda vectors), recurrences
+    that amplify rounding (Qwen3-Next's decay parameters), or zero in exact arithmetic and above the zero floor (a key
+    projection's bias before a softmax). Both runs round, so their difference reaches the sum of their errors, and a
+    layout summing in another order may round more: four times leaves room for both. At most ROUNDING_CEILING,
+    however much a gradient rounds: a missing reduction gives errors of order 1."""
     return {
-        name: ROUNDING_MARGIN * error
+        name: min(ROUNDING_MARGIN * error, ROUNDING_CEILING)
         for name, error in rounding.items()
-        if FP32_TOLERANCE < ROUNDING_MARGIN * error <= ROUNDING_CEILING
+        if FP32_TOLERANCE < ROUNDING_MARGIN * error
     }
 
 
@@ -158,6 +159,43 @@ def fp32_rounding(reference: nn.Module, tokens: torch.Tensor, labels: torch.Tens
         for name, p in reference.named_parameters()
         if p.grad is not None and name in expected
     }
+
+
+def fp32_sensitivity(reference: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Each gradient's change when every weight of ``reference`` moves by fp32's rounding (see
+    :func:`rounding_perturbed_copy`): how far rounding alone, amplified by the model, moves it. It measures what an
+    fp64 copy cannot where the model's kernels compute in fp32 whatever their inputs (Qwen3-Next's gated delta rule)."""
+    try:
+        perturbed = rounding_perturbed_copy(reference)
+    except RuntimeError:  # a model that cannot be copied after a step (RecurrentGemma keeps non-leaf tensors)
+        return {}
+    perturbed.zero_grad(set_to_none=True)
+    loss_and_logits(perturbed, tokens, labels)[0].backward()
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    floor = _zero_gradient_floor(expected)
+    return {
+        name: relative_error(p.grad, expected[name], floor=floor)
+        for name, p in perturbed.named_parameters()
+        if p.grad is not None and name in expected
+    }
+
+
+def rounding_perturbed_copy(model: nn.Module, *, seed: int = 1) -> nn.Module:
+    """``model`` with each weight multiplied by 1 + e, e drawn from N(0, 2^-24) (half an fp32 unit in the last place):
+    what reductions summed in another order (tensor parallel's) do to activations, as a change of the inputs."""
+    perturbed = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in perturbed.parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float64) * 2**-24
+            param.mul_((1 + noise).to(device=param.device, dtype=param.dtype))
+    return perturbed
+
+
+def worst_rounding(*measured: dict[str, float]) -> dict[str, float]:
+    """Each gradient's largest rounding error of several measures (:func:`fp32_rounding`, :func:`fp32_sensitivity`)."""
+    names = {name for errors in measured for name in errors}
+    return {name: max(errors.get(name, 0.0) for errors in measured) for name in names}
 
 
 def fp64_copy(model: nn.Module) -> nn.Module:

@@ -25,6 +25,7 @@ from lightning_automodel.planning.child_process import in_child_process
 from lightning_automodel.planning.replica_comparison import (
     FP32_TOLERANCE,
     fp32_rounding,
+    fp32_sensitivity,
     full_tensor,
     gradient_errors,
     gradient_limits,
@@ -36,6 +37,7 @@ from lightning_automodel.planning.replica_comparison import (
     replica_builder,
     token_batch,
     vocabulary_size,
+    worst_rounding,
 )
 from lightning_automodel.planning.simulation import fake_world, simulated_ranks
 
@@ -196,7 +198,9 @@ def verify_replica(
         tokens, labels = token_batch(vocabulary_size(reference))
         expected_loss, expected_logits = loss_and_logits(reference, tokens, labels)
         expected_loss.backward()
-        limits = gradient_limits(fp32_rounding(reference, tokens, labels))
+        limits = gradient_limits(
+            worst_rounding(fp32_rounding(reference, tokens, labels), fp32_sensitivity(reference, tokens, labels))
+        )
         with simulated_ranks(tp):
             apply_tensor_parallel(model, tp_mesh(mesh), planned)
             load_weights(model, reference)

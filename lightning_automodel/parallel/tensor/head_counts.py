@@ -11,6 +11,7 @@ import inspect
 import textwrap
 from collections.abc import Collection
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
@@ -41,14 +42,18 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
     shapes = attention_shapes(config)
     changed = []
     for name, module in model.named_modules():
+        if getattr(module, "heads_localized", False):  # a style made its sizes this rank's (a Mamba-2 mixer)
+            continue
         if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
             continue
         counts, widths = _sizes(shapes, layer=getattr(module, "layer_idx", None))
         read = _attributes_read(type(module))
         attributes = [a for a, value in vars(module).items() if _is_count(a, value, counts) and _reads(read, a)]
+        attributes += [a for a, value in vars(module).items() if _is_query_groups(a, value, shapes)]
         head_widths = [a for a, value in vars(module).items() if _is_width(a, value, widths) and _reads(read, a)]
         if attributes or _has_packed_child(module) or any("head" in a.lower() for a in head_widths):
             attributes += head_widths  # an attention module (BERT's all_head_size says so): widths are this rank's
+        _keep_global(module, attributes)
         for attribute in attributes:
             setattr(module, attribute, getattr(module, attribute) // tp)
         changed += [f"{name}.{attribute}" for attribute in attributes]
@@ -62,25 +67,45 @@ def _sizes(shapes: list[tuple[int, int, int]], *, layer: int | None) -> tuple[se
     every layer's."""
     if len(shapes) > 1 and _is_int(layer) and layer < len(shapes):
         shapes = [shapes[layer]]
-    counts = {count for heads, kv_heads, _ in shapes for count in (heads, kv_heads)}
-    widths = {count * head_dim for heads, kv_heads, head_dim in shapes for count in (heads, kv_heads)}
-    return counts, widths
+    split = [(count, head_dim) for heads, kv_heads, head_dim in shapes for count in _split_counts(heads, kv_heads)]
+    return {count for count, _ in split}, {count * head_dim for count, head_dim in split}
+
+
+def _split_counts(heads: int, kv_heads: int) -> tuple[int, ...]:
+    """The head counts tp splits: a single key/value head (multi-query attention) stays whole on every rank."""
+    return (heads,) if kv_heads == 1 else (heads, kv_heads)
 
 
 def head_parameter_styles(model: nn.Module, *, split: Collection[str]) -> dict[str, HeadShardedParameters]:
     """Styles for the attention modules (those with a child whose output the plan splits) that hold parameters with
-    one entry per head of the model (GPT-OSS's sinks): each rank keeps its heads' entries, by module name."""
+    one entry per head of the model (GPT-OSS's sinks), or buffers with a dimension of one entry per head (MiniMax's
+    decay rates, on their first or second dimension): each rank keeps its heads' entries, by module name."""
     heads = getattr(model_config(model), "num_attention_heads", None)
     if not _is_int(heads):
         return {}
     styles = {}
     for name, module in model.named_modules():
+        if getattr(module, "heads_localized", False):
+            continue
         if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
             continue
         per_head = [n for n, p in module.named_parameters(recurse=False) if p.ndim in (1, 2) and p.shape[0] == heads]
-        if per_head:
-            styles[name] = HeadShardedParameters(names=tuple(per_head))
+        buffers = {
+            n: dim for n, b in module.named_buffers(recurse=False) if (dim := _head_dim_of(b, heads)) is not None
+        }
+        if per_head or buffers:
+            styles[name] = HeadShardedParameters(names=tuple(per_head), buffers=buffers)
     return styles
+
+
+def _head_dim_of(buffer: torch.Tensor, heads: int) -> int | None:
+    """The dimension of a buffer of three or more dimensions holding one entry per head (its first or second), or
+    None (rotary tables, masks)."""
+    if buffer.ndim < 3:
+        return None
+    return next(
+        (dim for dim in (0, 1) if buffer.shape[dim] == heads and buffer.shape[dim - 1 if dim else 1] != heads), None
+    )
 
 
 def _localize_config(module: nn.Module, read: frozenset[str] | None, counts: set[int], tp: int) -> list[str]:
@@ -93,10 +118,17 @@ def _localize_config(module: nn.Module, read: frozenset[str] | None, counts: set
     read_fields = None if read is None else {aliases.get(name, name) for name in read}
     fields = [f for f, value in vars(config).items() if _is_count(f, value, counts) and _reads(read_fields, f)]
     if fields:
+        _keep_global(module, ["config"])
         module.config = copy.copy(config)
         for field in fields:
             setattr(module.config, field, getattr(config, field) // tp)
     return fields
+
+
+def _keep_global(module: nn.Module, attributes: list[str]) -> None:
+    """Keep the whole model's values of attributes about to become this rank's (``global_sizes``), for code that
+    needs them: initialisation computes per-head buffers from the head count (hf/initialization.py)."""
+    module.global_sizes = {name: getattr(module, name) for name in attributes} | getattr(module, "global_sizes", {})
 
 
 def _has_packed_child(module: nn.Module) -> bool:
@@ -125,6 +157,13 @@ def _model_code(klass: type) -> bool:
 def _is_count(name: str, value: object, counts: set[int]) -> bool:
     lowered = name.lower()
     return _is_int(value) and value in counts and "head" in lowered and "dim" not in lowered and "size" not in lowered
+
+
+def _is_query_groups(name: str, value: object, shapes: list[tuple[int, int, int]]) -> bool:
+    """Query heads per key/value head under multi-query attention (GPT-BigCode's ``num_key_value_groups``): all the
+    query heads, of which this rank computes its share against the one key/value head it keeps whole. transformers'
+    shared attention functions read it, outside the module's own code."""
+    return _is_int(value) and "group" in name.lower() and any(kv == 1 and value == heads for heads, kv, _ in shapes)
 
 
 def _is_width(name: str, value: object, widths: set[int]) -> bool:

@@ -16,12 +16,16 @@ from lightning_automodel.parallel.tensor.lora import LoraParallel
 from lightning_automodel.parallel.tensor.plans.family import TPPlan
 from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, matches_inside, pattern_matches
 from lightning_automodel.parallel.tensor.styles.parameters import ReturnedParameters
-from lightning_automodel.parallel.tensor.styles.projections import Conv1DRowwiseParallel
+from lightning_automodel.parallel.tensor.styles.projections import Conv1DRowwiseParallel, OwnedOutputRowwiseParallel
+from lightning_automodel.parallel.tensor.styles.state_space import StateSpaceMixerParallel
 from lightning_automodel.parallel.tensor.styles.stream import (
     SequenceParallelAllGather,
     SequenceShardedStream,
     WholeSequenceRegion,
 )
+
+# Row-parallel styles a plan's exits have (where the stream is summed), as opposed to its entries.
+_ROW_PARALLEL = (RowwiseParallel, OwnedOutputRowwiseParallel)
 
 
 def with_sequence_parallel(model: nn.Module, plan: Mapping[str, ParallelStyle], *, trace: Trace | None) -> TPPlan:
@@ -58,7 +62,7 @@ def with_sequence_parallel(model: nn.Module, plan: Mapping[str, ParallelStyle], 
         keyed_by_position({name: WholeSequenceRegion() for name in regions if name not in styled}, names=names)
     )
     head = _name_of(modules, model.get_output_embeddings())
-    entries = [name for name, style in styled.items() if type(style) is not RowwiseParallel and name != head]
+    entries = [name for name, style in styled.items() if type(style) not in _ROW_PARALLEL and name != head]
     _, stream = _stream(blocks[0], trace)
     norms = _stream_norms(
         modules, trace, hidden=stream.shape[-1], blocks=blocks, regions=regions, styled=styled, entries=entries
@@ -165,8 +169,11 @@ def _stream(block: str, trace: Trace) -> tuple[int | str, TensorArg]:
 
 
 def _sequence_parallel_style(style: ParallelStyle) -> ParallelStyle:
-    """A row-parallel projection reduce-scatters its sum into the sequence-sharded stream instead of all-reducing it."""
-    if type(style) in (RowwiseParallel, Conv1DRowwiseParallel):
+    """A row-parallel projection (a state-space mixer's output projection) reduce-scatters its sum into the
+    sequence-sharded stream instead of all-reducing it."""
+    if isinstance(style, StateSpaceMixerParallel):
+        return type(style)(sequence_parallel=True)
+    if type(style) in (*_ROW_PARALLEL, Conv1DRowwiseParallel):
         return type(style)(input_layouts=style.input_layouts[0], output_layouts=Shard(1), use_local_output=False)
     return style
 
@@ -184,16 +191,21 @@ def _stream_norms(
     """The modules inside the blocks the plan leaves alone that normalise the residual stream: their own parameters
     are vectors of the hidden size (a norm's weight and bias), they hold no other module with parameters, and a step
     calls them on a (rows, tokens, hidden) tensor that no column-parallel projection returned (OLMo 2's q_norm, over
-    all heads of q_proj's output, has the hidden size too: the probe gives such a norm what it needs)."""
+    all heads of q_proj's output, has the hidden size too: the probe gives such a norm what it needs). A norm inside
+    a module of the block that holds a column-parallel projection normalises what that module computes from it
+    (MiniMax's linear attention, over all heads' output), not the stream."""
     norms = []
+    mixers = [name for name, style in styled.items() if isinstance(style, StateSpaceMixerParallel)]  # their own norms
     for name, calls in trace.calls.items():
         module = modules.get(name)
         if (
             module is None
             or not _inside(name, blocks)
             or _inside(name, regions)
+            or _inside(name, mixers)
             or name in styled
             or any(True for _ in _child_parameters(module))
+            or (name.rpartition(".")[0] not in blocks and _holds_entry(name.rpartition(".")[0], entries))
         ):
             continue
         own = list(module.parameters(recurse=False))
@@ -203,6 +215,10 @@ def _stream_norms(
         if on_stream and not any(call.sources.get(0) in entries for call in on_stream):
             norms.append(name)
     return norms
+
+
+def _holds_entry(module: str, entries: list[str]) -> bool:
+    return any(entry.startswith(f"{module}.") for entry in entries)
 
 
 def _child_parameters(module: nn.Module):

@@ -9,6 +9,7 @@ from lightning_automodel.hf.layer_configs import layer_configs
 # Config fields whose sizes tensor parallelism splits, and why each must divide evenly.
 _SPLIT_SIZES = (
     ("num_attention_heads", "attention heads are split across tp ranks"),
+    # A single key/value head (multi-query attention) is kept whole on every rank (see plans/multi_query.py).
     ("num_key_value_heads", "key/value heads are split across tp ranks"),
     ("intermediate_size", "the MLP hidden size is split across tp ranks"),
     ("vocab_size", "the embedding and lm_head are split on the vocabulary"),
@@ -31,6 +32,7 @@ def validate_tp_sizes(model: nn.Module, tp: int) -> None:
     layers = layer_configs(config)  # a heterogeneous config's layers each their own sizes
     values = {name: [getattr(layer, name, None) for layer in layers] for name, _ in _SPLIT_SIZES}
     sizes = {name: sorted({v for v in found if isinstance(v, int)}) for name, found in values.items()}
+    sizes["num_key_value_heads"] = [value for value in sizes["num_key_value_heads"] if value != 1]  # multi-query: whole
     failing = [(name, why) for name, why in _SPLIT_SIZES if any(value % tp for value in sizes[name])]
     if not failing:
         return

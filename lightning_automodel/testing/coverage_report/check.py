@@ -35,7 +35,13 @@ from lightning_automodel.hf.shrink import tiny_config
 from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.parallel.parallelizer import is_meta
-from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, fp64_copy, gradient_limits
+from lightning_automodel.planning.replica_comparison import (
+    ZERO_GRADIENT,
+    fp64_copy,
+    gradient_limits,
+    rounding_perturbed_copy,
+    worst_rounding,
+)
 from lightning_automodel.testing.collectives import CollectiveCount
 from lightning_automodel.testing.coverage_report.verdicts import NO_TINY_CONFIG, describe_error, first_line
 from lightning_automodel.testing.parity import (
@@ -61,8 +67,9 @@ class Reference:
     config: Any
     model: nn.Module
     outputs: Outputs
-    # Each gradient's limit: the fp32 tolerance, or four times the single process's own error against fp64 where that is
-    # larger, up to a ceiling (see lightning_automodel.planning.replica_comparison.gradient_limits).
+    # Each gradient's limit: the fp32 tolerance, or four times the single process's own rounding where that is larger
+    # (its error against fp64, or its change when the weights move by rounding's size), up to a ceiling (see
+    # lightning_automodel.planning.replica_comparison.gradient_limits).
     grad_limits: dict[str, float]
 
 
@@ -139,13 +146,17 @@ def single_process_reference(model_type: str) -> Reference:
 
 def grad_limits_of(model: nn.Module, outputs: Outputs) -> dict[str, float]:
     """The largest error each gradient may have (see
-    :func:`lightning_automodel.planning.replica_comparison.gradient_limits`), from one step of an fp64 copy; the fp32
-    tolerance alone for a model whose kernels take no fp64."""
-    try:
-        exact = single_process_outputs(fp64_copy(model))
-    except RuntimeError:
-        return dict.fromkeys(outputs.grads, FP32_TOLERANCE)
-    loosened = gradient_limits(gradient_errors(outputs, exact, floor=ZERO_GRADIENT))
+    :func:`lightning_automodel.planning.replica_comparison.gradient_limits`), from the worst of two measures of its
+    fp32 rounding: one step of an fp64 copy, and one of a copy whose weights moved by rounding's size (see
+    :func:`~lightning_automodel.planning.replica_comparison.fp32_sensitivity`); the tolerance alone where neither
+    copy runs."""
+    measured = []
+    for copy_of in (fp64_copy, rounding_perturbed_copy):
+        try:
+            measured.append(gradient_errors(outputs, single_process_outputs(copy_of(model)), floor=ZERO_GRADIENT))
+        except RuntimeError:  # kernels without fp64; a model that cannot be copied after a step (RecurrentGemma)
+            continue
+    loosened = gradient_limits(worst_rounding(*measured))
     return {name: loosened.get(name, FP32_TOLERANCE) for name in outputs.grads}
 
 

@@ -1,6 +1,7 @@
 """Completing a plan with the layouts its patterns leave out, found by structure: the experts of mixture-of-experts
-layers (their block's routers kept whole, its shared experts split) and multi-head latent attention. Hugging Face
-plans that predate fused experts or leave attention out, and the Llama-style and derived plans, would leave them whole.
+layers (their block's routers kept whole, its shared experts split), state-space and short-convolution mixers,
+multi-head latent attention, sparse attention's indexer and per-layer inputs. Hugging Face plans that predate fused
+experts or leave attention out, and the Llama-style and derived plans, would leave them whole.
 """
 
 from __future__ import annotations
@@ -12,48 +13,86 @@ from lightning_automodel.hf.peft import is_lora_layer
 from lightning_automodel.parallel.experts.expert_tensor_parallel import ExpertTensorParallel, is_experts
 from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, matches_inside, pattern_matches
 from lightning_automodel.parallel.tensor.sizes import model_config
-from lightning_automodel.parallel.tensor.styles.projections import KeptWhole, LatentKeyValueProjection
+from lightning_automodel.parallel.tensor.styles.inputs import SplitArgument
+from lightning_automodel.parallel.tensor.styles.parameters import OutputGradientSummed
+from lightning_automodel.parallel.tensor.styles.projections import (
+    KeptWhole,
+    LatentKeyValueProjection,
+    OwnedOutputRowwiseParallel,
+)
+from lightning_automodel.parallel.tensor.styles.state_space import StateSpaceMixerParallel, mixer_style
 from lightning_automodel.parallel.tensor.styles.stream import WholeSequenceRegion
 
 # Multi-head latent attention under transformers' names: the down-projections stay whole, the per-head up-projections
 # are column- and the output row-parallel.
 _LATENT_ATTENTION = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 _GATED_MLP = ("gate_proj", "up_proj", "down_proj")
+# DeepSeek sparse attention's indexer (V3.2, GLM-MoE-DSA): its heads' scores are summed before a top-k of tokens, and
+# transformers runs it without gradients. Split, each rank would need the others' partial sums in the middle of its
+# code; whole, it costs every rank the same small computation.
+_SPARSE_ATTENTION_INDEXER = ("wq_b", "wk", "weights_proj")
+# Gemma 3n's and Gemma 4's per-layer input: a gate from the stream, times the block's per-layer input, projected back.
+_PER_LAYER_INPUT = ("per_layer_input_gate", "per_layer_projection")
 
 
 def completed(model: nn.Module, plan: dict[str, ParallelStyle], *, sp: bool) -> dict[str, ParallelStyle]:
-    """``plan`` with styles for every experts module and latent-attention projection none of its patterns match;
-    with ``sp``, every mixture-of-experts block computes on the whole sequence (:class:`WholeSequenceRegion`)
-    and the row-parallel projections inside it all-reduce."""
+    """``plan`` with styles for every experts module, state-space mixer and latent-attention projection none of its
+    patterns match (the mixer's own styles replace the plan's inside it).
+    Row-parallel projections inside a mixture-of-experts block all-reduce into an output of their own (the block's
+    code may add to it in place); with ``sp`` the block computes on the whole sequence
+    (:class:`WholeSequenceRegion`)."""
     names = [name for name, _ in model.named_modules()]
     structural = _structural_styles(model)
+    blocks = sorted(
+        {name.rpartition(".")[0] for name, style in structural.items() if isinstance(style, ExpertTensorParallel)}
+    )
     if sp:
-        blocks = sorted(
-            {name.rpartition(".")[0] for name, style in structural.items() if isinstance(style, ExpertTensorParallel)}
-        )
         structural.update({block: WholeSequenceRegion() for block in blocks})
-        plan = {
-            pattern: _whole_sequence(style) if matches_inside(pattern, blocks, names=names) else style
-            for pattern, style in plan.items()
-        }
+    mixers = [name for name, style in structural.items() if isinstance(style, StateSpaceMixerParallel)]
+    plan = {pattern: style for pattern, style in plan.items() if not matches_inside(pattern, mixers, names=names)}
     missing = {name: style for name, style in structural.items() if not any(pattern_matches(p, name) for p in plan)}
-    return {**plan, **keyed_by_position(missing, names=names)} if missing else plan
+    plan = {**plan, **keyed_by_position(missing, names=names)} if missing else plan
+    plan = {pattern: _rotary_key_unsummed(pattern, style, structural=structural) for pattern, style in plan.items()}
+    return {
+        pattern: _in_experts_block(style) if matches_inside(pattern, blocks, names=names) else style
+        for pattern, style in plan.items()
+    }
 
 
-def _whole_sequence(style: ParallelStyle) -> ParallelStyle:
-    """A row-parallel style that reduce-scatters into the sequence-parallel stream, all-reducing instead: inside a
-    mixture-of-experts block (a derived plan's shared expert) the sequence is whole."""
-    if isinstance(style, RowwiseParallel) and style.output_layouts[0].is_shard():
-        return type(style)(input_layouts=style.input_layouts[0])
+def _rotary_key_unsummed(pattern: str, style: ParallelStyle, *, structural: dict[str, ParallelStyle]) -> ParallelStyle:
+    """The plan's latent down-projection kept whole without its sum where a norm of the rotary key sums the gradient
+    instead (see :func:`_rotary_key_norms`); any other style as it is."""
+    if not isinstance(style, LatentKeyValueProjection):
+        return style
+    replaced = [s for name, s in structural.items() if pattern_matches(pattern, name)]
+    return replaced[0] if replaced and not isinstance(replaced[0], LatentKeyValueProjection) else style
+
+
+def _in_experts_block(style: ParallelStyle) -> ParallelStyle:
+    """A row-parallel projection inside a mixture-of-experts block (a shared expert's): all-reduced, where a family
+    plan's sequence parallel would reduce-scatter into the stream (the block sees the whole sequence), into an output
+    of its own."""
+    if type(style) in (RowwiseParallel, OwnedOutputRowwiseParallel):
+        return OwnedOutputRowwiseParallel(input_layouts=style.input_layouts[0])
     return style
 
 
 def _structural_styles(model: nn.Module) -> dict[str, ParallelStyle]:
-    """Styles by module name: experts, then within their blocks the shared experts (gated MLPs) and routers; latent
-    attention anywhere. A gated MLP outside an experts block (a vision tower's) is left to the plan."""
+    """Styles by module name: experts, then within their blocks the shared experts (gated MLPs) and routers; state-space
+    mixers, latent attention, sparse attention's indexer and per-layer inputs anywhere. A gated MLP outside an
+    experts block (a vision tower's) is left to the plan."""
     modules = dict(model.named_modules())
     styles: dict[str, ParallelStyle] = {}
     for name, module in modules.items():
+        mixer = mixer_style(module)
+        if mixer is not None:  # its own styles replace the plan's inside it
+            styles[name] = mixer
+        if _has_linears(module, _SPARSE_ATTENTION_INDEXER):
+            styles.update({f"{name}.{child}": KeptWhole() for child in _SPARSE_ATTENTION_INDEXER})
+        if _has_linears(module, _PER_LAYER_INPUT):
+            styles[name] = SplitArgument(name="per_layer_input")
+            styles[f"{name}.per_layer_input_gate"] = ColwiseParallel()
+            styles[f"{name}.per_layer_projection"] = RowwiseParallel()
         if not is_experts(module):
             if _has_linears(module, _LATENT_ATTENTION):
                 styles.update({f"{name}.{child}": s for child, s in _latent_attention(model, module).items()})
@@ -105,4 +144,19 @@ def _latent_attention(model: nn.Module, attention: nn.Module) -> dict[str, Paral
         "kv_b_proj": ColwiseParallel(),
         "o_proj": RowwiseParallel(),
     }
-    return {child: style for child, style in styles.items() if isinstance(getattr(attention, child, None), nn.Linear)}
+    styles = {child: style for child, style in styles.items() if isinstance(getattr(attention, child, None), nn.Linear)}
+    return {**styles, **_rotary_key_norms(attention, rotary_width=rotary_width)}
+
+
+def _rotary_key_norms(attention: nn.Module, *, rotary_width: int) -> dict[str, ParallelStyle]:
+    """A norm of the rotary key all heads share (Dots3's ``k_rope_only_layernorm``: a child holding one vector of the
+    rotary width), between the latent down-projection and attention: its output's gradient is summed over tp, and the
+    down-projection, kept whole, needs no sum of its own."""
+    norms = [
+        name
+        for name, child in attention.named_children()
+        if (params := list(child.parameters())) and all(p.shape == (rotary_width,) for p in params)
+    ]
+    if not norms or not isinstance(getattr(attention, "kv_a_proj_with_mqa", None), nn.Linear):
+        return {}
+    return {"kv_a_proj_with_mqa": KeptWhole(), **{name: OutputGradientSummed() for name in norms}}

@@ -24,9 +24,17 @@ from lightning_automodel.parallel.tensor.styles.projections import (
     PackedColwiseParallel,
     RegroupedColwiseParallel,
 )
+from lightning_automodel.parallel.tensor.styles.state_space import StateSpaceMixerParallel, is_state_space_mixer
 
 # Styles that split the weights of the module they are given (the rest prepare inputs and outputs, or replicate).
-_WEIGHT_SHARDING_STYLES = (ColwiseParallel, RowwiseParallel, PackedColwiseParallel, LoraParallel, ExpertTensorParallel)
+_WEIGHT_SHARDING_STYLES = (
+    ColwiseParallel,
+    RowwiseParallel,
+    PackedColwiseParallel,
+    LoraParallel,
+    ExpertTensorParallel,
+    StateSpaceMixerParallel,
+)
 
 
 @dataclass
@@ -132,6 +140,8 @@ def unsupported_target(style: ParallelStyle, module: nn.Module) -> str | None:
     inner = style.style if isinstance(style, LoraParallel) else style
     if isinstance(inner, ExpertTensorParallel):
         return experts_problem(base)
+    if isinstance(inner, StateSpaceMixerParallel):
+        return None if is_state_space_mixer(base) else f"{type(inner).__name__} splits Mamba mixers, not {base}"
     supported = _shardable_modules(inner)
     if not supported or isinstance(base, supported):
         return None

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -29,17 +29,19 @@ from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position
 from lightning_automodel.parallel.tensor.styles.projections import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
+    OwnedOutputRowwiseParallel,
     PackedColwiseParallel,
     RegroupedColwiseParallel,
     VocabParallelEmbedding,
     is_conv1d,
 )
+from lightning_automodel.parallel.tensor.styles.state_space import is_state_space_mixer
 
 aten = torch.ops.aten
 _SPLITS = {aten.split, aten.split_with_sizes, aten.unsafe_split, aten.unsafe_split_with_sizes}
 # Operations taking a tensor apart along one dimension, with the position of that dimension among their arguments.
 _TAKING_APART = {**dict.fromkeys(_SPLITS, 2), aten.select: 1, aten.slice: 1, aten.unbind: 1, aten.narrow: 1}
-_VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.unflatten}
+_VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.unflatten, aten.unsqueeze}
 
 # How an entry's output is taken apart (see derived_plan).
 PLAIN = "plain"  # element by element, or by another projection
@@ -95,8 +97,8 @@ def derived_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = _vocabulary_parallel(model)
     for name, uses in flow.entries.items():
         plan[name] = _entry_style(name, modules[name], uses)
-    for name in flow.exits:
-        plan[name] = Conv1DRowwiseParallel() if is_conv1d(modules[name]) else RowwiseParallel()
+    for name in flow.exits:  # model code may add to an exit's output in place (Falcon's attention into its MLP's)
+        plan[name] = Conv1DRowwiseParallel() if is_conv1d(modules[name]) else OwnedOutputRowwiseParallel()
     return keyed_by_position(plan, names=list(modules))
 
 
@@ -189,13 +191,16 @@ def _escape_hook(tracker: _SplitActivations, flow: ProjectionFlow) -> Callable:
 
 
 def _projections(block: nn.Module, *, prefix: str) -> list[tuple[str, nn.Module]]:
-    """The block's projections by full name: Linears, ``Conv1D``s and LoRA layers (not the Linears inside them)."""
-    found, inside_lora = [], []
+    """The block's projections by full name: Linears, ``Conv1D``s and LoRA layers (not the Linears inside them), but
+    those of a state-space mixer, which a style of its own splits (the plan's completion gives it)."""
+    found, skipped = [], []
     for name, module in block.named_modules():
-        if any(name.startswith(f"{lora}.") for lora in inside_lora):
+        if any(name.startswith(f"{outer}.") for outer in skipped):
             continue
-        if is_lora_layer(module):
-            inside_lora.append(name)
+        if is_lora_layer(module) or is_state_space_mixer(module):
+            skipped.append(name)
+        if is_state_space_mixer(module):
+            continue
         if is_lora_layer(module) or isinstance(module, nn.Linear) or is_conv1d(module):
             found.append((f"{prefix}.{name}", module))
     return found

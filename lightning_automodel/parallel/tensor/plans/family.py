@@ -92,7 +92,12 @@ def _decoder_plan(
 
 @register_tp_plan("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 def llama_plan(model: nn.Module, sp: bool) -> TPPlan:
-    return _decoder_plan("model", sp=sp)
+    """The Llama layout; an attention's output gate, where it has one (AFMoE's ``self_attn.gate_proj``, multiplied
+    into the heads' output unit by unit), column-parallel with the heads."""
+    plan = _decoder_plan("model", sp=sp)
+    if any(name.endswith(".self_attn.gate_proj") for name, _ in model.named_modules()):
+        plan["model.layers.*.self_attn.gate_proj"] = ColwiseParallel()
+    return plan
 
 
 @register_tp_plan("Qwen3ForCausalLM")

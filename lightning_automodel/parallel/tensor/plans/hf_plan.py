@@ -6,6 +6,9 @@ module they were meant for, so a plan is never applied half-understood.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from collections.abc import Callable
 
 from torch import nn
@@ -125,6 +128,31 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             plan[pattern] = translated
     embedding = model.get_input_embeddings()
     for name, module in model.named_modules():
-        if module is embedding and isinstance(module, nn.Embedding) and name not in strings:
+        if module is not embedding or not isinstance(module, nn.Embedding):
+            continue
+        if _weight_read_directly(model, attribute=name.rpartition(".")[2]):
+            plan.pop(name, None)
+            head = model.get_output_embeddings()
+            if getattr(head, "weight", None) is module.weight:  # tied: the head stays whole with it
+                plan = {pattern: style for pattern, style in plan.items() if pattern.rpartition(".")[2] != "lm_head"}
+        elif name not in strings:
             plan[name] = RowwiseParallel(input_layouts=Replicate())  # vocab-parallel: saves vocab x hidden
     return plan
+
+
+def _weight_read_directly(model: nn.Module, *, attribute: str) -> bool:
+    """Whether the model's own code reads ``<...>.{attribute}.weight`` outside the module's call (Gemma 4's multimodal
+    model takes the pad token's row of ``embed_tokens.weight``): split over the vocabulary, that row would be a
+    DTensor meeting plain tensors, so the embedding stays whole (and an lm_head tied to it)."""
+    classes = {type(module) for module in model.modules() if type(module).__module__.startswith("transformers.models.")}
+    for klass in classes:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            inner = getattr(node, "value", None)
+            if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(inner, ast.Attribute):
+                if inner.attr == attribute:
+                    return True
+    return False

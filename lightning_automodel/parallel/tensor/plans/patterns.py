@@ -38,8 +38,8 @@ def keyed_by_position(plan: dict[str, ParallelStyle], *, names: list[str]) -> di
 
 
 def block_position(name: str) -> str:
-    """The plan key for ``name`` at its place in every block: its first index replaced by ``*``."""
-    return re.sub(r"\.\d+\.", ".*.", name, count=1)
+    """The plan key for ``name`` at its place in every block (or for every block): its first index replaced by ``*``."""
+    return re.sub(r"\.\d+(\.|$)", r".*\1", name, count=1)
 
 
 def _described(style: ParallelStyle) -> tuple:

@@ -17,7 +17,10 @@ from lightning_automodel.parallel.tensor.plans.completion import completed
 from lightning_automodel.parallel.tensor.plans.coverage import Coverage, coverage, unmatched_patterns
 from lightning_automodel.parallel.tensor.plans.derived import derived_plan
 from lightning_automodel.parallel.tensor.plans.family import PlanFunction, TPPlan, family_plan, llama_plan
+from lightning_automodel.parallel.tensor.plans.head_arguments import with_head_arguments
 from lightning_automodel.parallel.tensor.plans.hf_plan import hf_style_strings, hf_tp_plan, translate_style
+from lightning_automodel.parallel.tensor.plans.multi_query import with_multi_query
+from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.parallel.tensor.sequence_parallel import with_sequence_parallel
 
 PlanSpec = Mapping[str, ParallelStyle | str] | str | PlanFunction
@@ -87,12 +90,13 @@ def select_tp_plan(
 def _verdicts(
     model: nn.Module, *, sp: bool, blocks: Sequence[tuple[str, nn.Module]], trace: Trace | None
 ) -> list[_Verdict]:
-    """The candidates' verdicts in order, up to the first that shards every decoder block."""
+    """The candidates' verdicts in order, up to the first that shards every decoder block; in each, multi-query
+    attention's key/value head kept whole and arguments with an entry per head split with the heads."""
     called = trace.called if trace is not None else None
     verdicts: list[_Verdict] = []
     for source, build in _candidates(model, trace=trace):
         try:
-            plan = build(sp)
+            plan = with_head_arguments(model, with_multi_query(model, build(sp)), trace=trace)
         except ValueError as error:  # a Hugging Face plan with styles we cannot apply, or no sequence-parallel layout
             verdicts.append(_Verdict(source, None, Coverage([], 0.0, unusable=str(error))))
             continue
@@ -113,14 +117,22 @@ def _candidates(model: nn.Module, *, trace: Trace | None) -> list[tuple[str, Cal
         candidates.append(
             (hf_source, lambda sp: _completed_with_sp_layout(model, hf_tp_plan(model), sp=sp, trace=trace))
         )
-    # The layout many decoder-only families share, under the names Llama gives it.
-    candidates.append(("default Llama-style plan", lambda sp: completed(model, llama_plan(model, sp), sp=sp)))
+    # The layout many decoder-only families share, under the names Llama gives it, for models whose blocks have them
+    # (its sequence-parallel layout is written for those names).
+    if _names_llama_blocks(model):
+        candidates.append(("default Llama-style plan", lambda sp: completed(model, llama_plan(model, sp), sp=sp)))
     # Entries column-, exits row-parallel, found by following the data through the blocks, whatever their names.
     derived_source = f"derived plan (entries column-, exits row-parallel) for {name}"
     candidates.append(
         (derived_source, lambda sp: _completed_with_sp_layout(model, derived_plan(model), sp=sp, trace=trace))
     )
     return candidates
+
+
+def _names_llama_blocks(model: nn.Module) -> bool:
+    """Whether the Llama plan's patterns name a module of the decoder blocks."""
+    names = [name for name, _ in model.named_modules()]
+    return any(pattern_matches(p, name) for p in llama_plan(model, False) if ".layers.*." in p for name in names)
 
 
 def _completed_with_sp_layout(model: nn.Module, plan: TPPlan, *, sp: bool, trace: Trace | None) -> TPPlan:

@@ -10,6 +10,7 @@ from types import MethodType
 
 import torch
 from torch import nn
+from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -69,10 +70,34 @@ def whole_local(value: object) -> object:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def rank_slice(tensor: torch.Tensor, *, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """This rank's equal slice of ``dim`` of a tensor every rank holds whole; the rest of it gets no gradient from
+    this rank. Under torch's simulated ranks (``LocalTensorMode``, :mod:`lightning_automodel.planning.simulation`) the
+    rank is a symbolic integer that slices nothing: the indices are made rank by rank."""
+    width = tensor.shape[dim] // mesh.size()
+    simulated = enabled_local_tensor_mode()
+    if simulated is None:
+        return tensor.narrow(dim, mesh.get_local_rank() * width, width)
+    ranks = mesh.mesh.flatten().tolist()
+    indices = simulated.rank_map(lambda rank: torch.arange(width, device=tensor.device) + ranks.index(rank) * width)
+    return tensor.index_select(dim, indices)
+
+
 def summed_gradient(value: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:
     """``value`` itself, whole on every rank; in backward, its gradient (each rank's part) summed over ``mesh``:
     Megatron's copy into the tensor-parallel region."""
     return DTensor.from_local(value, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class OutputGradientSummed(ParallelStyle):
+    """A module computing on whole activations whose output each rank then uses for its own heads only: its output's
+    gradient is partial on each rank and is summed over tp on the way back, so that its parameters and inputs get the
+    whole gradient (Dots3's norm of the rotary key all heads share, between the latent down-projection and
+    attention)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda module, args, output: summed_gradient(output, mesh=device_mesh))
+        return module
 
 
 class _NamedParameters(ParallelStyle):
@@ -110,21 +135,34 @@ class HeadShardedParameters(_NamedParameters):
     The module's own code combines them with its heads inside attention: once the plan splits the heads, each rank
     needs the entries of its own heads, in order. They become ``Shard(0)`` DTensors (checkpoints keep the whole
     vector), and the module's forward runs on this rank's entries; each entry's gradient comes from its rank alone.
+    ``buffers``: buffers with a dimension of one entry per head (MiniMax's decay rates, by name: that dimension),
+    which stay whole in the module and are sliced for each call.
     """
 
     placement = Shard(0)
 
+    def __init__(self, *, names: tuple[str, ...], buffers: Mapping[str, int] | None = None) -> None:
+        super().__init__(names=names)
+        self.buffers = dict(buffers or {})
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)
-        module.head_sharded_names = self.names
+        module.head_sharded_names, module.head_sharded_buffers = self.names, self.buffers
+        module.tp_mesh = device_mesh
         module.forward = MethodType(_forward_on_local_parameters, module)  # one function for all layers: one graph
         return module
 
 
 def _forward_on_local_parameters(self: nn.Module, *args, **kwargs):
-    """The module's own forward (its class's) on this rank's entries of its head-sharded parameters."""
-    with local_parameters(self, names=self.head_sharded_names):
-        return type(self).forward(self, *args, **kwargs)
+    """The module's own forward (its class's) on this rank's entries of its head-sharded parameters and buffers."""
+    held = {name: self._buffers[name] for name in self.head_sharded_buffers}
+    try:
+        for name, dim in self.head_sharded_buffers.items():
+            self._buffers[name] = rank_slice(held[name], mesh=self.tp_mesh, dim=dim)
+        with local_parameters(self, names=self.head_sharded_names):
+            return type(self).forward(self, *args, **kwargs)
+    finally:
+        self._buffers.update(held)
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_map
 
-from lightning_automodel.parallel.tensor.styles.parameters import summed_gradient, whole_local
+from lightning_automodel.parallel.tensor.styles.parameters import rank_slice, summed_gradient, whole_local
 
 
 class PackedColwiseParallel(ParallelStyle):
@@ -79,16 +79,20 @@ class RegroupedColwiseParallel(ColwiseParallel):
     Each rank needs its slice of every block, [q_r; k_r; v_r], but no DTensor placement describes that split
     when the blocks differ in size. The weight is therefore split the plain way (the Hugging Face layout, so
     checkpoints are unchanged), and the outputs are regrouped: one all-gather of the projection output per
-    layer, after which each rank keeps its own slice of every block. Attention then runs on this rank's heads
-    only. The gradients each rank sends back cover only its slices, so they are summed on the way back.
+    layer, after which each rank keeps its own slice of every block, or the whole of a block marked in ``whole``
+    (multi-query attention's single key and value head, which every rank's query heads read). Attention then runs on
+    this rank's heads only. The gradients each rank sends back cover only what it kept, so they are summed on the way
+    back (a whole block's too: each rank's heads contribute their part of its gradient).
     """
 
-    def __init__(self, *, block_sizes: tuple[int, ...]) -> None:
+    def __init__(self, *, block_sizes: tuple[int, ...], whole: tuple[bool, ...] | None = None) -> None:
         super().__init__(output_layouts=Shard(-1), use_local_output=False)
         self.block_sizes = block_sizes
+        self.whole = whole or (False,) * len(block_sizes)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if any(size % device_mesh.size() for size in self.block_sizes):
+        split = [size for size, whole in zip(self.block_sizes, self.whole, strict=True) if not whole]
+        if any(size % device_mesh.size() for size in split) or sum(self.block_sizes) % device_mesh.size():
             raise ValueError(
                 f"RegroupedColwiseParallel: blocks {self.block_sizes} do not split over {device_mesh.size()} ranks."
             )
@@ -97,9 +101,12 @@ class RegroupedColwiseParallel(ColwiseParallel):
     def _prepare_output_fn(self, output_layouts, use_local_output, mod, output: DTensor, device_mesh: DeviceMesh):
         """Keep this rank's slice of every block (an instance method: it needs the block sizes)."""
         full = output.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-        rank, size = device_mesh.get_local_rank(), device_mesh.size()
-        blocks = full.split(list(self.block_sizes), dim=-1)
-        return torch.cat([block.chunk(size, dim=-1)[rank] for block in blocks], dim=-1)
+        return self.regrouped(full, mesh=device_mesh)
+
+    def regrouped(self, full: torch.Tensor, *, mesh: DeviceMesh, dim: int = -1) -> torch.Tensor:
+        """This rank's part of a whole tensor laid out as the projection's output along ``dim``."""
+        pairs = zip(full.split(list(self.block_sizes), dim=dim), self.whole, strict=True)
+        return torch.cat([block if whole else rank_slice(block, mesh=mesh, dim=dim) for block, whole in pairs], dim=dim)
 
 
 class Conv1DColwiseParallel(ColwiseParallel):
@@ -142,17 +149,24 @@ def _distribute_conv1d(
     )
 
 
-class VocabParallelEmbedding(RowwiseParallel):
-    """The vocabulary-parallel embedding of the Llama plan (``RowwiseParallel`` with whole token ids), whose output
-    is a tensor of its own: torch's is a view made by an autograd Function, which model code may not modify in place,
-    and some does (CTRL's ``inputs_embeds *= sqrt(d_model)``, GIT's ``embeddings += position_embeddings``)."""
-
-    def __init__(self) -> None:
-        super().__init__(input_layouts=Replicate())
+class OwnedOutputRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` whose local output is a tensor of its own: torch's is a view made by an autograd Function,
+    which model code may not modify in place, and some does (Llama 4's experts block adds the routed experts' output
+    into its shared expert's with ``add_``). A DTensor output (sequence parallel) is left as it is."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh).clone()
+        output = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return output if isinstance(output, DTensor) else output.clone()
+
+
+class VocabParallelEmbedding(OwnedOutputRowwiseParallel):
+    """The vocabulary-parallel embedding of the Llama plan (row-parallel with whole token ids), with an output of its
+    own: some model code modifies it in place (CTRL's ``inputs_embeds *= sqrt(d_model)``, GIT's ``embeddings +=
+    position_embeddings``)."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate())
 
 
 class KeptWhole(ParallelStyle):
@@ -166,6 +180,17 @@ class KeptWhole(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(lambda module, args: tree_map(whole_local, args))
+        return module
+
+
+class WholeKeyValueProjection(KeptWhole):
+    """The key or value projection of multi-query attention (GPT-BigCode's, Falcon-7B's single key/value head, which
+    every query head reads), kept whole on every rank. Each rank's query heads give its output their part of its
+    gradient, summed over tp on the way back."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        module.register_forward_hook(lambda module, args, output: summed_gradient(output, mesh=device_mesh))
         return module
 
 

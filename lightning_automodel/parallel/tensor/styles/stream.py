@@ -82,8 +82,9 @@ class WholeSequenceRegion(ParallelStyle):
     one process; a token mixer whose projections gather their outputs (Qwen3.5's linear attention).
 
     Its input, gathered by the norm before it, enters as this rank's whole local copy; its outputs shaped like that
-    input (not router logits) leave as this rank's slice of the sequence (``Shard(1)``), whose gradient is gathered on
-    the way back. Row-parallel projections inside it all-reduce as without sequence parallel, where one
+    input (not router logits), or its tokens flattened (Llama 4's experts block returns (tokens, hidden)), leave as
+    this rank's slice of the sequence (``Shard(1)``, in the input's shape), whose gradient is gathered on the way
+    back. Row-parallel projections inside it all-reduce as without sequence parallel, where one
     reduce-scatter of their total would do: the price of keeping the model's own code.
     """
 
@@ -101,8 +102,8 @@ def _sequence_sharded_output(device_mesh: DeviceMesh, module: nn.Module, args: t
     stream = next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
 
     def sharded(value: object) -> object:
-        if not isinstance(value, torch.Tensor) or value.shape != stream.shape:
+        if not isinstance(value, torch.Tensor) or value.shape not in (stream.shape, stream.flatten(0, -2).shape):
             return value
-        return _sequence_shard(value, mesh=device_mesh)
+        return _sequence_shard(value.view(stream.shape), mesh=device_mesh)
 
     return tree_map(sharded, output)

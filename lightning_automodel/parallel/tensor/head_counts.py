@@ -42,8 +42,6 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
     shapes = attention_shapes(config)
     changed = []
     for name, module in model.named_modules():
-        if getattr(module, "heads_localized", False):  # a style made its sizes this rank's (a Mamba-2 mixer)
-            continue
         if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
             continue
         counts, widths = _sizes(shapes, layer=getattr(module, "layer_idx", None))
@@ -85,8 +83,6 @@ def head_parameter_styles(model: nn.Module, *, split: Collection[str]) -> dict[s
         return {}
     styles = {}
     for name, module in model.named_modules():
-        if getattr(module, "heads_localized", False):
-            continue
         if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
             continue
         per_head = [n for n, p in module.named_parameters(recurse=False) if p.ndim in (1, 2) and p.shape[0] == heads]

@@ -42,7 +42,7 @@ def completed(model: nn.Module, plan: dict[str, ParallelStyle], *, sp: bool) -> 
     code may add to it in place); with ``sp`` the block computes on the whole sequence
     (:class:`WholeSequenceRegion`)."""
     names = [name for name, _ in model.named_modules()]
-    structural = _structural_styles(model)
+    structural = _structural_styles(model, sp=sp)
     blocks = sorted(
         {name.rpartition(".")[0] for name, style in structural.items() if isinstance(style, ExpertTensorParallel)}
     )
@@ -77,14 +77,14 @@ def _in_experts_block(style: ParallelStyle) -> ParallelStyle:
     return style
 
 
-def _structural_styles(model: nn.Module) -> dict[str, ParallelStyle]:
+def _structural_styles(model: nn.Module, *, sp: bool) -> dict[str, ParallelStyle]:
     """Styles by module name: experts, then within their blocks the shared experts (gated MLPs) and routers; state-space
     mixers, latent attention, sparse attention's indexer and per-layer inputs anywhere. A gated MLP outside an
     experts block (a vision tower's) is left to the plan."""
     modules = dict(model.named_modules())
     styles: dict[str, ParallelStyle] = {}
     for name, module in modules.items():
-        mixer = mixer_style(module)
+        mixer = mixer_style(module, sequence_parallel=sp)
         if mixer is not None:  # its own styles replace the plan's inside it
             styles[name] = mixer
         if _has_linears(module, _SPARSE_ATTENTION_INDEXER):
@@ -149,13 +149,15 @@ def _latent_attention(model: nn.Module, attention: nn.Module) -> dict[str, Paral
 
 
 def _rotary_key_norms(attention: nn.Module, *, rotary_width: int) -> dict[str, ParallelStyle]:
-    """A norm of the rotary key all heads share (Dots3's ``k_rope_only_layernorm``: a child holding one vector of the
-    rotary width), between the latent down-projection and attention: its output's gradient is summed over tp, and the
-    down-projection, kept whole, needs no sum of its own."""
+    """A norm of the rotary key all heads share (Dots3's ``k_rope_only_layernorm``: a child named for the rotary key
+    holding vectors of its width), between the latent down-projection and attention: its output's gradient is summed
+    over tp, and the down-projection, kept whole, needs no sum of its own."""
     norms = [
         name
         for name, child in attention.named_children()
-        if (params := list(child.parameters())) and all(p.shape == (rotary_width,) for p in params)
+        if "rope" in name  # by name: a latent norm (kv_a_layernorm) may be as wide, and sums through kv_b_proj
+        and (params := list(child.parameters()))
+        and all(p.shape == (rotary_width,) for p in params)
     ]
     if not norms or not isinstance(getattr(attention, "kv_a_proj_with_mqa", None), nn.Linear):
         return {}

@@ -30,6 +30,8 @@ def with_head_arguments(model: nn.Module, plan: TPPlan, *, trace: Trace | None) 
     if len(heads) != 1:
         return plan
     (count,) = heads
+    if count in (PROBE_ROWS, trace.tokens):
+        return plan  # the probe's rows or tokens would look like heads: no guess
     modules = dict(model.named_modules())
     blocks = {name for name, _ in named_decoder_layers(model)}  # a block holding a split projection is no attention
     attentions = {

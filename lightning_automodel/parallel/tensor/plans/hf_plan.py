@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_automodel.parallel.experts.expert_tensor_parallel import ExpertTensorParallel
+from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.parallel.tensor.sizes import model_config
 from lightning_automodel.parallel.tensor.styles.projections import LatentKeyValueProjection, PackedColwiseParallel
 
@@ -134,7 +135,8 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             plan.pop(name, None)
             head = model.get_output_embeddings()
             if getattr(head, "weight", None) is module.weight:  # tied: the head stays whole with it
-                plan = {pattern: style for pattern, style in plan.items() if pattern.rpartition(".")[2] != "lm_head"}
+                head_name = next(name for name, candidate in model.named_modules() if candidate is head)
+                plan = {pattern: style for pattern, style in plan.items() if not pattern_matches(pattern, head_name)}
         elif name not in strings:
             plan[name] = RowwiseParallel(input_layouts=Replicate())  # vocab-parallel: saves vocab x hidden
     return plan

@@ -101,7 +101,8 @@ def _splits_fused(style: ParallelStyle) -> bool:
 
 def _refuse_other_parameters(modules: dict[str, nn.Module], *, attention: str) -> None:
     module = modules.get(attention)
-    known = {name for name, child in module.named_children() if _is_projection(child)} | {_QUERY_NORM, _KEY_NORM}
+    known = {name for name, child in module.named_children() if _is_projection(child)} | {_QUERY_NORM}
+    known |= {_KEY_NORM} if "k_proj" in module._modules else set()  # its sum moves to the norm only after k_proj
     others = [
         f"{attention}.{name}"
         for name, child in module.named_children()

@@ -48,6 +48,11 @@ class SplitArgument(ParallelStyle):
         dim = self.dim % value.ndim
         grouped = value if self.per is None else value.unflatten(dim, (-1, self.per))
         units = dim if self.per is None else dim + 1
+        if grouped.shape[units] % mesh.size():
+            raise ValueError(
+                f"SplitArgument: {self.name} has {grouped.shape[units]} entries on dim {units}, which do not split over"
+                f" {mesh.size()} tp ranks"
+            )
         whole = DTensor.from_local(grouped, mesh, [Replicate()], run_check=False)
         local = whole.redistribute(mesh, [Shard(units)]).to_local()
         return local if self.per is None else local.flatten(dim, dim + 1)

@@ -74,6 +74,8 @@ def rank_slice(tensor: torch.Tensor, *, mesh: DeviceMesh, dim: int) -> torch.Ten
     """This rank's equal slice of ``dim`` of a tensor every rank holds whole; the rest of it gets no gradient from
     this rank. Under torch's simulated ranks (``LocalTensorMode``, :mod:`lightning_automodel.planning.simulation`) the
     rank is a symbolic integer that slices nothing: the indices are made rank by rank."""
+    if tensor.shape[dim] % mesh.size():
+        raise ValueError(f"{tensor.shape[dim]} entries of dim {dim} do not split evenly over {mesh.size()} tp ranks")
     width = tensor.shape[dim] // mesh.size()
     simulated = enabled_local_tensor_mode()
     if simulated is None:
@@ -81,6 +83,12 @@ def rank_slice(tensor: torch.Tensor, *, mesh: DeviceMesh, dim: int) -> torch.Ten
     ranks = mesh.mesh.flatten().tolist()
     indices = simulated.rank_map(lambda rank: torch.arange(width, device=tensor.device) + ranks.index(rank) * width)
     return tensor.index_select(dim, indices)
+
+
+def whole_local_args(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook handing a module that computes on the whole sequence its DTensor arguments (the gathered
+    sequence-parallel stream) as this rank's whole copies."""
+    return tree_map(whole_local, (args, kwargs))
 
 
 def summed_gradient(value: torch.Tensor, *, mesh: DeviceMesh) -> torch.Tensor:

@@ -3,6 +3,7 @@ embedding whose output model code modifies in place, and projections kept whole 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from types import MethodType
 
@@ -73,6 +74,22 @@ def _packed_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, weight.t() if is_conv1d(self) else weight, bias)
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A tensor's dimension laid out as blocks of ``sizes``, each split over tp or, where ``whole``, kept whole."""
+
+    sizes: tuple[int, ...]
+    whole: tuple[bool, ...]
+
+    def splits_over(self, tp: int) -> bool:
+        return all(whole or size % tp == 0 for size, whole in zip(self.sizes, self.whole, strict=True))
+
+    def this_ranks(self, full: torch.Tensor, *, mesh: DeviceMesh, dim: int = -1) -> torch.Tensor:
+        """This rank's part of ``full``, whole on every rank: its slice of every split block, every whole block."""
+        pairs = zip(full.split(list(self.sizes), dim=dim), self.whole, strict=True)
+        return torch.cat([block if whole else rank_slice(block, mesh=mesh, dim=dim) for block, whole in pairs], dim=dim)
+
+
 class RegroupedColwiseParallel(ColwiseParallel):
     """Column-parallel for a fused projection of unequal blocks: Phi3's [q; k; v] with grouped KV heads.
 
@@ -87,12 +104,14 @@ class RegroupedColwiseParallel(ColwiseParallel):
 
     def __init__(self, *, block_sizes: tuple[int, ...], whole: tuple[bool, ...] | None = None) -> None:
         super().__init__(output_layouts=Shard(-1), use_local_output=False)
-        self.block_sizes = block_sizes
-        self.whole = whole or (False,) * len(block_sizes)
+        self.blocks = Blocks(tuple(block_sizes), tuple(whole or (False,) * len(block_sizes)))
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return self.blocks.sizes
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        split = [size for size, whole in zip(self.block_sizes, self.whole, strict=True) if not whole]
-        if any(size % device_mesh.size() for size in split) or sum(self.block_sizes) % device_mesh.size():
+        if not self.blocks.splits_over(device_mesh.size()) or sum(self.block_sizes) % device_mesh.size():
             raise ValueError(
                 f"RegroupedColwiseParallel: blocks {self.block_sizes} do not split over {device_mesh.size()} ranks."
             )
@@ -101,12 +120,7 @@ class RegroupedColwiseParallel(ColwiseParallel):
     def _prepare_output_fn(self, output_layouts, use_local_output, mod, output: DTensor, device_mesh: DeviceMesh):
         """Keep this rank's slice of every block (an instance method: it needs the block sizes)."""
         full = output.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-        return self.regrouped(full, mesh=device_mesh)
-
-    def regrouped(self, full: torch.Tensor, *, mesh: DeviceMesh, dim: int = -1) -> torch.Tensor:
-        """This rank's part of a whole tensor laid out as the projection's output along ``dim``."""
-        pairs = zip(full.split(list(self.block_sizes), dim=dim), self.whole, strict=True)
-        return torch.cat([block if whole else rank_slice(block, mesh=mesh, dim=dim) for block, whole in pairs], dim=dim)
+        return self.blocks.this_ranks(full, mesh=device_mesh)
 
 
 class Conv1DColwiseParallel(ColwiseParallel):
@@ -184,9 +198,9 @@ class KeptWhole(ParallelStyle):
 
 
 class WholeKeyValueProjection(KeptWhole):
-    """The key or value projection of multi-query attention (GPT-BigCode's, Falcon-7B's single key/value head, which
-    every query head reads), kept whole on every rank. Each rank's query heads give its output their part of its
-    gradient, summed over tp on the way back."""
+    """The key or value projection of multi-query attention (a single key/value head every query head reads: Gemma 3
+    1B's, a Llama config's with one), kept whole on every rank. Each rank's query heads give its output their part of
+    its gradient, summed over tp on the way back."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)

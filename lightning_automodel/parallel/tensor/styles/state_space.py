@@ -6,7 +6,7 @@ transformers' own mixer code then runs on this rank's share, its sizes made this
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from types import MethodType
@@ -17,10 +17,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
-from torch.utils._pytree import tree_map
+from torch.distributed.tensor.placement_types import Placement
 
-from lightning_automodel.parallel.tensor.styles.parameters import local_parameters, summed_gradient, whole_local
-from lightning_automodel.parallel.tensor.styles.projections import PackedColwiseParallel, RegroupedColwiseParallel
+from lightning_automodel.parallel.tensor.styles.parameters import local_parameters, summed_gradient, whole_local_args
+from lightning_automodel.parallel.tensor.styles.projections import (
+    Blocks,
+    PackedColwiseParallel,
+    RegroupedColwiseParallel,
+)
 
 # The per-head parameters of a Mamba-2 mixer: one entry per head each.
 _PER_HEAD = ("dt_bias", "A_log", "D")
@@ -39,31 +43,6 @@ def is_mamba_mixer(module: nn.Module) -> bool:
     )
 
 
-def is_short_conv_mixer(module: nn.Module) -> bool:
-    """LFM2's gated short convolution: ``in_proj`` makes [B; C; x] and a depthwise ``conv`` runs over B x x."""
-    in_proj, conv = getattr(module, "in_proj", None), getattr(module, "conv", None)
-    return (
-        isinstance(in_proj, nn.Linear)
-        and isinstance(getattr(module, "out_proj", None), nn.Linear)
-        and isinstance(conv, nn.Conv1d)
-        and conv.groups == conv.in_channels == conv.out_channels
-        and in_proj.out_features == 3 * conv.in_channels
-    )
-
-
-def is_state_space_mixer(module: nn.Module) -> bool:
-    return is_mamba_mixer(module) or is_mamba2_mixer(module) or is_short_conv_mixer(module)
-
-
-def mixer_style(module: nn.Module) -> StateSpaceMixerParallel | None:
-    """The style that splits ``module``'s channels or heads over tp, if it is a mixer this module knows."""
-    if is_mamba_mixer(module):
-        return MambaMixerParallel()
-    if is_mamba2_mixer(module):
-        return Mamba2MixerParallel()
-    return ShortConvParallel() if is_short_conv_mixer(module) else None
-
-
 def is_mamba2_mixer(module: nn.Module) -> bool:
     """A Mamba-2 mixer as transformers writes it (and copies it into its hybrids)."""
     names = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
@@ -76,20 +55,40 @@ def is_mamba2_mixer(module: nn.Module) -> bool:
     )
 
 
-def mamba2_problem(module: nn.Module, *, tp: int) -> str | None:
-    """Why the mixer's heads and groups cannot be split over ``tp`` ranks, or None."""
-    if module.num_heads % tp:
-        return f"its {module.num_heads} heads do not split over tp={tp}"
-    if module.n_groups % tp and module.n_groups != 1:
-        return f"its {module.n_groups} groups of B and C neither split over tp={tp} nor are one group all heads share"
-    return None
+def is_short_conv_mixer(module: nn.Module) -> bool:
+    """LFM2's gated short convolution: ``in_proj`` makes [B; C; x], a depthwise ``conv`` runs over B x x, and the
+    module holds nothing else."""
+    in_proj, conv = getattr(module, "in_proj", None), getattr(module, "conv", None)
+    return (
+        set(module._modules) == {"in_proj", "conv", "out_proj"}
+        and isinstance(in_proj, nn.Linear)
+        and isinstance(module.out_proj, nn.Linear)
+        and isinstance(conv, nn.Conv1d)
+        and conv.groups == conv.in_channels == conv.out_channels
+        and in_proj.out_features == 3 * conv.in_channels
+    )
+
+
+def is_state_space_mixer(module: nn.Module) -> bool:
+    return is_mamba_mixer(module) or is_mamba2_mixer(module) or is_short_conv_mixer(module)
+
+
+def mixer_style(module: nn.Module, *, sequence_parallel: bool) -> StateSpaceMixerParallel | None:
+    """The style that splits ``module``'s channels or heads over tp, if it is a mixer this module knows."""
+    for detects, style in ((is_mamba_mixer, MambaMixerParallel), (is_mamba2_mixer, Mamba2MixerParallel)):
+        if detects(module):
+            return style(sequence_parallel=sequence_parallel)
+    return ShortConvParallel(sequence_parallel=sequence_parallel) if is_short_conv_mixer(module) else None
 
 
 class StateSpaceMixerParallel(ParallelStyle):
-    """What the mixers' styles share: the projections in and out, and sequence parallel.
+    """What the mixers' styles share: the projections in and out, sequence parallel, and the mixer's forward on this
+    rank's share of its parameters.
 
     With ``sequence_parallel`` the mixer (a scan along the whole sequence) takes the gathered stream as this rank's
-    whole copy, and ``out_proj`` reduce-scatters into the sequence-sharded stream.
+    whole copy, and ``out_proj`` reduce-scatters into the sequence-sharded stream. The mixer's code takes its fused
+    training kernel (mamba-ssm's, which computes the whole mixer from its whole weights) on ``self.training``: on a
+    rank's share its reference path runs instead, with the kernels that path calls.
     """
 
     def __init__(self, *, sequence_parallel: bool = False) -> None:
@@ -99,22 +98,64 @@ class StateSpaceMixerParallel(ParallelStyle):
     def _project(self, module: nn.Module, device_mesh: DeviceMesh, in_proj: ParallelStyle) -> None:
         sp = self.sequence_parallel
         out_proj = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
+        for style in (in_proj, out_proj):
+            style.src_data_rank = self.src_data_rank
         parallelize_module(module, device_mesh, {"in_proj": in_proj, "out_proj": out_proj})
         if sp:
-            module.register_forward_pre_hook(_whole_local_inputs, with_kwargs=True)
+            module.register_forward_pre_hook(whole_local_args, with_kwargs=True)
         module.tp_mesh = device_mesh
 
+    def _distribute(self, module: nn.Module, names: tuple[str, ...], mesh: DeviceMesh, placement: Placement) -> None:
+        for name in names:
+            param = getattr(module, name)
+            distributed = distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))
+
     @staticmethod
-    def _localize(module: nn.Module, local: dict[str, int]) -> None:
+    def _run_locally(module: nn.Module, local: dict[str, int], parts: list[tuple[nn.Module, tuple | None, Callable]]):
         """Set the mixer's sizes to this rank's, keeping the whole model's for initialisation (``global_sizes``, read
-        by hf/initialization.py); its forward then runs on its local parameters."""
+        by hf/initialization.py), and run its forward on ``parts``: (module, parameter names or None for all, how to
+        take this rank's part of a DTensor)."""
         module.global_sizes = {name: getattr(module, name) for name in local}
         module.__dict__.update(local)
-        module.heads_localized = True  # head_counts.py: nothing left to make this rank's
+        module.local_parts = parts
+        module.forward = MethodType(_forward_on_this_ranks_share, module)
 
 
-def _whole_local_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return tree_map(whole_local, (args, kwargs))
+def _forward_on_this_ranks_share(self: nn.Module, *args, **kwargs):
+    """The mixer's own forward (its class's) on this rank's share of its parameters and buffers, on its reference
+    path (see :class:`StateSpaceMixerParallel`)."""
+    with ExitStack() as stack:
+        for module, names, local_of in self.local_parts:
+            stack.enter_context(local_parameters(module, local_of, names=names))
+        stack.enter_context(_regrouped_buffers(self))
+        stack.enter_context(_reference_path(self))
+        return type(self).forward(self, *args, **kwargs)
+
+
+@contextmanager
+def _reference_path(module: nn.Module) -> Iterator[None]:
+    training = module.training
+    module.training = False  # the mixer's own flag only: its submodules keep theirs
+    try:
+        yield
+    finally:
+        module.training = training
+
+
+@contextmanager
+def _regrouped_buffers(self: nn.Module) -> Iterator[None]:
+    """Buffers as wide as ``in_proj``'s output (Falcon-H1's muP multipliers, which scale it), this rank's part of them
+    for one call: they stay whole in the module, where initialisation writes them."""
+    layout = getattr(self, "in_proj_blocks", None)
+    width = sum(layout.sizes) if layout is not None else None
+    held = {name: b for name, b in self._buffers.items() if b is not None and b.ndim and b.shape[-1] == width}
+    try:
+        for name, buffer in held.items():
+            self._buffers[name] = layout.this_ranks(buffer, mesh=self.tp_mesh)
+        yield
+    finally:
+        self._buffers.update(held)
 
 
 class MambaMixerParallel(StateSpaceMixerParallel):
@@ -130,29 +171,20 @@ class MambaMixerParallel(StateSpaceMixerParallel):
         tp = device_mesh.size()
         if module.intermediate_size % tp:
             raise ValueError(f"MambaMixerParallel: {module.intermediate_size} channels do not split over tp={tp}.")
+        norms = [getattr(module, name) for name in _SCAN_INPUT_NORMS if hasattr(module, name)]
+        if norms and len(norms) < len(_SCAN_INPUT_NORMS):
+            raise ValueError(f"MambaMixerParallel: a mixer normalises some of dt, B and C only ({len(norms)} norms).")
         self._project(module, device_mesh, PackedColwiseParallel(parts=2))
         parallelize_module(module, device_mesh, {"x_proj": RowwiseParallel()})
-        norms = [getattr(module, name, None) for name in _SCAN_INPUT_NORMS]
-        summed = norms if all(isinstance(norm, nn.Module) for norm in norms) else [module.x_proj]
-        for where in summed:
+        for where in norms or [module.x_proj]:
             where.register_forward_hook(lambda m, args, output: summed_gradient(output, mesh=device_mesh))
-        for owner, name in ((module, "A_log"), (module, "D"), *_own_parameters(module.conv1d, module.dt_proj)):
-            _distribute(owner, name, device_mesh, Shard(0))
-        self._localize(module, {"intermediate_size": module.intermediate_size // tp})
-        module.forward = MethodType(_mamba_forward_on_local_parameters, module)
+        self._distribute(module, ("A_log", "D"), device_mesh, Shard(0))
+        for child in (module.conv1d, module.dt_proj):
+            self._distribute(child, _own(child), device_mesh, Shard(0))
+        local = {"intermediate_size": module.intermediate_size // tp}
+        parts = [(part, None, DTensor.to_local) for part in (module, module.conv1d, module.dt_proj)]
+        self._run_locally(module, local, parts)
         return module
-
-
-def _own_parameters(*modules: nn.Module) -> list[tuple[nn.Module, str]]:
-    return [(module, name) for module in modules for name, _ in module.named_parameters(recurse=False)]
-
-
-def _mamba_forward_on_local_parameters(self: nn.Module, *args, **kwargs):
-    """The mixer's own forward on this rank's channels' parameters."""
-    with ExitStack() as stack:
-        for module in (self, self.conv1d, self.dt_proj):
-            stack.enter_context(local_parameters(module))
-        return type(self).forward(self, *args, **kwargs)
 
 
 class ShortConvParallel(StateSpaceMixerParallel):
@@ -161,19 +193,13 @@ class ShortConvParallel(StateSpaceMixerParallel):
     Every operation between them is channel by channel."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if module.conv.in_channels % device_mesh.size():
-            raise ValueError(f"ShortConvParallel: {module.conv.in_channels} channels do not split over tp.")
+        tp = device_mesh.size()
+        if module.conv.in_channels % tp:
+            raise ValueError(f"ShortConvParallel: {module.conv.in_channels} channels do not split over tp={tp}.")
         self._project(module, device_mesh, PackedColwiseParallel(parts=3))
-        for owner, name in _own_parameters(module.conv):
-            _distribute(owner, name, device_mesh, Shard(0))
-        module.heads_localized = True
-        module.forward = MethodType(_short_conv_forward_on_local_parameters, module)
+        self._distribute(module.conv, _own(module.conv), device_mesh, Shard(0))
+        self._run_locally(module, {}, [(module.conv, None, DTensor.to_local)])
         return module
-
-
-def _short_conv_forward_on_local_parameters(self: nn.Module, *args, **kwargs):
-    with local_parameters(self.conv):
-        return type(self).forward(self, *args, **kwargs)
 
 
 class Mamba2MixerParallel(StateSpaceMixerParallel):
@@ -185,8 +211,9 @@ class Mamba2MixerParallel(StateSpaceMixerParallel):
     the shared B and C, each rank's heads giving their part, is summed on the way back. The depthwise convolution's
     channels follow [x; B; C]: its weights stay whole (a few per channel) and each rank convolves its channels, their
     gradient summed over tp. ``dt_bias``, ``A_log`` and ``D`` are split by head, buffers as wide as ``in_proj``'s
-    output (Falcon-H1's multipliers) regrouped as it is. The gated norm over each group keeps whole groups on a rank,
-    or, for a single group, sums its squares over tp. ``out_proj`` is row-parallel.
+    output (Falcon-H1's multipliers) regrouped as it is. Mamba-2's gated norm (transformers' copies of it; any other
+    norm is refused) keeps whole groups on a rank, or, for a single group, sums its squares over tp. ``out_proj`` is
+    row-parallel.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -196,21 +223,16 @@ class Mamba2MixerParallel(StateSpaceMixerParallel):
             raise ValueError(f"Mamba2MixerParallel: {problem}.")
         inner, groups, state = module.intermediate_size, module.n_groups, module.ssm_state_size
         shared = groups == 1  # B and C whole on every rank
-        blocks = (inner, inner, groups * state, groups * state, module.num_heads)
-        whole = (False, False, shared, shared, False)
-        module.in_proj_layout = RegroupedColwiseParallel(block_sizes=blocks, whole=whole)
-        self._project(module, device_mesh, module.in_proj_layout)
-        module.conv_layout = RegroupedColwiseParallel(block_sizes=blocks[1:4], whole=whole[1:4])  # [x; B; C]
-        for name in _PER_HEAD:
-            _distribute(module, name, device_mesh, Shard(0))
-        for name, _ in list(module.conv1d.named_parameters(recurse=False)):
-            _distribute(module.conv1d, name, device_mesh, Replicate())
-        norm = getattr(module, "norm", None)
-        if isinstance(getattr(norm, "weight", None), nn.Parameter):
-            _distribute(norm, "weight", device_mesh, Shard(0))
-            if shared:
-                norm.tp_mesh = device_mesh
-                norm.forward = MethodType(_gated_norm_over_tp, norm)
+        module.in_proj_blocks = Blocks(
+            (inner, inner, groups * state, groups * state, module.num_heads), (False, False, shared, shared, False)
+        )
+        in_proj = RegroupedColwiseParallel(block_sizes=module.in_proj_blocks.sizes, whole=module.in_proj_blocks.whole)
+        self._project(module, device_mesh, in_proj)
+        conv_blocks = Blocks(module.in_proj_blocks.sizes[1:4], module.in_proj_blocks.whole[1:4])  # [x; B; C]
+        self._distribute(module, _PER_HEAD, device_mesh, Shard(0))
+        self._distribute(module.conv1d, _own(module.conv1d), device_mesh, Replicate())
+        parts = [(module, _PER_HEAD, DTensor.to_local), (module.conv1d, None, partial(_channels, conv_blocks))]
+        parts += self._split_norm(module, device_mesh, shared=shared)
         local_groups = groups if shared else groups // tp
         local = {
             "intermediate_size": inner // tp,
@@ -220,46 +242,45 @@ class Mamba2MixerParallel(StateSpaceMixerParallel):
         }
         if isinstance(getattr(module, "groups_time_state_size", None), int):  # Falcon-H1's name for n_groups x state
             local["groups_time_state_size"] = local_groups * state
-        self._localize(module, local)
-        module.forward = MethodType(_forward_on_local_parameters, module)
+        self._run_locally(module, local, parts)
         return module
 
-
-def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
-    param = getattr(module, name)
-    module.register_parameter(
-        name, nn.Parameter(distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad)
-    )
-
-
-def _forward_on_local_parameters(self: nn.Module, *args, **kwargs):
-    """The mixer's own forward on this rank's heads' parameters and convolution channels."""
-    with ExitStack() as stack:
-        stack.enter_context(local_parameters(self, names=_PER_HEAD))
-        stack.enter_context(_regrouped_buffers(self))
-        stack.enter_context(local_parameters(self.conv1d, local_of=partial(_conv_channels_of, self)))
-        if isinstance(getattr(self, "norm", None), nn.Module) and not hasattr(self.norm, "tp_mesh"):
-            stack.enter_context(local_parameters(self.norm))
-        return type(self).forward(self, *args, **kwargs)
-
-
-@contextmanager
-def _regrouped_buffers(self: nn.Module) -> Iterator[None]:
-    """Buffers as wide as ``in_proj``'s output (Falcon-H1's muP multipliers, which scale it), this rank's part of them
-    for one call: they stay whole in the module, where initialisation writes them."""
-    width = sum(self.in_proj_layout.block_sizes)
-    held = {name: b for name, b in self._buffers.items() if b is not None and b.ndim and b.shape[-1] == width}
-    try:
-        for name, buffer in held.items():
-            self._buffers[name] = self.in_proj_layout.regrouped(buffer, mesh=self.tp_mesh)
-        yield
-    finally:
-        self._buffers.update(held)
+    def _split_norm(self, module: nn.Module, device_mesh: DeviceMesh, *, shared: bool) -> list[tuple]:
+        """The gated norm's weight split with the channels; the parts the mixer's forward must localise."""
+        norm = getattr(module, "norm", None)
+        if not isinstance(getattr(norm, "weight", None), nn.Parameter):
+            return []  # no norm (Falcon-H1 without mamba_rms_norm)
+        if not isinstance(getattr(norm, "group_size", None), int) or hasattr(norm, "norm_before_gate"):
+            raise ValueError(
+                f"Mamba2MixerParallel: {type(norm).__name__} is not Mamba-2's gated norm (gate, then an RMS norm per"
+                " group of group_size units), the one this style splits. Use tp=1 for this model."
+            )
+        self._distribute(norm, ("weight",), device_mesh, Shard(0))
+        if not shared:  # whole groups on each rank: the norm's own code is right on them
+            return [(norm, ("weight",), DTensor.to_local)]
+        norm.tp_mesh = device_mesh
+        norm.forward = MethodType(_gated_norm_over_tp, norm)
+        return []
 
 
-def _conv_channels_of(self: nn.Module, param: DTensor) -> torch.Tensor:
+def _own(module: nn.Module) -> tuple[str, ...]:
+    """The names of a module's own parameters (not those registered as None: a convolution without bias)."""
+    return tuple(name for name, _ in module.named_parameters(recurse=False))
+
+
+def mamba2_problem(module: nn.Module, *, tp: int) -> str | None:
+    """Why the mixer's heads and groups cannot be split over ``tp`` ranks, or None."""
+    if module.num_heads % tp:
+        return f"its {module.num_heads} heads do not split over tp={tp}"
+    if module.n_groups % tp and module.n_groups != 1:
+        return f"its {module.n_groups} groups of B and C neither split over tp={tp} nor are one group all heads share"
+    return None
+
+
+def _channels(blocks: Blocks, param: DTensor) -> torch.Tensor:
     """This rank's channels of a whole convolution parameter, its [x; B; C]; their gradient summed over tp."""
-    return self.conv_layout.regrouped(summed_gradient(param.to_local(), mesh=self.tp_mesh), mesh=self.tp_mesh, dim=0)
+    mesh = param.device_mesh
+    return blocks.this_ranks(summed_gradient(param.to_local(), mesh=mesh), mesh=mesh, dim=0)
 
 
 def _gated_norm_over_tp(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
@@ -277,7 +298,8 @@ def _gated_norm_over_tp(self: nn.Module, hidden_states: torch.Tensor, gate: torc
 
 class _SumOverRanks(torch.autograd.Function):
     """A sum over the ranks of ``group`` that every rank uses: in backward, each rank's use gives part of every rank's
-    gradient, so the gradients are summed too."""
+    gradient, so the gradients are summed too (torch.distributed.nn.functional.all_reduce, deprecated in torch 2.13;
+    the functional collectives' all_reduce has no backward)."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

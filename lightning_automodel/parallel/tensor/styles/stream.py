@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from torch.utils._pytree import tree_map
 
-from lightning_automodel.parallel.tensor.styles.parameters import whole_local
+from lightning_automodel.parallel.tensor.styles.parameters import whole_local_args
 
 
 class SequenceParallelAllGather(SequenceParallel):
@@ -89,13 +89,9 @@ class WholeSequenceRegion(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(_whole_local_inputs, with_kwargs=True)
+        module.register_forward_pre_hook(whole_local_args, with_kwargs=True)
         module.register_forward_hook(partial(_sequence_sharded_output, device_mesh), with_kwargs=True)
         return module
-
-
-def _whole_local_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return tree_map(whole_local, (args, kwargs))
 
 
 def _sequence_sharded_output(device_mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict, output: object):

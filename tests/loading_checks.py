@@ -26,9 +26,17 @@ def saved_checkpoint(family: str, shard_size: str | None = None, **config: objec
     directory = shared_directory()
     if dist.get_rank() == 0:
         options = {"max_shard_size": shard_size} if shard_size else {}
-        tiny_model(family, seed=3, **config).save_pretrained(directory, **options)
+        _built(family, **config).save_pretrained(directory, **options)
     dist.barrier()
     return directory
+
+
+def _built(family: str, **config: object) -> torch.nn.Module:
+    """A family of testing/models.py, or any model type by the coverage report's tiny config (``type:bamba``)."""
+    if not family.startswith("type:"):
+        return tiny_model(family, seed=3, **config)
+    torch.manual_seed(3)
+    return AutoModelForCausalLM.from_config(shrink.tiny_config(family.removeprefix("type:")))
 
 
 def remove(directory: Path) -> None:

@@ -46,3 +46,15 @@ def test_pretrained_loading_and_export_of_more_families():
         *(partial(check_export_round_trip, family, 2, False) for family in ("llama", "phi3")),
     ]
     run_checks(4, checks)
+
+
+def test_pretrained_loading_of_layouts_found_by_structure():
+    """tp=2: checkpoints of a Mamba-2 hybrid (the in_proj regrouped, the convolution whole, per-head parameters and the
+    norm split; with sp), a Mamba hybrid with experts (Jamba) and a multi-query model (GPT-BigCode, its fused [q; k; v]
+    regrouped), loaded shard by shard: every weight, then loss, logits and gradients, as transformers' own load."""
+    checks = [
+        partial(check_loaded_weights, "type:bamba", 2, True),
+        partial(check_loaded_weights, "type:jamba", 2, False),
+        partial(check_loaded_weights, "type:gpt_bigcode", 2, False),
+    ]
+    run_checks(2, checks)

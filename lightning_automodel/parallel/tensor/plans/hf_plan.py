@@ -7,6 +7,7 @@ module they were meant for, so a plan is never applied half-understood.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from collections.abc import Callable
@@ -147,14 +148,18 @@ def _weight_read_directly(model: nn.Module, *, attribute: str) -> bool:
     model takes the pad token's row of ``embed_tokens.weight``): split over the vocabulary, that row would be a
     DTensor meeting plain tensors, so the embedding stays whole (and an lm_head tied to it)."""
     classes = {type(module) for module in model.modules() if type(module).__module__.startswith("transformers.models.")}
-    for klass in classes:
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        for node in ast.walk(tree):
-            inner = getattr(node, "value", None)
-            if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(inner, ast.Attribute):
-                if inner.attr == attribute:
-                    return True
-    return False
+    return any(attribute in _weights_read(klass) for klass in classes)
+
+
+@functools.cache
+def _weights_read(klass: type) -> frozenset[str]:
+    """The attributes ``x`` whose ``x.weight`` the source of ``klass`` reads (none where its source is unavailable)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    return frozenset(
+        node.value.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.value, ast.Attribute)
+    )

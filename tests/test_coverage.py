@@ -215,6 +215,11 @@ SWEEP_JOBS = (
     ("gpt_neox_japanese", "tp2"),
     ("gpt2", "dp_shard2"),
     ("deepseek_v3", "tp2"),
+    ("xglm", "tp2_sp"),  # the stream split inside the blocks only: bert and gpt2 with sp in the suite
+    ("gpt_neox_japanese", "tp2_sp"),
+    ("hrm_text", "tp2_sp"),
+    ("zamba2", "dp_shard2"),
+    ("xlnet", "dp_shard2"),
     ("jamba", "tp2_sp"),
     ("falcon_h1", "tp2"),
     ("nemotron_h", "tp2"),

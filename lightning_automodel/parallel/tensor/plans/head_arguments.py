@@ -50,12 +50,15 @@ def with_head_arguments(model: nn.Module, plan: TPPlan, *, trace: Trace | None) 
         for key, arg in calls[0].inputs.items():
             split = _head_split(arg, heads=count, tokens=trace.tokens)
             name = names[key] if isinstance(key, int) and key < len(names) else key
-            if split is not None and isinstance(name, str):
-                found[f"{attention}#{name}"] = SplitArgument(name=name, dim=split[0], per=split[1])
-    styles = _one_style_a_module(found, names=list(modules))
+            if split is None or not isinstance(name, str):
+                continue
+            if attention in found:
+                raise ValueError(f"{attention} receives several arguments with one entry per head; pass tp_plan=")
+            found[attention] = SplitArgument(name=name, dim=split[0], per=split[1])
+    styles = keyed_by_position(found, names=list(modules))
     taken = sorted(set(styles) & set(plan))
     if taken:
-        raise ValueError(f"{', '.join(taken)} need a style for their per-head arguments and have one; pass tp_plan=")
+        raise ValueError(f"{', '.join(taken)} already have a style and receive per-head arguments; pass tp_plan=")
     return {**plan, **styles}
 
 
@@ -70,14 +73,3 @@ def _head_split(arg: TensorArg, *, heads: int, tokens: int) -> tuple[int, int | 
         if shape[dim] == heads:
             return dim, None
     return None
-
-
-def _one_style_a_module(found: dict[str, ParallelStyle], *, names: list[str]) -> TPPlan:
-    """The styles found, keyed by module (one argument per attention), by position in the blocks where alike."""
-    by_module: dict[str, ParallelStyle] = {}
-    for key, style in found.items():
-        module = key.partition("#")[0]
-        if module in by_module:
-            raise ValueError(f"{module} receives several arguments with one entry per head; pass tp_plan= for it")
-        by_module[module] = style
-    return keyed_by_position(by_module, names=names)

@@ -83,7 +83,7 @@ def check_each_rank_reads_its_experts(ep: int) -> dict:
     model = from_pretrained(directory, dtype=torch.float32)
     mesh = ParallelDims(ep=ep).resolve(dist.get_world_size()).build_mesh("cpu")
     parallelize(model, mesh)
-    merged = [entry for entry in checkpoint_layout(model).values() if entry.is_merged]
+    merged = [entry for entry in checkpoint_layout(model).values() if entry.per_expert]
     assert merged, "the checkpoint stores no expert apart"
     stored_apart = {name for entry in merged for name in entry.names}
     with mock.patch.object(loading.dcp, "load", wraps=loading.dcp.load) as load:

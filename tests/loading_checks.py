@@ -93,13 +93,13 @@ def check_pretrained_trainer(family: str, tp: int) -> dict:
 def check_loaded_dtypes() -> dict:
     """A bf16 checkpoint loads as bf16 with dtype="auto" and as fp32 when asked, equal to transformers' loads.
     Ernie-4.5-MoE's experts, stored one tensor per expert and projection (and its fp32 router), load equal to
-    transformers' load. A model whose checkpoint transformers converts otherwise (Kimi-Linear joins its q, k and v
-    convolutions on their first dim) is refused when built, with what to do instead."""
+    transformers' load. A model whose checkpoint transformers splits on load (Lara-Mini's one stored in_proj into
+    in_proj_qkv and in_proj_z) is refused when built, with what to do instead."""
     directory = shared_directory()
     if dist.get_rank() == 0:
         tiny_model(seed=3).to(torch.bfloat16).save_pretrained(directory / "llama")
         tiny_model("ernie_moe", seed=3).save_pretrained(directory / "ernie")
-        AutoModelForCausalLM.from_config(shrink.tiny_config("kimi_linear")).save_pretrained(directory / "kimi")
+        AutoModelForCausalLM.from_config(shrink.tiny_config("lara_mini")).save_pretrained(directory / "lara")
     dist.barrier()
     mesh = dims_for(dist.get_world_size(), 1).build_mesh("cpu")
     result = {}
@@ -120,9 +120,9 @@ def check_loaded_dtypes() -> dict:
         (full(t).float() - reference[n].float()).abs().max().item() for n, t in ernie.state_dict().items()
     )
     assert result["ernie"] == 0.0, result
-    with pytest.raises(ValueError, match="transformers' own from_pretrained") as error:
-        from_pretrained(directory / "kimi")
-    result["kimi"] = str(error.value)
+    with pytest.raises(ValueError, match="split on load.*transformers' own from_pretrained") as error:
+        from_pretrained(directory / "lara")  # one stored [q; k; v; z] split into two model tensors
+    result["lara"] = str(error.value)
     remove(directory)
     return result
 

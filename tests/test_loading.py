@@ -50,11 +50,14 @@ def test_pretrained_loading_and_export_of_more_families():
 
 def test_pretrained_loading_of_layouts_found_by_structure():
     """tp=2: checkpoints of a Mamba-2 hybrid (the in_proj regrouped, the convolution whole, per-head parameters and the
-    norm split; with sp), a Mamba hybrid with experts (Jamba) and a multi-query model (GPT-BigCode, its fused [q; k; v]
-    regrouped), loaded shard by shard: every weight, then loss, logits and gradients, as transformers' own load."""
+    norm split; with sp), a Mamba hybrid with experts (Jamba), a multi-query model (GPT-BigCode, its fused [q; k; v]
+    regrouped) and Kimi's delta attention (the convolution and gated norm whole, decay parameters split by head inside
+    its forget gate), loaded shard by shard: every weight, then loss, logits and gradients, as transformers' own
+    load."""
     checks = [
         partial(check_loaded_weights, "type:bamba", 2, True),
         partial(check_loaded_weights, "type:jamba", 2, False),
         partial(check_loaded_weights, "type:gpt_bigcode", 2, False),
+        partial(check_loaded_weights, "type:kimi_linear", 2, True),
     ]
     run_checks(2, checks)

@@ -7,7 +7,8 @@ tensor per expert and projection (``experts.3.gate_proj.weight``): its loader st
 
 Loading shard by shard reads only the experts a rank holds: the stored tensors of experts ``first`` to ``last`` go
 through the same operations, which act on each expert alone, giving those experts' rows of the fused tensor. Other
-conversions (those mixing experts, or splitting one stored tensor into several) are refused by name.
+merges (Kimi's and OLMo hybrid's convolution over [q; k; v], stored as three) read every stored tensor whole and
+merge them as transformers does. A conversion splitting one stored tensor into several is refused by name.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from lightning_automodel.hf.initialization import unsharded_view
 
 @dataclass(frozen=True)
 class Stored:
-    """How one model tensor is stored: under ``names`` (one name, or one per expert and projection, in transformers'
-    order), merged by ``converter`` (transformers' ``WeightConverter``) when there are several."""
+    """How one model tensor is stored: under ``names`` (one name, or several in transformers' order: one per expert
+    and projection where ``per_expert``), merged by ``converter`` (transformers' ``WeightConverter``) when there are
+    several."""
 
     names: tuple[str, ...]
     converter: Any = None
+    per_expert: bool = False
 
     @property
     def is_merged(self) -> bool:
@@ -38,7 +41,7 @@ class Stored:
 def stored_as(model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, Stored]:
     """For each tensor of ``model`` named in ``shapes`` (model state-dict names), how checkpoints store it.
 
-    Raises a ValueError naming the tensor for a conversion the shard-by-shard loader cannot undo expert by expert.
+    Raises a ValueError naming the tensor for a conversion that is not a merge of stored tensors.
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, revert_weight_conversion
@@ -47,25 +50,30 @@ def stored_as(model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, Stor
     converters = [c for c in get_model_conversion_mapping(view, add_legacy=False) if isinstance(c, WeightConverter)]
     layout: dict[str, Stored] = {}
     for name, shape in shapes.items():
-        names = tuple(revert_weight_conversion(view, {name: torch.empty(shape, device="meta")}))
+        try:
+            names = tuple(revert_weight_conversion(view, {name: torch.empty(shape, device="meta")}))
+        except Exception as error:  # noqa: BLE001 - transformers' conversion code, on a shape it does not expect
+            raise ValueError(_unreadable(view, f"store {name} by a conversion that fails on it ({error})")) from error
         if len(names) == 1:
             layout[name] = Stored(names)
             continue
         converter = next((c for c in converters if any(_matches(p, name) for p in c.target_patterns)), None)
-        if converter is None or not _acts_per_expert(converter):
-            raise ValueError(
-                f"{type(view).__name__}'s checkpoints store {name} converted ({list(names)[:4]}...): transformers"
-                f" {'merges' if converter else 'converts'} such tensors on load"
-                f" ({getattr(converter, 'operations', 'an unknown conversion')}), which loading shard by shard does not"
-                " do. Build this model with transformers' own from_pretrained instead (its real weights are then"
-                " broadcast from rank 0 and sharded)."
-            )
-        layout[name] = Stored(names, converter)
+        if converter is None:
+            raise ValueError(_unreadable(view, f"store {name} converted ({list(names)[:4]}...)"))
+        layout[name] = Stored(names, converter, per_expert=_acts_per_expert(converter))
     stored = [n for entry in layout.values() for n in entry.names]
     if len(stored) != len(set(stored)):
         repeated = sorted({n for n in stored if stored.count(n) > 1})
-        raise ValueError(f"{type(view).__name__}: several tensors are stored under the same names {repeated[:4]}.")
+        what = f"store several tensors under the same names {repeated[:4]} (split on load)"
+        raise ValueError(_unreadable(view, what))
     return layout
+
+
+def _unreadable(view: nn.Module, what: str) -> str:
+    return (
+        f"{type(view).__name__}'s checkpoints {what}, which loading shard by shard does not do. Build this model with"
+        " transformers' own from_pretrained instead (its real weights are then broadcast from rank 0 and sharded)."
+    )
 
 
 def _acts_per_expert(converter: Any) -> bool:
@@ -89,14 +97,15 @@ def experts_of(stored: Stored, *, first: int, last: int) -> list[str]:
     return [name for name in stored.names if first <= _expert_index(stored, name) < last]
 
 
-def merge_experts(stored: Stored, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The fused rows of the experts whose stored ``tensors`` (names from :func:`experts_of`) are given, stacked in
-    expert order and joined by transformers' own operations."""
+def merged(stored: Stored, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model tensor (or, per expert, the fused rows of the experts whose stored ``tensors``, names from
+    :func:`experts_of`, are given) merged from its stored tensors by transformers' own operations, in expert order."""
     converter = stored.converter
     inputs: dict[str, Any] = {}
     for pattern in converter.source_patterns:
-        mine = sorted((_expert_index(stored, n), n) for n in tensors if _matches(pattern, n))
-        inputs[pattern] = [tensors[n] for _, n in mine]
+        found = [n for n in tensors if _matches(pattern, n)]
+        mine = sorted(found, key=lambda n: _expert_index(stored, n)) if stored.per_expert else found
+        inputs[pattern] = [tensors[n] for n in mine]
     for operation in converter.operations:
         inputs = operation.convert(
             inputs, source_patterns=converter.source_patterns, target_patterns=converter.target_patterns

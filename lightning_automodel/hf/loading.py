@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.hf.conversion import Stored, experts_of, merge_experts, stored_as
+from lightning_automodel.hf.conversion import Stored, experts_of, merged, stored_as
 from lightning_automodel.hf.initialization import copy_shard, materialize_hf_model
 from lightning_automodel.hf.packed_weights import is_packed
 
@@ -92,8 +92,10 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, missing_ok:
     for name, tensor in packed.items():
         _load_whole_then_keep_shard(name, tensor, reader)
     for name, tensor in present.items():
-        if layout[name].is_merged:
+        if layout[name].per_expert:
             _load_held_experts(tensor, layout[name], reader)
+        elif layout[name].is_merged:
+            _load_merged_whole(tensor, layout[name], reader)
 
 
 def _load_whole_then_keep_shard(name: str, tensor: DTensor, reader: HuggingFaceStorageReader) -> None:
@@ -114,8 +116,17 @@ def _load_held_experts(tensor: torch.Tensor, stored: Stored, reader: HuggingFace
     read = {name: torch.empty(metadata[name].size, dtype=tensor.dtype) for name in names}
     _read_alone(read, reader)
     whole = torch.zeros(tensor.shape, dtype=tensor.dtype)  # other ranks' experts: never part of this rank's shard
-    whole[first:last] = merge_experts(stored, read)
+    whole[first:last] = merged(stored, read)
     copy_shard(tensor, whole)
+
+
+def _load_merged_whole(tensor: torch.Tensor, stored: Stored, reader: HuggingFaceStorageReader) -> None:
+    """A tensor stored as several others (Kimi's convolution over [q; k; v], stored as three): each rank reads them
+    whole, merges them as transformers does and keeps its shard."""
+    metadata = reader.read_metadata().state_dict_metadata
+    read = {name: torch.empty(metadata[name].size, dtype=tensor.dtype) for name in stored.names}
+    _read_alone(read, reader)
+    copy_shard(tensor, merged(stored, read))
 
 
 def _read_alone(tensors: dict[str, torch.Tensor], reader: HuggingFaceStorageReader) -> None:

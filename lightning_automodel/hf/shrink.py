@@ -150,6 +150,8 @@ def overrides(model_type: str, *, heads: int = HEADS) -> dict[str, Any]:
     wide_attention = {"attention_hidden_size": 2 * hidden, "attention_head_dim": 2 * HEAD_SIZE}
     by_type: dict[str, dict[str, Any]] = {
         "bamba": {"attn_layer_indices": [1]},  # by default no layer of the first two has attention
+        # Its default attention config lacks rope_theta (and cannot build), and clamps q, k, v by clip_qkv, None.
+        "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
         "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
         # head_dim must be qk_nope_head_dim + qk_rope_head_dim.
         "dots3_note": {"text_config": {"head_dim": 2 * HEAD_SIZE}},
@@ -171,6 +173,9 @@ def overrides(model_type: str, *, heads: int = HEADS) -> dict[str, Any]:
             "local_attn_chunk_length": 8,
             "lsh_attn_chunk_length": 8,
         },
+        # transformers' native chunkwise kernel needs q/k heads as wide as v's; its cache, written in place, breaks
+        # backward (training builds none: parallel/model_calls.py).
+        "xlstm": {"qk_dim_factor": 1.0, "use_cache": False},
         "xmod": {"default_language": "en_XX"},  # without it, forward needs lang_ids
         # Zamba ties the shared block of every hybrid layer to the first's, so it needs two of them.
         "zamba": {

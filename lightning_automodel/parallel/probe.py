@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental import _config as fx_config
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -214,11 +215,16 @@ def _describe(tensor: torch.Tensor) -> TensorArg:
 
 class AnswerDataQuestions(TorchDispatchMode):
     """``tensor.item()`` and ``bool(tensor)`` of a meta tensor return zero (False) instead of raising: both runs of
-    the probe take the same branch of code that asks about values (padding checks, mask shortcuts)."""
+    the probe take the same branch of code that asks about values (padding checks, mask shortcuts). ``nonzero`` of a
+    meta tensor takes every element as nonzero (an experts loop then visits every expert: DBRX's)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+        meta = bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"
+        if func is torch.ops.aten._local_scalar_dense.default and meta:
             return _zero_of(args[0].dtype)
+        if func is torch.ops.aten.nonzero.default and meta:
+            with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+                return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 

@@ -1,9 +1,10 @@
-"""Expert tensor parallel: the experts of a mixture-of-experts layer, transformers 5's fused 3D parameters, split on
-their intermediate units: the Megatron MLP layout applied to every expert at once.
+"""Expert tensor parallel: the experts of a mixture-of-experts layer, transformers 5's fused 3D parameters (or DBRX's
+stacked 2D ones), split on their intermediate units: the Megatron MLP layout applied to every expert at once.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from functools import partial
 from types import MethodType
 from typing import Any
@@ -21,6 +22,9 @@ from lightning_automodel.parallel.tensor.styles.parameters import local_paramete
 # The parameters of an experts module, as (name, the dim holding intermediate units when stored (out, in)).
 _UP = {"gate_up_proj": 1, "up_proj": 1}
 _DOWN = {"down_proj": 2}
+# DBRX's experts: every expert's gate, up and down projections stacked into one (experts x intermediate, hidden) matrix
+# each, held by a child ``mlp``.
+_STACKED = ("w1", "v1", "w2")
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -30,8 +34,22 @@ def is_experts(module: nn.Module) -> bool:
     return len(up) == 1 and "down_proj" in params and all(params[name].ndim == 3 for name in (*up, "down_proj"))
 
 
+def is_stacked_experts(module: nn.Module) -> bool:
+    """DBRX's experts module: ``num_experts`` experts of ``ffn_hidden_size`` units, stacked in ``mlp``'s matrices."""
+    mlp = getattr(module, "mlp", None)
+    sizes = [getattr(module, name, None) for name in ("num_experts", "ffn_hidden_size", "hidden_size")]
+    if not isinstance(mlp, nn.Module) or not all(isinstance(size, int) for size in sizes):
+        return False
+    params = dict(mlp.named_parameters(recurse=False))
+    shape = (sizes[0] * sizes[1], sizes[2])
+    return set(params) == set(_STACKED) and all(tuple(p.shape) == shape for p in params.values())
+
+
 def experts_problem(module: nn.Module) -> str | None:
     """Why :class:`ExpertTensorParallel` cannot split ``module``, or None."""
+    if is_stacked_experts(module):
+        extra = [name for name, child in module.mlp.named_children() if not _is_activation(child)]
+        return f"{type(module).__name__} computes more than its experts' weighted sum ({extra})" if extra else None
     if not is_experts(module):
         return (
             f"it splits experts held as 3D gate_up_proj/up_proj and down_proj parameters, not a {type(module).__name__}"
@@ -66,17 +84,24 @@ class ExpertTensorParallel(ParallelStyle):
     The module's own forward runs on this rank's local parameters (DTensor has no rules for the routing ops). Its
     inputs, the tokens and routing weights, are whole on every rank, so their gradients are summed over tp on the way
     back: the router gets the gradient of the whole layer. A bias of ``down_proj`` (GPT-OSS) is added as a 1/tp share
-    by each rank, so that the sum adds it once.
+    by each rank, so that the sum adds it once. DBRX's stacked experts keep every expert's rows of its three matrices
+    (a strided placement, one stride per expert), and its code's ``ffn_hidden_size`` becomes this rank's.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         problem = experts_problem(module)
         if problem is not None:
             raise TypeError(f"ExpertTensorParallel: {problem}.")
-        for name, placement in expert_placements(module, tp=device_mesh.size()).items():
-            param = getattr(module, name)
+        tp = device_mesh.size()
+        placements = (
+            _stacked_placements(module, tp=tp) if is_stacked_experts(module) else expert_placements(module, tp=tp)
+        )
+        for name, placement in placements.items():
+            owner, _, attribute = name.rpartition(".")
+            owner = module.get_submodule(owner)
+            param = getattr(owner, attribute)
             sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            owner.register_parameter(attribute, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.tp_mesh = device_mesh
         module.forward = MethodType(_local_forward, module)  # one function for all layers: one compiled graph
         return module
@@ -101,6 +126,17 @@ def expert_placements(module: nn.Module, *, tp: int) -> dict[str, Placement]:
             )
         placements[name] = _StridedShard(dim, split_factor=2) if packed else Shard(dim)
     return placements
+
+
+def _stacked_placements(module: nn.Module, *, tp: int) -> dict[str, Placement]:
+    """DBRX's stacked experts: each rank keeps every expert's slice of its units; the code reads this rank's count."""
+    if module.ffn_hidden_size % tp:
+        raise ValueError(
+            f"ExpertTensorParallel: {module.ffn_hidden_size} intermediate units per expert do not split over tp={tp}."
+        )
+    module.global_sizes = {"ffn_hidden_size": module.ffn_hidden_size}  # for initialisation (hf/initialization.py)
+    module.ffn_hidden_size //= tp
+    return {f"mlp.{name}": _StridedShard(0, split_factor=module.num_experts) for name in _STACKED}
 
 
 def _intermediate_dim(weight: str, *, transposed: bool, bias: bool) -> int:
@@ -131,7 +167,9 @@ def _local_forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
     it)."""
     mesh = self.tp_mesh
     args, kwargs = tree_map(partial(_whole_input, mesh=mesh), (args, kwargs))
-    with local_parameters(self, partial(_this_ranks_part, mesh=mesh)):
+    with ExitStack() as stack:
+        for owner in (self, *self.children()):  # DBRX's experts hold their parameters in a child
+            stack.enter_context(local_parameters(owner, partial(_this_ranks_part, mesh=mesh)))
         output = type(self).forward(self, *args, **kwargs)
     summed = DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
     return summed.to_local().clone()

@@ -10,17 +10,22 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_automodel.hf.peft import is_lora_layer
-from lightning_automodel.parallel.experts.expert_tensor_parallel import ExpertTensorParallel, is_experts
+from lightning_automodel.parallel.experts.expert_tensor_parallel import (
+    ExpertTensorParallel,
+    is_experts,
+    is_stacked_experts,
+)
 from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, matches_inside, pattern_matches
 from lightning_automodel.parallel.tensor.sizes import model_config
 from lightning_automodel.parallel.tensor.styles.inputs import SplitArgument
+from lightning_automodel.parallel.tensor.styles.mixers import mixer_style
 from lightning_automodel.parallel.tensor.styles.parameters import OutputGradientSummed
 from lightning_automodel.parallel.tensor.styles.projections import (
     KeptWhole,
     LatentKeyValueProjection,
     OwnedOutputRowwiseParallel,
 )
-from lightning_automodel.parallel.tensor.styles.state_space import StateSpaceMixerParallel, mixer_style
+from lightning_automodel.parallel.tensor.styles.state_space import StateSpaceMixerParallel
 from lightning_automodel.parallel.tensor.styles.stream import WholeSequenceRegion
 
 # Multi-head latent attention under transformers' names: the down-projections stay whole, the per-head up-projections
@@ -68,6 +73,12 @@ def _rotary_key_unsummed(pattern: str, style: ParallelStyle, *, structural: dict
     return replaced[0] if replaced and not isinstance(replaced[0], LatentKeyValueProjection) else style
 
 
+def kept_whole(model: nn.Module) -> set[str]:
+    """The projections the completion keeps whole on every rank (routers, sparse attention's indexer): a derived plan
+    follows the others only (a router's output reaches the stream through the experts' weights)."""
+    return {name for name, style in _structural_styles(model, sp=False).items() if type(style) is KeptWhole}
+
+
 def _in_experts_block(style: ParallelStyle) -> ParallelStyle:
     """A row-parallel projection inside a mixture-of-experts block (a shared expert's): all-reduced, where a family
     plan's sequence parallel would reduce-scatter into the stream (the block sees the whole sequence), into an output
@@ -93,7 +104,7 @@ def _structural_styles(model: nn.Module, *, sp: bool) -> dict[str, ParallelStyle
             styles[name] = SplitArgument(name="per_layer_input")
             styles[f"{name}.per_layer_input_gate"] = ColwiseParallel()
             styles[f"{name}.per_layer_projection"] = RowwiseParallel()
-        if not is_experts(module):
+        if not is_experts(module) and not is_stacked_experts(module):
             if _has_linears(module, _LATENT_ATTENTION):
                 styles.update({f"{name}.{child}": s for child, s in _latent_attention(model, module).items()})
             continue
@@ -117,7 +128,9 @@ def _routers(model: nn.Module, modules: dict[str, nn.Module], *, experts: str) -
     """The modules of the experts' block (outside the experts) holding an (experts, hidden) matrix: routers, whole on
     every rank."""
     block, hidden = experts.rpartition(".")[0], model_config(model).hidden_size
-    counts = {p.shape[0] for p in modules[experts].parameters(recurse=False)}
+    counts = {p.shape[0] for p in modules[experts].parameters(recurse=False)} | {
+        getattr(modules[experts], "num_experts", 0)
+    }
     return [
         name
         for name, module in modules.items()
@@ -143,9 +156,16 @@ def _latent_attention(model: nn.Module, attention: nn.Module) -> dict[str, Paral
         "kv_a_proj_with_mqa": LatentKeyValueProjection(rotary_width=rotary_width),
         "kv_b_proj": ColwiseParallel(),
         "o_proj": RowwiseParallel(),
+        "g_proj": ColwiseParallel(),  # an output gate per head (Bailing's), or per head and unit
     }
     styles = {child: style for child, style in styles.items() if isinstance(getattr(attention, child, None), nn.Linear)}
+    if "g_proj" in styles and not _per_head_gate(attention.g_proj, heads=getattr(attention, "num_heads", None)):
+        del styles["g_proj"]
     return {**styles, **_rotary_key_norms(attention, rotary_width=rotary_width)}
+
+
+def _per_head_gate(gate: nn.Linear, *, heads: object) -> bool:
+    return isinstance(heads, int) and gate.out_features % heads == 0
 
 
 def _rotary_key_norms(attention: nn.Module, *, rotary_width: int) -> dict[str, ParallelStyle]:

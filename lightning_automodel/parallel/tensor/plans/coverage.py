@@ -17,6 +17,7 @@ from lightning_automodel.parallel.experts.expert_tensor_parallel import (
 )
 from lightning_automodel.parallel.tensor.lora import LoraParallel
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
+from lightning_automodel.parallel.tensor.styles.mixers import is_recurrent_mixer
 from lightning_automodel.parallel.tensor.styles.projections import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
@@ -24,7 +25,7 @@ from lightning_automodel.parallel.tensor.styles.projections import (
     PackedColwiseParallel,
     RegroupedColwiseParallel,
 )
-from lightning_automodel.parallel.tensor.styles.state_space import StateSpaceMixerParallel, is_state_space_mixer
+from lightning_automodel.parallel.tensor.styles.state_space import StateSpaceMixerParallel
 
 # Styles that split the weights of the module they are given (the rest prepare inputs and outputs, or replicate).
 _WEIGHT_SHARDING_STYLES = (
@@ -141,7 +142,7 @@ def unsupported_target(style: ParallelStyle, module: nn.Module) -> str | None:
     if isinstance(inner, ExpertTensorParallel):
         return experts_problem(base)
     if isinstance(inner, StateSpaceMixerParallel):
-        return None if is_state_space_mixer(base) else f"{type(inner).__name__} splits Mamba mixers, not {base}"
+        return None if is_recurrent_mixer(base) else f"{type(inner).__name__} splits recurrent mixers, not {base}"
     supported = _shardable_modules(inner)
     if not supported or isinstance(base, supported):
         return None

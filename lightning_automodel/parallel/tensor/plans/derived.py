@@ -25,7 +25,9 @@ from lightning_automodel.parallel.probe import (
     meta_copy,
     tensor_leaves,
 )
+from lightning_automodel.parallel.tensor.plans.completion import kept_whole
 from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position
+from lightning_automodel.parallel.tensor.styles.mixers import is_recurrent_mixer
 from lightning_automodel.parallel.tensor.styles.projections import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,
@@ -35,7 +37,6 @@ from lightning_automodel.parallel.tensor.styles.projections import (
     VocabParallelEmbedding,
     is_conv1d,
 )
-from lightning_automodel.parallel.tensor.styles.state_space import is_state_space_mixer
 
 aten = torch.ops.aten
 _SPLITS = {aten.split, aten.split_with_sizes, aten.unsafe_split, aten.unsafe_split_with_sizes}
@@ -104,8 +105,8 @@ def derived_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
 def follow_projections(model: nn.Module) -> ProjectionFlow:
     """Entries and exits of the blocks' projections, followed again without the entries found unclosed until none
-    is left (each round can only make more projections whole)."""
-    whole: set[str] = set()
+    is left (each round can only make more projections whole). Those the completion keeps whole are left out."""
+    whole = kept_whole(model)
     while True:
         flow = _follow_once(model, whole=whole)
         unclosed = flow.unclosed()
@@ -192,14 +193,14 @@ def _escape_hook(tracker: _SplitActivations, flow: ProjectionFlow) -> Callable:
 
 def _projections(block: nn.Module, *, prefix: str) -> list[tuple[str, nn.Module]]:
     """The block's projections by full name: Linears, ``Conv1D``s and LoRA layers (not the Linears inside them), but
-    those of a state-space mixer, which a style of its own splits (the plan's completion gives it)."""
+    those of a recurrent mixer, which a style of its own splits (the plan's completion gives it)."""
     found, skipped = [], []
     for name, module in block.named_modules():
         if any(name.startswith(f"{outer}.") for outer in skipped):
             continue
-        if is_lora_layer(module) or is_state_space_mixer(module):
+        if is_lora_layer(module) or is_recurrent_mixer(module):
             skipped.append(name)
-        if is_state_space_mixer(module):
+        if is_recurrent_mixer(module):
             continue
         if is_lora_layer(module) or isinstance(module, nn.Linear) or is_conv1d(module):
             found.append((f"{prefix}.{name}", module))

@@ -69,18 +69,6 @@ def is_short_conv_mixer(module: nn.Module) -> bool:
     )
 
 
-def is_state_space_mixer(module: nn.Module) -> bool:
-    return is_mamba_mixer(module) or is_mamba2_mixer(module) or is_short_conv_mixer(module)
-
-
-def mixer_style(module: nn.Module, *, sequence_parallel: bool) -> StateSpaceMixerParallel | None:
-    """The style that splits ``module``'s channels or heads over tp, if it is a mixer this module knows."""
-    for detects, style in ((is_mamba_mixer, MambaMixerParallel), (is_mamba2_mixer, Mamba2MixerParallel)):
-        if detects(module):
-            return style(sequence_parallel=sequence_parallel)
-    return ShortConvParallel(sequence_parallel=sequence_parallel) if is_short_conv_mixer(module) else None
-
-
 class StateSpaceMixerParallel(ParallelStyle):
     """What the mixers' styles share: the projections in and out, sequence parallel, and the mixer's forward on this
     rank's share of its parameters.
@@ -95,12 +83,16 @@ class StateSpaceMixerParallel(ParallelStyle):
         super().__init__()
         self.sequence_parallel = sequence_parallel
 
-    def _project(self, module: nn.Module, device_mesh: DeviceMesh, in_proj: ParallelStyle) -> None:
+    def _project(
+        self, module: nn.Module, device_mesh: DeviceMesh, inputs: dict[str, ParallelStyle], *, output: str = "out_proj"
+    ) -> None:
+        """The input projections column-parallel by their ``inputs`` styles, ``output`` row-parallel."""
         sp = self.sequence_parallel
         out_proj = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
-        for style in (in_proj, out_proj):
+        styles = {**inputs, output: out_proj}
+        for style in styles.values():
             style.src_data_rank = self.src_data_rank
-        parallelize_module(module, device_mesh, {"in_proj": in_proj, "out_proj": out_proj})
+        parallelize_module(module, device_mesh, styles)
         if sp:
             module.register_forward_pre_hook(whole_local_args, with_kwargs=True)
         module.tp_mesh = device_mesh
@@ -112,12 +104,17 @@ class StateSpaceMixerParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))
 
     @staticmethod
+    def _local_sizes(module: nn.Module, local: dict[str, int]) -> None:
+        """Make ``module``'s sizes this rank's, the whole model's kept in ``global_sizes`` (hf/initialization.py)."""
+        module.global_sizes = {name: getattr(module, name) for name in local} | getattr(module, "global_sizes", {})
+        module.__dict__.update(local)
+
+    @staticmethod
     def _run_locally(module: nn.Module, local: dict[str, int], parts: list[tuple[nn.Module, tuple | None, Callable]]):
         """Set the mixer's sizes to this rank's, keeping the whole model's for initialisation (``global_sizes``, read
         by hf/initialization.py), and run its forward on ``parts``: (module, parameter names or None for all, how to
         take this rank's part of a DTensor)."""
-        module.global_sizes = {name: getattr(module, name) for name in local}
-        module.__dict__.update(local)
+        StateSpaceMixerParallel._local_sizes(module, local)
         module.local_parts = parts
         module.forward = MethodType(_forward_on_this_ranks_share, module)
 
@@ -174,13 +171,13 @@ class MambaMixerParallel(StateSpaceMixerParallel):
         norms = [getattr(module, name) for name in _SCAN_INPUT_NORMS if hasattr(module, name)]
         if norms and len(norms) < len(_SCAN_INPUT_NORMS):
             raise ValueError(f"MambaMixerParallel: a mixer normalises some of dt, B and C only ({len(norms)} norms).")
-        self._project(module, device_mesh, PackedColwiseParallel(parts=2))
+        self._project(module, device_mesh, {"in_proj": PackedColwiseParallel(parts=2)})
         parallelize_module(module, device_mesh, {"x_proj": RowwiseParallel()})
         for where in norms or [module.x_proj]:
             where.register_forward_hook(lambda m, args, output: summed_gradient(output, mesh=device_mesh))
         self._distribute(module, ("A_log", "D"), device_mesh, Shard(0))
         for child in (module.conv1d, module.dt_proj):
-            self._distribute(child, _own(child), device_mesh, Shard(0))
+            self._distribute(child, own_parameters(child), device_mesh, Shard(0))
         local = {"intermediate_size": module.intermediate_size // tp}
         parts = [(part, None, DTensor.to_local) for part in (module, module.conv1d, module.dt_proj)]
         self._run_locally(module, local, parts)
@@ -196,8 +193,8 @@ class ShortConvParallel(StateSpaceMixerParallel):
         tp = device_mesh.size()
         if module.conv.in_channels % tp:
             raise ValueError(f"ShortConvParallel: {module.conv.in_channels} channels do not split over tp={tp}.")
-        self._project(module, device_mesh, PackedColwiseParallel(parts=3))
-        self._distribute(module.conv, _own(module.conv), device_mesh, Shard(0))
+        self._project(module, device_mesh, {"in_proj": PackedColwiseParallel(parts=3)})
+        self._distribute(module.conv, own_parameters(module.conv), device_mesh, Shard(0))
         self._run_locally(module, {}, [(module.conv, None, DTensor.to_local)])
         return module
 
@@ -227,11 +224,11 @@ class Mamba2MixerParallel(StateSpaceMixerParallel):
             (inner, inner, groups * state, groups * state, module.num_heads), (False, False, shared, shared, False)
         )
         in_proj = RegroupedColwiseParallel(block_sizes=module.in_proj_blocks.sizes, whole=module.in_proj_blocks.whole)
-        self._project(module, device_mesh, in_proj)
+        self._project(module, device_mesh, {"in_proj": in_proj})
         conv_blocks = Blocks(module.in_proj_blocks.sizes[1:4], module.in_proj_blocks.whole[1:4])  # [x; B; C]
         self._distribute(module, _PER_HEAD, device_mesh, Shard(0))
-        self._distribute(module.conv1d, _own(module.conv1d), device_mesh, Replicate())
-        parts = [(module, _PER_HEAD, DTensor.to_local), (module.conv1d, None, partial(_channels, conv_blocks))]
+        self._distribute(module.conv1d, own_parameters(module.conv1d), device_mesh, Replicate())
+        parts = [(module, _PER_HEAD, DTensor.to_local), (module.conv1d, None, partial(channels_of, conv_blocks))]
         parts += self._split_norm(module, device_mesh, shared=shared)
         local_groups = groups if shared else groups // tp
         local = {
@@ -263,7 +260,7 @@ class Mamba2MixerParallel(StateSpaceMixerParallel):
         return []
 
 
-def _own(module: nn.Module) -> tuple[str, ...]:
+def own_parameters(module: nn.Module) -> tuple[str, ...]:
     """The names of a module's own parameters (not those registered as None: a convolution without bias)."""
     return tuple(name for name, _ in module.named_parameters(recurse=False))
 
@@ -277,7 +274,7 @@ def mamba2_problem(module: nn.Module, *, tp: int) -> str | None:
     return None
 
 
-def _channels(blocks: Blocks, param: DTensor) -> torch.Tensor:
+def channels_of(blocks: Blocks, param: DTensor) -> torch.Tensor:
     """This rank's channels of a whole convolution parameter, its [x; B; C]; their gradient summed over tp."""
     mesh = param.device_mesh
     return blocks.this_ranks(summed_gradient(param.to_local(), mesh=mesh), mesh=mesh, dim=0)

@@ -120,8 +120,8 @@ def check_loaded_dtypes() -> dict:
         (full(t).float() - reference[n].float()).abs().max().item() for n, t in ernie.state_dict().items()
     )
     assert result["ernie"] == 0.0, result
-    with pytest.raises(ValueError, match="split on load.*transformers' own from_pretrained") as error:
-        from_pretrained(directory / "lara")  # one stored [q; k; v; z] split into two model tensors
+    with pytest.raises(ValueError, match="Split.*transformers' own from_pretrained") as error:
+        from_pretrained(directory / "lara")  # one stored in_proj split into in_proj_qkv and in_proj_z
     result["lara"] = str(error.value)
     remove(directory)
     return result

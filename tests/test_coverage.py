@@ -244,6 +244,18 @@ SWEEP_JOBS = (
     ("kimi_linear", "tp2_sp"),
     ("bailing_hybrid", "tp2"),
     ("lara_mini", "tp2"),
+    # Kinds the suite checks in another model: BERT's derived plan (BART, RoBERTa), the default plan (StableLM,
+    # Hunyuan: GPT-OSS, AFMoE), FSDP2 over a meta-device build (Mamba, DiffLlama: Reformer, GPT-2).
+    ("bart", "tp2"),
+    ("roberta", "tp2"),
+    ("stablelm", "tp2"),
+    ("hunyuan_v1_dense", "tp2"),
+    ("mamba", "dp_shard2"),
+    ("diffllama", "dp_shard2"),
+    # Checked elsewhere in the suite: Qwen3-Next's layout by tests/test_layouts.py (at its released head ratio),
+    # Llama 4 with tp and sp through the Trainer by tests/test_expert_parallel.py.
+    ("qwen3_next", "tp2"),
+    ("llama4_text", "tp2_sp"),
 )
 
 

@@ -145,11 +145,11 @@ def test_sigterm_during_a_save_under_slurm(tmp_path):
 
 
 def test_a_stalled_rank_is_named_while_the_others_wait(tmp_path):
-    """Rank 1 stalls before its third batch (a slow data loader; 60 s, past the 30 s timeout): rank 0, waiting in
+    """Rank 1 stalls before its third batch (a slow data loader; 40 s, past the 15 s timeout): rank 0, waiting in
     batch 3, says after a quarter of the timeout which rank it waits for, at which batch and where that rank is;
     when the collective times out, rank 0 names rank 1 as the one behind, and rank 1, ended, says where it was."""
-    args = ("--stall-rank=1", "--stall-step=2", "--stall-seconds=60", "--steps=4")
-    outcome = launch(tmp_path, None, world=2, timeout=TIMEOUT, args=args)
+    args = ("--stall-rank=1", "--stall-step=2", "--stall-seconds=40", "--steps=4")
+    outcome = launch(tmp_path, None, world=2, timeout=TIMEOUT / 2, args=args)
     rank_zero = outcome.ranks[0].output
     waited = [line for line in rank_zero.splitlines() if "lightning-automodel: batch 3 has waited" in line]
     assert waited and "for rank 1 (" in waited[0] and "still at batch 2, in on_train_batch_start" in waited[0], (

@@ -66,6 +66,17 @@ def test_layout_with_sequence_parallel(case):
     assert verification.passed, verification.failure_message()
 
 
+def test_a_gated_delta_rule_with_more_value_heads_than_key_heads():
+    """Qwen3-Next's released proportions: two value heads per key head (each rank its key heads and the value heads
+    that read them), its fused projections laid out key head by key head; as many value heads as each is wide, so the
+    mixer's own per-head parameters have a norm's shape."""
+    config = tiny_config("qwen3_next")
+    config.linear_num_key_heads, config.linear_num_value_heads = 2, 4
+    config.linear_key_head_dim, config.linear_value_head_dim = 8, 4
+    verification = verify_plan(config, tp=2, raise_on_failure=False)
+    assert verification.passed, verification.failure_message()
+
+
 def test_a_gated_norm_over_one_group_sums_its_squares_over_tp():
     """Bamba's single group split over the ranks: without the sum each rank normalises by its own half."""
     with mock.patch(f"{STYLES}.state_space._SumOverRanks.apply", lambda tensor, group: tensor):

@@ -33,13 +33,14 @@ LAYOUTS = [
     (ParallelDims(tp=2), dict(activation_checkpointing="full")),
     (ParallelDims(cp=2), dict(activation_checkpointing=False)),
     (ParallelDims(dp_shard=2), dict(activation_checkpointing="selective", mp_policy=BF16_MIXED)),
-    # Each pp rank holds the micro-batches its schedule keeps in flight: 1F1B as many as stages from it on, GPipe all.
+    # Each pp rank holds the micro-batches its schedule keeps in flight: 1F1B as many as stages from it on (GPipe all of
+    # them, the interleaved schedules theirs: -m sweep).
     (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="1F1B", microbatches=4))),
-    (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="GPipe", microbatches=4))),
     (ParallelDims(pp=2), dict(mp_policy=BF16_MIXED, pipeline=PipelineOptions(microbatches=2))),  # bf16 hand-over
-    (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=4))),
 ]
 SWEEP_LAYOUTS = [
+    (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="GPipe", microbatches=4))),
+    (ParallelDims(pp=2), dict(pipeline=PipelineOptions(schedule="Interleaved1F1B", stages_per_rank=2, microbatches=4))),
     (
         ParallelDims(pp=2),
         dict(pipeline=PipelineOptions(schedule="InterleavedZeroBubble", stages_per_rank=2, microbatches=4)),

@@ -46,6 +46,7 @@ def test_four_ranks_hsdp_and_uneven_tokens():
     )
 
 
+@pytest.mark.sweep  # tests/test_pipeline.py runs pp x cp and pp x tp x sp on four ranks, HSDP x tp elsewhere
 def test_eight_ranks_hsdp_times_tp_pipeline_and_context():
     """dp_replicate=2 x dp_shard=2 x tp=2 with sequence parallel; the pipeline's layouts of 8: pp=2 x tp=2 x dp_shard=2
     with sp (1F1B, 4 micro-batches) and pp=2 x cp=2 x tp=2 with sp (Gemma 3); HSDP x cp: dp_replicate=2 x

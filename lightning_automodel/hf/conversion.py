@@ -54,12 +54,16 @@ def stored_as(model: nn.Module, shapes: dict[str, torch.Size]) -> dict[str, Stor
             names = tuple(revert_weight_conversion(view, {name: torch.empty(shape, device="meta")}))
         except Exception as error:  # noqa: BLE001 - transformers' conversion code, on a shape it does not expect
             raise ValueError(_unreadable(view, f"store {name} by a conversion that fails on it ({error})")) from error
-        if len(names) == 1:
+        if len(names) == 1:  # renamed, or converted on its own (found by its stored name: Inkling 2's interleaving)
+            converter = next((c for c in converters if any(_matches(p, names[0]) for p in c.source_patterns)), None)
+        else:
+            converter = next((c for c in converters if any(_matches(p, name) for p in c.target_patterns)), None)
+        if len(names) == 1 and not getattr(converter, "operations", None):
             layout[name] = Stored(names)
             continue
-        converter = next((c for c in converters if any(_matches(p, name) for p in c.target_patterns)), None)
-        if converter is None:
-            raise ValueError(_unreadable(view, f"store {name} converted ({list(names)[:4]}...)"))
+        if converter is None or not (_acts_per_expert(converter) or _reshuffles(converter)):
+            operations = getattr(converter, "operations", "an unknown conversion")
+            raise ValueError(_unreadable(view, f"store {name} converted ({list(names)[:4]}...: {operations})"))
         layout[name] = Stored(names, converter, per_expert=_acts_per_expert(converter))
     stored = [n for entry in layout.values() for n in entry.names]
     if len(stored) != len(set(stored)):
@@ -76,6 +80,16 @@ def _unreadable(view: nn.Module, what: str) -> str:
     )
 
 
+def _reshuffles(converter: Any) -> bool:
+    """Stored tensors joined as they are (Kimi's convolutions over q, k and v): their values pass unchanged, so the
+    operations may run on tensors already cast to the model's dtype."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    return len(converter.operations) > 0 and all(
+        isinstance(op, Concatenate | MergeModulelist) for op in converter.operations
+    )
+
+
 def _acts_per_expert(converter: Any) -> bool:
     """Stacking over the experts (dim 0), then joining on a dim after it: each expert's rows come from its own
     stored tensors."""
@@ -88,8 +102,10 @@ def _acts_per_expert(converter: Any) -> bool:
 
 def _matches(pattern: str, name: str) -> re.Match | None:
     """transformers' patterns are regular expressions with ``*`` for any text (here an index, captured), matching
-    whole name components at their end (``gate_up_proj`` is not ``gate_up_proj_bias``)."""
-    return re.search(pattern.replace("*", r"(\d+)") + r"(?!\w)", name)
+    whole name components (``gate_up_proj`` is not ``gate_up_proj_bias``, ``experts.down_proj`` not
+    ``shared_experts.down_proj``)."""
+    start = r"(?<!\w)" if re.match(r"\w", pattern) else ""  # ".experts..." patterns start at a dot already
+    return re.search(start + pattern.replace("*", r"(\d+)") + r"(?!\w)", name)
 
 
 def experts_of(stored: Stored, *, first: int, last: int) -> list[str]:
@@ -100,18 +116,19 @@ def experts_of(stored: Stored, *, first: int, last: int) -> list[str]:
 def merged(stored: Stored, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model tensor (or, per expert, the fused rows of the experts whose stored ``tensors``, names from
     :func:`experts_of`, are given) merged from its stored tensors by transformers' own operations, in expert order."""
+    from transformers.core_model_loading import dot_natural_key
+
     converter = stored.converter
     inputs: dict[str, Any] = {}
     for pattern in converter.source_patterns:
-        found = [n for n in tensors if _matches(pattern, n)]
-        mine = sorted(found, key=lambda n: _expert_index(stored, n)) if stored.per_expert else found
-        inputs[pattern] = [tensors[n] for n in mine]
+        found = sorted((n for n in tensors if _matches(pattern, n)), key=dot_natural_key)  # transformers' order
+        inputs[pattern] = [tensors[n] for n in found]
     for operation in converter.operations:
         inputs = operation.convert(
             inputs, source_patterns=converter.source_patterns, target_patterns=converter.target_patterns
         )
-    (merged,) = inputs.values()
-    return merged
+    (whole,) = inputs.values()
+    return whole
 
 
 def _expert_index(stored: Stored, name: str) -> int:

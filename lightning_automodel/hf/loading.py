@@ -124,9 +124,9 @@ def _load_merged_whole(tensor: torch.Tensor, stored: Stored, reader: HuggingFace
     """A tensor stored as several others (Kimi's convolution over [q; k; v], stored as three): each rank reads them
     whole, merges them as transformers does and keeps its shard."""
     metadata = reader.read_metadata().state_dict_metadata
-    read = {name: torch.empty(metadata[name].size, dtype=tensor.dtype) for name in stored.names}
+    read = {name: torch.empty(metadata[name].size, dtype=metadata[name].properties.dtype) for name in stored.names}
     _read_alone(read, reader)
-    copy_shard(tensor, merged(stored, read))
+    copy_shard(tensor, merged(stored, read).to(tensor.dtype))
 
 
 def _read_alone(tensors: dict[str, torch.Tensor], reader: HuggingFaceStorageReader) -> None:

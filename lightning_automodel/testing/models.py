@@ -47,7 +47,7 @@ FAMILIES = tuple(name for name in CONFIGS if name not in ("granite", "ernie_moe"
 # Mixture-of-experts families with the coverage report's tiny config (lightning_automodel/hf/shrink.py): Qwen3-MoE,
 # Mixtral, GPT-OSS (interleaved gate/up stored (in, out), expert biases, attention sinks) and DeepSeek-V3 (latent
 # attention, shared experts, grouped routing).
-SHRUNK = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+SHRUNK = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4_text")
 
 
 def tiny_config(family: str = "llama", **overrides):

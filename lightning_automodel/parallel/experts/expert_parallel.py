@@ -1,5 +1,6 @@
 """Expert parallel: each ep rank holds whole experts, 1/ep of every experts module's, and tokens travel to their
 experts and back by all-to-all; routing, the router's gradient and the load-balancing loss stay where the tokens are.
+Experts that take every token for every expert (Llama 4's) get every expert's rows sent to the rank holding it.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ def expert_parallel_problem(model: nn.Module, *, ep: int) -> str | None:
                 f"{name} carries LoRA adapters on its expert parameters (peft's target_parameters), which expert"
                 " parallel does not split yet: target the attention and dense layers only"
             )
-        parameters = [p for p in inspect.signature(type(module).forward).parameters if p != "self"]
-        if len(parameters) != 3:
+        parameters = _forward_parameters(module)
+        if len(parameters) not in (1, 3):
             return (
-                f"{name} ({type(module).__name__}) takes ({', '.join(parameters)}), not tokens, expert indices and"
-                " routing weights: its tokens cannot be dispatched to the ranks holding their experts"
+                f"{name} ({type(module).__name__}) takes ({', '.join(parameters)}), neither tokens, expert indices and"
+                " routing weights nor every token for every expert: its tokens cannot be sent to their experts"
             )
         experts = _experts_count(module)
         if getattr(module, "num_experts", None) != experts:
@@ -54,6 +55,10 @@ def expert_parallel_problem(model: nn.Module, *, ep: int) -> str | None:
         if experts % ep:
             return f"{name} holds {experts} experts, which do not split over ep={ep} ranks"
     return None
+
+
+def _forward_parameters(module: nn.Module) -> list[str]:
+    return [p for p in inspect.signature(type(module).forward).parameters if p != "self"]
 
 
 def _experts_count(module: nn.Module) -> int:
@@ -97,7 +102,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         module.experts_forward = module.forward.__func__
         module.experts_on_local_parameters = mesh.ndim == 1
         module.experts_group, module.experts_count = ep_mesh.get_group(), experts
-        module.forward = MethodType(_dispatched_forward, module)
+        every_token = len(_forward_parameters(module)) == 1
+        module.forward = MethodType(_exchanged_forward if every_token else _dispatched_forward, module)
 
 
 def _local_experts_forward(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
@@ -140,6 +146,32 @@ def _dispatched_forward(
     weights = top_k_weights.reshape(-1)[routes.order, None]
     combined = torch.zeros_like(tokens).index_add(0, token_of, (returned * weights).to(tokens.dtype))
     return combined.view(hidden_states.shape)
+
+
+def _exchanged_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Experts taking every token for every expert (Llama 4's: (experts x tokens, hidden) rows, expert by expert, each
+    token scaled by its routing weight, zero for experts it did not choose), as transformers computes them: every
+    expert's rows go to the rank holding it, which runs its experts on every rank's tokens, and the outputs come back
+    in the same layout. Exact, and dense as the module is: every token travels for every expert."""
+    group, experts = self.experts_group, self.experts_count
+    ranks, hidden = dist.get_world_size(group), hidden_states.shape[-1]
+    local_experts = experts // ranks
+    tokens = hidden_states.shape[0] // experts
+    counts = _token_counts(tokens, group=group, device=hidden_states.device)  # ranks' batches may differ
+    sent = [local_experts * tokens] * ranks
+    received = [local_experts * count for count in counts]
+    arrived = _exchange(hidden_states.reshape(experts * tokens, hidden), sizes=received, split_sizes=sent, group=group)
+    by_expert = torch.cat([rows.view(local_experts, -1, hidden) for rows in arrived.split(received)], dim=1)
+    computed = _local_experts_forward(self, by_expert.reshape(-1, hidden)).view(local_experts, -1, hidden)
+    by_source = torch.cat([rows.reshape(-1, hidden) for rows in computed.split(counts, dim=1)])
+    return _exchange(by_source, sizes=sent, split_sizes=received, group=group).view(hidden_states.shape)
+
+
+def _token_counts(tokens: int, *, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """The number of tokens each rank of ``group`` holds in this layer."""
+    counts = torch.empty(dist.get_world_size(group), dtype=torch.long, device=device)
+    dist.all_gather_into_tensor(counts, torch.tensor([tokens], device=device), group=group)
+    return counts.tolist()
 
 
 @dataclass(frozen=True)

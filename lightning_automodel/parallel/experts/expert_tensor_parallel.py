@@ -134,7 +134,8 @@ def _stacked_placements(module: nn.Module, *, tp: int) -> dict[str, Placement]:
         raise ValueError(
             f"ExpertTensorParallel: {module.ffn_hidden_size} intermediate units per expert do not split over tp={tp}."
         )
-    module.global_sizes = {"ffn_hidden_size": module.ffn_hidden_size}  # for initialisation (hf/initialization.py)
+    # the whole model's, for initialisation (hf/initialization.py)
+    module.global_sizes = {"ffn_hidden_size": module.ffn_hidden_size} | getattr(module, "global_sizes", {})
     module.ffn_hidden_size //= tp
     return {f"mlp.{name}": _StridedShard(0, split_factor=module.num_experts) for name in _STACKED}
 

@@ -74,8 +74,9 @@ def _rotary_key_unsummed(pattern: str, style: ParallelStyle, *, structural: dict
 
 
 def kept_whole(model: nn.Module) -> set[str]:
-    """The projections the completion keeps whole on every rank (routers, sparse attention's indexer): a derived plan
-    follows the others only (a router's output reaches the stream through the experts' weights)."""
+    """The projections the completion keeps whole on every rank (routers, sparse attention's indexer, latent
+    attention's low-rank projections): a derived plan follows the others only (a router's output reaches the stream
+    through the experts' weights, where it would make every later block's projections look like exits)."""
     return {name for name, style in _structural_styles(model, sp=False).items() if type(style) is KeptWhole}
 
 
@@ -159,13 +160,16 @@ def _latent_attention(model: nn.Module, attention: nn.Module) -> dict[str, Paral
         "g_proj": ColwiseParallel(),  # an output gate per head (Bailing's), or per head and unit
     }
     styles = {child: style for child, style in styles.items() if isinstance(getattr(attention, child, None), nn.Linear)}
-    if "g_proj" in styles and not _per_head_gate(attention.g_proj, heads=getattr(attention, "num_heads", None)):
+    if "g_proj" in styles and not _per_head_gate(attention):
         del styles["g_proj"]
     return {**styles, **_rotary_key_norms(attention, rotary_width=rotary_width)}
 
 
-def _per_head_gate(gate: nn.Linear, *, heads: object) -> bool:
-    return isinstance(heads, int) and gate.out_features % heads == 0
+def _per_head_gate(attention: nn.Module) -> bool:
+    """Whether the attention's ``g_proj`` makes one gate per head, or per head and value unit."""
+    heads, width = getattr(attention, "num_heads", None), getattr(attention, "v_head_dim", None)
+    widths = {heads, heads * width} if isinstance(heads, int) and isinstance(width, int) else {heads}
+    return attention.g_proj.out_features in widths
 
 
 def _rotary_key_norms(attention: nn.Module, *, rotary_width: int) -> dict[str, ParallelStyle]:

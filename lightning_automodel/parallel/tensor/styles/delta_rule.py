@@ -144,6 +144,8 @@ def _layout(module: nn.Module, *, heads: _Heads) -> tuple[dict[str, ParallelStyl
     columns: dict[str, ParallelStyle] = {}
     norms, output = [], None
     for path, child in module.named_modules():
+        if child in (*_owners(module), module.conv1d):  # their parameters are split by head, or whole by channel
+            continue
         name, own = path.rpartition(".")[2], list(child.parameters(recurse=False))
         linear = isinstance(child, nn.Linear)
         if linear and widths.get(name) == child.out_features:
@@ -152,7 +154,7 @@ def _layout(module: nn.Module, *, heads: _Heads) -> tuple[dict[str, ParallelStyl
             output = path
         elif own and not linear and all(p.ndim == 1 and p.shape[0] == head_width for p in own):
             norms.append(child)  # the gated norm over one head's width
-        elif own and not (linear and name in _LOW_RANK) and child not in _owners(module) + [module.conv1d]:
+        elif own and not (linear and name in _LOW_RANK):
             raise ValueError(
                 f"DeltaRuleMixerParallel: {type(module).__name__}.{path} ({type(child).__name__}) is not part of the"
                 " gated delta rule's layout this style splits (see docs/layouts_by_structure.md). Use tp=1 for"

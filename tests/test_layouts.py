@@ -40,9 +40,9 @@ CASES = {
     "mamba-2": (tiny_config("bamba"), (f"{STYLES}.state_space.summed_gradient", _no_sum)),
     # Mamba with Jamba's norms of dt, B and C: x_proj's whole output gets its gradient summed after them.
     "mamba": (tiny_config("jamba"), (f"{STYLES}.state_space.summed_gradient", _no_sum)),
-    # Kimi's delta attention (forget gate, low-rank gates): the gated norm's weight, shared by all heads, gets its
-    # gradient summed. tests/test_coverage.py checks the other gated delta rules (Qwen3-Next's fused projections).
-    "gated delta rule": (tiny_config("kimi_linear"), (f"{STYLES}.delta_rule.summed_gradient", _no_sum)),
+    # OLMo-Hybrid's Gated DeltaNet: the gated norm's weight, shared by all heads, gets its gradient summed. Kimi's delta
+    # attention (forget gate, low-rank gates) trains at parity in tests/test_loading.py, Qwen3-Next's layout below.
+    "gated delta rule": (tiny_config("olmo_hybrid"), (f"{STYLES}.delta_rule.summed_gradient", _no_sum)),
     # Gemma 4's per-layer input: each rank's slice, the slices' gradients gathered.
     "per-layer input": (tiny_config("gemma4_text"), (f"{STYLES}.inputs.SplitArgument._slice", _slice_without_gather)),
 }

@@ -69,19 +69,16 @@ def test_pipeline_two_stages_against_one_process():
 
 
 def test_pipeline_with_tensor_and_data_parallel(tmp_path):
-    """World 4: Llama at pp=2 x tp=2 with sp (1F1B, 4 micro-batches); Gemma 3 (tied, its embedding
-    vocabulary-parallel) at pp=2 x tp=2 with sp (GPipe); Qwen3 at pp=2 x dp_shard=2 with activation checkpointing;
-    Gemma 3 at pp=2 x cp=2 (a stage receiving its cp share); LoRA on every projection with two stages per rank
-    (Interleaved1F1B) at pp=2 x tp=2 with sp; checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2 and at
-    pp=1 (dp_shard=4), and at pp=2 with two stages per rank resumed at pp=4; refusals before any collective.
-    Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2): two stages per rank, accumulation and clipping (the
-    experts' norm over their own mesh). More layouts: the sweep below."""
+    """World 4: Llama at pp=2 x tp=2 with sp (1F1B, 4 micro-batches); Qwen3 at pp=2 x dp_shard=2 with activation
+    checkpointing; LoRA on every projection with two stages per rank (Interleaved1F1B) at pp=2 x tp=2 with sp;
+    checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2 and at pp=1 (dp_shard=4), and at pp=2 with two
+    stages per rank resumed at pp=4; refusals before any collective. Qwen3-MoE with its experts over ep=2 (pp=2 x
+    dp_shard=2): two stages per rank, accumulation and clipping (the experts' norm over their own mesh). pp x cp:
+    tests/test_context_parallel.py. More layouts: the sweep below."""
     pp2, pp2_tp2, pp4 = dict(pp=2), dict(pp=2, tp=2), dict(pp=4)
     checks = [
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4, tp=2, sp=True),
-        partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3", tp=2, sp=True),
         partial(check_pipeline_trainer_parity, 2, "1F1B", "qwen3", activation_checkpointing=True),
-        partial(check_pipeline_trainer_parity, 2, "1F1B", "gemma3", microbatches=2, cp=2),
         partial(check_pipeline_lora, 2, 2, True, "Interleaved1F1B", 2),
         partial(check_checkpoint_resume_across_layouts, str(tmp_path), [(pp2, pp2_tp2), (pp2, {}), (INTERLEAVED, pp4)]),
         partial(check_pipeline_refusals, 2),
@@ -94,12 +91,14 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
 @pytest.mark.sweep
 def test_pipeline_sweep(tmp_path):
     """World 4: Llama with two stages per rank (Interleaved1F1B) at pp=2 x tp=2 with sp; Llama at pp=2 under HSDP
-    (dp_replicate=2); LoRA at pp=2 x tp=2 with sp (1F1B); checkpoints saved at pp=1 resumed at pp=2 x tp=2, saved at
-    pp=4 resumed at pp=2 with two stages per rank; Qwen3-MoE's saved at pp=2 x ep=2 resumed at pp=1."""
+    (dp_replicate=2); Gemma 3 (tied, its embedding vocabulary-parallel) at pp=2 x tp=2 with sp (GPipe); LoRA at pp=2
+    x tp=2 with sp (1F1B); checkpoints saved at pp=1 resumed at pp=2 x tp=2, saved at pp=4 resumed at pp=2 with two
+    stages per rank; Qwen3-MoE's saved at pp=2 x ep=2 resumed at pp=1."""
     pp2_tp2, pp4 = dict(pp=2, tp=2), dict(pp=4)
     checks = [
         partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", microbatches=4, tp=2, sp=True, stages_per_rank=2),
         partial(check_pipeline_trainer_parity, 2, "GPipe", dp_replicate=2),
+        partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3", tp=2, sp=True),
         partial(check_pipeline_lora, 2, 2, True),
         partial(check_checkpoint_resume_across_layouts, str(tmp_path), [({}, pp2_tp2), (pp4, INTERLEAVED)]),
         partial(

@@ -17,7 +17,12 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_map
 
-from lightning_automodel.parallel.tensor.styles.parameters import local_parameters, summed_gradient, whole_local
+from lightning_automodel.parallel.tensor.styles.parameters import (
+    local_parameters,
+    localize_sizes,
+    summed_gradient,
+    whole_local,
+)
 
 # The parameters of an experts module, as (name, the dim holding intermediate units when stored (out, in)).
 _UP = {"gate_up_proj": 1, "up_proj": 1}
@@ -93,9 +98,10 @@ class ExpertTensorParallel(ParallelStyle):
         if problem is not None:
             raise TypeError(f"ExpertTensorParallel: {problem}.")
         tp = device_mesh.size()
-        placements = (
-            _stacked_placements(module, tp=tp) if is_stacked_experts(module) else expert_placements(module, tp=tp)
-        )
+        stacked = is_stacked_experts(module)
+        placements = _stacked_placements(module, tp=tp) if stacked else expert_placements(module, tp=tp)
+        if stacked:  # its code views the matrices by this rank's units per expert
+            localize_sizes(module, {"ffn_hidden_size": module.ffn_hidden_size // tp})
         for name, placement in placements.items():
             owner, _, attribute = name.rpartition(".")
             owner = module.get_submodule(owner)
@@ -129,14 +135,11 @@ def expert_placements(module: nn.Module, *, tp: int) -> dict[str, Placement]:
 
 
 def _stacked_placements(module: nn.Module, *, tp: int) -> dict[str, Placement]:
-    """DBRX's stacked experts: each rank keeps every expert's slice of its units; the code reads this rank's count."""
+    """DBRX's stacked experts: each rank keeps every expert's slice of its units."""
     if module.ffn_hidden_size % tp:
         raise ValueError(
             f"ExpertTensorParallel: {module.ffn_hidden_size} intermediate units per expert do not split over tp={tp}."
         )
-    # the whole model's, for initialisation (hf/initialization.py)
-    module.global_sizes = {"ffn_hidden_size": module.ffn_hidden_size} | getattr(module, "global_sizes", {})
-    module.ffn_hidden_size //= tp
     return {f"mlp.{name}": _StridedShard(0, split_factor=module.num_experts) for name in _STACKED}
 
 

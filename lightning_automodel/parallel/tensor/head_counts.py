@@ -19,7 +19,7 @@ from lightning_automodel.hf.layer_configs import attention_shapes
 from lightning_automodel.hf.packed_weights import is_packed
 from lightning_automodel.parallel.tensor.lora import LoraParallel
 from lightning_automodel.parallel.tensor.sizes import model_config
-from lightning_automodel.parallel.tensor.styles.parameters import HeadShardedParameters
+from lightning_automodel.parallel.tensor.styles.parameters import HeadShardedParameters, localize_sizes
 from lightning_automodel.parallel.tensor.styles.projections import PackedColwiseParallel, RegroupedColwiseParallel
 
 
@@ -51,9 +51,7 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
         head_widths = [a for a, value in vars(module).items() if _is_width(a, value, widths) and _reads(read, a)]
         if attributes or _has_packed_child(module) or any("head" in a.lower() for a in head_widths):
             attributes += head_widths  # an attention module (BERT's all_head_size says so): widths are this rank's
-        _keep_global(module, attributes)
-        for attribute in attributes:
-            setattr(module, attribute, getattr(module, attribute) // tp)
+        localize_sizes(module, {attribute: getattr(module, attribute) // tp for attribute in attributes})
         changed += [f"{name}.{attribute}" for attribute in attributes]
         changed += [f"{name}.config.{field}" for field in _localize_config(module, read, counts, tp)]
     return changed
@@ -114,17 +112,11 @@ def _localize_config(module: nn.Module, read: frozenset[str] | None, counts: set
     read_fields = None if read is None else {aliases.get(name, name) for name in read}
     fields = [f for f, value in vars(config).items() if _is_count(f, value, counts) and _reads(read_fields, f)]
     if fields:
-        _keep_global(module, ["config"])
-        module.config = copy.copy(config)
+        local = copy.copy(config)
         for field in fields:
-            setattr(module.config, field, getattr(config, field) // tp)
+            setattr(local, field, getattr(config, field) // tp)
+        localize_sizes(module, {"config": local})
     return fields
-
-
-def _keep_global(module: nn.Module, attributes: list[str]) -> None:
-    """Keep the whole model's values of attributes about to become this rank's (``global_sizes``), for code that
-    needs them: initialisation computes per-head buffers from the head count (hf/initialization.py)."""
-    module.global_sizes = {name: getattr(module, name) for name in attributes} | getattr(module, "global_sizes", {})
 
 
 def _has_packed_child(module: nn.Module) -> bool:

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from lightning_automodel.parallel.tensor.styles.parameters import summed_gradient
+from lightning_automodel.parallel.tensor.styles.parameters import localize_sizes, summed_gradient
 from lightning_automodel.parallel.tensor.styles.projections import (
     Blocks,
     PackedColwiseParallel,
@@ -28,7 +28,6 @@ from lightning_automodel.parallel.tensor.styles.state_space import StateSpaceMix
 _KEY_WIDE = ("q_proj", "k_proj")
 _VALUE_WIDE = ("v_proj", "g_proj", "in_proj_z", "g_b_proj", "f_proj", "f_b_proj")
 _PER_HEAD = ("a_proj", "b_proj", "in_proj_a", "in_proj_b")
-_KEY_HEAD_GROUPED = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next's: [q; k; v; z] and [b; a] key head by key head
 _PACKED_QKV = "in_proj_qkv"
 _LOW_RANK = ("f_a_proj", "g_a_proj")  # Kimi's down-projections of its gates: whole, their gradient summed by the up
 _OUTPUT = ("o_proj", "out_proj")
@@ -98,7 +97,7 @@ class DeltaRuleMixerParallel(StateSpaceMixerParallel):
             parts.append((norm, None, partial(_whole_summed, mesh=device_mesh)))
         for owner in _owners(module):
             parts += self._split_by_head(owner, device_mesh, heads=heads)
-            self._local_sizes(owner, {name: getattr(owner, name) // tp for name in _SIZES if hasattr(owner, name)})
+            localize_sizes(owner, {name: getattr(owner, name) // tp for name in _SIZES if hasattr(owner, name)})
         self._run_locally(module, {}, parts)
         return module
 
@@ -137,6 +136,7 @@ def _layout(module: nn.Module, *, heads: _Heads) -> tuple[dict[str, ParallelStyl
     naming a child outside that layout."""
     widths = {name: heads.key_width for name in _KEY_WIDE} | {name: heads.value_width for name in _VALUE_WIDE}
     widths |= {name: heads.values for name in _PER_HEAD}
+    # Qwen3-Next's fused [q; k; v; z] and [b; a], laid out key head by key head
     widths |= {"in_proj_qkvz": 2 * (heads.key_width + heads.value_width), "in_proj_ba": 2 * heads.values}
     packed = (heads.key_width, heads.key_width, heads.value_width)
     widths[_PACKED_QKV] = sum(packed)

@@ -85,6 +85,15 @@ def rank_slice(tensor: torch.Tensor, *, mesh: DeviceMesh, dim: int) -> torch.Ten
     return tensor.index_select(dim, indices)
 
 
+def localize_sizes(module: nn.Module, local: Mapping[str, object]) -> None:
+    """Set the attributes tensor parallel makes this rank's (head counts, widths, a config copy), the whole model's
+    values kept in ``global_sizes`` for code that needs them: initialisation computes per-head parameters from the
+    head count (hf/initialization.unsharded_view)."""
+    module.global_sizes = {name: getattr(module, name) for name in local} | getattr(module, "global_sizes", {})
+    for name, value in local.items():
+        setattr(module, name, value)
+
+
 def whole_local_args(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A forward pre-hook handing a module that computes on the whole sequence its DTensor arguments (the gathered
     sequence-parallel stream) as this rank's whole copies."""

@@ -19,7 +19,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
-from lightning_automodel.parallel.tensor.styles.parameters import local_parameters, summed_gradient, whole_local_args
+from lightning_automodel.parallel.tensor.styles.parameters import (
+    local_parameters,
+    localize_sizes,
+    summed_gradient,
+    whole_local_args,
+)
 from lightning_automodel.parallel.tensor.styles.projections import (
     Blocks,
     PackedColwiseParallel,
@@ -104,17 +109,11 @@ class StateSpaceMixerParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(distributed, requires_grad=param.requires_grad))
 
     @staticmethod
-    def _local_sizes(module: nn.Module, local: dict[str, int]) -> None:
-        """Make ``module``'s sizes this rank's, the whole model's kept in ``global_sizes`` (hf/initialization.py)."""
-        module.global_sizes = {name: getattr(module, name) for name in local} | getattr(module, "global_sizes", {})
-        module.__dict__.update(local)
-
-    @staticmethod
     def _run_locally(module: nn.Module, local: dict[str, int], parts: list[tuple[nn.Module, tuple | None, Callable]]):
         """Set the mixer's sizes to this rank's, keeping the whole model's for initialisation (``global_sizes``, read
         by hf/initialization.py), and run its forward on ``parts``: (module, parameter names or None for all, how to
         take this rank's part of a DTensor)."""
-        StateSpaceMixerParallel._local_sizes(module, local)
+        localize_sizes(module, local)
         module.local_parts = parts
         module.forward = MethodType(_forward_on_this_ranks_share, module)
 

@@ -6,10 +6,10 @@
     lightning-automodel export CHECKPOINT --output DIR
 
 ``fit``/``validate``/``test``/``predict`` are Lightning's own LightningCLI over :class:`CausalLMModule` and any
-LightningDataModule (``TextDataModule`` and ``DemoDataModule`` also by their short names). The Trainer's defaults
-differ from Lightning's in three ways: the strategy is ``AutoModelParallelStrategy`` (``"automodel"``), the
-logger a CSVLogger, which the end-of-training summary draws its loss curve from, and the progress bar counts a
-``max_steps`` run in steps (:class:`StepProgressBar`).
+LightningDataModule (``TextDataModule``, ``ChatDataModule`` and ``DemoDataModule`` also by their short names). The
+Trainer's defaults differ from Lightning's in three ways: the strategy is ``AutoModelParallelStrategy``
+(``"automodel"``), the logger a CSVLogger, which the end-of-training summary draws its loss curve from, and the
+progress bar counts a ``max_steps`` run in steps (:class:`StepProgressBar`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_automodel import data  # noqa: F401 - its data modules' short names, for LightningCLI
 from lightning_automodel.io.checkpoint_to_hf import export_checkpoint
-from lightning_automodel.lm import CausalLMModule  # the package also brings its data modules' short names
+from lightning_automodel.lm import CausalLMModule
 from lightning_automodel.lm.progress import StepProgressBar
 from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy

@@ -7,7 +7,7 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_automodel import AutoModelParallelStrategy
-from lightning_automodel.lm.demo import DemoDataModule
+from lightning_automodel.data.demo import DemoDataModule
 from lightning_automodel.testing.models import VOCAB, tiny_model
 from lightning_automodel.testing.trainer_parity import CausalLM, trainer
 

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.lm import CausalLMModule
 from lightning_automodel.lm.module import learning_rate_factor
+from lightning_automodel.testing.harness import shared_directory
 from lightning_automodel.testing.models import SHRUNK, VOCAB, tiny_config
 from lightning_automodel.testing.parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE, full
 from lightning_automodel.testing.trainer_parity import assert_experts_distributed, compare_training, trainer
@@ -77,6 +78,25 @@ def padded_rows(count: int, seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "labels": input_ids.masked_fill(~real, -100), "attention_mask": real.long()}
 
 
+def packed_rows(count: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rows of two or three documents end to end, position ids restarting at each, most rows with trailing padding
+    (a document of its own): a document's first token is no target, as the data modules make them."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (count, SEQ), generator=generator)
+    labels, position_ids = input_ids.clone(), torch.zeros_like(input_ids)
+    for row in range(count):
+        real = SEQ - int(torch.randint(0, 4, (1,), generator=generator))
+        cuts = sorted(torch.randperm(real - 3, generator=generator)[:2].add(2).tolist())  # documents of 2+ tokens
+        for start, end in zip([0, *cuts, real], [*cuts, real, SEQ], strict=True):
+            position_ids[row, start:end] = torch.arange(end - start)
+            labels[row, start : start + 1] = -100
+        input_ids[row, real:], labels[row, real:] = 0, -100
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+ROWS = {"padded": padded_rows, "packed": packed_rows}
+
+
 def model_config(family: str):
     return tiny_config(family, **AUXILIARY) if family in SHRUNK else tiny_config(family)
 
@@ -84,7 +104,7 @@ def model_config(family: str):
 def reference_metrics(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' own loss over all rows at once (with its auxiliary loss, if any), the language-model loss alone,
     and the argmax accuracy of the full logits."""
-    output = model(**rows)
+    output = model(**rows, use_cache=False)
     predicted = output.logits[:, :-1].argmax(-1)
     targets = rows["labels"][:, 1:]
     scored = targets != -100
@@ -94,13 +114,16 @@ def reference_metrics(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> 
     return {"loss": output.loss, "lm_loss": output.loss - auxiliary, "accuracy": accuracy, "tokens": scored.sum()}
 
 
-def check_causal_lm_module(tp: int, sp: bool, family: str = "llama", ep: int = 1, loss_chunks: int = 1) -> dict:
-    """3 steps of CausalLMModule (meta init, AdamW with decay groups, warm-up then cosine) on padded rows match a
-    single process: the logged loss and accuracy at every step, every gradient, the weights, then validation's
-    loss, perplexity and accuracy over two uneven batches, and predict's per-sequence losses. A mixture-of-experts
-    ``family`` adds its auxiliary loss, over the global batch; ``loss_chunks``, the module's."""
-    train = padded_rows(GLOBAL_BATCH, seed=1)  # an epoch of one step: every step sees the same global batch
-    val = padded_rows(2 * GLOBAL_BATCH, seed=2)
+def check_causal_lm_module(
+    tp: int, sp: bool, family: str = "llama", ep: int = 1, loss_chunks: int = 1, rows: str = "padded"
+) -> dict:
+    """3 steps of CausalLMModule (meta init, AdamW with decay groups, warm-up then cosine) on padded rows (or
+    ``rows="packed"``: documents packed, told apart by position ids) match a single process: the logged loss and
+    accuracy at every step, every gradient, the weights, then validation's loss, perplexity and accuracy over two
+    uneven batches, and predict's per-sequence losses. A mixture-of-experts ``family`` adds its auxiliary loss,
+    over the global batch; ``loss_chunks``, the module's."""
+    train = ROWS[rows](GLOBAL_BATCH, seed=1)  # an epoch of one step: every step sees the same global batch
+    val = ROWS[rows](2 * GLOBAL_BATCH, seed=2)
     dp = dist.get_world_size() // tp
     loader = DataLoader(Rows(train), batch_size=GLOBAL_BATCH // dp)
     val_loader = DataLoader(Rows(val), batch_size=GLOBAL_BATCH // dp)
@@ -146,7 +169,8 @@ def predict_error(
     predicted = torch.cat([output["loss_sum"] for output in outputs])
     dp_rank, dp = (fit.strategy.distributed_sampler_kwargs[key] for key in ("rank", "num_replicas"))
     with torch.no_grad():
-        logits = reference(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"]).logits
+        inputs = {name: value for name, value in rows.items() if name != "labels"}
+        logits = reference(**inputs, use_cache=False).logits
     targets = torch.nn.functional.pad(rows["labels"][:, 1:], (0, 1), value=-100)
     per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     expected_sums = per_token.sum(1)[dp_rank::dp]
@@ -213,7 +237,7 @@ def check_lora_checkpoint_exports_merged(tp: int) -> dict:
 def check_predict_in_step_or_refused() -> dict:
     """Predict at dp=2 over an odd number of rows: Lightning's own split leaves one rank a batch more, which is
     refused on every rank (a hang otherwise); the data module's padded split predicts every row."""
-    from lightning_automodel.lm import DemoDataModule
+    from lightning_automodel.data import DemoDataModule
 
     module = CausalLMModule(config=tiny_config("llama", vocab_size=320).to_dict())
     predict = trainer(AutoModelParallelStrategy())
@@ -238,19 +262,21 @@ def check_bad_data_refused_on_every_rank(tp: int) -> dict:
     """Data the model cannot take, refused before the first step: a tokenizer larger than the vocabulary, rows
     longer than the positions, a validation file that is not UTF-8. Every rank must raise (one raising alone would
     leave the others waiting in a collective); returns each refusal's message, with DIR for this rank's files."""
-    import tempfile
-    from pathlib import Path
+    from lightning_automodel.data import DemoDataModule, TextDataModule
 
-    from lightning_automodel.lm import DemoDataModule, TextDataModule
-
-    directory = Path(tempfile.mkdtemp(prefix="lam-bad-data-"))  # each rank writes the same files for itself
-    (directory / "train.txt").write_text("some text\n\nmore text\n")
-    (directory / "val.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    directory = shared_directory()  # every rank names the same files (the local rank 0 caches their tokens)
+    if dist.get_rank() == 0:
+        (directory / "train.txt").write_text("some text\n\nmore text\n")
+        (directory / "val.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    dist.barrier()
     bytes_vocab = tiny_config("llama", vocab_size=320).to_dict()  # max_position_embeddings 64
     cases = {
         "vocabulary": (tiny_config("llama").to_dict(), DemoDataModule(seq_len=16, num_documents=8)),  # 128 < 258
         "positions": (bytes_vocab, DemoDataModule(seq_len=128, num_documents=8)),
-        "file": (bytes_vocab, TextDataModule(str(directory / "train.txt"), str(directory / "val.txt"), seq_len=16)),
+        "file": (
+            bytes_vocab,
+            TextDataModule(str(directory / "train.txt"), val_files=str(directory / "val.txt"), seq_len=16),
+        ),
     }
     refused = {}
     for case, (config, data) in cases.items():
@@ -274,15 +300,18 @@ class PretrainedRecordingLM(RecordingLM):
         self.losses, self.accuracies, self.grads = [], [], []
 
 
-def check_causal_lm_module_split(*, pp: int = 1, cp: int = 1, tp: int = 1, family: str = "llama") -> dict:
+def check_causal_lm_module_split(
+    *, pp: int = 1, cp: int = 1, tp: int = 1, family: str = "llama", rows: str = "padded"
+) -> dict:
     """CausalLMModule unchanged when the model's call splits the batch, under pp (1F1B over pp micro-batches) or cp
     (also x tp, whose vocabulary-sharded logits make the summed loss a DTensor):
-    3 steps on padded rows (AdamW with decay groups, warm-up then cosine) match transformers' model in one process:
+    3 steps on padded (or packed) rows (AdamW with decay groups, warm-up then cosine) match transformers' model in
+    one process:
     the logged loss and accuracy at every step, this rank's gradients, the weights; then validation's loss,
     perplexity and accuracy; predict's per-sequence losses on every rank under pp, refused under cp. A
     mixture-of-experts family adds its load-balancing loss (logged apart) over the real tokens of the global batch."""
     directory = saved_checkpoint(family, **(AUXILIARY if family in SHRUNK else {}))
-    train, val = padded_rows(GLOBAL_BATCH, seed=1), padded_rows(2 * GLOBAL_BATCH, seed=2)
+    train, val = ROWS[rows](GLOBAL_BATCH, seed=1), ROWS[rows](2 * GLOBAL_BATCH, seed=2)
     dp = dist.get_world_size() // pp // cp // tp
     module = PretrainedRecordingLM(directory)
     fit = trainer(AutoModelParallelStrategy(tp, pp=pp, cp=cp))

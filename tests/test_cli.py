@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_automodel.cli import cli, expand_home, main, plan_for_config
-from lightning_automodel.lm import DemoDataModule
+from lightning_automodel.data import DemoDataModule
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 DEMO_STEPS = 100
@@ -96,9 +96,11 @@ def test_export_holds_the_trained_weights(demo_run):
     data = DemoDataModule()
     data.setup("validate")
     val = data.datasets["val"]
-    batch = {key: torch.stack([val[i][key] for i in range(len(val))]) for key in ("input_ids", "labels")}
+    batch = {
+        key: torch.stack([val[i][key] for i in range(len(val))]) for key in ("input_ids", "labels", "position_ids")
+    }
     with torch.no_grad():
-        loss = model(**batch).loss.item()
+        loss = model(**batch, use_cache=False).loss.item()
     assert abs(loss - logged) < 1e-4, (loss, logged)
 
 
@@ -235,7 +237,7 @@ def test_print_config(capsys, no_pytest_argv):
         "sp: false",
         "activation_checkpointing: false",
         "warmup_steps: 10",
-        "class_path: lightning_automodel.lm.DemoDataModule",
+        "class_path: lightning_automodel.data.DemoDataModule",
     )
     for line in expected:
         assert line in printed, printed
@@ -329,3 +331,29 @@ def test_a_tilde_after_an_equals_sign_is_the_home_directory(capsys, monkeypatch,
     assert sys.argv[1:] == ["plan", f"--config={tmp_path}/demo.yaml"]  # as Lightning's launcher re-runs it
     assert expand_home("--output=~/models/x") == f"--output={tmp_path}/models/x"
     assert expand_home('--model.config={"path": "~"}') == '--model.config={"path": "~"}'
+
+
+def test_the_fine_tuning_example_trains_on_the_answers(no_pytest_argv, tmp_path):
+    """examples/sft_chat.yaml on one process: its chat records through the byte tokenizer's template, packed, the
+    loss on the answers only, and the loss falls within a few steps."""
+    overrides = [
+        "--trainer.devices=1",
+        "--trainer.strategy.init_args.tp=1",
+        "--trainer.strategy.init_args.sp=false",
+        "--trainer.max_steps=12",
+        "--trainer.val_check_interval=12",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--data.init_args.train_files={EXAMPLES / 'data' / 'chat.jsonl'}",
+        f"--data.init_args.cache_dir={tmp_path / 'tokens'}",
+    ]
+    fitted = cli(["fit", f"--config={EXAMPLES / 'sft_chat.yaml'}", *overrides])
+    rows = fitted.datamodule.datasets["train"]
+    row = rows[0]
+    answers = fitted.datamodule.tokenizer.decode(row["input_ids"][row["labels"] != -100])
+    assert answers.startswith("6 + 6 = 12.<eos>Tuesday comes after Monday.<eos>"), answers
+    losses = [
+        float(line["train_loss"])
+        for line in csv.DictReader(open(next(tmp_path.rglob("metrics.csv"))))
+        if line.get("train_loss")
+    ]
+    assert losses[-1] < losses[0] - 1, losses

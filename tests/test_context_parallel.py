@@ -70,8 +70,8 @@ def test_context_parallel_on_two_ranks(tmp_path):
 
 def test_context_parallel_with_tensor_and_data_parallel():
     """World 4: Llama at cp=2 x tp=2 with sp; Qwen3 at cp=2 x dp_shard=2 with activation checkpointing; Mistral with a
-    3-token window at cp=2 x tp=2; CausalLMModule at cp=2 x tp=2. Under pp=2 x cp=2: Llama through the Trainer
-    (1F1B); the model's call on rows padded and packed each their own way, under 1F1B (Llama), Interleaved1F1B
+    3-token window at cp=2 x tp=2; CausalLMModule at cp=2 x tp=2 on packed rows. Under pp=2 x cp=2: Llama through the
+    Trainer (1F1B); the model's call on rows padded and packed each their own way, under 1F1B (Llama), Interleaved1F1B
     (Gemma 3: tied, sliding layers), InterleavedZeroBubble (Llama), and with Qwen3-MoE's load-balancing loss (1F1B);
     CausalLMModule on pretrained Qwen3-MoE with its load-balancing loss.
     The sweep below: the other schedules and more families."""
@@ -79,7 +79,7 @@ def test_context_parallel_with_tensor_and_data_parallel():
         partial(check_context_parallel_trainer_parity, 2, tp=2, sp=True),
         partial(check_context_parallel_trainer_parity, 2, "qwen3", activation_checkpointing=True),
         partial(check_context_parallel_trainer_parity, 2, "mistral", tp=2, config=dict(sliding_window=3)),
-        partial(check_causal_lm_module_split, cp=2, tp=2),
+        partial(check_causal_lm_module_split, cp=2, tp=2, rows="packed"),
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=2, cp=2),
         partial(ROWS, "llama"),
         partial(ROWS, "gemma3", **INTERLEAVED, **GEMMA3_EIGHT_LAYERS),

@@ -5,6 +5,7 @@ from functools import partial
 from itertools import islice
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from data_checks import DEMO, check_resume_across_epochs
@@ -13,18 +14,15 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer
 
-from lightning_automodel.lm.data import (
-    IGNORE_INDEX,
-    TextDataModule,
-    expand_files,
-    pack_rows,
-    pad_rows,
-    read_documents,
-    split_documents,
-)
-from lightning_automodel.lm.demo import DemoDataModule, demo_documents
-from lightning_automodel.lm.sampler import ResumableShuffle
-from lightning_automodel.lm.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokenizer
+from lightning_automodel.data import cache
+from lightning_automodel.data.demo import DemoDataModule, demo_documents
+from lightning_automodel.data.encoding import DocumentEncoder, encode, file_batches
+from lightning_automodel.data.files import expand_files
+from lightning_automodel.data.modules import TextDataModule, held_out_split
+from lightning_automodel.data.rows import IGNORE_INDEX, PackedRows, PaddedRows
+from lightning_automodel.data.sampler import ResumableShuffle
+from lightning_automodel.data.store import TokenStore, memory_store
+from lightning_automodel.data.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokenizer
 from lightning_automodel.testing.harness import check_name, run_checks
 
 TEXTS = ["hello world", "héllo wörld, 日本語 🎉", "  leading spaces\n\ttabs\r\n", "\x00\x7f\xff", "a<eos>b", ""]
@@ -45,8 +43,43 @@ def byte_ids(text):
 
 
 def stream(rows):
-    """The real tokens of a TokenRows, concatenated in row order."""
-    return [int(token) for i in range(len(rows)) for token in rows.tokens[i, : rows.lengths[i]]]
+    """The real tokens of rows, concatenated in row order."""
+    return [token for i in range(len(rows)) for token in rows[i]["input_ids"].tolist() if token != PAD_ID]
+
+
+def tokens_of(rows):
+    return [rows[i]["input_ids"].tolist() for i in range(len(rows))]
+
+
+def store_of(documents, eos_id):
+    """A store of token lists, each followed by ``eos_id``."""
+    lengths = [len(document) + 1 for document in documents]
+    tokens = np.array([token for document in documents for token in (*document, eos_id)])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return TokenStore(tokens, offsets, np.arange(1, len(documents) + 1), (("<test>", len(documents)),))
+
+
+def pack_rows(documents, seq_len, eos_id, pad_id, separate=False):
+    return PackedRows(store_of(documents, eos_id), seq_len, pad_id, chosen=None, separate=separate)
+
+
+def pad_rows(documents, seq_len, eos_id, pad_id):
+    return PaddedRows(store_of(documents, eos_id), seq_len, pad_id, chosen=None)
+
+
+def read_documents(patterns, text_field="text"):
+    """The documents of files as the text data module reads them (each without its EOS)."""
+    tokenizer = byte_tokenizer()
+    encoded = encode(file_batches(expand_files(patterns)), DocumentEncoder(tokenizer, text_field), workers=0)
+    store = memory_store(encoded, vocabulary=len(tokenizer), fine_tuning=False)
+    return [
+        tokenizer.decode(store.tokens[a : b - 1]) for a, b in zip(store.offsets[:-1], store.offsets[1:], strict=True)
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _token_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "DEFAULT_ROOT", tmp_path / "token-cache")
 
 
 # ----------------------------------------------------------------------------------------------------- tokenizer
@@ -74,8 +107,7 @@ def test_byte_tokenizer_ids_are_bytes_and_round_trip(tmp_path):
 
 def test_pack_rows_cuts_the_eos_separated_stream_and_pads_only_the_last_row():
     rows = pack_rows([[1, 2, 3], [4], [5, 6, 7, 8]], seq_len=4, eos_id=9, pad_id=0)
-    assert rows.tokens.tolist() == [[1, 2, 3, 9], [4, 9, 5, 6], [7, 8, 9, 0]]
-    assert [len(row) for row in rows.tokens] == [4, 4, 4]
+    assert tokens_of(rows) == [[1, 2, 3, 9], [4, 9, 5, 6], [7, 8, 9, 0]]
     last = rows[2]
     assert set(last) == {"input_ids", "labels"}
     assert last["input_ids"].tolist() == [7, 8, 9, 0]
@@ -85,14 +117,14 @@ def test_pack_rows_cuts_the_eos_separated_stream_and_pads_only_the_last_row():
 
 def test_pack_rows_exact_multiple_has_no_padding_row():
     rows = pack_rows([[1, 2, 3]], seq_len=2, eos_id=9, pad_id=0)
-    assert rows.tokens.tolist() == [[1, 2], [3, 9]]
+    assert tokens_of(rows) == [[1, 2], [3, 9]]
     assert rows[1]["labels"].tolist() == [3, 9]
 
 
 def test_pad_rows_masks_exactly_the_padding_and_splits_long_documents_with_one_token_overlap():
     rows = pad_rows([[1, 2], [3, 4, 5, 6, 7, 8]], seq_len=4, eos_id=9, pad_id=0)
     # [3..8, 9] is 7 tokens: chunks start every seq_len - 1 = 3 tokens, so each token after the first is a target once.
-    assert rows.tokens.tolist() == [[1, 2, 9, 0], [3, 4, 5, 6], [6, 7, 8, 9]]
+    assert tokens_of(rows) == [[1, 2, 9, 0], [3, 4, 5, 6], [6, 7, 8, 9]]
     assert rows[0]["labels"].tolist() == [1, 2, 9, IGNORE_INDEX]
     assert rows[0]["attention_mask"].tolist() == [1, 1, 1, 0]
     assert rows[2]["labels"].tolist() == [6, 7, 8, 9]
@@ -101,9 +133,9 @@ def test_pad_rows_masks_exactly_the_padding_and_splits_long_documents_with_one_t
 
 def test_pad_rows_never_makes_a_row_without_a_target():
     rows = pad_rows([[1, 2, 3, 4, 5, 6]], seq_len=4, eos_id=9, pad_id=0)  # 7 tokens with EOS
-    assert rows.tokens.tolist() == [[1, 2, 3, 4], [4, 5, 6, 9]]
+    assert tokens_of(rows) == [[1, 2, 3, 4], [4, 5, 6, 9]]
     rows = pad_rows([[1, 2, 3, 4, 5, 6, 7]], seq_len=4, eos_id=9, pad_id=0)  # 8 tokens: a 2-token tail
-    assert rows.tokens.tolist() == [[1, 2, 3, 4], [4, 5, 6, 7], [7, 9, 0, 0]]
+    assert tokens_of(rows) == [[1, 2, 3, 4], [4, 5, 6, 7], [7, 9, 0, 0]]
     assert rows[2]["labels"].tolist() == [7, 9, IGNORE_INDEX, IGNORE_INDEX]
 
 
@@ -153,12 +185,12 @@ def test_empty_files_and_files_without_text_are_errors(tmp_path):
         "empty.txt": ("", r"empty\.txt is empty: fill it, or leave it out"),
         "blank.txt": ("\n \t\n\n", r"blank\.txt is empty"),
         "empty.jsonl": ("\n\n", r"empty\.jsonl is empty"),
-        "blank.jsonl": ('{"text": ""}\n{"text": " "}\n', r"blank\.jsonl has no text: the 'text' of every line is"),
+        "blank.jsonl": ('{"text": ""}\n{"text": " "}\n', r"blank\.jsonl has no text: the text of every line is"),
     }
     good = write(tmp_path / "good.txt", "some text")
     for name, (text, message) in cases.items():
         with pytest.raises(ValueError, match=message):
-            read_documents([good, write(tmp_path / name, text)])
+            TextDataModule(train_files=[good, write(tmp_path / name, text)]).setup("fit")
 
 
 def test_a_file_that_is_not_utf8_is_named_with_its_line_and_byte(tmp_path):
@@ -188,18 +220,16 @@ def test_glob_patterns_expand_sorted_without_duplicates(tmp_path):
     assert read_documents([str(tmp_path / "**" / "*.*")]) == ["A", "B", "C"]
 
 
-def test_split_documents_is_deterministic_disjoint_and_complete():
-    documents = [f"doc {i}" for i in range(50)]
-    train, held_out = split_documents(documents, 0.2, seed=3)
+def test_held_out_split_is_deterministic_disjoint_and_complete():
+    train, held_out = (part.tolist() for part in held_out_split(50, 0.2, seed=3))
     assert len(held_out) == 10 and len(train) == 40
-    assert set(train).isdisjoint(held_out) and set(train) | set(held_out) == set(documents)
-    assert train == sorted(train, key=documents.index)  # file order is kept
-    assert split_documents(documents, 0.2, seed=3) == (train, held_out)
-    assert split_documents(documents, 0.2, seed=4)[1] != held_out
-    assert split_documents(documents, 0.0, seed=3) == (documents, [])
-    assert len(split_documents(documents, 0.001, seed=3)[1]) == 1
+    assert set(train).isdisjoint(held_out) and set(train) | set(held_out) == set(range(50))
+    assert train == sorted(train) and held_out == sorted(held_out)  # file order is kept
+    assert held_out_split(50, 0.2, seed=3)[1].tolist() == held_out
+    assert held_out_split(50, 0.2, seed=4)[1].tolist() != held_out
+    assert len(held_out_split(50, 0.001, seed=3)[1]) == 1
     with pytest.raises(ValueError, match="holds out all 2"):
-        split_documents(["a", "b"], 0.9, seed=0)
+        held_out_split(2, 0.9, seed=0)
 
 
 # ----------------------------------------------------------------------------------------------------- modules
@@ -216,7 +246,7 @@ def test_text_data_module_batches_hold_every_document_with_eos(tmp_path):
     loader = module.train_dataloader()
     assert isinstance(loader, StatefulDataLoader)
     batch = next(iter(loader))
-    assert set(batch) == {"input_ids", "labels"}
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
     assert batch["input_ids"].shape == (3, 8) and batch["input_ids"].dtype == torch.long
     assert len(loader) == 3  # 53 tokens -> 7 rows -> 3 batches; the partial batch is kept
 
@@ -255,7 +285,7 @@ def test_val_test_and_predict_sources(tmp_path):
 
     module = TextDataModule(train_files=train, val_fraction=0.2, seq_len=64, seed=1)
     module.setup("fit")
-    held_out = split_documents(read_documents(train), 0.2, seed=1)[1]
+    held_out = [read_documents(train)[i] for i in held_out_split(10, 0.2, seed=1)[1]]
     assert first_text(module, module.val_dataloader()) == "".join(held_out)
     assert len(stream(module.datasets["train"])) + len(stream(module.datasets["val"])) == 10 * len("train 0") + 10
 
@@ -375,9 +405,9 @@ class _RecordBatches(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def fit(max_steps, tmp_path, ckpt_path=None):
+def fit(max_steps, tmp_path, ckpt_path=None, data=None):
     module = _RecordBatches()
-    data = DemoDataModule(num_documents=10, val_documents=0, seq_len=32, batch_size=4)
+    data = data or DemoDataModule(num_documents=10, val_documents=0, seq_len=32, batch_size=4)
     checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
     trainer = L.Trainer(
         max_steps=max_steps,
@@ -407,6 +437,22 @@ def test_lightning_checkpoint_resumes_on_the_same_batches(tmp_path, last_batch):
     assert all(same), f"resumed from step {step}, the run reads other batches (False) than uninterrupted: {same}"
 
 
+def test_lightning_checkpoint_resumes_a_stream_on_the_same_batches(tmp_path):
+    """Streamed rows saved mid-pass and resumed through Lightning's checkpoint: the batches that followed, into the
+    next pass over the files."""
+    corpus = write(tmp_path / "corpus.txt", "\n\n".join(demo_documents(10, seed=0)))
+
+    def streamed():
+        return TextDataModule(train_files=corpus, streaming=True, seq_len=32, batch_size=4)
+
+    _, full = fit(30, tmp_path / "whole", data=streamed())
+    checkpoint = next((tmp_path / "whole").glob("*-step=7.ckpt"))
+    _, resumed = fit(30, tmp_path / "resumed", ckpt_path=checkpoint, data=streamed())
+    assert len(resumed) == 23 and all(torch.equal(a, b) for a, b in zip(resumed, full[7:], strict=True))
+    with pytest.raises(ValueError, match=r"set Trainer\(max_steps=\.\.\.\)"):
+        fit(-1, tmp_path / "endless", data=streamed())
+
+
 def test_distributed_resume_across_epochs_reads_the_uninterrupted_rows(tmp_path):
     """World 4 at tp=2 x dp_shard=2, two epochs: tensor-parallel peers read the same rows, the two data-parallel
     ranks share out every row once per epoch, in an order that changes with the epoch; resumed from the end of
@@ -420,7 +466,7 @@ def test_distributed_resume_across_epochs_reads_the_uninterrupted_rows(tmp_path)
     assert all(rows == peers[0] for peers in by_dp_rank.values() for rows in peers), "tp peers read other rows"
     data = DemoDataModule(**DEMO)
     data.setup("fit")
-    every_row = sorted(map(tuple, data.datasets["train"].tokens.tolist()))
+    every_row = sorted(map(tuple, tokens_of(data.datasets["train"])))
     per_epoch = ranks[0]["per_epoch"]
     epochs = [[peers[0][start : start + per_epoch] for peers in by_dp_rank.values()] for start in (0, per_epoch)]
     for epoch in epochs:

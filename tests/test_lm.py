@@ -19,7 +19,8 @@ from lm_checks import (
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
 
-from lightning_automodel.lm import CausalLMModule, DemoDataModule, StepProgressBar, byte_tokenizer
+from lightning_automodel.data import DemoDataModule, byte_tokenizer
+from lightning_automodel.lm import CausalLMModule, StepProgressBar
 from lightning_automodel.lm.limits import check_batch, check_seq_len
 from lightning_automodel.lm.module import learning_rate_factor
 from lightning_automodel.testing.harness import check_name, run_checks
@@ -28,8 +29,12 @@ from lightning_automodel.testing.models import tiny_config
 
 def test_parity_at_tp2_dp2_with_sp():
     """Logged loss and accuracy at each step, gradients, weights, validation metrics: as a single process; the same
-    with the loss three uneven sequence chunks at a time (6, 6 and 4 of 16 tokens), under loss parallel."""
-    checks = [partial(check_causal_lm_module, 2, True), partial(check_causal_lm_module, 2, True, loss_chunks=3)]
+    on packed rows (documents told apart by their position ids alone) with the loss three uneven sequence chunks at a
+    time (6, 6 and 4 of 16 tokens), under loss parallel."""
+    checks = [
+        partial(check_causal_lm_module, 2, True),
+        partial(check_causal_lm_module, 2, True, loss_chunks=3, rows="packed"),
+    ]
     results = run_checks(4, checks, timeout=300)
     print(results)
 

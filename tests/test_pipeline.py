@@ -54,7 +54,7 @@ def test_pipeline_two_stages_against_one_process():
         partial(check_pipeline_accumulation_and_clipping, 2),
         partial(check_pipeline_loaded_weights, 2, "llama"),
         partial(check_pipeline_loaded_weights, 2, "gemma3"),
-        partial(check_causal_lm_module_split, pp=2),
+        partial(check_causal_lm_module_split, pp=2, rows="packed"),
         partial(check_causal_lm_module_split, pp=2, family="qwen3_moe"),
         partial(check_accumulation_around_forward_only_calls, 2),
         partial(check_pipeline_batch_shapes, 2),

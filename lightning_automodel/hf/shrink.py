@@ -218,7 +218,7 @@ def shrink(values: dict[str, Any], *, heads: int = HEADS) -> dict[str, Any]:
             tiny[name] = PAD_TOKEN_ID
         elif name in TOKEN_IDS and _out_of_vocabulary(value):
             tiny[name] = TOKEN_IDS[name]
-    tiny.update(_kv_heads(values, heads=heads))
+    tiny.update(_kv_heads(values, tiny, heads=heads))
     if "qk_head_dim" in values:  # derived, and passed back explicitly: keep it the sum of its parts
         tiny["qk_head_dim"] = tiny["qk_nope_head_dim"] + tiny["qk_rope_head_dim"]
     tiny.update(_fewer_layers(tiny, heads=heads))
@@ -247,19 +247,21 @@ def _out_of_vocabulary(value: Any) -> bool:
     return any(isinstance(v, int) and v >= VOCAB for v in values)
 
 
-def _kv_heads(values: dict[str, Any], *, heads: int) -> dict[str, int]:
-    """KV head counts keep their relation to the heads: as many (None: as many), one, or grouped (half as many)."""
+def _kv_heads(values: dict[str, Any], tiny: dict[str, Any], *, heads: int) -> dict[str, int]:
+    """KV head counts keep their relation to the heads as shrunk (a config with fewer heads than the tiny count
+    keeps its own): as many (None: as many), one, or grouped (half as many)."""
     full_heads = next((values[name] for name in HEAD_COUNTS if isinstance(values.get(name), int)), None)
-    tiny = {}
+    heads = next((tiny[name] for name in HEAD_COUNTS if isinstance(tiny.get(name), int)), heads)
+    kv = {}
     for name in KV_HEAD_COUNTS:
         if name not in values:
             continue
         kv_heads = values[name]
         if kv_heads is None or kv_heads == full_heads:
-            tiny[name] = heads
+            kv[name] = heads
         else:
-            tiny[name] = 1 if kv_heads == 1 else heads // 2
-    return tiny
+            kv[name] = 1 if kv_heads == 1 else max(1, heads // 2)
+    return kv
 
 
 def _fewer_layers(values: dict[str, Any], *, heads: int) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_automodel.lm.data import IGNORE_INDEX
+from lightning_automodel.data.rows import IGNORE_INDEX
 
 
 def check_tokenizer(tokenizer: Any, config: Any, *, pretrained: str | None = None) -> None:

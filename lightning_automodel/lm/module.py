@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from lightning_automodel.hf.document_masking import packed_documents_problem
 from lightning_automodel.hf.loading import from_pretrained
 from lightning_automodel.hf.peft import with_lora
 from lightning_automodel.lm.limits import check_batch, check_seq_len, check_tokenizer
@@ -117,8 +118,14 @@ class CausalLMModule(L.LightningModule):
             return
         self.tokenizer = self._find_tokenizer()
         ours = isinstance(self.trainer.strategy, AutoModelParallelStrategy)
-        seq_len = getattr(self.trainer.datamodule, "seq_len", None)
-        self.model = self.build_model(self.tokenizer, meta=ours, seq_len=seq_len)
+        datamodule = self.trainer.datamodule
+        self.model = self.build_model(self.tokenizer, meta=ours, seq_len=getattr(datamodule, "seq_len", None))
+        if getattr(datamodule, "keeps_documents_apart", False) and (problem := packed_documents_problem(self.model)):
+            raise ValueError(
+                f"{problem}: {type(datamodule).__name__} packs several documents in a row, told apart by their"
+                " position ids only. Set pack=False (one document a row, padded), or separate_documents=False for"
+                " pre-training text (attention then crosses documents)."
+            )
 
     def setup(self, stage: str) -> None:
         # Metrics reduce over the data-parallel ranks: tp peers hold the same numbers and must count once.
@@ -129,9 +136,12 @@ class CausalLMModule(L.LightningModule):
             for metric in metrics.values():
                 metric.process_group = group
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
         """The logits (vocabulary-sharded under tensor parallelism)."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return self.model(**inputs, use_cache=False).logits
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self._step("train", batch)
@@ -151,7 +161,7 @@ class CausalLMModule(L.LightningModule):
         if "labels" not in batch:  # refused on every rank, before any stage waits for the last one
             raise ValueError("CausalLMModule's predict scores each sequence against its labels: give batches labels.")
         self._batch_shape = tuple(batch["input_ids"].shape)
-        logits = self(batch["input_ids"], batch.get("attention_mask"))
+        logits = self(**_model_inputs(batch))
         rows = batch["input_ids"].size(0)
         scores = torch.zeros(2, rows, device=batch["input_ids"].device)
         for row in range(rows if logits is not None else 0):  # None: a pipeline stage before the last
@@ -183,12 +193,11 @@ class CausalLMModule(L.LightningModule):
         """The loss to train on, this rank's summed loss, scored tokens and next-token hits, from the logits."""
         labels = batch["labels"]
         if self.hparams.loss_chunks > 1:
-            inputs = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
             loss_sum, tokens, hits = chunked_causal_lm_loss_sum(
-                self.model, labels=labels, chunks=self.hparams.loss_chunks, **inputs
+                self.model, labels=labels, chunks=self.hparams.loss_chunks, **_model_inputs(batch)
             )
             return global_token_mean(loss_sum, tokens, self.device_mesh), _plain(loss_sum), tokens, hits
-        outputs = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+        outputs = self.model(**_model_inputs(batch), use_cache=False)
         loss_sum, tokens = causal_lm_loss_sum(outputs.logits, labels)
         loss = global_token_mean(loss_sum, tokens, self.device_mesh)
         if getattr(outputs, "aux_loss", None) is not None:  # added to this rank's plain copy of the replicated loss
@@ -207,9 +216,7 @@ class CausalLMModule(L.LightningModule):
         """The same when the model's call splits the batch: under pipeline parallel the last stage computes them,
         micro-batch by micro-batch; under context parallel each rank its share of the sequences. The call's loss
         includes a mixture-of-experts model's load-balancing loss over the global batch, logged apart."""
-        outputs = self.model(
-            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"]
-        )
+        outputs = self.model(**_model_inputs(batch), labels=batch["labels"])
         if outputs.aux_loss is not None:
             on_step = stage == "train"
             self.log(f"{stage}_aux_loss", outputs.aux_loss, on_step=on_step, on_epoch=not on_step)
@@ -378,6 +385,12 @@ def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
         tokenizer.save_pretrained(directory)
         root = Path(directory)
         return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*") if path.is_file()}
+
+
+def _model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor | None]:
+    """What a model's call takes from a batch: position ids restarting at each document keep packed ones apart (with
+    no cache: transformers reads packed documents from position ids only then, and a cache serves no training)."""
+    return {name: batch.get(name) for name in ("input_ids", "attention_mask", "position_ids")}
 
 
 def _plain(tensor: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_automodel.lm.data import data_parallel_place
+from lightning_automodel.data.loaders import data_parallel_place
 
 _SHOWN = ("train_loss", "val_loss", "val_perplexity", "val_accuracy")
 

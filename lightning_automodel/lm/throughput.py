@@ -12,7 +12,7 @@ import lightning as L
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
 
-from lightning_automodel.lm.data import data_parallel_place
+from lightning_automodel.data.loaders import data_parallel_place
 
 
 class ReplicaThroughputMonitor(ThroughputMonitor):

@@ -29,6 +29,7 @@ def chunked_causal_lm_loss_sum(
     labels: Tensor,
     chunks: int,
     attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
     ignore_index: int = -100,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """This rank's summed next-token cross-entropy, how many tokens it sums and how many of them the logits rank
@@ -40,7 +41,7 @@ def chunked_causal_lm_loss_sum(
     this one (gradient accumulation) scales the head's gradients with the decoder's."""
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = _replicated_or_evenly_sharded(
-        last_hidden_states(hf_model, input_ids=input_ids, attention_mask=attention_mask)
+        last_hidden_states(hf_model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     )
     targets = next_token_targets(labels, ignore_index=ignore_index)
     if hidden.size(1) != targets.size(1):

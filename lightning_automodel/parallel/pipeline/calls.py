@@ -18,6 +18,8 @@ class PipelinedModel(nn.Module):
     def forward(self, input_ids: Tensor | None = None, *args: Any, labels: Tensor | None = None, **inputs: Any) -> Any:
         if self.pipeline.in_schedule:
             return self.pipeline.stage_forward(self, input_ids, *args, **inputs)
+        if inputs.get("use_cache") is False:  # what the stages do anyway
+            del inputs["use_cache"]
         refuse_unknown_inputs(inputs, args=args, has_input_ids=input_ids is not None)
         given = {name: value for name, value in inputs.items() if value is not None}
         return self.pipeline.run(input_ids, labels=labels, **given)

@@ -17,6 +17,16 @@ EOS_TOKEN = "<eos>"
 PAD_ID = 256
 EOS_ID = 257
 BYTE_VOCAB_SIZE = 258
+# Each message under a header naming its role; an answer (with its closing EOS) inside {% generation %}, which
+# transformers' return_assistant_tokens_mask reads: the tokens a fine-tuning loss trains on.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '### ' + message['role'] + ':\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### assistant:\\n' }}{% endif %}"
+)
 
 
 @cache
@@ -33,7 +43,8 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Build the byte tokenizer: ids 0..255 are bytes, ``<pad>`` is 256, ``<eos>`` is 257; no BOS is added.
+    """Build the byte tokenizer: ids 0..255 are bytes, ``<pad>`` is 256, ``<eos>`` is 257; no BOS is added. Its chat
+    template (:data:`CHAT_TEMPLATE`) marks the answers for fine-tuning.
 
     A BPE model with the 256 byte characters as its vocabulary and no merges maps each byte to its own id; the
     ByteLevel pre-tokenizer and decoder turn text into those characters and back, which makes the round trip exact
@@ -46,4 +57,6 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([PAD_TOKEN, EOS_TOKEN])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

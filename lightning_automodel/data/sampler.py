@@ -25,11 +25,11 @@ class ResumableShuffle(DistributedSampler):
     def __iter__(self) -> _ShuffleIterator:
         return _ShuffleIterator(self, self.epoch)
 
-    def order(self, epoch: int) -> list[int]:
-        """The indices this rank reads in ``epoch``."""
+    def order(self, epoch: int) -> torch.Tensor:
+        """The indices this rank reads in ``epoch`` (a tensor: 8 bytes a row, where a list would take 36)."""
         permutation = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
-        padded = permutation.tolist() * math.ceil(self.total_size / len(permutation))
-        return padded[self.rank : self.total_size : self.num_replicas]
+        padded = permutation.repeat(math.ceil(self.total_size / len(permutation)))
+        return padded[self.rank : self.total_size : self.num_replicas].clone()
 
 
 class _ShuffleIterator(Iterator[int]):
@@ -54,7 +54,7 @@ class _ShuffleIterator(Iterator[int]):
         if self.yielded == len(self.order):
             raise StopIteration
         self.yielded += 1
-        return self.order[self.yielded - 1]
+        return int(self.order[self.yielded - 1])
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "rows_read": self.yielded * self.sampler.num_replicas}

@@ -1,0 +1,9 @@
+"""Data for causal language models: local corpora tokenized once into a memory-mapped cache, fine-tuning records
+with the loss on the answers, rows that keep packed documents apart, and a resumable training order."""
+
+from lightning_automodel.data.demo import DemoDataModule
+from lightning_automodel.data.modules import ChatDataModule, TextDataModule, TokenDataModule
+from lightning_automodel.data.rows import IGNORE_INDEX
+from lightning_automodel.data.tokenizer import byte_tokenizer
+
+__all__ = ["IGNORE_INDEX", "ChatDataModule", "DemoDataModule", "TextDataModule", "TokenDataModule", "byte_tokenizer"]

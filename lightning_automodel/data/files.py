@@ -1,0 +1,129 @@
+"""Local ``.txt`` and ``.jsonl`` files read piece by piece, each piece with the line it starts on.
+
+A corpus is never held whole: files are read line by line, and what the readers yield is small. A piece that is not
+UTF-8, not JSON or lacks its field is an error naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+
+TEXT_SUFFIXES = (".txt",)
+JSONL_SUFFIXES = (".jsonl", ".json")
+_BLANK = re.compile(r"[ \t]*")
+MAX_PARAGRAPH = 1 << 26  # characters: a text file without blank lines would otherwise be one document, read whole
+
+
+def expand_files(patterns: Sequence[str] | str) -> list[str]:
+    """Expand paths and glob patterns (``**`` included) into files: pattern by pattern, sorted, without duplicates.
+
+    Each pattern must match something: a typo should fail loudly rather than train on less data.
+    """
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not patterns:
+        raise ValueError("No files given (an empty list): pass paths or glob patterns of .txt/.jsonl files.")
+    files: dict[str, None] = {}
+    for pattern in patterns:
+        matches = sorted(
+            path for path in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(path)
+        )
+        if not matches:
+            raise ValueError(f"No file matches {pattern!r}: {_unmatched_hint(pattern)}")
+        files.update(dict.fromkeys(matches))
+    for path in files:
+        if not path.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES):
+            supported = ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES)
+            raise ValueError(f"Cannot read {path!r}: supported file types are {supported}. Rename or convert it.")
+    return list(files)
+
+
+def _unmatched_hint(pattern: str) -> str:
+    if os.path.isdir(os.path.expanduser(pattern)):
+        return f"it is a directory; name its files, e.g. {os.path.join(pattern, '*.jsonl')!r}."
+    return "check the path, or quote the glob pattern in the shell."
+
+
+def is_jsonl(path: str) -> bool:
+    return path.endswith(JSONL_SUFFIXES)
+
+
+def file_pieces(path: str) -> Iterator[tuple[int, str]]:
+    """The pieces of ``path`` with the line each starts on: a JSONL file's non-blank lines (unparsed), a text file's
+    paragraphs (separated by blank lines; a file without one is one paragraph). Newlines are ``\\n`` whatever the
+    file's. A file without a non-blank character is an error: more likely a broken export than meant."""
+    pieces = _jsonl_lines(path) if is_jsonl(path) else _paragraphs(path)
+    empty = True
+    for piece in pieces:
+        empty = False
+        yield piece
+    if empty:
+        raise ValueError(f"{path} is empty: fill it, or leave it out of the files.")
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    with open(path, "rb") as file:
+        offset = 0
+        for number, data in enumerate(file, start=1):
+            yield number, _decoded(path, number, offset, data).rstrip("\r\n")
+            offset += len(data)
+
+
+def _decoded(path: str, number: int, offset: int, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path}, line {number} (byte {offset + error.start}): not UTF-8 ({error.reason}:"
+            f" {data[error.start : error.end]!r}). Convert the file to UTF-8, e.g. `iconv -f LATIN1 -t UTF-8 {path} >"
+            f" {path}.utf8` for a Latin-1 file."
+        ) from error
+
+
+def _jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
+    return ((number, line) for number, line in _lines(path) if line.strip())
+
+
+def _paragraphs(path: str) -> Iterator[tuple[int, str]]:
+    start, lines, characters = 0, [], 0
+    for number, line in _lines(path):
+        if _BLANK.fullmatch(line):
+            if lines and "".join(lines).strip():
+                yield start, "\n".join(lines)
+            lines, characters = [], 0
+            continue
+        if not lines:
+            start = number
+        lines.append(line)
+        characters += len(line)
+        if characters > MAX_PARAGRAPH:
+            raise ValueError(
+                f"{path}, line {start}: a paragraph of over {MAX_PARAGRAPH >> 20} Mi characters. A text file's"
+                " documents are separated by blank lines: separate them, or write one JSON object a line (.jsonl)."
+            )
+    if lines and "".join(lines).strip():
+        yield start, "\n".join(lines)
+
+
+def json_record(path: str, number: int, line: str) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{path}, line {number}: not valid JSON ({error.msg}). .jsonl/.json files hold one JSON object per line."
+        ) from error
+
+
+def text_of(record: object, text_field: str, where: str) -> str:
+    """The document in a JSONL record: its ``text_field``, a string."""
+    if not isinstance(record, dict) or text_field not in record:
+        found = sorted(record) if isinstance(record, dict) else f"a {type(record).__name__}"
+        raise ValueError(
+            f"{where}: no field {text_field!r} (found {found}). Set text_field to the field with the text."
+        )
+    if not isinstance(record[text_field], str):
+        raise ValueError(f"{where}: field {text_field!r} is a {type(record[text_field]).__name__}, not a string.")
+    return record[text_field]

@@ -1,0 +1,336 @@
+"""Data modules for causal language models: pre-training text (``TextDataModule``) and fine-tuning records
+(``ChatDataModule``), from local ``.txt``/``.jsonl`` files tokenized once into a cache (see
+:mod:`lightning_automodel.data.cache`).
+
+Loaders are torchdata ``StatefulDataLoader``s: Lightning saves their ``state_dict()`` in checkpoints, so a resumed
+run continues with the very batch it would have seen next. The training order is a pure function of ``seed`` and
+the epoch, and on several processes each data-parallel rank reads its share of it (tensor-parallel peers read the
+same rows), so a resume is exact in any epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from lightning_automodel.data.cache import cache_key, cached_store, default_directory
+from lightning_automodel.data.encoding import DocumentEncoder, RecordEncoder, document_batches, encode, file_batches
+from lightning_automodel.data.files import expand_files
+from lightning_automodel.data.loaders import QuietStatefulDataLoader, data_parallel_place
+from lightning_automodel.data.rows import ConversationRows, PackedRows, PaddedRows
+from lightning_automodel.data.sampler import ResumableShuffle
+from lightning_automodel.data.store import TokenStore, memory_store, read_meta, write_store
+from lightning_automodel.data.streaming import StreamedRows, check_enough_documents
+from lightning_automodel.data.tokenizer import byte_tokenizer
+
+# The splits each Trainer stage reads.
+_STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
+_MAX_WORKERS = 8
+
+
+class TokenDataModule(L.LightningDataModule):
+    """What the text and fine-tuning data modules share: the splits, the token cache, the loaders.
+
+    Test and predict read ``test_files``, else the validation data. ``batch_size`` counts rows per data-parallel
+    rank per step. ``cache_dir``: where the tokenized files are kept (a directory per file set: ``train``, ``val``,
+    ``test``); by default under ``~/.cache/lightning-automodel/tokens``, one per key. ``tokenize_workers``: processes
+    tokenizing a cache (default: the CPUs, at most 8). The local rank 0 of each machine builds a missing cache; the
+    other ranks wait for it at most ``cache_timeout_s``.
+    """
+
+    fine_tuning = False
+
+    def __init__(
+        self,
+        train_files: list[str] | str,
+        val_files: list[str] | str | None = None,
+        test_files: list[str] | str | None = None,
+        tokenizer: str | None = None,
+        seq_len: int = 512,
+        batch_size: int = 8,
+        pack: bool = True,
+        val_fraction: float = 0.0,
+        cache_dir: str | None = None,
+        tokenize_workers: int | None = None,
+        cache_timeout_s: float = 4 * 3600.0,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if seq_len < 2:
+            raise ValueError(f"seq_len={seq_len}: a row needs at least 2 tokens to have a prediction target.")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: it must be at least 1.")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction={val_fraction}: it must be in [0, 1).")
+        if val_fraction > 0 and val_files is not None:
+            raise ValueError("Both val_files and val_fraction are set: choose one source of validation data.")
+        if tokenize_workers is not None and tokenize_workers < 0:
+            raise ValueError(f"tokenize_workers={tokenize_workers}: 0 tokenizes in the rank's own process.")
+        self.files = {"train": train_files, "val": val_files, "test": test_files}
+        self.tokenizer_path = tokenizer
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.pack = pack
+        self.val_fraction = val_fraction
+        self.cache_dir = cache_dir
+        self.tokenize_workers = min(os.cpu_count() or 1, _MAX_WORKERS) if tokenize_workers is None else tokenize_workers
+        self.cache_timeout_s = cache_timeout_s
+        self.num_workers = num_workers
+        self.seed = seed
+        self.datasets: dict[str, Dataset] = {}
+
+    @functools.cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """Loaded at first use, not at construction: a config can be read (``--print_config``, ``plan``) on a
+        machine without the tokenizer's files."""
+        return load_tokenizer(self.tokenizer_path)
+
+    def setup(self, stage: str) -> None:
+        for split in _STAGE_SPLITS[stage]:
+            if split not in self.datasets:
+                self.datasets[split] = self._split_rows(split)
+        if stage == "fit" and not self.datasets["train"]:
+            raise ValueError(f"No training text in {self.files['train']!r}: every document is empty.")
+        if stage != "fit" and not self.datasets[_STAGE_SPLITS[stage][0]]:
+            raise ValueError(f"Nothing to {stage}: set val_files, val_fraction or test_files.")
+
+    def documents(self, split: str) -> list[str] | None:
+        """The documents of ``split`` ("train", "val" or "test") given in code, or None to read the files: a
+        subclass overrides this to bring other data (tokenized in memory, not cached)."""
+        return None
+
+    def _split_rows(self, split: str) -> Dataset | None:
+        documents = self.documents(split)
+        if documents is not None:
+            batches = document_batches(documents, f"<{type(self).__name__} {split}>")
+            store = memory_store(encode(batches, self._encoder(), workers=0), **self._store_options())
+            return self._rows(store, chosen=None)
+        role, part = self._file_set(split)
+        if role is None:
+            return []
+        store = self._store(role)
+        chosen = None if part is None else held_out_split(store.documents, self.val_fraction, self.seed)[part]
+        return self._rows(store, chosen=chosen)
+
+    def _file_set(self, split: str) -> tuple[str | None, int | None]:
+        """Which file set ``split`` reads, and which part of it (0: kept for training, 1: held out; None: all)."""
+        if split == "test" and self.files["test"] is not None:
+            return "test", None
+        if split in ("val", "test") and self.files["val"] is not None:
+            return "val", None
+        if self.val_fraction > 0:
+            return "train", 0 if split == "train" else 1
+        return ("train", None) if split == "train" else (None, None)
+
+    def _store(self, role: str) -> TokenStore:
+        files = expand_files(self.files[role])
+        key = cache_key(files=files, tokenizer=self.tokenizer, settings=self._settings())
+        directory = Path(self.cache_dir).expanduser() / role if self.cache_dir else default_directory(key)
+
+        def build(staging: Path) -> None:
+            batches = file_batches(files)
+            encoded = encode(batches, self._encoder(), workers=self.tokenize_workers)
+            write_store(staging, encoded, key=key, **self._store_options())
+            self._check_sources(files, staging)
+
+        trainer = self.trainer
+        builder = trainer is None or trainer.local_rank == 0
+        return cached_store(directory, key=key, build=build, builder=builder, timeout_s=self.cache_timeout_s)
+
+    @staticmethod
+    def _check_sources(files: list[str], staging: Path) -> None:
+        """Refuse a file that gave no document (only a JSONL file whose every text is blank gets here)."""
+        given = {path for path, documents in read_meta(staging)["sources"] if documents}
+        if empty := [path for path in files if path not in given]:
+            raise ValueError(
+                f"{empty[0]} has no text: the text of every line is blank. Set text_field to the field with the text,"
+                " or leave the file out."
+            )
+
+    def _store_options(self) -> dict[str, Any]:
+        vocabulary = max(len(self.tokenizer), max(self.tokenizer.get_vocab().values(), default=0) + 1)
+        return {"vocabulary": vocabulary, "fine_tuning": self.fine_tuning}
+
+    def _settings(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _encoder(self) -> Any:
+        raise NotImplementedError
+
+    def _rows(self, store: TokenStore, *, chosen: np.ndarray | None) -> Dataset:
+        raise NotImplementedError
+
+    def train_dataloader(self) -> QuietStatefulDataLoader:
+        rows = self.datasets["train"]
+        if isinstance(rows, IterableDataset):  # streamed: each rank's share is its own stream
+            return self._loader(rows)
+        return self._loader(rows, sampler=ResumableShuffle(rows, self.seed, **data_parallel_place(self.trainer)))
+
+    def val_dataloader(self) -> QuietStatefulDataLoader | list:
+        rows = self.datasets.get("val")
+        return self._loader(rows) if rows else []  # an empty list makes Lightning skip validation
+
+    def test_dataloader(self) -> QuietStatefulDataLoader:
+        return self._loader(self.datasets["test"])
+
+    def predict_dataloader(self) -> QuietStatefulDataLoader:
+        # Lightning deals predict rows unevenly, and a sharded model needs every rank in every forward pass: a
+        # padded split (up to dp - 1 rows predicted twice, as in validation) keeps the ranks in step.
+        rows, place = self.datasets["test"], data_parallel_place(self.trainer)
+        sampler = DistributedSampler(rows, shuffle=False, **place) if place.get("num_replicas", 1) > 1 else None
+        return self._loader(rows, sampler=sampler)
+
+    def _loader(self, rows: Dataset, sampler: Sampler | None = None) -> QuietStatefulDataLoader:
+        # Forked loader workers share the memory-mapped cache; a spawned one would get a pickled copy of it.
+        context = "fork" if self.num_workers else None
+        return QuietStatefulDataLoader(
+            rows,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            multiprocessing_context=context,
+        )
+
+
+class TextDataModule(TokenDataModule):
+    """Pre-training batches from local ``.txt`` and ``.jsonl`` files: a text file's paragraphs (separated by blank
+    lines) or a JSONL line's ``text_field`` are documents, each tokenized without special tokens and followed by the
+    tokenizer's EOS token.
+
+    ``pack=True`` lays the documents end to end and cuts rows of ``seq_len`` (no compute wasted on padding); with
+    ``separate_documents`` (the default) position ids restart at each document, so attention keeps them apart, and
+    without it attention crosses from one into the next. ``pack=False`` gives each document its own padded rows,
+    with an attention mask. ``streaming=True`` reads and tokenizes the training files as training goes, each rank
+    its share, with no cache (see :mod:`lightning_automodel.data.streaming`); validation and test data are cached.
+    See :class:`TokenDataModule` for the splits and the cache.
+    """
+
+    def __init__(
+        self,
+        train_files: list[str] | str,
+        *,
+        separate_documents: bool = True,
+        text_field: str = "text",
+        streaming: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(train_files, **kwargs)
+        if streaming and (not self.pack or self.val_fraction > 0 or self.num_workers > 1):
+            raise ValueError(
+                "streaming=True reads the training files as training goes: it packs (pack=True), holds nothing out"
+                " (give val_files instead of val_fraction) and reads in one loader process (num_workers 0 or 1)."
+            )
+        self.separate_documents = separate_documents
+        self.text_field = text_field
+        self.streaming = streaming
+
+    def _split_rows(self, split: str) -> Dataset | None:
+        if not (self.streaming and split == "train" and self.documents(split) is None):
+            return super()._split_rows(split)
+        if self.trainer is not None and self.trainer.max_steps < 0:
+            raise ValueError("streaming=True makes an endless stream of rows: set Trainer(max_steps=...).")
+        if (
+            self.trainer is not None
+            and self.files["val"] is not None
+            and isinstance(self.trainer.val_check_interval, float)
+        ):
+            raise ValueError(
+                "streaming=True makes an endless epoch, whose fraction never comes: set Trainer(val_check_interval=...)"
+                " to a number of steps."
+            )
+        files, place = expand_files(self.files["train"]), data_parallel_place(self.trainer)
+        check_enough_documents(files, self._encoder(), place.get("num_replicas", 1))
+        return StreamedRows(
+            files,
+            self._encoder(),
+            seq_len=self.seq_len,
+            pad_id=self.tokenizer.pad_token_id,
+            separate=self.separate_documents,
+            **place,
+        )
+
+    @property
+    def keeps_documents_apart(self) -> bool:
+        """Whether rows hold several documents told apart by their position ids (the model must mask by them)."""
+        return self.pack and self.separate_documents
+
+    def _settings(self) -> dict[str, Any]:
+        return {"records": "documents", "text_field": self.text_field}
+
+    def _encoder(self) -> DocumentEncoder:
+        return DocumentEncoder(self.tokenizer, self.text_field)
+
+    def _rows(self, store: TokenStore, *, chosen: np.ndarray | None) -> Dataset:
+        pad_id = self.tokenizer.pad_token_id
+        if self.pack:
+            return PackedRows(store, self.seq_len, pad_id, chosen=chosen, separate=self.separate_documents)
+        return PaddedRows(store, self.seq_len, pad_id, chosen=chosen)
+
+
+class ChatDataModule(TokenDataModule):
+    """Fine-tuning batches from ``.jsonl`` records: conversations (``{"messages": [{"role": "user", "content":
+    ...}, ...]}``) rendered by the tokenizer's chat template, or ``{"prompt": ..., "completion": ...}`` pairs (see
+    :mod:`lightning_automodel.data.chat`). Labels are -100 everywhere but the assistant's answers (the completion).
+
+    ``pack=True`` puts as many consecutive records in a row as fit, position ids restarting at each (attention keeps
+    them apart); ``pack=False`` one a row, padded. A record is never split; see
+    :class:`~lightning_automodel.data.rows.ConversationRows` for the truncation rules. See :class:`TokenDataModule`
+    for the splits and the cache.
+    """
+
+    fine_tuning = True
+
+    @property
+    def keeps_documents_apart(self) -> bool:
+        return self.pack
+
+    def _settings(self) -> dict[str, Any]:
+        return {"records": "fine-tuning"}
+
+    def _encoder(self) -> RecordEncoder:
+        return RecordEncoder(self.tokenizer)
+
+    def _rows(self, store: TokenStore, *, chosen: np.ndarray | None) -> Dataset:
+        rows = ConversationRows(store, self.seq_len, self.tokenizer.pad_token_id, chosen=chosen, pack=self.pack)
+        if rows.truncated:
+            rank_zero_warn(
+                f"{rows.truncated} of {len(rows.documents)} records are longer than seq_len={self.seq_len}: each"
+                " keeps its first seq_len tokens (the rest of its answers is not trained on)."
+            )
+        return rows
+
+
+def held_out_split(count: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The documents kept for training and the ``fraction`` held out (at least one), chosen by ``seed``; both in
+    order."""
+    held_out_count = max(1, round(fraction * count))
+    if held_out_count >= count:
+        raise ValueError(
+            f"val_fraction={fraction} holds out all {count} training documents: lower it or add documents."
+        )
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).numpy()
+    held_out = np.zeros(count, dtype=bool)
+    held_out[order[:held_out_count]] = True
+    return np.flatnonzero(~held_out), np.flatnonzero(held_out)
+
+
+def load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:
+    if path is None:
+        return byte_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"The tokenizer in {path!r} has no eos_token: documents could not be separated. Set one.")
+    if tokenizer.pad_token_id is None:
+        # Padding is masked out of the loss and the attention, so any id would do; EOS is the usual stand-in.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

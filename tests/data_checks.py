@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_automodel import AutoModelParallelStrategy
-from lightning_automodel.data.demo import DemoDataModule
+from lightning_automodel.data import TextDataModule
+from lightning_automodel.data.demo import DemoDataModule, demo_documents
 from lightning_automodel.testing.models import VOCAB, tiny_model
 from lightning_automodel.testing.trainer_parity import CausalLM, trainer
 
@@ -48,3 +50,29 @@ def check_resume_across_epochs(directory: str, tp: int) -> dict:
     }
     dp_rank = run.strategy.distributed_sampler_kwargs["rank"]
     return {"dp_rank": dp_rank, "per_epoch": per_epoch, "whole": whole, "resumed": resumed}
+
+
+def check_streamed_resume(directory: str, tp: int) -> dict:
+    """A stream of the demo documents (a text file every rank names) for 6 steps, saving after every step, then
+    resumed from step 3. Returns this rank's data-parallel rank, its rows uninterrupted and resumed."""
+    corpus = Path(directory) / "corpus.txt"
+    if dist.get_rank() == 0:
+        corpus.write_text("\n\n".join(demo_documents(40, seed=0)))
+    dist.barrier()
+    checkpoints = Path(directory) / "streamed"
+
+    def fit(ckpt_path: Path | None = None, callbacks: tuple = ()) -> tuple:
+        module = RecordRows()
+        data = TextDataModule(str(corpus), streaming=True, seq_len=16, batch_size=3)
+        run = trainer(
+            AutoModelParallelStrategy(tp=tp),
+            max_steps=6,
+            callbacks=list(callbacks),
+            enable_checkpointing=bool(callbacks),
+        )
+        run.fit(module, data, ckpt_path=ckpt_path)
+        return run, module.rows
+
+    run, whole = fit(callbacks=(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1),))
+    resumed = fit(ckpt_path=next(checkpoints.glob("*-step=3.ckpt")))[1]
+    return {"dp_rank": run.strategy.distributed_sampler_kwargs["rank"], "whole": whole, "resumed": resumed}

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_automodel.cli import cli, expand_home, main, plan_for_config
-from lightning_automodel.data import DemoDataModule
+from lightning_automodel.data import ChatDataModule, DemoDataModule
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 DEMO_STEPS = 100
@@ -333,27 +333,31 @@ def test_a_tilde_after_an_equals_sign_is_the_home_directory(capsys, monkeypatch,
     assert expand_home('--model.config={"path": "~"}') == '--model.config={"path": "~"}'
 
 
-def test_the_fine_tuning_example_trains_on_the_answers(no_pytest_argv, tmp_path):
-    """examples/sft_chat.yaml on one process: its chat records through the byte tokenizer's template, packed, the
-    loss on the answers only, and the loss falls within a few steps."""
-    overrides = [
+def test_the_fine_tuning_example_trains_on_the_answers(tmp_path):
+    """examples/sft_chat.yaml as a user runs it (one process here): its chat records through the byte tokenizer's
+    template, packed, the loss on the answers only, and the loss falls within a few steps."""
+    lightning_automodel(
+        "fit",
+        f"--config={EXAMPLES / 'sft_chat.yaml'}",
         "--trainer.devices=1",
         "--trainer.strategy.init_args.tp=1",
         "--trainer.strategy.init_args.sp=false",
         "--trainer.max_steps=12",
         "--trainer.val_check_interval=12",
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--data.init_args.train_files={EXAMPLES / 'data' / 'chat.jsonl'}",
         f"--data.init_args.cache_dir={tmp_path / 'tokens'}",
-    ]
-    fitted = cli(["fit", f"--config={EXAMPLES / 'sft_chat.yaml'}", *overrides])
-    rows = fitted.datamodule.datasets["train"]
-    row = rows[0]
-    answers = fitted.datamodule.tokenizer.decode(row["input_ids"][row["labels"] != -100])
-    assert answers.startswith("6 + 6 = 12.<eos>Tuesday comes after Monday.<eos>"), answers
-    losses = [
-        float(line["train_loss"])
-        for line in csv.DictReader(open(next(tmp_path.rglob("metrics.csv"))))
-        if line.get("train_loss")
-    ]
+        cwd=tmp_path,
+    )
+    metrics = csv.DictReader(open(next(tmp_path.rglob("metrics.csv"))))
+    losses = [float(line["train_loss"]) for line in metrics if line.get("train_loss")]
     assert losses[-1] < losses[0] - 1, losses
+    data = ChatDataModule(
+        train_files=str(EXAMPLES / "data" / "chat.jsonl"),
+        val_fraction=0.1,
+        seq_len=256,
+        cache_dir=str(tmp_path / "tokens"),
+    )
+    data.setup("fit")
+    row = data.datasets["train"][0]
+    answers = data.tokenizer.decode(row["input_ids"][row["labels"] != -100])
+    assert answers.startswith("6 + 6 = 12.<eos>Tuesday comes after Monday.<eos>"), answers

@@ -8,7 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from data_checks import DEMO, check_resume_across_epochs
+from data_checks import DEMO, check_resume_across_epochs, check_streamed_resume
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -456,9 +456,12 @@ def test_lightning_checkpoint_resumes_a_stream_on_the_same_batches(tmp_path):
 def test_distributed_resume_across_epochs_reads_the_uninterrupted_rows(tmp_path):
     """World 4 at tp=2 x dp_shard=2, two epochs: tensor-parallel peers read the same rows, the two data-parallel
     ranks share out every row once per epoch, in an order that changes with the epoch; resumed from the end of
-    epoch 0 or from mid-way through epoch 1, every rank reads the rows it read uninterrupted."""
+    epoch 0 or from mid-way through epoch 1, every rank reads the rows it read uninterrupted. Streamed: tp peers
+    read the same rows, the dp ranks others, and a resume from step 3 the rows that followed."""
     check = partial(check_resume_across_epochs, str(tmp_path), 2)
-    ranks = run_checks(4, [check])[check_name(check)]
+    streamed = partial(check_streamed_resume, str(tmp_path), 2)
+    results = run_checks(4, [check, streamed])
+    ranks = results[check_name(check)]
     by_dp_rank = {}
     for rank in ranks:
         by_dp_rank.setdefault(rank["dp_rank"], []).append(rank["whole"])
@@ -475,3 +478,8 @@ def test_distributed_resume_across_epochs_reads_the_uninterrupted_rows(tmp_path)
     assert epochs[0] != epochs[1], "the order does not change with the epoch: a replayed epoch would go unseen"
     differ = sorted({step for rank in ranks for step, rows in rank["resumed"].items() if rows != rank["whole"][step:]})
     assert not differ, f"resumed from steps {differ}: other rows than the uninterrupted run"
+    peers = [[rank["whole"] for rank in results[check_name(streamed)] if rank["dp_rank"] == dp] for dp in (0, 1)]
+    assert all(rows == group[0] for group in peers for rows in group), "tp peers stream other rows"
+    assert peers[0][0] != peers[1][0], "the dp ranks stream the same rows"
+    resumed = [rank["resumed"] == rank["whole"][3:] for rank in results[check_name(streamed)]]
+    assert all(resumed), f"a resumed stream reads other rows (False) than uninterrupted: {resumed}"

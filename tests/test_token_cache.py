@@ -4,6 +4,7 @@ share, resumed exactly."""
 
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -14,8 +15,9 @@ import pytest
 from lightning_automodel.data import TextDataModule, cache
 from lightning_automodel.data.cache import cache_key, cached_store
 from lightning_automodel.data.encoding import DocumentEncoder
+from lightning_automodel.data.files import file_pieces, pieces_in_range
 from lightning_automodel.data.store import META, TOKENS, write_store
-from lightning_automodel.data.streaming import StreamedRows, check_enough_documents
+from lightning_automodel.data.streaming import StreamedRows, byte_range, check_enough_documents
 from lightning_automodel.data.tokenizer import PAD_ID, byte_tokenizer
 
 
@@ -202,6 +204,23 @@ def test_streamed_rows_are_the_cached_rows_and_never_end(tmp_path):
 
 
 def test_each_rank_streams_its_share_of_the_documents(tmp_path):
+    """Byte ranges tiling a file share its documents out, each once, in order, whatever the layout (blank lines of
+    spaces, CRLF, paragraphs across a range's end, ranges starting on a line's first byte); a rank's stream holds its
+    share's documents."""
+    rng = random.Random(0)
+    for trial in range(200):
+        parts = [rng.choice(["", " ", "\t ", "x", "yy é", "z" * rng.randint(1, 9)]) for _ in range(rng.randint(0, 12))]
+        newline = rng.choice(["\n", "\r\n"])
+        text = tmp_path / f"{trial}.txt"
+        text.write_bytes((newline.join(parts) + rng.choice(["", newline])).encode())
+        jsonl = tmp_path / f"{trial}.jsonl"
+        jsonl.write_text("".join(json.dumps({"text": part}) + "\n" if part.strip() else "\n" for part in parts))
+        for path in (str(text), str(jsonl)):
+            whole = [piece for _, piece in file_pieces(path)] if "".join(parts).strip() else []
+            for ranks in (1, 2, 3, 5):
+                ranges = [byte_range(path, rank=rank, num_replicas=ranks) for rank in range(ranks)]
+                shares = [piece for start, end in ranges for _, piece in pieces_in_range(path, start=start, end=end)]
+                assert shares == whole, (path, ranks)
     files = corpus(tmp_path / "data", documents=40)
     tokenizer = byte_tokenizer()
     shares = []
@@ -213,15 +232,15 @@ def test_each_rank_streams_its_share_of_the_documents(tmp_path):
             if stream.passes:
                 break
         shares.append(text)
-    assert "document 0:" in shares[0] and "document 1:" in shares[1] and "document 1:" not in shares[0]
-    assert "paragraph 1\n" in shares[1] and "paragraph 1\n" not in shares[0]
+    assert "document 0:" in shares[0] and "document 19:" in shares[1] and "document 19:" not in shares[0]
+    assert "paragraph 0\n" in shares[0] and "paragraph 0\n" not in shares[1]
 
 
-def test_a_stream_of_fewer_documents_than_ranks_is_refused_before_training(tmp_path):
+def test_a_stream_with_a_rank_of_no_document_is_refused_before_training(tmp_path):
     (tmp_path / "few.jsonl").write_text('{"text": "one"}\n{"text": " "}\n{"text": "two"}\n')
     files = [str(tmp_path / "few.jsonl")]
     check_enough_documents(files, DocumentEncoder(byte_tokenizer()), 2)
-    with pytest.raises(ValueError, match=r"hold 2 documents, fewer than the 3 data-parallel ranks"):
+    with pytest.raises(ValueError, match=r"Data-parallel rank 1 of 3 gets no document"):
         check_enough_documents(files, DocumentEncoder(byte_tokenizer()), 3)
 
 

@@ -28,11 +28,16 @@ IN_FLIGHT = 2  # batches queued a worker: the reading stays this far ahead, what
 
 @dataclass(frozen=True)
 class PieceBatch:
-    """Consecutive pieces of one source: (line, text) pairs, JSON lines unparsed when ``json``."""
+    """Consecutive pieces of one source: (where, text) pairs, JSON lines unparsed when ``json``; where is a line
+    number, or a byte offset (``position="byte"``: a stream's pieces, read from a byte range)."""
 
     source: str
     json: bool
     pieces: list[tuple[int, str]]
+    position: str = "line"
+
+    def where(self, number: int) -> str:
+        return f"{self.source}, {self.position} {number}"
 
 
 @dataclass(frozen=True)
@@ -96,8 +101,7 @@ class DocumentEncoder:
     def _text(self, batch: PieceBatch, number: int, piece: str) -> str:
         if not batch.json:
             return piece
-        where = f"{batch.source}, line {number}"
-        return text_of(json_record(batch.source, number, piece), self.text_field, where)
+        return text_of(json_record(batch.where(number), piece), self.text_field, batch.where(number))
 
 
 class RecordEncoder:
@@ -110,7 +114,7 @@ class RecordEncoder:
         if not batch.json:
             raise ValueError(f"{batch.source}: fine-tuning records are read from .jsonl files, one record a line.")
         encoded = [
-            encode_record(self.tokenizer, json_record(batch.source, number, line), f"{batch.source}, line {number}")
+            encode_record(self.tokenizer, json_record(batch.where(number), line), batch.where(number))
             for number, line in batch.pieces
         ]
         tokens = np.fromiter((t for ids, _ in encoded for t in ids), dtype=np.int64)

@@ -11,6 +11,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Sequence
+from typing import BinaryIO
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -68,16 +69,16 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
     with open(path, "rb") as file:
         offset = 0
         for number, data in enumerate(file, start=1):
-            yield number, _decoded(path, number, offset, data).rstrip("\r\n")
+            yield number, _decoded(path, f"line {number}", offset, data).rstrip("\r\n")
             offset += len(data)
 
 
-def _decoded(path: str, number: int, offset: int, data: bytes) -> str:
+def _decoded(path: str, where: str, offset: int, data: bytes) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(
-            f"{path}, line {number} (byte {offset + error.start}): not UTF-8 ({error.reason}:"
+            f"{path}, {where} (byte {offset + error.start}): not UTF-8 ({error.reason}:"
             f" {data[error.start : error.end]!r}). Convert the file to UTF-8, e.g. `iconv -f LATIN1 -t UTF-8 {path} >"
             f" {path}.utf8` for a Latin-1 file."
         ) from error
@@ -108,12 +109,12 @@ def _paragraphs(path: str) -> Iterator[tuple[int, str]]:
         yield start, "\n".join(lines)
 
 
-def json_record(path: str, number: int, line: str) -> object:
+def json_record(where: str, line: str) -> object:
     try:
         return json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(
-            f"{path}, line {number}: not valid JSON ({error.msg}). .jsonl/.json files hold one JSON object per line."
+            f"{where}: not valid JSON ({error.msg}). .jsonl/.json files hold one JSON object per line."
         ) from error
 
 
@@ -127,3 +128,61 @@ def text_of(record: object, text_field: str, where: str) -> str:
     if not isinstance(record[text_field], str):
         raise ValueError(f"{where}: field {text_field!r} is a {type(record[text_field]).__name__}, not a string.")
     return record[text_field]
+
+
+def pieces_in_range(path: str, *, start: int, end: int) -> Iterator[tuple[int, str]]:
+    """The pieces of ``path`` (as :func:`file_pieces` makes them) whose first byte lies in ``[start, end)``, each
+    with that byte's offset: ranges that tile a file share its pieces out, each once, and a reader of one range
+    reads little past it (the rest of its last paragraph). Errors name the byte, not the line, which would take
+    reading the file up to there to count."""
+    paragraphs = not is_jsonl(path)
+    with open(path, "rb") as file:
+        offset = _line_start_from(file, start)
+        after_blank = _after_blank_line(file, offset)
+        file.seek(offset)
+        begun, lines = None, []  # the paragraph being read: where it starts, its lines
+        for data in iter(file.readline, b""):
+            line_start, offset = offset, offset + len(data)
+            line = _decoded(path, f"the line at byte {line_start}", line_start, data).rstrip("\r\n")
+            blank = _BLANK.fullmatch(line) is not None
+            if not paragraphs or blank:
+                if begun is not None:
+                    yield begun, "\n".join(lines)
+                    begun, lines = None, []
+                if not paragraphs and not blank:
+                    if line_start >= end:
+                        return
+                    yield line_start, line
+                after_blank = blank
+                continue
+            if begun is None and after_blank:
+                if line_start >= end:
+                    return
+                begun = line_start
+            if begun is not None:
+                lines.append(line)
+            after_blank = False
+        if begun is not None:
+            yield begun, "\n".join(lines)
+
+
+def _line_start_from(file: BinaryIO, offset: int) -> int:
+    """The first line start at or after ``offset``."""
+    if offset == 0:
+        return 0
+    file.seek(offset - 1)
+    return offset - 1 + len(file.readline())
+
+
+def _after_blank_line(file: BinaryIO, offset: int) -> bool:
+    """Whether the line before the one starting at ``offset`` is blank (the file's start counts as one): read
+    backwards from the newline ending it to the first byte that is not a space, a tab or a carriage return."""
+    end = offset - 1
+    while end > 0:
+        begin = max(0, end - 256)
+        file.seek(begin)
+        stripped = file.read(end - begin).rstrip(b" \t\r")
+        if stripped:
+            return stripped.endswith(b"\n")
+        end = begin
+    return True

@@ -211,7 +211,8 @@ class TextDataModule(TokenDataModule):
     ``separate_documents`` (the default) position ids restart at each document, so attention keeps them apart, and
     without it attention crosses from one into the next. ``pack=False`` gives each document its own padded rows,
     with an attention mask. ``streaming=True`` reads and tokenizes the training files as training goes, each rank
-    its share, with no cache (see :mod:`lightning_automodel.data.streaming`); validation and test data are cached.
+    its share of their bytes, with no cache (see :mod:`lightning_automodel.data.streaming`); validation and test
+    data are cached.
     See :class:`TokenDataModule` for the splits and the cache.
     """
 
@@ -225,10 +226,11 @@ class TextDataModule(TokenDataModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(train_files, **kwargs)
-        if streaming and (not self.pack or self.val_fraction > 0 or self.num_workers > 1):
+        if streaming and (not self.pack or self.val_fraction > 0 or self.num_workers > 0):
             raise ValueError(
                 "streaming=True reads the training files as training goes: it packs (pack=True), holds nothing out"
-                " (give val_files instead of val_fraction) and reads in one loader process (num_workers 0 or 1)."
+                " (give val_files instead of val_fraction) and reads in the rank's own process (num_workers=0: its"
+                " state is gathered from every rank when a checkpoint is saved)."
             )
         self.separate_documents = separate_documents
         self.text_field = text_field

@@ -1,44 +1,56 @@
 """Pre-training rows read and tokenized as training goes, for corpora too large for the local disk (a network
 filesystem) or to tokenize ahead: nothing is cached, and a rank holds the rows it is about to train on.
 
-Each data-parallel rank takes every ``num_replicas``-th document of the files in order (it reads every line, and
-parses and tokenizes its own only), lays its documents end to end and cuts rows as the cached rows are cut. The
-stream has no end: after the last file it starts over, so every rank takes the same number of steps whatever its
-share, and a run ends at ``max_steps``. Its state (the pass, the documents read, the tokens not yet in a row) is
-saved in checkpoints by the StatefulDataLoader, so a resumed run reads the very rows it would have read.
+Each data-parallel rank reads its share of every file, the documents that start in its 1/dp of the file's bytes
+(it seeks there; the pieces are the cache's: JSONL lines, a text file's paragraphs), lays them end to end and cuts
+rows as the cached rows are cut. The stream has no end: after the last file it starts over, so every rank takes the
+same number of steps whatever its share, and a run ends at ``max_steps``. Its state (each rank's pass, the file and
+byte it reads next, the tokens not yet in a row) is saved in checkpoints by the StatefulDataLoader, so a resumed run
+reads the very rows it would have read.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from lightning_automodel.data.encoding import DocumentEncoder, PieceBatch
-from lightning_automodel.data.files import file_pieces, is_jsonl
+from lightning_automodel.data.files import is_jsonl, pieces_in_range
 from lightning_automodel.data.rows import Piece, make_row
 
 BATCH_DOCUMENTS = 16  # documents a rank tokenizes at a time
 ENDLESS = 2**62  # the rows a stream claims: sized, so that Lightning fetches no batch ahead of the one it trains on
 
 
+def byte_range(path: str, *, rank: int, num_replicas: int) -> tuple[int, int]:
+    """The bytes of ``path`` whose documents data-parallel rank ``rank`` reads."""
+    size = os.path.getsize(path)
+    return size * rank // num_replicas, size * (rank + 1) // num_replicas
+
+
 def check_enough_documents(files: list[str], encoder: DocumentEncoder, num_replicas: int) -> None:
-    """Refuse a corpus with fewer documents than data-parallel ranks, on every rank alike before any collective
-    (a rank without a document could make no row: it would stop while the others wait for it)."""
-    found = 0
-    for path in files:
-        for piece in file_pieces(path):
-            found += len(encoder.documents(PieceBatch(path, is_jsonl(path), [piece])))
-            if found >= num_replicas:
-                return
-    raise ValueError(
-        f"{files!r} hold {found} documents, fewer than the {num_replicas} data-parallel ranks that each stream a share"
-        " of them. Add documents, or use fewer data-parallel ranks."
-    )
+    """Refuse a corpus in which a data-parallel rank's share holds no document, on every rank alike before any
+    collective (that rank could make no row: it would stop while the others wait for it)."""
+    for rank in range(num_replicas):
+        if not any(_has_document(path, encoder, rank=rank, num_replicas=num_replicas) for path in files):
+            raise ValueError(
+                f"Data-parallel rank {rank} of {num_replicas} gets no document of {files!r}: each rank streams the"
+                f" documents that start in its 1/{num_replicas} of every file's bytes, and these files are too small"
+                " for that many. Add documents, or use fewer data-parallel ranks."
+            )
+
+
+def _has_document(path: str, encoder: DocumentEncoder, *, rank: int, num_replicas: int) -> bool:
+    start, end = byte_range(path, rank=rank, num_replicas=num_replicas)
+    pieces = pieces_in_range(path, start=start, end=end)
+    return any(encoder.documents(PieceBatch(path, is_jsonl(path), [piece], position="byte")) for piece in pieces)
 
 
 class StreamedRows(IterableDataset):
@@ -64,7 +76,7 @@ class StreamedRows(IterableDataset):
         self.num_replicas = num_replicas
         self.rank = rank
         self.passes = 0  # complete passes over the files
-        self.documents_read = 0  # documents of all ranks read in this pass, up to the last of this rank's tokenized
+        self.file, self.offset = 0, None  # where the next document is read (None: at the start of the rank's share)
         self.pending: list[Piece] = []  # tokens tokenized and not yet in a row
 
     def __len__(self) -> int:
@@ -73,10 +85,16 @@ class StreamedRows(IterableDataset):
         return ENDLESS
 
     def state_dict(self) -> dict[str, Any]:
+        """Every data-parallel rank's state, gathered from all ranks: Lightning saves rank 0's loader state alone,
+        and a rank's place in its share is its own. Called on every rank when Lightning saves a checkpoint."""
         pending = [(tokens.tolist(), document_start) for tokens, _, document_start in self.pending]
-        return {"passes": self.passes, "documents_read": self.documents_read, "pending": pending} | {
-            "num_replicas": self.num_replicas
-        }
+        own = {"passes": self.passes, "file": self.file, "offset": self.offset, "pending": pending}
+        gathered: list[Any] = [(self.rank, own)]
+        if self.num_replicas > 1 and dist.is_initialized():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (self.rank, own))  # tensor-parallel peers send the same state
+        by_rank = dict(gathered)
+        return {"num_replicas": self.num_replicas, "ranks": [by_rank.get(rank) for rank in range(self.num_replicas)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_replicas"] != self.num_replicas:
@@ -85,42 +103,35 @@ class StreamedRows(IterableDataset):
                 f" {self.num_replicas}: each rank's share of the stream would differ. Resume at the same size, or use"
                 " the token cache (streaming=False), which resumes at any size."
             )
-        self.passes, self.documents_read = state["passes"], state["documents_read"]
-        self.pending = [(np.array(tokens, dtype=np.int64), None, start) for tokens, start in state["pending"]]
+        own = state["ranks"][self.rank]
+        self.passes, self.file, self.offset = own["passes"], own["file"], own["offset"]
+        self.pending = [(np.array(tokens, dtype=np.int64), None, start) for tokens, start in own["pending"]]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
-            tokens, whole_pass = 0, self.documents_read == 0
-            for batch, read in self._batches():
+            for batch, resume in self._batches():
                 encoded = self.encoder(batch)
-                if len(encoded.lengths):
-                    ends = np.cumsum(encoded.lengths)[:-1]
-                    self.pending += [(document, None, True) for document in np.split(encoded.tokens, ends)]
-                    tokens += len(encoded.tokens)
-                self.documents_read = read
+                self.file, self.offset = resume
+                ends = np.cumsum(encoded.lengths)[:-1]
+                self.pending += [(document, None, True) for document in np.split(encoded.tokens, ends) if len(document)]
                 while sum(len(pending) for pending, _, _ in self.pending) >= self.seq_len:
                     yield self._cut_row()
-            if tokens == 0 and whole_pass:
-                raise ValueError(
-                    f"Data-parallel rank {self.rank} of {self.num_replicas} gets no document of {self.files!r}: the"
-                    " corpus has fewer documents than ranks. Add documents, or use fewer data-parallel ranks."
-                )
-            self.passes, self.documents_read = self.passes + 1, 0
+            self.passes, self.file, self.offset = self.passes + 1, 0, None
 
-    def _batches(self) -> Iterator[tuple[PieceBatch, int]]:
-        """Batches of this rank's documents from where the stream stands, each with the documents of all ranks
-        read once it is."""
-        index, skip = 0, self.documents_read
-        for path in self.files:
-            pieces = ((number, piece) for number, piece in file_pieces(path))
-            while chunk := list(islice(pieces, BATCH_DOCUMENTS * self.num_replicas)):
-                start, index = index, index + len(chunk)
-                if index <= skip:
-                    continue
-                mine = [
-                    piece for i, piece in enumerate(chunk, start) if i % self.num_replicas == self.rank and i >= skip
-                ]
-                yield PieceBatch(path, is_jsonl(path), mine), index
+    def _batches(self) -> Iterator[tuple[PieceBatch, tuple[int, int | None]]]:
+        """Batches of this rank's documents from where the stream stands, each with where the next one is read."""
+        for index in range(self.file, len(self.files)):
+            path = self.files[index]
+            start, end = byte_range(path, rank=self.rank, num_replicas=self.num_replicas)
+            if index == self.file and self.offset is not None:
+                start = self.offset
+            pieces = pieces_in_range(path, start=start, end=end)
+            batch = list(islice(pieces, BATCH_DOCUMENTS))
+            while batch:
+                following = next(pieces, None)
+                resume = (index, following[0]) if following is not None else (index + 1, None)
+                yield PieceBatch(path, is_jsonl(path), batch, position="byte"), resume
+                batch = [following, *islice(pieces, BATCH_DOCUMENTS - 1)] if following is not None else []
 
     def _cut_row(self) -> dict[str, torch.Tensor]:
         """A row from the start of the pending tokens; a document cut continues, as a piece of its own, in the next."""

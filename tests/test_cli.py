@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_automodel.cli import cli, expand_home, main, plan_for_config
+from lightning_automodel.cli import cli, configured, expand_home, main, plan_for_config
 from lightning_automodel.data import ChatDataModule, DemoDataModule
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -307,6 +307,17 @@ def test_plan_command_lists_the_layouts_that_fit(capsys, no_pytest_argv):
     assert "2 rows x 64 tokens per data-parallel rank" in out
     assert "throughput model: 989 TFLOP/s" in out
     assert re.search(r"^ +1 +1 +1 +2 +1  (off|selective|submodule|full) ", out, re.MULTILINE), out  # dp_shard=2 fits
+    winner = re.search(r"^ +(\d+) +(\d+) +(\d+) +(\d+) +(\d+)  (\w+) ", out, re.MULTILINE).groups()
+    pp, tp, cp, dp_shard, dp_replicate, checkpointing = winner
+    overrides = out.split("or as fit's overrides:\n")[1].splitlines()[0].split()
+    assert f"--trainer.strategy.init_args.tp={tp}" in overrides and f"--trainer.strategy.init_args.pp={pp}" in overrides
+    assert (
+        f"      dp_shard: {dp_shard}" in out and "    class_path: lightning_automodel.AutoModelParallelStrategy" in out
+    )
+    # The overrides pasted into fit give the layout the table's first row names.
+    config = configured(config, *overrides, world_size=2)
+    dims = config.dims
+    assert (dims.pp, dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate) == tuple(map(int, winner[:5])), dims
 
 
 def test_the_help_lists_every_command(capsys):

@@ -115,7 +115,38 @@ class Fitting:
             lines.append(
                 "cp layouts: counted with SDPA's dense [rows, S/cp, S] mask, which flex attention on GPUs does not hold"
             )
+        if self.fits:
+            arguments = strategy_arguments(self.fits[0], rows=rows)
+            lines.append("the first, as the config's strategy:")
+            lines += ["trainer:", "  strategy:", "    class_path: lightning_automodel.AutoModelParallelStrategy"]
+            lines += ["    init_args:", *(f"      {name}: {_yaml(value)}" for name, value in arguments.items())]
+            lines.append("or as fit's overrides:")
+            lines.append(
+                " ".join(f"--trainer.strategy.init_args.{name}={_yaml(value)}" for name, value in arguments.items())
+            )
         return "\n".join(lines)
+
+
+def strategy_arguments(layout: LayoutFit, *, rows: int) -> dict[str, int | bool | str]:
+    """The strategy's arguments that select ``layout``: its sizes, sequence parallel where tp > 1, its checkpointing,
+    and under pp micro-batches of one of the ``rows`` (as the estimate has them)."""
+    dims = layout.dims
+    arguments: dict[str, int | bool | str] = {
+        "pp": dims.pp,
+        "tp": dims.tp,
+        "sp": dims.tp > 1,
+        "cp": dims.cp,
+        "dp_shard": dims.dp_shard,
+        "dp_replicate": dims.dp_replicate,
+        "activation_checkpointing": AC_SETTINGS[layout.checkpointing],
+    }
+    if dims.pp > 1:
+        arguments["pp_microbatches"] = rows
+    return arguments
+
+
+def _yaml(value: int | bool | str) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _row(layout: LayoutFit) -> str:

@@ -56,21 +56,63 @@ def file_pieces(path: str) -> Iterator[tuple[int, str]]:
     """The pieces of ``path`` with the line each starts on: a JSONL file's non-blank lines (unparsed), a text file's
     paragraphs (separated by blank lines; a file without one is one paragraph). Newlines are ``\\n`` whatever the
     file's. A file without a non-blank character is an error: more likely a broken export than meant."""
-    pieces = _jsonl_lines(path) if is_jsonl(path) else _paragraphs(path)
     empty = True
-    for piece in pieces:
+    for piece in _pieces(path, start=0, end=os.path.getsize(path), numbered=True):
         empty = False
         yield piece
     if empty:
         raise ValueError(f"{path} is empty: fill it, or leave it out of the files.")
 
 
-def _lines(path: str) -> Iterator[tuple[int, str]]:
+def pieces_in_range(path: str, *, start: int, end: int) -> Iterator[tuple[int, str]]:
+    """The pieces of ``path`` (as :func:`file_pieces` makes them) whose first byte lies in ``[start, end)``, each
+    with that byte's offset: ranges that tile a file share its pieces out, each once, and a reader of one range
+    reads little past it (the rest of its last paragraph). Errors name the byte, not the line, which would take
+    reading the file up to there to count."""
+    return _pieces(path, start=start, end=end, numbered=False)
+
+
+def _pieces(path: str, *, start: int, end: int, numbered: bool) -> Iterator[tuple[int, str]]:
+    """The pieces starting in ``[start, end)``, each with its first line's number (``numbered``, from a start at 0)
+    or its first byte's offset."""
+    paragraphs = not is_jsonl(path)
     with open(path, "rb") as file:
-        offset = 0
-        for number, data in enumerate(file, start=1):
-            yield number, _decoded(path, f"line {number}", offset, data).rstrip("\r\n")
-            offset += len(data)
+        offset = _line_start_from(file, start)
+        after_blank = _after_blank_line(file, offset)
+        file.seek(offset)
+        begun, begun_where, lines, characters = None, "", [], 0  # the paragraph being read: where it starts, its lines
+        for number, data in enumerate(iter(file.readline, b""), start=1):
+            line_start, offset = offset, offset + len(data)
+            where = f"line {number}" if numbered else f"the line at byte {line_start}"
+            line = _decoded(path, where, line_start, data).rstrip("\r\n")
+            position = number if numbered else line_start
+            blank = _BLANK.fullmatch(line) is not None
+            if not paragraphs or blank:
+                if begun is not None:
+                    yield begun, "\n".join(lines)
+                    begun, lines, characters = None, [], 0
+                if not paragraphs and not blank:
+                    if line_start >= end:
+                        return
+                    yield position, line
+                after_blank = blank
+                continue
+            if begun is None and after_blank:
+                if line_start >= end:
+                    return
+                begun, begun_where = position, where
+            if begun is not None:
+                lines.append(line)
+                characters += len(line)
+                if characters > MAX_PARAGRAPH:
+                    raise ValueError(
+                        f"{path}, {begun_where}: a paragraph of over {MAX_PARAGRAPH >> 20} Mi characters. A text file's"
+                        " documents are separated by blank lines: separate them, or write one JSON object a line"
+                        " (.jsonl)."
+                    )
+            after_blank = False
+        if begun is not None:
+            yield begun, "\n".join(lines)
 
 
 def _decoded(path: str, where: str, offset: int, data: bytes) -> str:
@@ -82,31 +124,6 @@ def _decoded(path: str, where: str, offset: int, data: bytes) -> str:
             f" {data[error.start : error.end]!r}). Convert the file to UTF-8, e.g. `iconv -f LATIN1 -t UTF-8 {path} >"
             f" {path}.utf8` for a Latin-1 file."
         ) from error
-
-
-def _jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
-    return ((number, line) for number, line in _lines(path) if line.strip())
-
-
-def _paragraphs(path: str) -> Iterator[tuple[int, str]]:
-    start, lines, characters = 0, [], 0
-    for number, line in _lines(path):
-        if _BLANK.fullmatch(line):
-            if lines and "".join(lines).strip():
-                yield start, "\n".join(lines)
-            lines, characters = [], 0
-            continue
-        if not lines:
-            start = number
-        lines.append(line)
-        characters += len(line)
-        if characters > MAX_PARAGRAPH:
-            raise ValueError(
-                f"{path}, line {start}: a paragraph of over {MAX_PARAGRAPH >> 20} Mi characters. A text file's"
-                " documents are separated by blank lines: separate them, or write one JSON object a line (.jsonl)."
-            )
-    if lines and "".join(lines).strip():
-        yield start, "\n".join(lines)
 
 
 def json_record(where: str, line: str) -> object:
@@ -128,42 +145,6 @@ def text_of(record: object, text_field: str, where: str) -> str:
     if not isinstance(record[text_field], str):
         raise ValueError(f"{where}: field {text_field!r} is a {type(record[text_field]).__name__}, not a string.")
     return record[text_field]
-
-
-def pieces_in_range(path: str, *, start: int, end: int) -> Iterator[tuple[int, str]]:
-    """The pieces of ``path`` (as :func:`file_pieces` makes them) whose first byte lies in ``[start, end)``, each
-    with that byte's offset: ranges that tile a file share its pieces out, each once, and a reader of one range
-    reads little past it (the rest of its last paragraph). Errors name the byte, not the line, which would take
-    reading the file up to there to count."""
-    paragraphs = not is_jsonl(path)
-    with open(path, "rb") as file:
-        offset = _line_start_from(file, start)
-        after_blank = _after_blank_line(file, offset)
-        file.seek(offset)
-        begun, lines = None, []  # the paragraph being read: where it starts, its lines
-        for data in iter(file.readline, b""):
-            line_start, offset = offset, offset + len(data)
-            line = _decoded(path, f"the line at byte {line_start}", line_start, data).rstrip("\r\n")
-            blank = _BLANK.fullmatch(line) is not None
-            if not paragraphs or blank:
-                if begun is not None:
-                    yield begun, "\n".join(lines)
-                    begun, lines = None, []
-                if not paragraphs and not blank:
-                    if line_start >= end:
-                        return
-                    yield line_start, line
-                after_blank = blank
-                continue
-            if begun is None and after_blank:
-                if line_start >= end:
-                    return
-                begun = line_start
-            if begun is not None:
-                lines.append(line)
-            after_blank = False
-        if begun is not None:
-            yield begun, "\n".join(lines)
 
 
 def _line_start_from(file: BinaryIO, offset: int) -> int:

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.conversion import split_as_stored
 from lightning_automodel.hf.loading import checkpoint_layout
 from lightning_automodel.io.atomic_directory import atomic_directory, unowned_entries
+from lightning_automodel.parallel.full_tensor import full_tensor
 
 # Files of a Hugging Face model directory besides the weights: what save_pretrained writes for a model, its
 # generation config, a PEFT adapter (with its model card) and the common tokenizers.
@@ -178,7 +178,7 @@ def _full_tensors(model: nn.Module, *, select: Callable[[str], bool]) -> Iterato
     for name, tensor in model.state_dict().items():
         if not select(name):
             continue
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = full_tensor(tensor)
         if _is_writer():
             yield name, full.detach().to("cpu", copy=True)
 

@@ -20,7 +20,6 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_automodel.hf.document_masking import packed_documents_problem
@@ -33,13 +32,13 @@ from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
 from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.experts.load_balancing_loss import load_balancing_loss
+from lightning_automodel.parallel.full_tensor import full_tensor
 from lightning_automodel.parallel.loss import (
     causal_lm_loss_sum,
     data_parallel_group,
     global_token_mean,
     next_token_hits,
 )
-from lightning_automodel.parallel.mesh import reduction_mesh
 from lightning_automodel.parallel.pipeline import pipeline_of
 from lightning_automodel.planning.flops import flops_per_token
 from lightning_automodel.strategy import AutoModelParallelStrategy
@@ -129,8 +128,7 @@ class CausalLMModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         # Metrics reduce over the data-parallel ranks: tp peers hold the same numbers and must count once.
-        mesh = self.device_mesh
-        group = reduction_mesh(mesh).get_group() if mesh is not None else None
+        group = data_parallel_group(self.device_mesh) if self.device_mesh is not None else None
         for split in _STAGES:
             metrics = getattr(self, f"{split}_metrics").to(self.trainer.strategy.root_device)
             for metric in metrics.values():
@@ -396,4 +394,4 @@ def _model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor | None]:
 def _plain(tensor: Tensor) -> Tensor:
     """A loss summed on vocabulary-sharded logits is a (replicated) DTensor; metrics, and a sum with plain terms,
     take plain tensors."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full_tensor(tensor)

@@ -40,8 +40,11 @@ def global_token_mean(loss_sum: Tensor, num_tokens: Tensor | int, device_mesh: D
 
 
 def data_parallel_group(device_mesh: DeviceMesh | None) -> ProcessGroup | None:
-    """The ranks whose batches make the global batch (dp_replicate x dp_shard x cp of ``device_mesh``; every rank
-    without one, as under DDP); None in one process."""
+    """The ranks whose batches make the global batch (dp_replicate x dp_shard x cp of ``device_mesh``, or the
+    "data_parallel" axis of Lightning's own ModelParallelStrategy's; every rank without one, as under DDP); None in
+    one process."""
+    if device_mesh is not None and "data_parallel" in (device_mesh.mesh_dim_names or ()):
+        return device_mesh["data_parallel"].get_group()
     if device_mesh is not None:
         return reduction_mesh(device_mesh).get_group()
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None

@@ -12,6 +12,7 @@ from typing import Any
 from lightning_automodel.parallel.activation_checkpointing import ACMode, validate_ac_mode
 from lightning_automodel.parallel.compile import CompileSpec, compile_options
 from lightning_automodel.parallel.context_parallel import CPAttention, attention_kernel
+from lightning_automodel.parallel.float8 import Float8Options, Float8Spec, float8_options
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
@@ -44,6 +45,11 @@ class ParallelOptions:
     ``{"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}``). The blocks share one graph; composes with every
     activation_checkpointing mode; see :mod:`~lightning_automodel.parallel.compile`."""
 
+    float8: Float8Spec | Float8Options = False
+    """Float8 matmuls in the decoder blocks' linear layers through torchao: False (default), True (tensorwise
+    scaling) or a dict of :class:`~lightning_automodel.parallel.float8.Float8Options` (``recipe``: "tensorwise" or
+    "rowwise"; ``emulate``; ``skip``); see :mod:`~lightning_automodel.parallel.float8`."""
+
     cp_attention: CPAttention = "auto"
     """The attention kernel at cp > 1: "flex" (flex attention over a block mask: the masked blocks skipped, nothing
     quadratic in the sequence stored; trains on GPUs only, torch has no CPU backward), "sdpa" (SDPA over a dense
@@ -72,6 +78,7 @@ class ParallelOptions:
         attention_kernel(self.cp_attention, "cpu")  # a name it does not know is refused here
         validate_ac_mode(self.activation_checkpointing)
         compile_options(self.compile)
+        object.__setattr__(self, "float8", float8_options(self.float8) or False)
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> ParallelOptions:

@@ -28,6 +28,13 @@ from lightning_automodel.parallel.experts.expert_parallel import (
     experts_modules,
 )
 from lightning_automodel.parallel.experts.expert_tensor_parallel import give_every_expert_a_gradient
+from lightning_automodel.parallel.float8 import (
+    Float8Layers,
+    convert_to_float8,
+    float8_device_problem,
+    float8_layers,
+    float8_tp_styles,
+)
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.fsdp.sharding import ExpertSharding, apply_fsdp
 from lightning_automodel.parallel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
@@ -98,6 +105,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         on_meta = is_meta(model)
         pipeline = (options.pipeline or PipelineOptions()) if axis_size(device_mesh, "pp") > 1 else None
         findings = _refuse_before_collectives(model, device_mesh, options, pipeline=pipeline)
+        float8 = _float8_layers(model, device_mesh, options, findings=findings) if options.float8 else None
         if not on_meta:
             model.to(device_mesh.device_type)
             broadcast_from_rank0(model)
@@ -107,6 +115,8 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if axis_size(device_mesh, "cp") > 1:
             context_parallel_model(model, device_mesh, attention=options.cp_attention)
         layers = [layer for name, layer in named_decoder_layers(model) if name not in findings.held_by_root]
+        if float8 is not None:
+            tensor_parallel = _convert_to_float8(model, device_mesh, options, float8, tensor_parallel=tensor_parallel)
         if tensor_parallel is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), tensor_parallel)
         experts = _apply_expert_parallel(model, device_mesh) if axis_size(device_mesh, "ep") > 1 else None
@@ -143,6 +153,45 @@ def _refuse_before_collectives(
     if problem is not None:
         raise ValueError(f"ep={ep} (expert parallel): {problem}.")
     return findings
+
+
+def _float8_layers(
+    model: nn.Module, device_mesh: DeviceMesh, options: ParallelOptions, *, findings: PreflightFindings
+) -> Float8Layers:
+    """The layers float8 converts (the whole model's, before the pipeline split); refused before any collective
+    where the device or the model has none."""
+    tp = axis_size(device_mesh, "tp")
+    problem = float8_device_problem(options.float8, device_mesh.device_type)
+    if problem is None and tp > 1 and options.float8.recipe == "tensorwise" and device_mesh.device_type == "cpu":
+        problem = (
+            "tensorwise scaling at tp > 1 casts before tensor parallel's collectives, and gloo (CPU) has no float8"
+            " collectives: use recipe='rowwise' (float8={'recipe': 'rowwise', 'emulate': True}) on CPUs"
+        )
+    if problem is not None:
+        raise ValueError(f"float8: {problem}.")
+    layers = [(name, layer) for name, layer in named_decoder_layers(model) if name not in findings.held_by_root]
+    styles = findings.planned.styles if findings.planned is not None else {}
+    return float8_layers(model, layers, options.float8, tp_styles=styles, tp=tp)
+
+
+def _convert_to_float8(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    options: ParallelOptions,
+    found: Float8Layers,
+    *,
+    tensor_parallel: TensorParallelPlan | None,
+) -> TensorParallelPlan | None:
+    """Convert the layers of ``found`` this rank holds; under tensorwise scaling, tensor parallel then takes
+    torchao's float8 styles for them (casting before their collectives: with one scale a tensor, the values are those
+    of a cast after them)."""
+    held = {name for name, _ in model.named_modules()}
+    here = Float8Layers([name for name in found.converted if name in held], found.kept)
+    fsdp_sharded = fsdp_mesh(device_mesh).size() > 1
+    convert_to_float8(model, here, options.float8, fsdp_sharded=fsdp_sharded)
+    if tensor_parallel is None or options.float8.recipe != "tensorwise":
+        return tensor_parallel
+    return dataclasses.replace(tensor_parallel, styles=float8_tp_styles(tensor_parallel.styles, model))
 
 
 def _split_into_stages(

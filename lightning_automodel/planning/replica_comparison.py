@@ -13,10 +13,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.initialization import copy_shard
 from lightning_automodel.hf.ties import to_empty_tied
+from lightning_automodel.parallel.full_tensor import full_tensor
 from lightning_automodel.planning.simulation import rank_values
 
 # fp32: tensor parallel changes only the order of reductions (measured errors ~1e-6); a wrong plan is off by O(1).
@@ -90,10 +90,6 @@ def load_weights(model: nn.Module, reference: nn.Module) -> None:
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             copy_shard(tensor, tensors[name].detach())
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def nan_as_infinite(error: float) -> float:

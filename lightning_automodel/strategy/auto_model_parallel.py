@@ -30,6 +30,7 @@ from lightning_automodel.hf.models import find_hf_models
 from lightning_automodel.parallel.activation_checkpointing import ACMode
 from lightning_automodel.parallel.compile import CompileSpec
 from lightning_automodel.parallel.context_parallel import CPAttention
+from lightning_automodel.parallel.float8 import Float8Spec, precompute_float8_scales
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel.options import ParallelOptions
@@ -103,6 +104,7 @@ class AutoModelParallelStrategy(CheckpointHooks):
         verify_plans: bool = False,
         activation_checkpointing: bool | ACMode = False,
         compile: CompileSpec = False,
+        float8: Float8Spec = False,
         mp_policy: MixedPrecisionPolicy | None = None,
         cpu_offload: bool = False,
         reshard_after_forward: bool | None = None,
@@ -144,6 +146,7 @@ class AutoModelParallelStrategy(CheckpointHooks):
                 allow_unsharded_linears=allow_unsharded_linears,
                 activation_checkpointing=activation_checkpointing,
                 compile=compile,
+                float8=float8,
                 cp_attention=cp_attention,
                 pipeline=pipeline if pp > 1 else None,
                 fsdp=FSDPOptions(
@@ -272,6 +275,8 @@ class AutoModelParallelStrategy(CheckpointHooks):
             return result
 
         result = super().optimizer_step(optimizer, closure_then_sum_tied_gradients, model, **kwargs)
+        for parallelized in self._models:
+            precompute_float8_scales(parallelized)
         assert self._preemption is not None
         self._preemption.agree()  # a signal stops every rank after the same step
         return result

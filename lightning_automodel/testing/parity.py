@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_automodel import ParallelDims
+from lightning_automodel.parallel.full_tensor import full_tensor
 from lightning_automodel.planning.replica_comparison import FP32_TOLERANCE  # verify_plan's, the tests' too
 from lightning_automodel.planning.replica_comparison import loss_and_logits as loss_of  # verify_plan's loss too
 from lightning_automodel.testing.models import batch
@@ -37,8 +38,7 @@ TRAINED_GRAD_TOLERANCE = 1e-2
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+full = full_tensor
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, *, floor: float = 1e-12) -> float:

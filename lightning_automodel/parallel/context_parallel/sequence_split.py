@@ -118,5 +118,5 @@ class SequenceSplit:
         """Keys or values [B, heads, S / cp, D] of every cp rank, concatenated in rank order along the sequence."""
         if self.group is None:
             return tensor
-        gathered = funcol.all_gather_single_autograd(tensor.transpose(0, 2).contiguous(), 0, self.group)
-        return funcol.wait_tensor(gathered).transpose(0, 2)
+        gathered = funcol.all_gather_tensor_autograd(tensor.contiguous(), 2, self.group)
+        return funcol.wait_tensor(gathered)

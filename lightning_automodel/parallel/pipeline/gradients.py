@@ -68,5 +68,9 @@ def sharded_parameters(model: nn.Module, *, units: list[FSDPModule]) -> dict[str
 
 
 def param_groups(unit: FSDPModule) -> list:
-    """The parameter groups FSDP's state keeps for ``unit`` (torch's pipeline stage reads them too)."""
-    return unit._get_fsdp_state()._fsdp_param_groups
+    """The parameter groups FSDP's state keeps for ``unit`` (torch's pipeline stage reads them too; before torch 2.13,
+    one group or none)."""
+    state = unit._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []

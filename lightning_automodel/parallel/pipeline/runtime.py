@@ -14,8 +14,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import stage as torch_stage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule, get_schedule_class
-from torch.distributed.pipelining.stage import InferenceMode
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from lightning_automodel.parallel.fsdp.sharding import view_outputs_allowed
@@ -138,7 +138,7 @@ class Pipeline:
                 self.options.microbatches_for(self.pp),
                 **loss,
             )
-            if self._told_stream is not None:
+            if self._told_stream is not None and hasattr(self._schedules[with_loss], "_warmup_p2p"):
                 self._schedules[with_loss]._warmup_p2p = _every_stage_told
         return self._schedules[with_loss]
 
@@ -384,9 +384,9 @@ class Pipeline:
 
 def _every_stage_told(stages: list[PipelineStage], has_backward: bool, p2p_done: bool) -> None:
     """What torch's schedules decide at their first step by a vote over the stages' process group (its
-    ``_warmup_p2p``), where every stage was told its shapes: each takes them as told."""
+    ``_warmup_p2p``, from torch 2.13), where every stage was told its shapes: each takes them as told."""
     for stage in stages:
-        stage._inference_mode = InferenceMode.STATIC
+        stage._inference_mode = torch_stage.InferenceMode.STATIC
 
 
 def _local(tensor: Tensor) -> Tensor:

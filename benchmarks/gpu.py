@@ -50,7 +50,7 @@ THROUGHPUT = {  # name: (shape, what it runs)
     "compiled": ("1b", {"compile": True}),
     "compiled_float8": ("1b", {"compile": True, "float8": True}),
     "compiled_chunked_loss": ("1b", {"compile": True, "loss_chunks": 8}),
-    "lightning_expert": ("1b", {"expert": True}),
+    "lightning_expert": ("1b", {"expert": True, "compile": True}),
     "3b_compiled": ("3b", {"compile": True, "activation_checkpointing": True}),
     "3b_compiled_float8": ("3b", {"compile": True, "activation_checkpointing": True, "float8": True}),
 }
@@ -96,8 +96,8 @@ def config(shape: str, seq_len: int) -> dict[str, Any]:
 
 
 def device_settings(args: argparse.Namespace, asked: dict[str, Any]) -> dict[str, Any]:
-    """What the dry run changes on CPU: compile without inductor's code generation, Float8 emulated (rowwise: the
-    float8 collectives gloo lacks are not needed at one rank either way)."""
+    """What the dry run changes on CPU: compile without inductor's code generation, Float8 emulated (tensorwise, as
+    on the GPU: one rank runs no float8 collective)."""
     options = dict(asked)
     if args.dry_run and options.get("compile"):
         options["compile"] = {"backend": "aot_eager"}
@@ -189,7 +189,7 @@ def _expert_module(model_config: dict[str, Any], options: dict[str, Any]):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             layers = self.model.model.layers
             for index, layer in enumerate(layers):
-                layer.compile(**({"backend": "aot_eager"} if options.get("compile") else {}))
+                layer.compile(**(options["compile"] if isinstance(options["compile"], dict) else {}))
                 fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(layers) - 1)
             fully_shard(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
@@ -293,7 +293,7 @@ def measure_activations(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         return result
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(int(os.environ.get("GPU_CHECK_PORT", "29533")) + 1))
     dist.init_process_group("nccl", rank=0, world_size=1)
     mesh = dims.build_mesh("cuda")
     model = AutoModelForCausalLM.from_config(hf_config).cuda()

@@ -77,7 +77,7 @@ def check_float8_trainer_parity(*, recipe: str = "tensorwise", **options: object
     result = _errors(module, _one_process(spec, pieces))
     gap = _errors(module, _one_process(None, pieces))  # the yardstick: the same model unconverted
     assert result["first_loss"] < FP32_TOLERANCE, result
-    if dims.tp == 1:
+    if dims.tp == 1 or recipe == "rowwise":  # rowwise under tp: each scale's row on one rank, measured exact
         assert result["first_grads"] < FP32_TOLERANCE and result["later_losses"] < TRAINED_LOSS_TOLERANCE, result
         assert result["later_grads"] < TRAINED_GRAD_TOLERANCE and result["weights"] < FP32_TOLERANCE, result
     else:  # later gradients follow float8's rounding of the flipped values: the losses and weights are compared

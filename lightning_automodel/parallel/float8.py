@@ -4,16 +4,19 @@ Each matmul casts its input, weight and output gradient to float8 with a dynamic
 tensor, the fastest; "rowwise": one a row, closer to bf16) and runs on the GPU's float8 tensor cores; weights,
 gradients and optimizer state stay in their own precision. The cast's amax is taken over the whole logical tensor,
 DTensors included, so tensor parallel does not change a scale. With tensorwise scaling FSDP2 all-gathers the weights
-in float8 (half the bytes of bf16; the scales of all of them computed in one all-reduce after each optimizer step)
-and tensor parallel's styles cast before their collectives (torchao's float8 styles). Converted after the pipeline
+in float8 (half the bytes of bf16; the scales of all of them computed in one all-reduce after each optimizer step;
+not with CPU offload) and tensor parallel's column- and row-wise styles cast before their collectives (torchao's
+float8 styles; sequence parallel's norms still gather the stream in high precision). Converted after the pipeline
 split and context parallel, before tensor parallel, activation checkpointing, compile and FSDP2.
 
-Plain ``nn.Linear`` layers only: transformers' routers and fused experts are modules of their own and stay in high
-precision. Layers also stay there where the kernels cannot take their shapes (``torch._scaled_mm`` needs both dims of
-a weight, as this rank holds it under tp, to be multiples of 16) and where ``skip`` names them: each is logged with
-its reason, and a model with nothing to convert is refused. A device without float8 matmuls (compute capability below
-8.9, or a CPU) is refused; ``emulate=True`` runs torchao's emulation there (float8 casts, matmuls in high
-precision): float8's numerics without its speed, for tests.
+Plain ``nn.Linear`` layers only: transformers' fused experts and most routers are modules of their own, and LoRA's
+layers keep theirs, so they stay in high precision (a router that is a plain ``nn.Linear``, as AFMoE's, is converted
+unless ``skip`` names it). Layers also stay there where the kernels cannot take their shapes (``torch._scaled_mm``
+needs both dims of a weight, as this rank holds it under tp, to be multiples of 16), where a tensor-parallel style
+other than the plain column- and row-wise ones computes with the weight itself (packed projections), and where
+``skip`` names them: each is logged with its reason, and a model with nothing to convert is refused. A device without
+float8 matmuls (compute capability below 8.9, or a CPU) is refused; ``emulate=True`` runs torchao's emulation there
+(float8 casts, matmuls in high precision): float8's numerics without its speed, for tests.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_automodel.hf.peft import is_lora_layer
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 
 log = logging.getLogger(__name__)
@@ -126,8 +130,9 @@ def float8_layers(
     """The linear layers of ``layers`` (decoder blocks, by name) to convert; refused when none qualifies."""
     converted, kept = [], {}
     for block_name, block in layers:
+        adapted = [f"{child}." for child, module in block.named_modules() if is_lora_layer(module)]
         for child, module in block.named_modules():
-            if type(module) is not nn.Linear:  # LoRA's and other wrappers keep their own forward
+            if type(module) is not nn.Linear or child.startswith(tuple(adapted)):  # LoRA's layers keep their own
                 continue
             name = f"{block_name}.{child}"
             why = _kept_because(name, module, options, tp_styles=tp_styles, tp=tp)
@@ -156,6 +161,8 @@ def _kept_because(
         return "named in float8 skip"
     out_features, in_features = module.weight.shape
     style = next((style for pattern, style in tp_styles.items() if pattern_matches(pattern, name)), None)
+    if style is not None and type(style) not in (ColwiseParallel, RowwiseParallel):
+        return f"tensor parallel's {type(style).__name__} computes with its weight itself"
     if isinstance(style, ColwiseParallel):
         out_features //= tp
     elif isinstance(style, RowwiseParallel):

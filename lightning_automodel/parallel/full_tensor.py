@@ -33,6 +33,8 @@ def _undo(held: torch.Tensor, placement, *, group) -> torch.Tensor:
     if isinstance(placement, Replicate):
         return held
     if isinstance(placement, Partial):
+        if placement.reduce_op != "sum":
+            raise NotImplementedError(f"torch {torch.__version__}: gathering a {placement} beside strided shards.")
         held = held.clone()
         dist.all_reduce(held, group=group)
         return held

@@ -187,7 +187,8 @@ def _convert_to_float8(
     of a cast after them)."""
     held = {name for name, _ in model.named_modules()}
     here = Float8Layers([name for name in found.converted if name in held], found.kept)
-    fsdp_sharded = fsdp_mesh(device_mesh).size() > 1
+    # offloaded shards live in CPU memory, where the scales' all-reduce over the GPUs' group cannot reach them
+    fsdp_sharded = fsdp_mesh(device_mesh).size() > 1 and options.fsdp.offload_policy is None
     convert_to_float8(model, here, options.float8, fsdp_sharded=fsdp_sharded)
     if tensor_parallel is None or options.float8.recipe != "tensorwise":
         return tensor_parallel

@@ -256,12 +256,15 @@ class AutoModelParallelStrategy(CheckpointHooks):
             super().model_to_device()
 
     @property
-    def _pipelines(self) -> list[Pipeline]:
-        """The pipelines of the models we parallelized, in the module's order (the same on every rank: each sums its
-        tied gradients in a collective of its own)."""
+    def _parallelized_models(self) -> list[nn.Module]:
+        """The models we parallelized, in the module's order (the same on every rank)."""
         assert self.lightning_module is not None
-        models = [model for model in find_hf_models(self.lightning_module) if model in self._models]
-        return [pipeline for model in models if (pipeline := pipeline_of(model)) is not None]
+        return [model for model in find_hf_models(self.lightning_module) if model in self._models]
+
+    @property
+    def _pipelines(self) -> list[Pipeline]:
+        """The pipelines of the models we parallelized (each sums its tied gradients in a collective of its own)."""
+        return [pipeline for model in self._parallelized_models if (pipeline := pipeline_of(model)) is not None]
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -275,7 +278,7 @@ class AutoModelParallelStrategy(CheckpointHooks):
             return result
 
         result = super().optimizer_step(optimizer, closure_then_sum_tied_gradients, model, **kwargs)
-        for parallelized in self._models:
+        for parallelized in self._parallelized_models:  # each a collective: in the module's order on every rank
             precompute_float8_scales(parallelized)
         assert self._preemption is not None
         self._preemption.agree()  # a signal stops every rank after the same step

@@ -293,6 +293,7 @@ def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) 
         tp_plan=parallel.tp_plan,
         allow_unsharded_linears=parallel.allow_unsharded_linears,
         pipeline=parallel.pipeline,
+        float8=parallel.float8,
         batch_shape=batch_shape,
         step_options=dict(
             mp_policy=config.mp_policy, cp_attention=parallel.cp_attention, loss_chunks=config.loss_chunks

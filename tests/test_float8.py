@@ -5,14 +5,17 @@ dp_shard=2; the layers kept in high precision named; the options and devices ref
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import pytest
+import torch
 from float8_checks import check_float8_trainer_parity
 
-from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.float8 import Float8Options, float8_layers
+from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_model
 
@@ -48,6 +51,20 @@ def test_layers_kept_in_high_precision_are_named():
     assert found.kept["model.layers.0.self_attn.o_proj"] == "named in float8 skip", found.kept
     assert found.kept["model.layers.1.mlp.down_proj"] == "its weight is 64 x 72, not multiples of 16", found.kept
     assert "6 linear layers in float8, 8 kept in high precision" in found.summary(), found.summary()
+
+
+def test_the_plan_report_lists_the_layers_float8_converts_and_keeps():
+    with torch.device("meta"):
+        model = tiny_model(intermediate_size=96)  # at tp=2: gate and up 48 x 64 a rank, down 64 x 48
+    report = plan_report(model, ParallelDims(tp=2).resolve(2), float8={"recipe": "rowwise"})
+    text = str(report)
+    assert "float8 (rowwise scaling): 14 linear layers, 0 kept in high precision" in text, text
+    with torch.device("meta"):
+        model = tiny_model(intermediate_size=72)  # at tp=2: 36 a rank
+    text = str(plan_report(model, ParallelDims(tp=2).resolve(2), float8=True))
+    assert "float8 (tensorwise scaling): 8 linear layers, 6 kept in high precision" in text, text
+    assert re.search(r"model.layers.\*.mlp.down_proj +kept x2: its weight is 64 x 36 on each tp rank", text), text
+    assert re.search(r"model.layers.\*.self_attn.q_proj +float8 x2", text), text
 
 
 @pytest.mark.parametrize(

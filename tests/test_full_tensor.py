@@ -1,6 +1,6 @@
 """full_tensor's own gather of strided shards (torch 2.11's DTensor cannot): on this torch, which can, it equals
 DTensor.full_tensor for every parameter of FSDP2 over tp (strided over dp_shard) and of Phi-3's fused q/k/v split part
-by part at tp=2 (strided on one mesh dim)."""
+by part at tp=4 (strided on one mesh dim) and at tp=2 x dp_shard=2 (on both)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def check_strided_gather(family: str, **dims: int) -> int:
 
 def test_strided_shards_gathered_as_torch_gathers_them():
     results = run_checks(
-        4, [partial(check_strided_gather, "llama", tp=2), partial(check_strided_gather, "phi3", tp=4)], timeout=240
+        4,
+        [
+            partial(check_strided_gather, "llama", tp=2),
+            partial(check_strided_gather, "phi3", tp=4),
+            partial(check_strided_gather, "phi3", tp=2),  # strided on both mesh dims: FSDP2 over the packed parts
+        ],
+        timeout=240,
     )
     assert all(count > 0 for counts in results.values() for count in counts), results

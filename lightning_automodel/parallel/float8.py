@@ -13,10 +13,12 @@ Plain ``nn.Linear`` layers only: transformers' fused experts and most routers ar
 layers keep theirs, so they stay in high precision (a router that is a plain ``nn.Linear``, as AFMoE's, is converted
 unless ``skip`` names it). Layers also stay there where the kernels cannot take their shapes (``torch._scaled_mm``
 needs both dims of a weight, as this rank holds it under tp, to be multiples of 16), where a tensor-parallel style
-other than the plain column- and row-wise ones computes with the weight itself (packed projections), and where
-``skip`` names them: each is logged with its reason, and a model with nothing to convert is refused. A device without
-float8 matmuls (compute capability below 8.9, or a CPU) is refused; ``emulate=True`` runs torchao's emulation there
-(float8 casts, matmuls in high precision): float8's numerics without its speed, for tests.
+other than the plain column- and row-wise ones computes with the weight itself (packed projections) or the plan leaves
+the weight whole at tp > 1 (on another mesh than the others, whose scales one all-reduce computes), and where
+``skip`` names them: each is logged with its reason (and listed in the plan report), and a model with nothing to
+convert is refused. A device without float8 matmuls (compute capability below 8.9, or a CPU) is refused;
+``emulate=True`` runs torchao's emulation there (float8 casts, matmuls in high precision): float8's numerics without
+its speed, for tests.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ def _kept_because(
         return "named in float8 skip"
     out_features, in_features = module.weight.shape
     style = next((style for pattern, style in tp_styles.items() if pattern_matches(pattern, name)), None)
+    if style is None and tp > 1:  # its weight would sit on another mesh than the others', which one all-reduce scales
+        return "left whole on every tp rank by the tensor-parallel plan"
     if style is not None and type(style) not in (ColwiseParallel, RowwiseParallel):
         return f"tensor parallel's {type(style).__name__} computes with its weight itself"
     if isinstance(style, ColwiseParallel):

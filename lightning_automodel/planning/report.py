@@ -19,6 +19,7 @@ from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.layer_configs import attention_shapes
 from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.context_parallel import context_parallel_of
+from lightning_automodel.parallel.float8 import Float8Options, Float8Spec, float8_layers, float8_options
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
@@ -52,6 +53,9 @@ class PlanReport:
     gathered_bytes_per_token: int = 0  # under cp: keys and values a rank receives per token of a row and layer
     padded_to: int = 0  # under cp: rows are padded to a multiple of this many tokens
     batch_shape: tuple[int, int] | None = None  # (rows, tokens a row) the activation estimates are for
+    float8: Float8Options | None = None
+    float8_converted: dict[str, int] = field(default_factory=dict)  # converted layers, as patterns -> count
+    float8_kept: dict[tuple[str, str], int] = field(default_factory=dict)  # (pattern, why) -> count
     activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
     # (under pp: the stage whose ranks' total is the largest; each stage's are its StageReport's)
 
@@ -74,6 +78,8 @@ class PlanReport:
             lines.append(f"patterns matching no module: {', '.join(self.unmatched_patterns)}")
         if self.unsharded_weights:
             lines.append(f"large block weights left whole on every tp rank: {', '.join(self.unsharded_weights)}")
+        if self.float8 is not None:
+            lines += self._float8_lines()
         if self.dims.ep > 1:
             lines.append(
                 f"expert parallel: ep={self.dims.ep}, each rank holds 1/{self.dims.ep} of every layer's experts,"
@@ -106,6 +112,17 @@ class PlanReport:
         if not self.stages:
             return self.training_bytes_per_rank + self.activation_bytes[mode]
         return max(stage.training_bytes_per_rank + stage.activation_bytes[mode] for stage in self.stages)
+
+    def _float8_lines(self) -> list[str]:
+        converted = sum(self.float8_converted.values())
+        lines = [
+            f"float8 ({self.float8.recipe} scaling): {converted} linear layers,"
+            f" {sum(self.float8_kept.values())} kept in high precision"
+        ]
+        width = max(len(pattern) for pattern in [*self.float8_converted, *(p for p, _ in self.float8_kept)])
+        lines += [f"  {pattern:<{width}}  float8 x{count}" for pattern, count in self.float8_converted.items()]
+        lines += [f"  {p:<{width}}  kept x{count}: {why}" for (p, why), count in self.float8_kept.items()]
+        return lines
 
     def _activation_lines(self) -> list[str]:
         if not self.activation_bytes:
@@ -155,6 +172,9 @@ class StageReport:
     ranks: str
     parameters_per_rank: int
     parameter_bytes_per_rank: int
+    float8: Float8Options | None = None
+    float8_converted: dict[str, int] = field(default_factory=dict)  # converted layers, as patterns -> count
+    float8_kept: dict[tuple[str, str], int] = field(default_factory=dict)  # (pattern, why) -> count
     activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
 
     @property
@@ -182,6 +202,7 @@ def plan_report(
     batch_shape: tuple[int, int] | None = None,
     step_options: dict | None = None,
     rank: int = 0,
+    float8: Float8Spec | Float8Options = False,
 ) -> PlanReport:
     """Parallelize ``model`` (on the meta device) as ``rank`` of a fake world of ``dims`` and describe the result.
 
@@ -195,10 +216,13 @@ def plan_report(
     pp each stage's is estimated on its first rank (a zero-bubble schedule, which runs no checkpointing, under "off"
     alone), and the report's per mode is that of the stage where state and activations add up to the most:
     :meth:`PlanReport.total_bytes` is that total.
+
+    ``float8``: the strategy's option; the report lists the layers it converts and those it keeps, and why (the
+    parallelizer's own choice, :func:`~lightning_automodel.parallel.float8.float8_layers`).
     """
     if not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
-    report = PlanReport(type(model).__name__, dims, plan_source="")
+    report = PlanReport(type(model).__name__, dims, plan_source="", float8=float8_options(float8))
     report.total_parameters = sum(p.numel() for p in model.parameters())
     report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
     options = dict(sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
@@ -283,7 +307,9 @@ def _parallelized(
     with fake_world(dims.world_size, rank=rank):
         mesh = dims.build_mesh("cpu")
         if report is not None:
-            _describe_plan(report, check_before_collectives(model, mesh, **options).planned, model)
+            planned = check_before_collectives(model, mesh, **options).planned
+            _describe_plan(report, planned, model)
+            _describe_float8(report, planned, model)
         parallelize(model, mesh, pipeline=pipeline, **options)
         if report is not None and (context := context_parallel_of(model)) is not None:
             report.padded_to = context.padded_length(1)
@@ -301,7 +327,20 @@ def _describe_plan(report: PlanReport, planned: TensorParallelPlan | None, model
         report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
     report.unmatched_patterns = choice.unmatched
     report.unsharded_weights = choice.unsharded_weights
-    report.replicated = dict(Counter(re.sub(r"\.\d+\.", ".*.", name) for name in planned.replicated))
+    report.replicated = dict(Counter(_per_block(name) for name in planned.replicated))
+
+
+def _describe_float8(report: PlanReport, planned: TensorParallelPlan | None, model: nn.Module) -> None:
+    if report.float8 is None:
+        return
+    styles = planned.styles if planned is not None else {}
+    found = float8_layers(model, named_decoder_layers(model), report.float8, tp_styles=styles, tp=report.dims.tp)
+    report.float8_converted = dict(Counter(_per_block(name) for name in found.converted))
+    report.float8_kept = dict(Counter((_per_block(name), why) for name, why in found.kept.items()))
+
+
+def _per_block(name: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", name)
 
 
 def _gib(size: int) -> str:

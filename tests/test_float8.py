@@ -10,6 +10,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
 from float8_checks import check_float8_trainer_parity
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
@@ -85,7 +86,8 @@ def test_float8_refused_where_it_cannot_run():
 
 
 def check_float8_refusals() -> None:
-    from lightning_automodel import ParallelDims
+    """Each refused before any collective; the meshes are built first and the ranks leave together, so that no rank
+    is still creating a group when another has gone (with the store it hosted)."""
     from lightning_automodel.parallel import parallelize
 
     cases = [
@@ -93,7 +95,8 @@ def check_float8_refusals() -> None:
         (dict(tp=2), dict(float8={"emulate": True}), "gloo \\(CPU\\) has no float8 collectives"),
         (dict(dp_shard=2), dict(float8={"emulate": True, "skip": ("model.layers.*.*.*",)}), "converts no linear layer"),
     ]
-    for dims, options, message in cases:
-        mesh = ParallelDims(**dims).resolve(2).build_mesh("cpu")
+    meshes = [ParallelDims(**dims).resolve(2).build_mesh("cpu") for dims, _, _ in cases]
+    for mesh, (_, options, message) in zip(meshes, cases, strict=True):
         with pytest.raises(ValueError, match=message):
             parallelize(tiny_model(), mesh, **options)
+    dist.barrier()

@@ -220,15 +220,15 @@ def _cp_rank(rank: int, dry_run: bool, seq_len: int, attention: str, directory: 
         torch.cuda.set_device(0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("GPU_CHECK_PORT", "29533"))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    shape = dict(SHAPES["tiny"]) if dry_run else dict(SHAPES["1b"], num_hidden_layers=4)
-    hf_config = AutoConfig.for_model(**{**config("tiny", seq_len), **_llama_sizes(shape)}, attn_implementation="sdpa")
+    sizes = config("tiny", seq_len) if dry_run else dict(config("1b", seq_len), num_hidden_layers=4)
+    hf_config = AutoConfig.for_model(**sizes, attn_implementation="sdpa")
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config)).to(device)  # cp changes its model's config
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config).to(device)
     mesh = ParallelDims(cp=2).resolve(2).build_mesh(device.type)
     parallelize(model, mesh, cp_attention=attention)
-    tokens = torch.randint(shape["vocab"], (1, seq_len), generator=torch.Generator().manual_seed(1)).to(device)
+    tokens = torch.randint(hf_config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(1)).to(device)
     expected = reference(input_ids=tokens, labels=tokens, use_cache=False).loss
     expected.backward()
     seconds = []
@@ -253,17 +253,6 @@ def _cp_rank(rank: int, dry_run: bool, seq_len: int, attention: str, directory: 
     if rank == 0:
         (Path(directory) / "rank0.json").write_text(json.dumps(result))
     dist.destroy_process_group()
-
-
-def _llama_sizes(shape: dict[str, int]) -> dict[str, int]:
-    return {
-        "hidden_size": shape["hidden_size"],
-        "intermediate_size": shape["intermediate_size"],
-        "num_hidden_layers": shape["num_hidden_layers"],
-        "num_attention_heads": shape["heads"],
-        "num_key_value_heads": shape["kv_heads"],
-        "vocab_size": shape["vocab"],
-    }
 
 
 def measure_activations(args: argparse.Namespace, mode: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@
     lightning-automodel fit --config config.yaml        # validate, test and predict alike (LightningCLI)
     lightning-automodel fit --config config.yaml --print_config
     lightning-automodel plan --config config.yaml [--world_size 64] [--verify] [--activations] [fit's overrides]
+    lightning-automodel plan --config config.yaml --fit 80 [--workers 4]    # the layouts that fit 80 GiB GPUs
     lightning-automodel export CHECKPOINT --output DIR
 
 ``fit``/``validate``/``test``/``predict`` are Lightning's own LightningCLI over :class:`CausalLMModule` and any
@@ -36,8 +37,10 @@ from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
-from lightning_automodel.planning.fitting import Fitting, Hardware, fitting_layouts
+from lightning_automodel.planning.fitting import Fitting, LayoutChoice, choose_layout, fitting_layouts
+from lightning_automodel.planning.layouts import SearchSpace
 from lightning_automodel.planning.report import PlanReport, plan_report
+from lightning_automodel.planning.throughput import Hardware
 from lightning_automodel.planning.verify import verify_plan
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
@@ -164,8 +167,21 @@ def plan_command(argv: list[str]) -> None:
         "--fit",
         type=float,
         metavar="GPU_MEMORY",
-        help="instead of the config's layout, list the tp x cp x dp_shard layouts of the world whose step fits GPUs of"
-        " this many GiB, each with the checkpointing mode that recomputes least, best estimated throughput first",
+        help="instead of the config's layout, list the pp x tp x cp x dp_shard (x dp_replicate) layouts of the world"
+        " whose step fits GPUs of this many GiB, each with the checkpointing mode that recomputes least, best"
+        " estimated throughput first (under layout: auto, those with the sizes the config fixes)",
+    )
+    parser.add_argument(
+        "--gpu_memory",
+        type=float,
+        metavar="GIB",
+        help="for a config with layout: auto, the GiB per GPU to choose for (default: its strategy's gpu_memory)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="with --fit or layout: auto, child processes measuring layouts side by side (default 1: this process)",
     )
     parser.add_argument("--batch_size", type=int, help="rows per data-parallel rank and step (implies --activations)")
     parser.add_argument("--seq_len", type=int, help="tokens a row (implies --activations)")
@@ -173,10 +189,19 @@ def plan_command(argv: list[str]) -> None:
     if args.fit is not None and args.verify:
         parser.error("--fit lists other layouts than the config's: verify the one you pick, without --fit")
     config = configured(args.config, *overrides, world_size=args.world_size)
+    search = config.strategy.options.search
+    if search is not None and args.verify:
+        parser.error("the config's layout is auto: verify the layout it chooses, pinned (plan prints it)")
     estimate = args.activations or args.fit is not None or args.batch_size is not None or args.seq_len is not None
-    batch_shape = config.batch_shape(batch_size=args.batch_size, seq_len=args.seq_len) if estimate else None
+    batch_shape = config.batch_shape(batch_size=args.batch_size, seq_len=args.seq_len) if estimate or search else None
     if args.fit is not None:
-        print(_fitting_of(config, memory_gib=args.fit, batch_shape=batch_shape))
+        print(_fitting_of(config, memory_gib=args.fit, batch_shape=batch_shape, workers=args.workers))
+        return
+    if search is not None:
+        memory_gib = args.gpu_memory if args.gpu_memory is not None else config.strategy.options.gpu_memory
+        if memory_gib is None:
+            parser.error("the config's layout is auto: pass --gpu_memory GIB (or give the strategy gpu_memory)")
+        print(_choice_of(config, memory_gib=memory_gib, batch_shape=batch_shape, workers=args.workers))
         return
     print(_plan_of(config, batch_shape=batch_shape))
     model, strategy, dims = config.model, config.strategy, config.dims
@@ -228,6 +253,7 @@ class Configured:
     world_size: int
     datamodule: Any
     precision: str
+    devices: Any = None  # the Trainer's devices (a number of GPUs a node, where the config gives one)
     loss_chunks: int = 1  # CausalLMModule's (a module of one's own computes the logits whole, as far as we know)
 
     @property
@@ -241,10 +267,30 @@ class Configured:
         policy = self.strategy.options.parallel.fsdp.mp_policy
         return policy if policy is not None else mixed_precision_policy(self.precision)
 
+    def hardware(self, memory_gib: float) -> Hardware:
+        """GPUs of ``memory_gib`` GiB, as many a node as the config's devices (the throughput model's H100 else)."""
+        devices = self.devices if isinstance(self.devices, int) else Hardware.gpus_per_node
+        return Hardware(memory_gib, gpus_per_node=devices)
+
+    def step_options(self) -> dict[str, Any]:
+        """The options that shape a training step's memory, as the strategy and the module set them."""
+        parallel = self.strategy.options.parallel
+        return dict(
+            mp_policy=self.mp_policy,
+            tp_plan=parallel.tp_plan,
+            allow_unsharded_linears=parallel.allow_unsharded_linears,
+            cp_attention=parallel.cp_attention,
+            loss_chunks=self.loss_chunks,
+        )
+
     def batch_shape(self, *, batch_size: int | None = None, seq_len: int | None = None) -> tuple[int, int]:
-        """Rows per data-parallel rank and step and tokens a row: those given, else the data module's."""
-        rows = batch_size if batch_size is not None else getattr(self.datamodule, "batch_size", None)
-        tokens = seq_len if seq_len is not None else getattr(self.datamodule, "seq_len", None)
+        """Rows per data-parallel rank and step and tokens a row: those given, else the strategy's ``layout_batch``,
+        else the data module's."""
+        given = self.strategy.options.layout_batch or (None, None)
+        rows = next(
+            (size for size in (batch_size, given[0], getattr(self.datamodule, "batch_size", None)) if size), None
+        )
+        tokens = next((size for size in (seq_len, given[1], getattr(self.datamodule, "seq_len", None)) if size), None)
         if rows is None or tokens is None:
             raise ValueError(
                 f"The config's data module ({type(self.datamodule).__name__}) gives no batch_size or seq_len: pass"
@@ -278,7 +324,9 @@ def configured(path: str, *overrides: str, world_size: int | None = None) -> Con
         with keep_pinned_fp32(model, fp32_pinned_names(model)):
             model.to(_CAST_WEIGHTS[precision])
     loss_chunks = module.hparams.get("loss_chunks", 1)
-    return Configured(model, strategy, world_size, parsed.datamodule, precision, loss_chunks=loss_chunks)
+    return Configured(
+        model, strategy, world_size, parsed.datamodule, precision, devices=trainer["devices"], loss_chunks=loss_chunks
+    )
 
 
 _CAST_WEIGHTS = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # the "-true" flags the strategy takes
@@ -301,16 +349,28 @@ def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) 
     )
 
 
-def _fitting_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int, int]) -> Fitting:
+def _fitting_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int, int], workers: int) -> Fitting:
     return fitting_layouts(
         config.model,
         config.world_size,
-        hardware=Hardware(memory_gib),
+        hardware=config.hardware(memory_gib),
         batch_shape=batch_shape,
-        mp_policy=config.mp_policy,
-        tp_plan=config.strategy.options.parallel.tp_plan,
-        allow_unsharded_linears=config.strategy.options.parallel.allow_unsharded_linears,
-        loss_chunks=config.loss_chunks,
+        space=config.strategy.options.search or SearchSpace(),
+        workers=workers,
+        **config.step_options(),
+    )
+
+
+def _choice_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int, int], workers: int) -> LayoutChoice:
+    """What layout="auto" chooses for the config, as the strategy would choose it at setup."""
+    return choose_layout(
+        config.model,
+        config.world_size,
+        hardware=config.hardware(memory_gib),
+        batch_shape=batch_shape,
+        space=config.strategy.options.search,
+        workers=workers,
+        **config.step_options(),
     )
 
 

@@ -218,12 +218,6 @@ def test_the_progress_bar_counts_steps_unless_the_config_says_otherwise(no_pytes
     assert bars == {"default": ["StepProgressBar"], "off": [], "own": ["TQDMProgressBar"]}
 
 
-@pytest.fixture
-def no_pytest_argv(monkeypatch):
-    """LightningCLI warns when it is given args while sys.argv holds pytest's."""
-    monkeypatch.setattr(sys, "argv", ["lightning-automodel"])
-
-
 def test_print_config(capsys, no_pytest_argv):
     """Every option of the strategy, model and data is in the printed config, ready to edit."""
     overrides = ["--trainer.strategy.init_args.tp=1", "--trainer.strategy.init_args.sp=false"]
@@ -235,7 +229,7 @@ def test_print_config(capsys, no_pytest_argv):
         "class_path: lightning_automodel.AutoModelParallelStrategy",
         "tp: 1",
         "sp: false",
-        "activation_checkpointing: false",
+        "activation_checkpointing: null",  # False, unless layout: auto chooses it
         "warmup_steps: 10",
         "class_path: lightning_automodel.data.DemoDataModule",
     )
@@ -304,7 +298,7 @@ def test_plan_command_lists_the_layouts_that_fit(capsys, no_pytest_argv):
     main(["plan", "--config", config, "--world_size", "2", "--fit", "0.05", "--batch_size", "2", "--seq_len", "64"])
     out = capsys.readouterr().out
     assert "layouts that fit 0.05 GiB per GPU" in out
-    assert "2 rows x 64 tokens per data-parallel rank" in out
+    assert "2 rows x 64 tokens a batch" in out
     assert "throughput model: 989 TFLOP/s" in out
     assert re.search(r"^ +1 +1 +1 +2 +1  (off|selective|submodule|full) ", out, re.MULTILINE), out  # dp_shard=2 fits
     winner = re.search(r"^ +(\d+) +(\d+) +(\d+) +(\d+) +(\d+)  (\w+) ", out, re.MULTILINE).groups()

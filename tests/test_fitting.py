@@ -10,16 +10,11 @@ from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.planning.activation_memory import activation_bytes
-from lightning_automodel.planning.fitting import (
-    HEADROOM,
-    Hardware,
-    _layouts,
-    _least_recomputing_fit,
-    _tokens_per_second,
-    fitting_layouts,
-)
+from lightning_automodel.planning.fitting import choose_layout, fitting_layouts
 from lightning_automodel.planning.flops import flops_per_token
 from lightning_automodel.planning.layer_extrapolation import over_layers
+from lightning_automodel.planning.layouts import HEADROOM, SearchSpace, layouts
+from lightning_automodel.planning.throughput import Hardware, tokens_per_second
 from lightning_automodel.testing.models import tiny_config
 
 ROWS, TOKENS = 2, 64
@@ -58,7 +53,7 @@ def test_each_layout_takes_the_least_recomputing_setting_that_fits():
     layouts = [*fitting.fits, *fitting.too_large]
     listed = {(layout.dims.pp, layout.dims.tp, layout.dims.cp): layout for layout in layouts}
     assert set(listed) == {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 1, 2), (2, 2, 1)}
-    assert list(fitting.refused) == ["tp=4 cp=1 dp_shard=1", "pp=4 tp=1 cp=1 dp_shard=1"]
+    assert set(fitting.refused) == {"tp=4 cp=1 dp_shard=1", "pp=4 tp=1 cp=1 dp_shard=1"}
     assert listed[(1, 1, 1)] in fitting.fits and listed[(1, 1, 1)].checkpointing != "off"
     # data parallel; tp with sp; pp over data parallel; pp x cp (each estimate costs seconds)
     for layout in (listed[(1, 1, 1)], listed[(1, 2, 1)], listed[(2, 1, 1)], listed[(2, 1, 2)]):
@@ -68,15 +63,24 @@ def test_each_layout_takes_the_least_recomputing_setting_that_fits():
         assert all(_memory(layout.dims, setting) > budget for setting in earlier), layout
     for layout in fitting.too_large:
         assert layout.checkpointing == "full" and layout.memory_bytes == _memory(layout.dims, "full") > budget
+    # layout="auto"'s search picks the table's first row, measuring fewer candidates than there are.
+    choice = choose_layout(_on_meta(), 4, hardware=fitting.hardware, batch_shape=(ROWS, TOKENS), space=SearchSpace())
+    first = fitting.fits[0]
+    assert (choice.candidate.dims, choice.candidate.checkpointing, choice.outcome) == (*_named(first), first.outcome)
+    assert len(choice.record.outcomes) < len(choice.record.ranked)
     text = str(fitting)
     assert "refused: tp=4 cp=1 dp_shard=1: " in text
-    assert "refused: pp=4 tp=1 cp=1 dp_shard=1: 1F1B over micro-batches of one row needs at least pp=4 rows" in text
+    assert "refused: pp=4 tp=1 cp=1 dp_shard=1: a batch of 2 rows: pp_microbatches=2 with pp=4: the 1F1B" in text
     assert "counted with SDPA's dense [rows, S/cp, S] mask" in text
+
+
+def _named(layout):
+    return layout.dims, layout.checkpointing
 
 
 def test_tensor_parallel_stays_inside_a_node():
     """tp divides a node's GPUs: on nodes of 8, a world of 12 is split with tp 1, 2 and 4, never 3, 6 or 12."""
-    assert sorted({dims.tp for dims in _layouts(12, gpus_per_node=8)}) == [1, 2, 4]
+    assert sorted({dims.tp for dims in layouts(12, gpus_per_node=8)}) == [1, 2, 4]
 
 
 class _Throughput:
@@ -92,7 +96,7 @@ class _Throughput:
         self.compute = flops / (hardware.tflops * 1e12 * hardware.matmul_efficiency)
 
     def speed(self, dims: ParallelDims, setting: str, **options) -> float:
-        return _tokens_per_second(
+        return tokens_per_second(
             self.model,
             dims.resolve(dims.pp * dims.tp * dims.cp * dims.dp_shard * dims.dp_replicate),
             batch_shape=(ROWS, TOKENS),
@@ -162,13 +166,15 @@ def test_hsdp_layouts_fill_a_node_and_are_estimated_as_such():
     """On several nodes, HSDP layouts are listed: each shard group (tp x cp x dp_shard) a whole node, replicated over
     the nodes; none on one node. Their memory is the plan's state of a shard group (half the model's at dp_shard=2,
     not a quarter) plus the activation estimate, both run under HSDP's mesh."""
-    hsdp = [dims for dims in _layouts(16, gpus_per_node=8) if dims.dp_replicate > 1]
+    hsdp = [dims for dims in layouts(16, gpus_per_node=8) if dims.dp_replicate > 1]
     assert len(hsdp) == 10  # (tp, cp) with tp x cp dividing 8
     assert all(dims.dp_replicate == 2 and dims.tp * dims.cp * dims.dp_shard == 8 for dims in hsdp)
-    assert all(dims.dp_replicate == 1 for dims in _layouts(8, gpus_per_node=8))
+    assert all(dims.dp_replicate == 1 for dims in layouts(8, gpus_per_node=8))
     replicated = ParallelDims(dp_shard=2, dp_replicate=2).resolve(4)
-    fit = _least_recomputing_fit(_on_meta(), replicated, budget=float("inf"), batch_shape=(ROWS, TOKENS), sp=False)
-    assert (fit.checkpointing, fit.memory_bytes) == ("off", _memory(replicated, "off"))
+    space = SearchSpace(dp_shard=2, dp_replicate=2)
+    fitting = fitting_layouts(_on_meta(), 4, hardware=Hardware(float("inf")), batch_shape=(ROWS, TOKENS), space=space)
+    (fit,) = fitting.fits
+    assert (fit.dims, fit.checkpointing, fit.memory_bytes) == (replicated, "off", _memory(replicated, "off"))
     state = {dims.dp_shard: plan_report(_on_meta(), dims).training_bytes_per_rank for dims in (replicated, _FSDP4)}
     assert state[2] == pytest.approx(2 * state[4], rel=0.01)
 

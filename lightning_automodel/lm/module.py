@@ -126,8 +126,18 @@ class CausalLMModule(L.LightningModule):
                 " pre-training text (attention then crosses documents)."
             )
 
-    def setup(self, stage: str) -> None:
-        # Metrics reduce over the data-parallel ranks: tp peers hold the same numbers and must count once.
+    def on_fit_start(self) -> None:
+        self._reduce_metrics_over_data_parallel_ranks()
+
+    def on_validation_start(self) -> None:
+        self._reduce_metrics_over_data_parallel_ranks()
+
+    def on_test_start(self) -> None:
+        self._reduce_metrics_over_data_parallel_ranks()
+
+    def _reduce_metrics_over_data_parallel_ranks(self) -> None:
+        """tp peers hold the same numbers and must count once. After the strategy's setup, where the mesh is known
+        under any layout (``layout="auto"`` chooses it there)."""
         group = data_parallel_group(self.device_mesh) if self.device_mesh is not None else None
         for split in _STAGES:
             metrics = getattr(self, f"{split}_metrics").to(self.trainer.strategy.root_device)

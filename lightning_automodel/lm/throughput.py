@@ -20,6 +20,29 @@ class ReplicaThroughputMonitor(ThroughputMonitor):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        self._counted_replicas = False
+
+    # The data-parallel size is known once the strategy is set up (layout="auto" chooses it there): replicas are
+    # counted at the first hook after it, before the first batch is timed.
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._count_replicas(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._count_replicas(trainer)
+        super().on_validation_start(trainer, pl_module)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._count_replicas(trainer)
+        super().on_test_start(trainer, pl_module)
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._count_replicas(trainer)
+        super().on_predict_start(trainer, pl_module)
+
+    def _count_replicas(self, trainer: L.Trainer) -> None:
+        if self._counted_replicas:
+            return
+        self._counted_replicas = True
         replicas = data_parallel_place(trainer).get("num_replicas", 1)
         ranks_per_replica = trainer.world_size // replicas
         if ranks_per_replica == 1:

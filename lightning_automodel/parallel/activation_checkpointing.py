@@ -52,6 +52,14 @@ _ATTENTION_OPS = {
 _MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
+def setting_name(mode: ACMode | bool) -> str:
+    """The name in :data:`AC_SETTINGS` of an ``activation_checkpointing`` value (True is "full")."""
+    validate_ac_mode(mode)
+    return (
+        "full" if mode is True else next(name for name, value in AC_SETTINGS.items() if value is mode or value == mode)
+    )
+
+
 def validate_ac_mode(mode: ACMode | bool) -> None:
     if mode not in (False, True, "full", "selective", "submodule") or not isinstance(mode, (bool, str)):
         raise ValueError(f'activation_checkpointing={mode!r}: use False, True/"full", "selective" or "submodule".')

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
@@ -37,6 +38,8 @@ from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelizer import is_meta, parallelize
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
+from lightning_automodel.planning.fitting import LayoutChoice
+from lightning_automodel.strategy.auto_layout import apply_accumulation, choose_for_trainer, require_memory_to_plan
 from lightning_automodel.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_automodel.strategy.faults import (
     FaultMonitor,
@@ -59,6 +62,8 @@ from lightning_automodel.strategy.lightning_patches import (
 )
 from lightning_automodel.strategy.options import (
     StrategyOptions,
+    auto_layout_search,
+    given_sizes,
     require_flags,
     require_sharded_saves,
     size_by_either_name,
@@ -85,24 +90,27 @@ class AutoModelParallelStrategy(CheckpointHooks):
 
     def __init__(
         self,
-        tp: int = 1,
+        tp: int | None = None,
         *,  # AutoModelParallelStrategy(2, 2) would read as the parent's (data_parallel_size, tensor_parallel_size)
-        sp: bool = False,
-        dp_replicate: int = 1,
+        sp: bool | None = None,
+        dp_replicate: int | None = None,
         dp_shard: int | Literal["auto"] = "auto",
-        cp: int = 1,
+        cp: int | None = None,
         cp_attention: CPAttention = "auto",
-        pp: int = 1,
+        pp: int | None = None,
         ep: int = 1,
         pp_schedule: str = "1F1B",
         pp_microbatches: int | None = None,
         pp_layers_per_stage: list[int] | None = None,
         pp_stages_per_rank: int = 1,
         pp_loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+        layout: Literal["auto"] | None = None,
+        gpu_memory: float | None = None,
+        layout_batch: tuple[int, int] | None = None,
         tp_plan: PlanSpec | None = None,
         allow_unsharded_linears: bool = False,
         verify_plans: bool = False,
-        activation_checkpointing: bool | ACMode = False,
+        activation_checkpointing: bool | ACMode | None = None,
         compile: CompileSpec = False,
         float8: Float8Spec = False,
         mp_policy: MixedPrecisionPolicy | None = None,
@@ -124,7 +132,6 @@ class AutoModelParallelStrategy(CheckpointHooks):
             timeout=timeout,
         )
         require_flags(
-            sp=sp,
             allow_unsharded_linears=allow_unsharded_linears,
             verify_plans=verify_plans,
             cpu_offload=cpu_offload,
@@ -132,23 +139,37 @@ class AutoModelParallelStrategy(CheckpointHooks):
             save_distributed_checkpoint=save_distributed_checkpoint,
             async_save=async_save,
         )
-        tp = size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=1)
-        dp_shard = size_by_either_name("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset="auto")
+        tp = size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=(None, 1))
+        dp_shard = size_by_either_name("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset=("auto",))
         tp_per_node = tensor_parallel_size == "auto"  # as in the parent: the devices of one node
         pipeline = PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn)
+        sizes = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=None if tp_per_node else tp)
+        search = auto_layout_search(
+            layout,
+            **sizes,
+            ep=ep,
+            sp=sp,
+            activation_checkpointing=activation_checkpointing,
+            pipeline=pipeline,
+            compile=compile,
+            float8=float8,
+            cpu_offload=cpu_offload,
+        )
+        # Under layout="auto" the sizes, sp and the checkpointing are placeholders until the search chooses them.
+        dims = ParallelDims() if search is not None else ParallelDims(**given_sizes(sizes), ep=ep)
+        sp = False if sp is None or search is not None else sp
+        require_flags(sp=sp)
         self.options = StrategyOptions(
-            dims=ParallelDims(
-                pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=1 if tp_per_node else tp, ep=ep
-            ),
+            dims=dims,
             parallel=ParallelOptions(
                 sp=sp,
                 tp_plan=tp_plan,
                 allow_unsharded_linears=allow_unsharded_linears,
-                activation_checkpointing=activation_checkpointing,
+                activation_checkpointing=False if search is not None else (activation_checkpointing or False),
                 compile=compile,
                 float8=float8,
                 cp_attention=cp_attention,
-                pipeline=pipeline if pp > 1 else None,
+                pipeline=pipeline if dims.pp > 1 else None,
                 fsdp=FSDPOptions(
                     mp_policy=mp_policy,
                     reshard_after_forward=reshard_after_forward,
@@ -161,12 +182,16 @@ class AutoModelParallelStrategy(CheckpointHooks):
             cpu_offload=cpu_offload,
             save_trainable_only=save_trainable_only,
             async_save=async_save,
+            search=search,
+            gpu_memory=gpu_memory,
+            layout_batch=tuple(layout_batch) if layout_batch is not None else None,
         )
         require_sharded_saves(
             save_distributed_checkpoint=save_distributed_checkpoint,
             save_trainable_only=save_trainable_only,
             async_save=async_save,
         )
+        self.layout_choice: LayoutChoice | None = None  # layout="auto"'s, once made
         self._verified_plans = VerifiedPlans()
         self._loss_parallel = ExitStack()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -180,18 +205,25 @@ class AutoModelParallelStrategy(CheckpointHooks):
             devices_per_node=self.num_processes, num_nodes=self.num_nodes, precision=self.precision_plugin.precision
         )
         assert self.lightning_module is not None
+        require_memory_to_plan(self.options, self.root_device)
         if self.root_device.type == "cuda":  # nccl: its flight recorder dumps the last collectives at a timeout
             point_flight_recorder(self.lightning_module.trainer.default_root_dir)
         self._setup_distributed()
-        if self._device_mesh is None:  # later stages (validate after fit) reuse the mesh the model lives on
+        # Later stages (validate after fit) reuse the mesh the model lives on.
+        if self._device_mesh is None and self.options.search is None:
             self._device_mesh = self.options.dims.build_mesh(self.root_device.type, timeout=self._timeout)
-        self.lightning_module._device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self._device_mesh  # layout="auto": None until setup chose the layout
         self._fault_monitor = watch_stage(self)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """TP and CP peers read the same batch: the sampler's replicas are the data-parallel ranks only."""
+        if self._device_mesh is None and self.options.search is not None:
+            raise RuntimeError(
+                'layout="auto" knows the data-parallel ranks once it has chosen the layout, in the strategy\'s setup'
+                " (after configure_model): read the data-parallel place from on_fit_start on, not in setup hooks."
+            )
         mesh = data_mesh(self.device_mesh)
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
@@ -206,6 +238,8 @@ class AutoModelParallelStrategy(CheckpointHooks):
         # "bf16-true"/"16-true" cast the module: done before sharding, so FSDP shards and gathers the low-precision
         # weights it will compute with (and materializes them directly in that dtype).
         self.model = convert_keeping_pinned_fp32(self.model, self.precision_plugin.convert_module)
+        if self.options.search is not None:
+            self._choose_layout(trainer)
         self._parallelize_models()
         clip_across_meshes(self.precision_plugin, self._pipelines)
         evaluate_without_inference_mode(trainer)
@@ -218,6 +252,15 @@ class AutoModelParallelStrategy(CheckpointHooks):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _choose_layout(self, trainer: pl.Trainer) -> None:
+        """layout="auto": the sizes, checkpointing and micro-batches chosen, the same on every rank, then the mesh."""
+        self.layout_choice = choose_for_trainer(self.options, trainer, devices_per_node=self.num_processes)
+        rank_zero_info(str(self.layout_choice))
+        self.options = self.options.with_layout(self.layout_choice.candidate)
+        apply_accumulation(self.layout_choice, trainer)
+        self._device_mesh = self.options.dims.build_mesh(self.root_device.type, timeout=self._timeout)
+        self.lightning_module._device_mesh = self._device_mesh
 
     def _parallelize_models(self) -> None:
         """Parallelize every Hugging Face model the LightningModule holds, unless the user already did.
@@ -308,8 +351,12 @@ class AutoModelParallelStrategy(CheckpointHooks):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulating micro-batches: FSDP keeps the unsharded gradients and reduce-scatters them once, on the
-        last micro-batch, instead of once per micro-batch (Lightning blocks only DDP's sync itself)."""
+        last micro-batch, instead of once per micro-batch (Lightning blocks only DDP's sync itself). Not under
+        layout="auto": its memory estimate holds sharded gradients, which each micro-batch's reduction keeps."""
         assert self.model is not None
+        if self.layout_choice is not None:
+            yield
+            return
         units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)

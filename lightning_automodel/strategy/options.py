@@ -12,11 +12,13 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
+from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS, setting_name
 from lightning_automodel.parallel.compile import check_compile
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.options import ParallelOptions
+from lightning_automodel.planning.layouts import Candidate, SearchSpace
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,23 @@ class StrategyOptions:
     CPU memory (pinned on GPUs). Atomic as a synchronous save; one save in flight at a time (the next save waits
     for it); a failed write is raised on every rank at the next save, load or end of the stage. Sharded saves only."""
 
+    search: SearchSpace | None = None
+    """``layout="auto"``: the layouts the strategy chooses from at setup, once the model exists and before any weight
+    is allocated: the fastest whose training step fits the GPU, with the least recomputation (see
+    :mod:`~lightning_automodel.strategy.auto_layout`). The sizes given (``tp``, ``pp``, ``cp``, ``dp_shard``,
+    ``dp_replicate``), ``activation_checkpointing`` and ``pp_microbatches`` stay fixed; the others are searched, with
+    sequence parallel wherever tp > 1 unless ``sp=False``. Until then ``dims`` and ``parallel``'s sizes and settings
+    are placeholders."""
+
+    gpu_memory: float | None = None
+    """``layout="auto"``: the GiB per GPU to plan for (default: the smallest of the ranks' devices; needed on CPU)."""
+
+    layout_batch: tuple[int, int] | None = None
+    """``layout="auto"``: the rows a data-parallel rank's batch holds and the tokens a row, where the data module has
+    no ``batch_size`` and ``seq_len`` to read them from."""
+
     def __post_init__(self) -> None:
+        require_search_for(gpu_memory=self.gpu_memory, layout_batch=self.layout_batch, search=self.search)
         dims, parallel = self.dims, self.parallel
         check_cp_with_pipeline(cp=dims.cp, pipeline=parallel.pipeline if dims.pp > 1 else None)
         if parallel.pipeline is not None:
@@ -87,16 +105,32 @@ class StrategyOptions:
         """These options for a world of ``num_nodes x devices_per_node`` processes and a Trainer's ``precision``,
         identical on every rank: tp per node known, the sizes resolved, FSDP2's policies set."""
         options = self
-        if self.tp_per_node:  # checked again: sp needs the tp it now has
+        if self.tp_per_node and self.search is not None:
+            search = dataclasses.replace(self.search, tp=devices_per_node)
+            options = dataclasses.replace(self, search=search, tp_per_node=False)
+        elif self.tp_per_node:  # checked again: sp needs the tp it now has
             dims = dataclasses.replace(self.dims, tp=devices_per_node)
             options = dataclasses.replace(self, dims=dims, tp_per_node=False)
-        dims = options.dims.resolve(num_nodes * devices_per_node)
+        dims = options.dims if options.search is not None else options.dims.resolve(num_nodes * devices_per_node)
         fsdp = dataclasses.replace(
             options.parallel.fsdp,
             mp_policy=options.mp_policy_for(precision),
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if options.cpu_offload else None,
         )
         return dataclasses.replace(options, dims=dims, parallel=dataclasses.replace(options.parallel, fsdp=fsdp))
+
+    def with_layout(self, candidate: Candidate) -> StrategyOptions:
+        """These options with the layout ``layout="auto"`` chose: its sizes, sequence parallel, checkpointing and
+        pipeline, no search left."""
+        parallel = dataclasses.replace(
+            self.parallel,
+            sp=candidate.sp,
+            activation_checkpointing=AC_SETTINGS[candidate.checkpointing],
+            pipeline=candidate.pipeline,
+        )
+        return dataclasses.replace(
+            self, dims=candidate.dims, parallel=parallel, search=None, gpu_memory=None, layout_batch=None
+        )
 
     def mp_policy_for(self, precision: str) -> MixedPrecisionPolicy | None:
         """FSDP2's mixed precision: the one given, else that of ``Trainer(precision=...)``; a precision flag FSDP2
@@ -106,18 +140,74 @@ class StrategyOptions:
         return given if given is not None else derived
 
 
+def given_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
+    """The mesh's sizes as given, those left unset 1 (dp_shard's "auto" stays: what the others leave)."""
+    return {name: 1 if value is None else value for name, value in sizes.items()}
+
+
+def auto_layout_search(
+    layout: str | None,
+    *,
+    activation_checkpointing: bool | str | None,
+    sp: bool | None,
+    dp_shard: int | str,
+    float8: Any,
+    cpu_offload: bool,
+    **given: Any,
+) -> SearchSpace | None:
+    """What ``layout="auto"`` may choose from (None for the sizes as given): the sizes, ``activation_checkpointing``
+    and ``pp_microbatches`` given stay fixed. What the memory estimate does not model is refused."""
+    if layout is None:
+        return None
+    if layout != "auto":
+        raise ValueError(f'layout={layout!r}: use "auto" (the strategy chooses the sizes) or leave it unset.')
+    if sp is not None:
+        require_flags(sp=sp)
+    if cpu_offload:
+        raise ValueError(
+            'layout="auto" with cpu_offload=True: the search counts the parameters, gradients and AdamW state on the'
+            " GPU, where CPU offload keeps none. Give the sizes yourself (`lightning-automodel plan --fit` lists the"
+            " layouts that fit without offload)."
+        )
+    if float8:
+        raise ValueError(
+            'layout="auto" with float8: the memory estimate runs the step in high precision, whose memory float8'
+            " changes. Give the sizes yourself (`lightning-automodel plan --fit` lists the high-precision layouts)."
+        )
+    if given["pipeline"].layers_per_stage is not None and given["pp"] is None:
+        raise ValueError('layout="auto" with pp_layers_per_stage: a manual split is one of pp stages; give pp too.')
+    setting = None if activation_checkpointing is None else setting_name(activation_checkpointing)
+    shard = None if dp_shard == "auto" else dp_shard
+    return SearchSpace(**given, dp_shard=shard, checkpointing=setting, sp=sp is not False)
+
+
+def require_search_for(*, search: SearchSpace | None, **settings: Any) -> None:
+    """``settings`` (``gpu_memory``, ``layout_batch``) that only ``layout="auto"`` reads."""
+    for name, value in settings.items():
+        if value is not None and search is None:
+            raise ValueError(f'{name}={value!r} sizes the search of layout="auto"; set layout="auto", or drop {name}.')
+    if settings.get("gpu_memory") is not None and not settings["gpu_memory"] > 0:
+        raise ValueError(f"gpu_memory={settings['gpu_memory']!r}: give the GiB of memory per GPU, a positive number.")
+    batch = settings.get("layout_batch")
+    if batch is not None and not (
+        len(batch) == 2 and all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in batch)
+    ):
+        raise ValueError(f"layout_batch={batch!r}: give (rows a batch, tokens a row), two positive integers.")
+
+
 def require_flags(**flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name}={value!r}: {name} is a flag, True or False.")
 
 
-def size_by_either_name(parent_name: str, parent_value: Any, name: str, value: Any, *, unset: Any) -> Any:
+def size_by_either_name(parent_name: str, parent_value: Any, name: str, value: Any, *, unset: tuple[Any, ...]) -> Any:
     """The size a user gave under Lightning's ModelParallelStrategy's name (``parent_name``) or ours (``name``);
-    giving both with different values is an error, not a guess. ``unset`` is our argument's default."""
+    giving both with different values is an error, not a guess. ``unset``: our argument's values that mean it was not
+    given (its default, and what a config printed by an earlier version writes for it)."""
     if parent_value is None:
         return value
-    if value != unset and value != parent_value:
+    if value not in unset and value != parent_value:
         raise ValueError(
             f"{name}={value!r} and {parent_name}={parent_value!r} disagree: {parent_name} is Lightning's"
             f" ModelParallelStrategy name for {name}. Give one of them."

@@ -1,0 +1,139 @@
+"""Searching the layouts for the fastest that fits, in waves of estimates spread over workers.
+
+The throughput model ranks every candidate (layout and checkpointing setting) before any memory is measured, so the
+answer to "the fastest that fits, with the least recomputation" is the first candidate in that order whose memory fits:
+the search measures candidates from the top, a wave of as many as there are workers at a time, and stops once a
+candidate fits and every one ranked above it is measured. Layouts are pruned as soon as they cannot fit: the plan
+refuses them, their state alone exceeds the budget, or full checkpointing (which keeps the least) does not fit.
+
+:func:`search_layout` finds that one (``layout="auto"``); :func:`search_every_layout` resolves every layout to its
+least recomputing fit (``plan --fit``'s table). Both take an :data:`Evaluate`: in this process, in child processes
+(:mod:`.search_workers`), or spread over the ranks of a job (the strategy's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
+from lightning_automodel.planning.layouts import Candidate, Outcome
+
+# The outcomes of a wave of candidates, in order: an Outcome, or the first line of the refusal.
+Evaluate = Callable[[list[Candidate]], list["Outcome | str"]]
+
+
+@dataclass
+class SearchRecord:
+    """What a search measured: each candidate's outcome, in the throughput order."""
+
+    budget: float
+    ranked: list[Candidate]
+    outcomes: dict[int, Outcome | str] = field(default_factory=dict)  # index in ranked -> outcome
+    waves: int = 0
+
+    def fits(self, index: int) -> bool:
+        outcome = self.outcomes.get(index)
+        return isinstance(outcome, Outcome) and outcome.memory_bytes <= self.budget
+
+    def out_of_reach(self, index: int) -> bool:
+        """Whether candidate ``index``'s layout cannot fit, from what was measured of it: refused, its state alone
+        over the budget, or too large with full checkpointing."""
+        dims = self.ranked[index].dims
+        for measured, outcome in self.outcomes.items():
+            if self.ranked[measured].dims != dims:
+                continue
+            if isinstance(outcome, str) or outcome.activation_bytes is None:
+                return True
+            if self.ranked[measured].checkpointing == "full" and outcome.memory_bytes > self.budget:
+                return True
+        return False
+
+    def measured(self) -> list[tuple[Candidate, Outcome | str]]:
+        return [(self.ranked[index], self.outcomes[index]) for index in sorted(self.outcomes)]
+
+
+def run_waves(record: SearchRecord, *, next_wave: Callable[[int], list[int]], evaluate: Evaluate, workers: int) -> None:
+    """Evaluate the waves ``next_wave(workers)`` asks for until it asks for none."""
+    while wave := next_wave(workers):
+        outcomes = evaluate([record.ranked[index] for index in wave])
+        record.outcomes.update(zip(wave, outcomes, strict=True))
+        record.waves += 1
+
+
+def search_layout(ranked: list[Candidate], *, budget: float, evaluate: Evaluate, workers: int = 1) -> SearchRecord:
+    """Measure ``ranked`` (best first) until the first that fits is known: the record's :func:`first_fit`."""
+    record = SearchRecord(budget, ranked)
+
+    def next_wave(size: int) -> list[int]:
+        best = first_fit(record)
+        above = range(len(ranked) if best is None else best)
+        return [i for i in above if i not in record.outcomes and not record.out_of_reach(i)][:size]
+
+    run_waves(record, next_wave=next_wave, evaluate=evaluate, workers=workers)
+    return record
+
+
+def first_fit(record: SearchRecord) -> int | None:
+    """The best ranked candidate measured to fit, if every one ranked above it is measured or out of reach."""
+    for index in range(len(record.ranked)):
+        if record.fits(index):
+            return index
+        if index not in record.outcomes and not record.out_of_reach(index):
+            return None
+    return None
+
+
+def search_every_layout(
+    ranked: list[Candidate], *, budget: float, evaluate: Evaluate, workers: int = 1
+) -> SearchRecord:
+    """Resolve every layout of ``ranked`` to its least recomputing setting that fits, or to "too large" (full
+    checkpointing, measured first, does not fit), or to the plan's refusal: what ``plan --fit`` lists."""
+    record = SearchRecord(budget, ranked)
+    order = list(AC_SETTINGS)
+    by_layout: dict = {}
+    for index, candidate in enumerate(ranked):
+        by_layout.setdefault(candidate.dims, []).append(index)
+    for indices in by_layout.values():
+        indices.sort(key=lambda index: order.index(ranked[index].checkpointing))
+
+    def needed(indices: list[int]) -> int | None:
+        """The layout's next candidate to measure: full first, then from the least recomputing on."""
+        if record.out_of_reach(indices[0]):
+            return None
+        full = indices[-1]
+        if ranked[full].checkpointing == "full" and full not in record.outcomes:
+            return full
+        for index in indices:
+            if record.fits(index):
+                return None
+            if index not in record.outcomes:
+                return index
+        return None
+
+    def next_wave(size: int) -> list[int]:
+        wave = [index for indices in by_layout.values() if (index := needed(indices)) is not None]
+        return sorted(wave)[:size]
+
+    run_waves(record, next_wave=next_wave, evaluate=evaluate, workers=workers)
+    return record
+
+
+def least_recomputing_fits(record: SearchRecord) -> tuple[list[int], list[int], dict[str, str]]:
+    """Of a resolved record, each layout's least recomputing fit (best throughput first), each too-large layout's
+    least memory, and the refusals."""
+    fits, too_large, refused = {}, {}, {}
+    order = list(AC_SETTINGS)
+    for index in sorted(record.outcomes, key=lambda index: order.index(record.ranked[index].checkpointing)):
+        candidate, outcome = record.ranked[index], record.outcomes[index]
+        if isinstance(outcome, str):
+            refused.setdefault(candidate.name, outcome)
+        elif record.fits(index):
+            fits.setdefault(candidate.dims, index)
+    for index, outcome in record.outcomes.items():
+        dims = record.ranked[index].dims
+        if isinstance(outcome, Outcome) and dims not in fits:
+            known = too_large.get(dims)
+            if known is None or outcome.memory_bytes < record.outcomes[known].memory_bytes:
+                too_large[dims] = index
+    return sorted(fits.values()), sorted(too_large.values()), refused

@@ -1,0 +1,256 @@
+"""layout="auto": the search for the fastest layout that fits (its waves, prunes and refusal, on made-up measurements
+and on a real model's), the global batch kept by accumulation, the sizes given kept, and the strategy choosing at
+setup on gloo ranks: the same choice on every rank, parity with one process, the refusal before any weight, and the
+chosen layout's estimate against the measured peak of a real step."""
+
+import re
+from functools import partial
+from unittest import mock
+
+import pytest
+import torch
+from auto_layout_checks import (
+    check_auto_layout_trains_at_parity,
+    check_chosen_layout_memory,
+    check_refusal_before_any_weight,
+)
+from transformers import AutoModelForCausalLM
+
+from lightning_automodel import AutoModelParallelStrategy, ParallelDims
+from lightning_automodel.cli import main
+from lightning_automodel.planning.fitting import NoLayoutFits
+from lightning_automodel.planning.layout_search import first_fit, search_layout
+from lightning_automodel.planning.layouts import Candidate, Outcome, SearchSpace, candidates, tensor_budget
+from lightning_automodel.planning.throughput import Hardware
+from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.models import tiny_config
+
+ROWS, TOKENS = 2, 64
+GIB = 2**30
+
+
+def _on_meta():
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256))
+
+
+def _made_up(sizes: list[tuple[int, str, float, float]]) -> tuple[list[Candidate], dict]:
+    """Candidates of made-up layouts (tp, setting, tokens/s, GiB), ranked as given, and their outcomes."""
+    ranked, outcomes = [], {}
+    for tp, setting, speed, gib in sizes:
+        candidate = Candidate(ParallelDims(tp=tp, dp_shard=8 // tp).resolve(8), setting, speed, tp, tp > 1, None)
+        ranked.append(candidate)
+        outcomes[candidate] = gib if isinstance(gib, str) else Outcome(int(gib * GIB), 0)
+    return ranked, outcomes
+
+
+class _Replay:
+    """Measures a wave by looking the outcomes up, and remembers the waves."""
+
+    def __init__(self, outcomes: dict) -> None:
+        self.outcomes, self.waves = outcomes, []
+
+    def __call__(self, wave: list[Candidate]) -> list:
+        self.waves.append([(c.dims.tp, c.checkpointing) for c in wave])
+        return [self.outcomes[candidate] for candidate in wave]
+
+
+MADE_UP = [
+    (1, "off", 100, 90),
+    (2, "off", 95, "tp=2 does not divide the 3 KV heads"),
+    (1, "selective", 90, 80),
+    (2, "selective", 85, 70),
+    (4, "off", 80, 60),
+    (1, "submodule", 78, 75),
+    (1, "full", 77, 74),  # too large with full: tp=1 is out of reach from here
+    (4, "selective", 70, 40),
+    (8, "off", 60, 30),
+]
+
+
+def test_the_search_measures_from_the_top_until_the_first_fit_is_known():
+    """Budget 65 GiB: the first fit in the ranking is tp=4 "off" (index 4). One worker measures the candidates one
+    by one, skipping tp=2's once its plan is refused, and stops there; four measure the first four, then the next
+    four still in reach: the same choice, every candidate ranked above it measured or out of reach."""
+    ranked, outcomes = _made_up(MADE_UP)
+    budget = 65 * GIB
+    one = _Replay(outcomes)
+    record = search_layout(ranked, budget=budget, evaluate=one, workers=1)
+    assert one.waves == [[(1, "off")], [(2, "off")], [(1, "selective")], [(4, "off")]]
+    four = _Replay(outcomes)
+    assert search_layout(ranked, budget=budget, evaluate=four, workers=4).outcomes.keys() >= {0, 2, 4}
+    first, second = [(1, "off"), (2, "off"), (1, "selective"), (2, "selective")], [(4, "off"), (1, "submodule")]
+    assert four.waves == [first, [*second, (1, "full"), (4, "selective")]]  # workers left idle measure ahead
+    assert ranked.index(next(c for c in ranked if (c.dims.tp, c.checkpointing) == (4, "off"))) == 4
+    assert not record.fits(0) and record.fits(4)
+    # Broken on purpose: a search that stopped at the first fit of its first wave would pick tp=2 "selective" at 41
+    # GiB, ranked below a fit it had not measured (tp=1 "selective" at 38 GiB).
+    cheaper = {**outcomes, ranked[2]: Outcome(38 * GIB, 0), ranked[3]: Outcome(41 * GIB, 0)}
+    assert _choice(ranked, cheaper, budget=budget, workers=4) == (1, "selective")
+    # The full checkpointing of tp=1 measured too large prunes tp=1's remaining settings.
+    pruned = _Replay({**outcomes, ranked[6]: Outcome(74 * GIB, 0)})
+    search_layout([ranked[6], ranked[5], ranked[8]], budget=budget, evaluate=pruned, workers=1)
+    assert pruned.waves == [[(1, "full")], [(8, "off")]]
+
+
+def _choice(ranked, outcomes, *, budget, workers):
+    record = search_layout(ranked, budget=budget, evaluate=_Replay(outcomes), workers=workers)
+    chosen = ranked[first_fit(record)]
+    return chosen.dims.tp, chosen.checkpointing
+
+
+def test_sizes_given_stay_fixed_and_the_global_batch_is_kept():
+    """tp=2 given: every candidate has it; each accumulates pp x tp x cp / 2 batches (the global batch of every other
+    rank a data-parallel rank). Where the optimizer cannot accumulate, the layouts that would shrink the global batch
+    are refused, saying so."""
+    hardware, shape = Hardware(memory_gib=80, gpus_per_node=8), (4, TOKENS)
+    ranked, _ = candidates(_on_meta(), 8, space=SearchSpace(tp=2), hardware=hardware, batch_shape=shape)
+    assert ranked and {c.dims.tp for c in ranked} == {2}
+    assert all(c.accumulation == c.dims.pp * c.dims.cp for c in ranked)
+    assert {c.dims.pp for c in ranked} == {1, 2, 4}  # pp=4 with 4 rows: 1F1B over 4 micro-batches of one
+    free, _ = candidates(_on_meta(), 8, space=SearchSpace(), hardware=hardware, batch_shape=shape)
+    assert {c.accumulation for c in free if c.dims.dp == 8} == {1} and max(c.accumulation for c in free) == 8
+    manual = SearchSpace(no_accumulation="the module steps its optimizer itself")
+    kept, refused = candidates(_on_meta(), 8, space=manual, hardware=hardware, batch_shape=shape)
+    assert {(c.dims.pp, c.dims.tp, c.dims.cp) for c in kept} == {(1, 1, 1)}
+    assert "it would train a global batch 2 times smaller than the one given" in refused["tp=2 cp=1 dp_shard=4"]
+    assert refused["tp=2 cp=1 dp_shard=4"].endswith("the module steps its optimizer itself")
+    # Checkpointing given: that setting alone.
+    fixed, _ = candidates(_on_meta(), 8, space=SearchSpace(checkpointing="full"), hardware=hardware, batch_shape=shape)
+    assert {c.checkpointing for c in fixed} == {"full"}
+
+
+def test_nothing_fits_names_the_smallest_shortfall_and_what_would_fit():
+    """Every candidate too large: the refusal names the smallest (its state and activations) and the sizes that would
+    make it fit, scaled from its estimate: GPUs for the state, rows or tokens for the activations."""
+    ranked, outcomes = _made_up([(1, "off", 100, 90), (2, "full", 50, 50)])
+    outcomes[ranked[1]] = Outcome(25 * GIB, 25 * GIB)  # 50 GiB: 20 over a budget of 30
+    memory_gib = 30 / 0.9
+    record = search_layout(ranked, budget=tensor_budget(memory_gib), evaluate=_Replay(outcomes), workers=2)
+    assert first_fit(record) is None and len(record.outcomes) == 2
+    shape = (4, TOKENS)
+    message = str(NoLayoutFits.of(record, {}, hardware=Hardware(memory_gib), batch_shape=shape, world_size=8))
+    assert (
+        "no layout of 8 GPUs fits 33.3333 GiB per GPU (30.00 GiB for tensors) at 4 rows x 64 tokens a batch" in message
+    )
+    assert (
+        "The smallest: tp=2 cp=1 dp_shard=4 with full checkpointing needs 50.00 GiB per GPU, 20.00 GiB more" in message
+    )
+    assert "parameters, gradients and AdamW state 25.00 GiB, activations 25.00 GiB" in message
+    assert "more GPUs: about 40" in message  # the state sharded until it fits beside the activations: 8 x 25 / 5
+    assert "a shorter sequence: 12 tokens a row" in message  # the activations scaled to the 5 GiB left: 64 x 5 / 25
+    assert "a smaller batch" not in message  # 4 x 5 / 25 rows: less than one
+
+
+def test_strategy_options_of_the_search():
+    """The sizes, checkpointing and micro-batches given are fixed; what the estimate cannot model is refused, and so
+    are the search's settings without it."""
+    strategy = AutoModelParallelStrategy(layout="auto", tp=2, activation_checkpointing="selective", gpu_memory=80)
+    space = strategy.options.search
+    assert (space.tp, space.pp, space.cp, space.dp_shard, space.checkpointing, space.sp) == (
+        2,
+        None,
+        None,
+        None,
+        "selective",
+        True,
+    )
+    assert AutoModelParallelStrategy(layout="auto", sp=False).options.search.sp is False
+    assert AutoModelParallelStrategy(tp=2).options.search is None
+    for options, match in [
+        (dict(layout="auto", cpu_offload=True), "CPU offload keeps none"),
+        (dict(layout="auto", float8=True), "float8 changes"),
+        (dict(layout="fast"), 'use "auto"'),
+        (dict(gpu_memory=80), 'sizes the search of layout="auto"'),
+        (dict(layout="auto", gpu_memory=0), "a positive number"),
+        (dict(layout="auto", layout_batch=(2,)), "two positive integers"),
+        (dict(layout="auto", pp_layers_per_stage=[2, 2]), "give pp too"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(match)):
+            AutoModelParallelStrategy(**options)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """One launch of four gloo ranks: layout="auto" through Trainer.fit twice (free, and with pp=1 given) and the
+    refusal; the choices and the refusal as each rank saw them."""
+    checks = [
+        partial(check_auto_layout_trains_at_parity, 1.0),
+        partial(check_auto_layout_trains_at_parity, 1.0, pp=1),
+        partial(check_refusal_before_any_weight, 1e-5),
+    ]
+    return run_checks(4, checks, timeout=600)
+
+
+def test_every_rank_reaches_the_same_choice_and_trains_at_parity(four_ranks):
+    """The ranks measured different candidates and exchanged them: every rank logs the same choice, the same
+    measurements. The chosen layout (pp=2 x tp=2 here: it accumulates 4 batches of 2 rows, the global batch of 8 as
+    four data-parallel ranks would read it) trains at parity with one process: losses, every gradient, the weights
+    after 3 AdamW steps."""
+    ranks = four_ranks["check_auto_layout_trains_at_parity(1.0)"]
+    assert all((rank["layout"], rank["measured"]) == (ranks[0]["layout"], ranks[0]["measured"]) for rank in ranks)
+    assert len(ranks[0]["measured"]) >= 4, "each rank measured a candidate of the first wave"
+    assert ranks[0]["layout"] == ("pp=2 tp=2 cp=1 dp_shard=1", "off")
+    assert "each optimizer step accumulates 4 batches" in ranks[0]["choice"]
+
+
+def test_a_size_given_stays_fixed(four_ranks):
+    """pp=1 given: the choice, and every candidate measured, has pp=1; it too trains at parity."""
+    ranks = four_ranks["check_auto_layout_trains_at_parity(1.0, pp=1)"]
+    assert all((rank["layout"], rank["measured"]) == (ranks[0]["layout"], ranks[0]["measured"]) for rank in ranks)
+    pipeline_rows = re.findall(r"^ +2 +\d+ +\d+ +\d+ +\d+  \w+", ranks[0]["choice"], re.MULTILINE)
+    assert not pipeline_rows and not ranks[0]["layout"][0].startswith("pp=")
+
+
+def test_nothing_fits_is_refused_on_every_rank_before_any_weight(four_ranks):
+    refusals = four_ranks["check_refusal_before_any_weight(1e-05)"]
+    assert len(set(refusals)) == 1, refusals
+    assert "no layout of 4 GPUs fits 1e-05 GiB per GPU" in refusals[0]
+    assert "The smallest: " in refusals[0] and "more GPUs: about" in refusals[0]
+
+
+def test_the_chosen_layouts_estimate_holds_against_a_real_step():
+    """Two gloo ranks choose for the memory test's model at 200 MiB for tensors, which its fastest layout without
+    checkpointing (FSDP over both, 248 MiB) exceeds: FSDP with selective checkpointing is chosen (as fast in the
+    model: its FSDP traffic outlasts the compute). On each rank the state the Trainer holds after its step
+    (parameters, gradients, AdamW's moments) is the estimate's to 0.1%, and the resident memory a real step of the
+    chosen layout adds at its peak is the activation estimate's within test_memory's tolerance."""
+    ranks = run_checks(2, [partial(check_chosen_layout_memory, 200 / 0.9 / 1024)], timeout=600)
+    (ranks,) = ranks.values()
+    for rank in ranks:
+        assert (rank["layout"], rank["checkpointing"], rank["index"]) == ("tp=1 cp=1 dp_shard=2", "selective", 1), rank
+        assert abs(rank["measured_state"] / rank["estimated_state"] - 1) < 0.001, rank
+        assert abs(rank["measured_activations"] / rank["estimated_activations"] - 1) < 0.02, rank
+
+
+def test_plan_prints_the_choice_of_a_layout_auto_config(capsys, no_pytest_argv):
+    """`plan` on a config with layout: auto prints the choice as the strategy makes it (tp=2, which the config gives,
+    kept), the same as `plan --fit`'s first row."""
+    config = ["--config", "examples/demo.yaml", "--trainer.strategy.init_args.layout=auto"]
+    shape = ["--batch_size", "2", "--seq_len", "64", "--world_size", "4"]
+    main(["plan", *config, *shape, "--gpu_memory", "0.05"])
+    chosen = re.search(r'layout="auto" chose (.+?) with (\w+) checkpointing', capsys.readouterr().out).groups()
+    main(["plan", *config, *shape, "--fit", "0.05"])
+    table = capsys.readouterr().out
+    first = re.search(r"^ +(\d+) +(\d+) +(\d+) +(\d+) +(\d+)  (\w+) ", table, re.MULTILINE).groups()
+    pp, tp, cp, dp_shard, _, setting = first
+    expected = f"{f'pp={pp} ' if pp != '1' else ''}tp={tp} cp={cp} dp_shard={dp_shard}"
+    assert chosen == (expected, setting) and tp == "2"
+
+
+def test_a_layout_auto_config_needs_gpu_memory_to_plan(no_pytest_argv):
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", "examples/demo.yaml", "--trainer.strategy.init_args.layout=auto"])
+
+
+def test_layout_auto_on_cpu_needs_gpu_memory():
+    """Refused at setup_environment, before the process group exists, on every rank alike."""
+    strategy = AutoModelParallelStrategy(layout="auto")
+    strategy._setup_distributed = mock.Mock()
+    strategy._accelerator = mock.Mock()
+    strategy.cluster_environment = mock.Mock(world_size=mock.Mock(return_value=2), local_rank=mock.Mock(return_value=0))
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy._lightning_module = mock.Mock()
+    with pytest.raises(ValueError, match="pass gpu_memory="):
+        strategy.setup_environment()
+    strategy._setup_distributed.assert_not_called()

@@ -37,7 +37,7 @@ from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
-from lightning_automodel.planning.fitting import Fitting, LayoutChoice, choose_layout, fitting_layouts
+from lightning_automodel.planning.fitting import Fitting, LayoutChoice, NoLayoutFits, choose_layout, fitting_layouts
 from lightning_automodel.planning.layouts import SearchSpace
 from lightning_automodel.planning.report import PlanReport, plan_report
 from lightning_automodel.planning.throughput import Hardware
@@ -201,7 +201,11 @@ def plan_command(argv: list[str]) -> None:
         memory_gib = args.gpu_memory if args.gpu_memory is not None else config.strategy.options.gpu_memory
         if memory_gib is None:
             parser.error("the config's layout is auto: pass --gpu_memory GIB (or give the strategy gpu_memory)")
-        print(_choice_of(config, memory_gib=memory_gib, batch_shape=batch_shape, workers=args.workers))
+        try:
+            print(_choice_of(config, memory_gib=memory_gib, batch_shape=batch_shape, workers=args.workers))
+        except NoLayoutFits as refusal:
+            print(refusal)
+            sys.exit(1)
         return
     print(_plan_of(config, batch_shape=batch_shape))
     model, strategy, dims = config.model, config.strategy, config.dims

@@ -162,7 +162,7 @@ class LayoutChoice:
             f" {candidate.tokens_per_second:,.0f} tokens/s/GPU at {rows} rows x {tokens:,} tokens a batch"
             f"{_accumulation_note(candidate)}",
             f"the candidates measured, best estimated throughput first ({measured} of {len(self.record.ranked)}, in"
-            f" {_count(self.record.waves, 'wave')} over {_count(self.workers, 'worker')}, {self.seconds:.1f} s; the"
+            f" {_count(len(self.record.waves), 'wave')} over {_count(self.workers, 'worker')}, {self.seconds:.1f} s; the"
             " rest rank lower):",
             _HEADER,
         ]

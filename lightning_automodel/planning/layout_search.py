@@ -30,7 +30,7 @@ class SearchRecord:
     budget: float
     ranked: list[Candidate]
     outcomes: dict[int, Outcome | str] = field(default_factory=dict)  # index in ranked -> outcome
-    waves: int = 0
+    waves: list[list[int]] = field(default_factory=list)  # the indices each wave measured
 
     def fits(self, index: int) -> bool:
         outcome = self.outcomes.get(index)
@@ -58,7 +58,7 @@ def run_waves(record: SearchRecord, *, next_wave: Callable[[int], list[int]], ev
     while wave := next_wave(workers):
         outcomes = evaluate([record.ranked[index] for index in wave])
         record.outcomes.update(zip(wave, outcomes, strict=True))
-        record.waves += 1
+        record.waves.append(wave)
 
 
 def search_layout(ranked: list[Candidate], *, budget: float, evaluate: Evaluate, workers: int = 1) -> SearchRecord:

@@ -59,8 +59,9 @@ class Hardware:
     def named(cls, device_name: str, *, memory_gib: float, gpus_per_node: int) -> Hardware:
         """The GPU called ``device_name`` (``torch.cuda.get_device_name``): its peak where the model knows it, an
         H100's otherwise; the links are an H100 node's either way."""
-        peaks = [tflops for part, tflops in _PEAK_TFLOPS.items() if part in device_name.upper()]
-        return cls(memory_gib, tflops=peaks[0] if peaks else cls.tflops, gpus_per_node=gpus_per_node)
+        parts = [part for part in _PEAK_TFLOPS if part in device_name.upper()]
+        tflops = _PEAK_TFLOPS[max(parts, key=len)] if parts else cls.tflops  # "H200" over "H20"
+        return cls(memory_gib, tflops=tflops, gpus_per_node=gpus_per_node)
 
     def __str__(self) -> str:
         return (
@@ -112,8 +113,9 @@ def tokens_per_second(
     layers = config.num_hidden_layers / dims.pp
     exposed = layers * (tp_bytes / node + cp_bytes / cp_link) + stream_bytes / within_node(dims.world_size)
     # Each stage's work comes in micro-batch slots: the schedule runs m + pp - 1 of them for the m it computes.
-    microbatches = (pipeline or PipelineOptions()).microbatches_for(dims.pp) if dims.pp > 1 else 1
-    busy = (compute + exposed) / (1 - bubble_fraction(dims.pp, microbatches))
+    pipeline = pipeline or PipelineOptions()
+    microbatches = pipeline.microbatches_for(dims.pp) if dims.pp > 1 else 1
+    busy = (compute + exposed) / (1 - bubble_fraction(dims.pp, microbatches, pipeline.stages_per_rank))
     reductions = reduce_scatter_bytes / fsdp_link + replica_bytes / within_node(dims.world_size)
     if dims.pp > 1:
         # A stage gathers its weights in its first micro-batch's forward (a third of its compute, for one of m), and

@@ -84,6 +84,9 @@ class AutoModelParallelStrategy(CheckpointHooks):
     :class:`~lightning_automodel.strategy.options.StrategyOptions`, which holds them as ``self.options``::
 
         trainer = L.Trainer(strategy=AutoModelParallelStrategy(tp=2, sp=True, activation_checkpointing=True))
+
+    ``layout="auto"`` chooses the sizes not given at setup (see :mod:`~lightning_automodel.strategy.auto_layout`);
+    ``self.layout_choice`` then holds the choice and what the search measured.
     """
 
     strategy_name = "automodel"

@@ -88,7 +88,7 @@ def main() -> None:
     slowest = [max((o.seconds for o in wave if isinstance(o, Outcome)), default=0.0) for wave in waves]
     cpu = [o.seconds for wave in waves for o in wave if isinstance(o, Outcome)]
     print(
-        f"\n{len(cpu)} candidates measured in {len(waves)} waves of up to {ranks}: {min(cpu):.1f}-{max(cpu):.1f} s of"
+        f"\n{len(cpu)} candidates measured in {len(waves)} wave(s) of up to {ranks}: {min(cpu):.1f}-{max(cpu):.1f} s of"
         f" CPU each ({sum(cpu) / len(cpu):.1f} s on average), {here:.0f} s of wall time here over {args.workers}"
         f" workers; a child starts in {start:.1f} s"
     )

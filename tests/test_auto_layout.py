@@ -93,6 +93,24 @@ def test_the_search_measures_from_the_top_until_the_first_fit_is_known():
     assert pruned.waves == [[(1, "full")], [(8, "off")]]
 
 
+def test_a_replicated_twin_of_a_layout_too_large_is_not_measured():
+    """FSDP over 8 too large without checkpointing: HSDP's 2 replicas of 4 take the same step with twice the state, so
+    its "off" is never measured; its "full" is, as FSDP's "full" fits."""
+    fsdp, hsdp = (ParallelDims(dp_shard=8 // r, dp_replicate=r).resolve(8) for r in (1, 2))
+    ranked = [
+        Candidate(dims, setting, speed, 1, False, None)
+        for setting, speed in (("off", 2), ("full", 1))
+        for dims in (fsdp, hsdp)
+    ]
+    outcomes = dict(
+        zip(ranked, [Outcome(90 * GIB, 0), Outcome(99 * GIB, 0), Outcome(40 * GIB, 0), Outcome(50 * GIB, 0)])
+    )
+    replay = _Replay(outcomes)
+    record = search_layout(ranked, budget=65 * GIB, evaluate=replay, workers=1)
+    assert [ranked[index].name for index in record.outcomes] == ["tp=1 cp=1 dp_shard=8", "tp=1 cp=1 dp_shard=8"]
+    assert first_fit(record) == 2  # FSDP with full checkpointing: the replicated twin ranks below it anyway
+
+
 def _choice(ranked, outcomes, *, budget, workers):
     record = search_layout(ranked, budget=budget, evaluate=_Replay(outcomes), workers=workers)
     chosen = ranked[first_fit(record)]

@@ -162,8 +162,8 @@ class LayoutChoice:
             f" {candidate.tokens_per_second:,.0f} tokens/s/GPU at {rows} rows x {tokens:,} tokens a batch"
             f"{_accumulation_note(candidate)}",
             f"the candidates measured, best estimated throughput first ({measured} of {len(self.record.ranked)}, in"
-            f" {_count(len(self.record.waves), 'wave')} over {_count(self.workers, 'worker')}, {self.seconds:.1f} s; the"
-            " rest rank lower):",
+            f" {_count(len(self.record.waves), 'wave')} over {_count(self.workers, 'worker')},"
+            f" {self.seconds:.1f} s; the rest rank lower):",
             _HEADER,
         ]
         for index, outcome in sorted(self.record.outcomes.items()):

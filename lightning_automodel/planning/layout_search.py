@@ -37,20 +37,32 @@ class SearchRecord:
         return isinstance(outcome, Outcome) and outcome.memory_bytes <= self.budget
 
     def out_of_reach(self, index: int) -> bool:
-        """Whether candidate ``index``'s layout cannot fit, from what was measured of it: refused, its state alone
-        over the budget, or too large with full checkpointing."""
-        dims = self.ranked[index].dims
+        """Whether candidate ``index`` cannot fit, from what was measured: its layout refused; or a candidate that
+        needs no more memory than it (itself, or a twin whose data-parallel ranks form fewer replicas of a larger
+        shard group) too large, with the same setting or with full checkpointing (which keeps the least), or by its
+        state alone."""
+        candidate = self.ranked[index]
         for measured, outcome in self.outcomes.items():
-            if self.ranked[measured].dims != dims:
-                continue
-            if isinstance(outcome, str) or outcome.activation_bytes is None:
-                return True
-            if self.ranked[measured].checkpointing == "full" and outcome.memory_bytes > self.budget:
-                return True
+            other = self.ranked[measured]
+            if isinstance(outcome, str):
+                if other.dims == candidate.dims:
+                    return True
+            elif outcome.memory_bytes > self.budget and _needs_no_more(other, than=candidate):
+                if outcome.activation_bytes is None or other.checkpointing in ("full", candidate.checkpointing):
+                    return True
         return False
 
     def measured(self) -> list[tuple[Candidate, Outcome | str]]:
         return [(self.ranked[index], self.outcomes[index]) for index in sorted(self.outcomes)]
+
+
+def _needs_no_more(other: Candidate, *, than: Candidate) -> bool:
+    """Whether ``other`` needs no more memory per GPU than ``than`` at the same setting: the same layout, or one that
+    differs only in holding the data-parallel ranks as fewer replicas of a larger shard group (each rank's step is the
+    same; its share of the state is smaller)."""
+    a, b = other.dims, than.dims
+    same_step = (a.pp, a.tp, a.cp, a.ep, other.sp, other.pipeline) == (b.pp, b.tp, b.cp, b.ep, than.sp, than.pipeline)
+    return same_step and b.dp_shard <= a.dp_shard
 
 
 def run_waves(record: SearchRecord, *, next_wave: Callable[[int], list[int]], evaluate: Evaluate, workers: int) -> None:
@@ -98,12 +110,16 @@ def search_every_layout(
         indices.sort(key=lambda index: order.index(ranked[index].checkpointing))
 
     def needed(indices: list[int]) -> int | None:
-        """The layout's next candidate to measure: full first, then from the least recomputing on."""
-        if record.out_of_reach(indices[0]):
+        """The layout's next candidate to measure: full first, then from the least recomputing on; none once it is
+        refused, too large by its state or with full checkpointing, or fits."""
+        measured = [record.outcomes[index] for index in indices if index in record.outcomes]
+        if any(isinstance(outcome, str) or outcome.activation_bytes is None for outcome in measured):
             return None
         full = indices[-1]
         if ranked[full].checkpointing == "full" and full not in record.outcomes:
             return full
+        if ranked[full].checkpointing == "full" and not record.fits(full):
+            return None
         for index in indices:
             if record.fits(index):
                 return None

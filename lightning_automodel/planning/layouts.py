@@ -24,11 +24,12 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.compile import CompileSpec, check_compile
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
 from lightning_automodel.parallel.mesh import ParallelDims
-from lightning_automodel.parallel.pipeline import PipelineOptions
+from lightning_automodel.parallel.pipeline import PipelineOptions, stage_layers
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.planning.layer_extrapolation import over_layers
 from lightning_automodel.planning.report import plan_report
@@ -123,20 +124,58 @@ def candidates(
     refused before any estimate, with why."""
     found, refused = [], {}
     speed = partial(tokens_per_second, model, batch_shape=batch_shape, hardware=hardware, mp_policy=mp_policy)
+    budget = tensor_budget(hardware.memory_gib)
     for dims in layouts(world_size, gpus_per_node=hardware.gpus_per_node, space=space, refused=refused):
+        sp = space.sp and dims.tp > 1
         try:
             pipeline = _pipeline(dims, space=space, rows=batch_shape[0])
             accumulation = _accumulation(dims, space=space)
+            inputs = kept_layer_inputs(
+                model, dims, batch_shape=batch_shape, sp=sp, pipeline=pipeline, mp_policy=mp_policy
+            )
+            if inputs > budget:
+                raise ValueError(
+                    f"too large before any estimate: its decoder layers' inputs, which every checkpointing setting"
+                    f" keeps for backward, take {inputs / 2**30:.2f} GiB per GPU, over the {budget / 2**30:.2f} GiB"
+                    " for tensors"
+                )
         except ValueError as refusal:
             refused[layout_name(dims)] = str(refusal)
             continue
         for setting in _settings(dims, space=space, pipeline=pipeline, refused=refused):
             throughput = speed(dims, setting=setting, pipeline=pipeline)
-            sp = space.sp and dims.tp > 1
             found.append(Candidate(dims, setting, throughput, accumulation, sp=sp, pipeline=pipeline))
     order = list(AC_SETTINGS)
     found.sort(key=lambda candidate: (-candidate.tokens_per_second, order.index(candidate.checkpointing)))
     return found, refused
+
+
+def kept_layer_inputs(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    batch_shape: tuple[int, int],
+    sp: bool,
+    pipeline: PipelineOptions | None,
+    mp_policy: MixedPrecisionPolicy | None,
+) -> int:
+    """A lower bound of a layout's activation memory under any checkpointing setting, known without a step: every
+    decoder layer keeps its input for backward (full checkpointing keeps that alone), a micro-batch's rows x the
+    rank's tokens (1/cp of a row, 1/tp of that under sp) x the hidden size, in the compute dtype; under pp, on the rank
+    whose stages hold the most layers, for one micro-batch in flight."""
+    config = model.config.get_text_config()
+    hidden, layers = getattr(config, "hidden_size", None), len(named_decoder_layers(model))
+    if not isinstance(hidden, int) or not layers:
+        return 0
+    rows, tokens = batch_shape
+    if pipeline is not None:
+        spans = stage_layers(layers, dims.pp * pipeline.stages_per_rank, pipeline.layers_per_stage)
+        held = [sum(len(spans[stage]) for stage in pipeline.stages_of_rank(rank, dims.pp)) for rank in range(dims.pp)]
+        layers, rows = max(held), rows // pipeline.microbatches_for(dims.pp)
+    tokens //= dims.cp * (dims.tp if sp else 1)
+    dtype = mp_policy.param_dtype if mp_policy is not None and mp_policy.param_dtype is not None else None
+    element = dtype.itemsize if dtype is not None else next(model.parameters()).element_size()
+    return layers * rows * tokens * hidden * element
 
 
 def layouts(

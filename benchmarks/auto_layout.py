@@ -33,16 +33,25 @@ def child_start_seconds() -> float:
 
 
 class _Limited:
-    """The workers' evaluation, for at most ``waves`` waves (the search then ends without a choice)."""
+    """The workers' evaluation, for at most ``waves`` waves (the search then ends without a choice), each candidate
+    printed as it is measured: a run cut short still shows what it measured."""
 
-    def __init__(self, workers: ChildWorkers, waves: int | None) -> None:
-        self.workers, self.waves, self.done = workers, waves, 0
+    def __init__(self, workers: ChildWorkers, waves: int | None, *, budget: float) -> None:
+        self.workers, self.waves, self.done, self.budget = workers, waves, 0, budget
 
     def __call__(self, wave):
         if self.waves is not None and self.done >= self.waves:
             return ["not measured (--waves)"] * len(wave)
         self.done += 1
-        return self.workers(wave)
+        outcomes = self.workers(wave)
+        for candidate, outcome in zip(wave, outcomes, strict=True):
+            if isinstance(outcome, Outcome):
+                verdict = "fits" if outcome.memory_bytes <= self.budget else "too large"
+                found = f"{outcome.memory_bytes / 2**30:.1f} GiB, {verdict}, {outcome.seconds:.1f} s of CPU"
+            else:
+                found = f"refused: {outcome}"
+            print(f"wave {self.done}: {candidate.name} {candidate.checkpointing}: {found}", flush=True)
+        return outcomes
 
 
 def main() -> None:
@@ -64,7 +73,7 @@ def main() -> None:
     )
     started = time.monotonic()
     with ChildWorkers(measurements, count=args.workers) as workers:
-        evaluate = _Limited(workers, args.waves)
+        evaluate = _Limited(workers, args.waves, budget=tensor_budget(args.gpu_memory))
         try:
             choice = choose_layout(
                 config.model,

@@ -14,6 +14,7 @@ from auto_layout_checks import (
     check_chosen_layout_memory,
     check_refusal_before_any_weight,
 )
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
@@ -22,6 +23,7 @@ from lightning_automodel.planning.fitting import NoLayoutFits
 from lightning_automodel.planning.layout_search import first_fit, search_layout
 from lightning_automodel.planning.layouts import Candidate, Outcome, SearchSpace, candidates, tensor_budget
 from lightning_automodel.planning.throughput import Hardware
+from lightning_automodel.strategy.auto_layout import _with_accumulation
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_config
 
@@ -95,7 +97,7 @@ def test_the_search_measures_from_the_top_until_the_first_fit_is_known():
 
 def test_a_replicated_twin_of_a_layout_too_large_is_not_measured():
     """FSDP over 8 too large without checkpointing: HSDP's 2 replicas of 4 take the same step with twice the state, so
-    its "off" is never measured; its "full" is, as FSDP's "full" fits."""
+    its "off", ranked second, is never measured; the search ends at FSDP's "full", which fits."""
     fsdp, hsdp = (ParallelDims(dp_shard=8 // r, dp_replicate=r).resolve(8) for r in (1, 2))
     ranked = [
         Candidate(dims, setting, speed, 1, False, None)
@@ -103,7 +105,11 @@ def test_a_replicated_twin_of_a_layout_too_large_is_not_measured():
         for dims in (fsdp, hsdp)
     ]
     outcomes = dict(
-        zip(ranked, [Outcome(90 * GIB, 0), Outcome(99 * GIB, 0), Outcome(40 * GIB, 0), Outcome(50 * GIB, 0)])
+        zip(
+            ranked,
+            [Outcome(90 * GIB, 0), Outcome(99 * GIB, 0), Outcome(40 * GIB, 0), Outcome(50 * GIB, 0)],
+            strict=True,
+        )
     )
     replay = _Replay(outcomes)
     record = search_layout(ranked, budget=65 * GIB, evaluate=replay, workers=1)
@@ -259,6 +265,19 @@ def test_plan_prints_the_choice_of_a_layout_auto_config(capsys, no_pytest_argv):
 def test_a_layout_auto_config_needs_gpu_memory_to_plan(no_pytest_argv):
     with pytest.raises(SystemExit):
         main(["plan", "--config", "examples/demo.yaml", "--trainer.strategy.init_args.layout=auto"])
+
+
+def test_where_lightning_cannot_accumulate_the_search_is_told_why():
+    """Manual optimization, or a GradientAccumulationScheduler: the layouts that would shrink the global batch are
+    refused (see test_sizes_given_stay_fixed_and_the_global_batch_is_kept), for the reason named here."""
+    manual = mock.Mock(lightning_module=mock.Mock(automatic_optimization=False), callbacks=[])
+    assert "manual optimization" in _with_accumulation(SearchSpace(), manual).no_accumulation
+    scheduled = mock.Mock(
+        lightning_module=mock.Mock(automatic_optimization=True), callbacks=[GradientAccumulationScheduler({0: 2})]
+    )
+    assert "GradientAccumulationScheduler" in _with_accumulation(SearchSpace(), scheduled).no_accumulation
+    plain = mock.Mock(lightning_module=mock.Mock(automatic_optimization=True), callbacks=[])
+    assert _with_accumulation(SearchSpace(), plain).no_accumulation is None
 
 
 def test_layout_auto_on_cpu_needs_gpu_memory():

@@ -63,10 +63,13 @@ def choose_for_trainer(options: StrategyOptions, trainer: pl.Trainer, *, devices
         )
 
 
-def apply_accumulation(choice: LayoutChoice, trainer: pl.Trainer) -> None:
-    """The Trainer accumulates the batches that keep the global batch (fitting only: evaluation steps no optimizer)."""
-    if trainer.state.fn == TrainerFn.FITTING:
-        trainer.accumulate_grad_batches *= choice.candidate.accumulation
+def apply_accumulation(choice: LayoutChoice, trainer: pl.Trainer) -> bool:
+    """The Trainer accumulates the batches that keep the global batch, once it fits (evaluation steps no optimizer);
+    whether it now does."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return False
+    trainer.accumulate_grad_batches *= choice.candidate.accumulation
+    return True
 
 
 def _the_model(module: nn.Module) -> nn.Module:
@@ -102,7 +105,7 @@ def _with_accumulation(space: SearchSpace, trainer: pl.Trainer) -> SearchSpace:
         reason = "the LightningModule steps its optimizer itself (manual optimization): Lightning accumulates nothing"
     elif any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):
         reason = "a GradientAccumulationScheduler sets the Trainer's accumulation itself"
-    if reason is None or trainer.state.fn != TrainerFn.FITTING:
+    if reason is None:
         return space
     return dataclasses.replace(space, no_accumulation=reason)
 

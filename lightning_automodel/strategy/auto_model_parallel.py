@@ -195,6 +195,7 @@ class AutoModelParallelStrategy(CheckpointHooks):
             async_save=async_save,
         )
         self.layout_choice: LayoutChoice | None = None  # layout="auto"'s, once made
+        self._accumulating = False  # the Trainer accumulates the batches the choice needs
         self._verified_plans = VerifiedPlans()
         self._loss_parallel = ExitStack()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -243,6 +244,8 @@ class AutoModelParallelStrategy(CheckpointHooks):
         self.model = convert_keeping_pinned_fp32(self.model, self.precision_plugin.convert_module)
         if self.options.search is not None:
             self._choose_layout(trainer)
+        if self.layout_choice is not None and not self._accumulating:  # chosen at validate, applied at fit
+            self._accumulating = apply_accumulation(self.layout_choice, trainer)
         self._parallelize_models()
         clip_across_meshes(self.precision_plugin, self._pipelines)
         evaluate_without_inference_mode(trainer)
@@ -261,7 +264,6 @@ class AutoModelParallelStrategy(CheckpointHooks):
         self.layout_choice = choose_for_trainer(self.options, trainer, devices_per_node=self.num_processes)
         rank_zero_info(str(self.layout_choice))
         self.options = self.options.with_layout(self.layout_choice.candidate)
-        apply_accumulation(self.layout_choice, trainer)
         self._device_mesh = self.options.dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self.lightning_module._device_mesh = self._device_mesh
 

@@ -8,7 +8,8 @@ the config's ranks (waves of as many candidates as ranks), each wave measured he
 It prints the choice, each measured candidate's CPU time, and the decision's wall time on the config's ranks,
 projected: a rank's child starts (timed here), then each wave lasts as long as its slowest measurement (each rank's
 child measures one candidate a wave, on its share of the machine's cores). ``--waves N`` stops after N waves (the
-first wave of a large world is what a first projection needs).
+first wave of a large world is what a first projection needs); ``--wave_size 1`` measures one candidate at a time,
+no more than the choice needs (a world's waves measure more at once).
 """
 
 from __future__ import annotations
@@ -51,7 +52,16 @@ class _Limited:
             else:
                 found = f"refused: {outcome}"
             print(f"wave {self.done}: {candidate.name} {candidate.checkpointing}: {found}", flush=True)
+        peaks = ", ".join(f"{_peak_rss(pid) / 2**30:.1f} GiB" for pid in self.workers.pids)
+        print(f"wave {self.done}: the children's resident peaks so far: {peaks}", flush=True)
         return outcomes
+
+
+def _peak_rss(pid: int) -> int:
+    """A process's resident-set high-water mark, in bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields["VmHWM"].split()[0]) * 1024
 
 
 def main() -> None:
@@ -60,12 +70,18 @@ def main() -> None:
     parser.add_argument("--gpu_memory", type=float, required=True, help="GiB per GPU")
     parser.add_argument("--workers", type=int, default=2, help="child processes measuring here side by side")
     parser.add_argument("--waves", type=int, help="measure at most this many waves")
+    parser.add_argument(
+        "--wave_size",
+        type=int,
+        help="candidates a wave (default: the config's ranks); 1 measures no more than the choice needs, one at a time",
+    )
     args, overrides = parser.parse_known_args()
     config = configured(args.config, *overrides)
     space = config.strategy.options.search
     if space is None:
         parser.error("the config's layout is not auto: add --trainer.strategy.init_args.layout=auto")
     ranks, shape = config.world_size, config.batch_shape()
+    wave_size = args.wave_size or ranks
     hardware = config.hardware(args.gpu_memory)
     start = child_start_seconds()
     measurements = Measurements(
@@ -82,7 +98,7 @@ def main() -> None:
                 batch_shape=shape,
                 space=space,
                 evaluate=evaluate,
-                workers=ranks,
+                workers=wave_size,
                 **config.step_options(),
             )
             record = choice.record
@@ -97,13 +113,13 @@ def main() -> None:
     slowest = [max((o.seconds for o in wave if isinstance(o, Outcome)), default=0.0) for wave in waves]
     cpu = [o.seconds for wave in waves for o in wave if isinstance(o, Outcome)]
     print(
-        f"\n{len(cpu)} candidates measured in {len(waves)} wave(s) of up to {ranks}: {min(cpu):.1f}-{max(cpu):.1f} s of"
-        f" CPU each ({sum(cpu) / len(cpu):.1f} s on average), {here:.0f} s of wall time here over {args.workers}"
-        f" workers; a child starts in {start:.1f} s"
+        f"\n{len(cpu)} candidates measured in {len(waves)} wave(s) of up to {wave_size}:"
+        f" {min(cpu):.1f}-{max(cpu):.1f} s of CPU each ({sum(cpu) / len(cpu):.1f} s on average), {here:.0f} s of"
+        f" wall time here over {args.workers} workers; a child starts in {start:.1f} s"
     )
     projected = start + sum(slowest)
     print(
-        f"projected on {ranks} ranks (one candidate each a wave): {start:.1f} s + the waves' slowest"
+        f"projected on {wave_size} ranks (one candidate each a wave): {start:.1f} s + the waves' slowest"
         f" ({' + '.join(f'{s:.1f}' for s in slowest)} s) = {projected:.0f} s"
     )
 

@@ -72,22 +72,24 @@ MADE_UP = [
 
 def test_the_search_measures_from_the_top_until_the_first_fit_is_known():
     """Budget 65 GiB: the first fit in the ranking is tp=4 "off" (index 4). One worker measures the candidates one
-    by one, skipping tp=2's once its plan is refused, and stops there; four measure the first four, then the next
-    four still in reach: the same choice, every candidate ranked above it measured or out of reach."""
+    by one, tp=1's full checkpointing brought forward once its "off" is too large (it rules out two settings), tp=2's
+    skipped once its plan is refused, and stops there; four measure the first four, then the next four still in
+    reach: the same choice, every candidate ranked above it measured or out of reach. Of two fits measured in one wave,
+    the better ranked wins."""
     ranked, outcomes = _made_up(MADE_UP)
     budget = 65 * GIB
     one = _Replay(outcomes)
     record = search_layout(ranked, budget=budget, evaluate=one, workers=1)
-    assert one.waves == [[(1, "off")], [(2, "off")], [(1, "selective")], [(4, "off")]]
+    # tp=1 too large without checkpointing, two settings still to measure: its full checkpointing first (too large too).
+    assert one.waves == [[(1, "off")], [(1, "full")], [(2, "off")], [(4, "off")]]
     four = _Replay(outcomes)
     assert search_layout(ranked, budget=budget, evaluate=four, workers=4).outcomes.keys() >= {0, 2, 4}
     first, second = [(1, "off"), (2, "off"), (1, "selective"), (2, "selective")], [(4, "off"), (1, "submodule")]
     assert four.waves == [first, [*second, (1, "full"), (4, "selective")]]  # workers left idle measure ahead
     assert ranked.index(next(c for c in ranked if (c.dims.tp, c.checkpointing) == (4, "off"))) == 4
     assert not record.fits(0) and record.fits(4)
-    # Broken on purpose: a search that stopped at the first fit of its first wave would pick tp=2 "selective" at 41
-    # GiB, ranked below a fit it had not measured (tp=1 "selective" at 38 GiB).
-    cheaper = {**outcomes, ranked[2]: Outcome(38 * GIB, 0), ranked[3]: Outcome(41 * GIB, 0)}
+    # Two fits in one wave: the better ranked wins, not the smaller (tp=2 "selective" at 41 GiB, ranked below).
+    cheaper = {**outcomes, ranked[2]: Outcome(60 * GIB, 0), ranked[3]: Outcome(41 * GIB, 0)}
     assert _choice(ranked, cheaper, budget=budget, workers=4) == (1, "selective")
     # The full checkpointing of tp=1 measured too large prunes tp=1's remaining settings.
     pruned = _Replay({**outcomes, ranked[6]: Outcome(74 * GIB, 0)})
@@ -249,12 +251,13 @@ def test_the_chosen_layouts_estimate_holds_against_a_real_step():
 
 def test_plan_prints_the_choice_of_a_layout_auto_config(capsys, no_pytest_argv):
     """`plan` on a config with layout: auto prints the choice as the strategy makes it (tp=2, which the config gives,
-    kept), the same as `plan --fit`'s first row."""
+    kept), the same as `plan --fit`'s first row (measured by two child processes, each taking the next layout as it
+    finishes one)."""
     config = ["--config", "examples/demo.yaml", "--trainer.strategy.init_args.layout=auto"]
     shape = ["--batch_size", "2", "--seq_len", "64", "--world_size", "4"]
     main(["plan", *config, *shape, "--gpu_memory", "0.05"])
     chosen = re.search(r'layout="auto" chose (.+?) with (\w+) checkpointing', capsys.readouterr().out).groups()
-    main(["plan", *config, *shape, "--fit", "0.05"])
+    main(["plan", *config, *shape, "--fit", "0.05", "--workers", "2"])  # two child processes side by side
     table = capsys.readouterr().out
     first = re.search(r"^ +(\d+) +(\d+) +(\d+) +(\d+) +(\d+)  (\w+) ", table, re.MULTILINE).groups()
     pp, tp, cp, dp_shard, _, setting = first

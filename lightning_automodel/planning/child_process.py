@@ -39,6 +39,15 @@ class ChildProcess:
             env=_child_environment(),
         )
 
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def replies(self) -> IO[bytes]:
+        """Where the outcomes arrive: readable once the oldest job is done (for a selector over several children)."""
+        return self._process.stdout
+
     def submit(self, function: Callable[..., Any], job: dict[str, Any]) -> None:
         try:
             _send(self._process.stdin, (function, job))

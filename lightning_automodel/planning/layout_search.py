@@ -74,13 +74,28 @@ def run_waves(record: SearchRecord, *, next_wave: Callable[[int], list[int]], ev
 
 
 def search_layout(ranked: list[Candidate], *, budget: float, evaluate: Evaluate, workers: int = 1) -> SearchRecord:
-    """Measure ``ranked`` (best first) until the first that fits is known: the record's :func:`first_fit`."""
+    """Measure ``ranked`` (best first) until the first that fits is known: the record's :func:`first_fit`. A layout
+    measured too large at one setting has its full checkpointing measured next, where that can rule out two or more
+    of its settings still to measure (full keeps the least); the answer is the same, in fewer measurements."""
     record = SearchRecord(budget, ranked)
+    full = {candidate.dims: index for index, candidate in enumerate(ranked) if candidate.checkpointing == "full"}
 
     def next_wave(size: int) -> list[int]:
         best = first_fit(record)
-        above = range(len(ranked) if best is None else best)
-        return [i for i in above if i not in record.outcomes and not record.out_of_reach(i)][:size]
+        pending = [
+            i
+            for i in range(len(ranked) if best is None else best)
+            if i not in record.outcomes and not record.out_of_reach(i)
+        ]
+        promoted = sorted(
+            full[dims]
+            for dims in {ranked[i].dims for i in record.outcomes if not record.fits(i)}
+            if dims in full
+            and full[dims] not in record.outcomes
+            and not record.out_of_reach(full[dims])
+            and sum(ranked[i].dims == dims and i != full[dims] for i in pending) >= 2
+        )
+        return [*promoted, *(i for i in pending if i not in promoted)][:size]
 
     run_waves(record, next_wave=next_wave, evaluate=evaluate, workers=workers)
     return record

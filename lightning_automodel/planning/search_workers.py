@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import selectors
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -58,13 +59,28 @@ class ChildWorkers:
         ]
 
     def __call__(self, wave: list[Candidate]) -> list[Outcome | str]:
-        outcomes: list[Outcome | str] = []
-        for start in range(0, len(wave), self.count):
-            busy = list(zip(self._children, wave[start : start + self.count], strict=False))  # the last may be short
-            for child, candidate in busy:
-                self.measurements.submit(child, candidate)
-            outcomes += [child.result() for child, _ in busy]
-        return outcomes
+        """The wave's outcomes, in its order; each child takes the next candidate as soon as it is done."""
+        outcomes: dict[int, Outcome | str] = {}
+        pending = list(enumerate(wave))
+        busy: dict[ChildProcess, int] = {}
+        with selectors.DefaultSelector() as ready:
+            for child in self._children:
+                ready.register(child.replies, selectors.EVENT_READ, child)
+            while pending or busy:
+                for child in self._children:
+                    if child not in busy and pending:
+                        index, candidate = pending.pop(0)
+                        self.measurements.submit(child, candidate)
+                        busy[child] = index
+                for key, _ in ready.select():
+                    child = key.data
+                    if child in busy:
+                        outcomes[busy.pop(child)] = child.result()
+        return [outcomes[index] for index in range(len(wave))]
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.pid for child in self._children]
 
     def __enter__(self) -> ChildWorkers:
         return self

@@ -81,7 +81,7 @@ def search_layout(ranked: list[Candidate], *, budget: float, evaluate: Evaluate,
     full = {candidate.dims: index for index, candidate in enumerate(ranked) if candidate.checkpointing == "full"}
 
     def next_wave(size: int) -> list[int]:
-        best = first_fit(record)
+        best = min((index for index in record.outcomes if record.fits(index)), default=None)  # only those above it
         pending = [
             i
             for i in range(len(ranked) if best is None else best)

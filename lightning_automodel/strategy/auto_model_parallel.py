@@ -33,8 +33,7 @@ from lightning_automodel.parallel.compile import CompileSpec
 from lightning_automodel.parallel.context_parallel import CPAttention
 from lightning_automodel.parallel.float8 import Float8Spec, precompute_float8_scales
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
-from lightning_automodel.parallel.mesh import ParallelDims, axis_size, data_mesh, reduction_mesh
-from lightning_automodel.parallel.options import ParallelOptions
+from lightning_automodel.parallel.mesh import axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel.parallelizer import is_meta, parallelize
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
@@ -60,14 +59,7 @@ from lightning_automodel.strategy.lightning_patches import (
     log_local_values,
     to_local,
 )
-from lightning_automodel.strategy.options import (
-    StrategyOptions,
-    auto_layout_search,
-    given_sizes,
-    require_flags,
-    require_sharded_saves,
-    size_by_either_name,
-)
+from lightning_automodel.strategy.options import StrategyOptions
 from lightning_automodel.strategy.plan_verification import VerifiedPlans
 from lightning_automodel.strategy.predict_batches import require_equal_batch_counts
 from lightning_automodel.strategy.preemption import Preemption
@@ -134,65 +126,37 @@ class AutoModelParallelStrategy(CheckpointHooks):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        require_flags(
+        self.options = StrategyOptions.from_arguments(
+            tp=tp,
+            sp=sp,
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            cp=cp,
+            cp_attention=cp_attention,
+            pp=pp,
+            ep=ep,
+            pipeline=PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn),
+            layout=layout,
+            gpu_memory=gpu_memory,
+            layout_batch=layout_batch,
+            tp_plan=tp_plan,
             allow_unsharded_linears=allow_unsharded_linears,
             verify_plans=verify_plans,
-            cpu_offload=cpu_offload,
-            save_trainable_only=save_trainable_only,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            async_save=async_save,
-        )
-        tp = size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=(None, 1))
-        dp_shard = size_by_either_name("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset=("auto",))
-        tp_per_node = tensor_parallel_size == "auto"  # as in the parent: the devices of one node
-        pipeline = PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn)
-        sizes = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=None if tp_per_node else tp)
-        search = auto_layout_search(
-            layout,
-            **sizes,
-            ep=ep,
-            sp=sp,
             activation_checkpointing=activation_checkpointing,
-            pipeline=pipeline,
             compile=compile,
             float8=float8,
-            cpu_offload=cpu_offload,
-        )
-        # Under layout="auto" the sizes, sp and the checkpointing are placeholders until the search chooses them.
-        dims = ParallelDims() if search is not None else ParallelDims(**given_sizes(sizes), ep=ep)
-        sp = False if sp is None or search is not None else sp
-        require_flags(sp=sp)
-        self.options = StrategyOptions(
-            dims=dims,
-            parallel=ParallelOptions(
-                sp=sp,
-                tp_plan=tp_plan,
-                allow_unsharded_linears=allow_unsharded_linears,
-                activation_checkpointing=False if search is not None else (activation_checkpointing or False),
-                compile=compile,
-                float8=float8,
-                cp_attention=cp_attention,
-                pipeline=pipeline if dims.pp > 1 else None,
-                fsdp=FSDPOptions(
-                    mp_policy=mp_policy,
-                    reshard_after_forward=reshard_after_forward,
-                    forward_prefetch=forward_prefetch,
-                    backward_prefetch=backward_prefetch,
-                ),
+            fsdp=FSDPOptions(
+                mp_policy=mp_policy,
+                reshard_after_forward=reshard_after_forward,
+                forward_prefetch=forward_prefetch,
+                backward_prefetch=backward_prefetch,
             ),
-            tp_per_node=tp_per_node,
-            verify_plans=verify_plans,
             cpu_offload=cpu_offload,
             save_trainable_only=save_trainable_only,
-            async_save=async_save,
-            search=search,
-            gpu_memory=gpu_memory,
-            layout_batch=tuple(layout_batch) if layout_batch is not None else None,
-        )
-        require_sharded_saves(
             save_distributed_checkpoint=save_distributed_checkpoint,
-            save_trainable_only=save_trainable_only,
             async_save=async_save,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.layout_choice: LayoutChoice | None = None  # layout="auto"'s, once made
         self._accumulating = False  # the Trainer accumulates the batches the choice needs

@@ -13,11 +13,12 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS, setting_name
-from lightning_automodel.parallel.compile import check_compile
+from lightning_automodel.parallel.compile import CompileSpec, check_compile
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.options import ParallelOptions
+from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.planning.layouts import Candidate, SearchSpace
 
 
@@ -100,6 +101,76 @@ class StrategyOptions:
         check_compile(compile=parallel.compile, activation_checkpointing=parallel.activation_checkpointing, ep=dims.ep)
         if parallel.sp and dims.tp == 1 and not self.tp_per_node:
             raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        tp: int | None,
+        sp: bool | None,
+        dp_replicate: int | None,
+        dp_shard: int | str,
+        cp: int | None,
+        pp: int | None,
+        ep: int,
+        pipeline: PipelineOptions,
+        layout: str | None,
+        activation_checkpointing: bool | str | None,
+        compile: CompileSpec,
+        float8: Any,
+        cpu_offload: bool,
+        save_distributed_checkpoint: bool,
+        data_parallel_size: int | str | None,
+        tensor_parallel_size: int | str | None,
+        layout_batch: tuple[int, int] | None,
+        **given: Any,
+    ) -> StrategyOptions:
+        """The options of :class:`~lightning_automodel.AutoModelParallelStrategy`'s arguments (``given``: those kept
+        as they are). Under ``layout="auto"`` the sizes, sp and the checkpointing are placeholders until the search
+        chooses them."""
+        flags = ("allow_unsharded_linears", "verify_plans", "save_trainable_only", "async_save")
+        require_flags(cpu_offload=cpu_offload, save_distributed_checkpoint=save_distributed_checkpoint)
+        require_flags(**{name: given[name] for name in flags})
+        tp = size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=(None, 1))
+        dp_shard = size_by_either_name("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset=("auto",))
+        tp_per_node = tensor_parallel_size == "auto"  # as in the parent: the devices of one node
+        sizes = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=None if tp_per_node else tp)
+        search = auto_layout_search(
+            layout,
+            **sizes,
+            ep=ep,
+            sp=sp,
+            activation_checkpointing=activation_checkpointing,
+            pipeline=pipeline,
+            compile=compile,
+            float8=float8,
+            cpu_offload=cpu_offload,
+        )
+        dims = ParallelDims() if search is not None else ParallelDims(**given_sizes(sizes), ep=ep)
+        sp = False if sp is None or search is not None else sp
+        require_flags(sp=sp)
+        parallel = ParallelOptions(
+            sp=sp,
+            activation_checkpointing=False if search is not None else (activation_checkpointing or False),
+            compile=compile,
+            float8=float8,
+            pipeline=pipeline if dims.pp > 1 else None,
+            **{name: given.pop(name) for name in ("tp_plan", "allow_unsharded_linears", "cp_attention", "fsdp")},
+        )
+        require_sharded_saves(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_trainable_only=given["save_trainable_only"],
+            async_save=given["async_save"],
+        )
+        return cls(
+            dims=dims,
+            parallel=parallel,
+            tp_per_node=tp_per_node,
+            cpu_offload=cpu_offload,
+            search=search,
+            layout_batch=tuple(layout_batch) if layout_batch is not None else None,
+            **given,
+        )
 
     def at_setup(self, *, devices_per_node: int, num_nodes: int, precision: str) -> StrategyOptions:
         """These options for a world of ``num_nodes x devices_per_node`` processes and a Trainer's ``precision``,

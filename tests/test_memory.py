@@ -7,7 +7,10 @@ from functools import partial
 import pytest
 import torch
 from memory_checks import MEMORY_MODEL, measured_activation_bytes
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, plan_report
@@ -218,3 +221,30 @@ def test_a_figure_not_yet_linear_in_the_layers_is_not_extrapolated():
     assert over_layers(measure, _on_meta(num_hidden_layers=11)) == 117
     values[5] = 52  # each adds 11: extrapolated
     assert over_layers(measure, _on_meta(num_hidden_layers=11)) == 52 + 6 * 11
+
+
+def test_the_estimate_fills_no_host_memory_with_the_layers_it_gathers():
+    """FSDP2's buffers (the gathered layers, their gradients before the reduce-scatter) are made empty, hence fake:
+    estimating a layout whose gathered layers take half a GiB makes no real tensor larger than a few KiB (the mesh's
+    ranks, the positions) and counts the buffers all the same."""
+    model = _on_meta(vocab_size=512, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    with _RealTensorsMade() as made:
+        estimate = activation_bytes(model, ParallelDims(dp_shard=8).resolve(8), micro_batch=1, seq_len=64)
+    assert estimate > 2 * layer_bytes > 2**30 / 4
+    assert max(made.sizes) < 2**16, sorted(made.sizes)[-3:]
+
+
+class _RealTensorsMade(TorchDispatchMode):
+    """The bytes of every tensor holding data the ops run inside make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes = [0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for made in pytree.tree_leaves(out):
+            if type(made) in (torch.Tensor, nn.Parameter) and not made.is_meta:  # not fake, nor a DTensor wrapper
+                self.sizes.append(made.untyped_storage().nbytes())
+        return out

@@ -1,12 +1,13 @@
 """Activation memory per rank, estimated by running one training step of the parallelized model on fake tensors.
 
 The model is parallelized for real in a fake process group (as for the plan report), its weights made fake CPU
-tensors (shapes and dtypes, no data), and one forward and backward of a micro-batch runs through the code training
-runs: tensor parallel, sequence parallel, FSDP2's gathers, activation checkpointing and its recomputation, context
-parallel's split, the loss. torch's ``MemTracker`` follows every tensor the step allocates and frees; the estimate
-is its peak above what the rank held before the step (parameters, and gradients already allocated: a step after
-the first, or an upper bound for a first whose gradients appear as it goes). Nothing is re-derived by hand, so the
-estimate cannot drift from the code, and an 8B model at a long sequence is counted in seconds.
+tensors (shapes and dtypes, no data), as are the buffers the step makes empty (FSDP2's gathered layers), and one
+forward and backward of a micro-batch runs through the code training runs: tensor parallel, sequence parallel,
+FSDP2's gathers, activation checkpointing and its recomputation, context parallel's split, the loss. torch's
+``MemTracker`` follows every tensor the step allocates and frees; the estimate is its peak above what the rank held
+before the step (parameters, and gradients already allocated: a step after the first, or an upper bound for a first
+whose gradients appear as it goes). Nothing is re-derived by hand, so the estimate cannot drift from the code, and an
+8B model at a long sequence is counted in seconds, in under half a GiB of host memory.
 
 Fake CPU tensors, not the meta device: the attention kernel is chosen by device, and on meta tensors SDPA falls back
 to its math path, which keeps the [heads, S, S] scores a fused kernel (CPU's flash attention, as on a GPU) never
@@ -34,6 +35,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
@@ -42,6 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.ties import to_empty_tied
@@ -82,6 +85,26 @@ class TotalsTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._mod_tracker = _ModulesUntracked()
+
+
+class _EmptyTensorsFake(TorchDispatchMode):
+    """Tensors made empty made fake: FSDP2's gather and reduce-scatter buffers, its unsharded layers, a stage's receive
+    buffers, which the step only fills from fake tensors, then cost neither host memory nor the time of filling them
+    (three quarters of a step of whole layers, before). Other tensors made from nothing stay real, for the code that
+    reads them (the mesh's ranks; the positions from which transformers decides to skip the causal mask, as it does in
+    training). ``fake_mode`` itself stays inactive: the tracker counts only the ops run outside a fake mode (DTensor's
+    shape propagation runs in one of its own)."""
+
+    def __init__(self, fake_mode: FakeTensorMode) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        with self.fake_mode if func in _EMPTY and active_fake_mode() is None else contextlib.nullcontext():
+            return func(*args, **(kwargs or {}))
+
+
+_EMPTY = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
 
 
 def activation_bytes(
@@ -180,7 +203,7 @@ def _step_peak(
         # The step runs on the fake tensors with their mode left: DTensor then propagates shapes in a fake mode of its
         # own, whose global-shape tensors the tracker leaves out (in the step's mode it would count them as memory).
         try:
-            with TotalsTracker() as tracker:
+            with _EmptyTensorsFake(fake_mode), TotalsTracker() as tracker:
                 tracker.track_external(model)
                 held = tracker.get_tracker_snapshot()[_CPU]["Total"]
                 training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)

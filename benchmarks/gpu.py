@@ -1,5 +1,5 @@
-"""The GPU check: speed, MFU and memory of ours against the peers, Float8, flex attention under cp, and the activation
-estimate against the allocator, in one command and one table.
+"""The GPU check: speed, MFU and memory of ours against the peers, Float8, flex attention under cp, and the planner's
+memory (the activation estimate, layout="auto"'s choice) against the allocator, in one command and one table.
 
     PYTHONPATH=. python benchmarks/gpu.py              # one H100: about 7 minutes
     PYTHONPATH=. python benchmarks/gpu.py --dry-run    # CPU: tiny shapes, the same code (tests/test_gpu_benchmark.py)
@@ -18,10 +18,12 @@ Every measurement runs in a fresh process (nothing compiled or allocated leaks i
 - cp: flex attention against SDPA at cp=2, two ranks on the one GPU (gloo with CUDA tensors: NCCL refuses two ranks
   on one device): a training step's loss and every gradient against cp=1 in the same process, and the step time;
 - activations: ``plan --activations``' estimate (``planning.activation_memory``) of each checkpointing mode against
-  ``torch.cuda.max_memory_allocated`` of the same step above what the step held before.
+  ``torch.cuda.max_memory_allocated`` of the same step above what the step held before (benchmarks/gpu_memory.py);
+- auto: ``layout="auto"`` training the 3B shape through a Trainer, the memory it chose by against the allocator's
+  peak over the run (benchmarks/gpu_memory.py).
 
 Targets (issue 34): compiled >= torchtitan's (else stock Lightning's) tokens/s; Float8 >= 1.2x compiled bf16 at 3B;
-MFU compiled >= 0.40; the estimate within 5% of the allocator.
+MFU compiled >= 0.40; the estimate within 5% of the allocator (issue 38: layout="auto"'s too).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import traceback
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from gpu_memory import activation_row, auto_layout_row, measure_activations, measure_auto_layout
 
 SHAPES = {  # Llama-shaped: Llama 3.2 1B, and a 3B that trains on one 80 GB GPU with full checkpointing
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, heads=32, kv_heads=8, vocab=128256),
@@ -67,7 +71,7 @@ CHECKPOINTING = (False, "full", "selective")
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, a few steps, the same code")
-    parser.add_argument("--sections", default="throughput,cp,activations")
+    parser.add_argument("--sections", default="throughput,cp,activations,auto")
     parser.add_argument("--timeout", type=float, default=150, help="seconds before one measurement is killed")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
@@ -255,50 +259,6 @@ def _cp_rank(rank: int, dry_run: bool, seq_len: int, attention: str, directory: 
     dist.destroy_process_group()
 
 
-def measure_activations(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    """The estimate of a checkpointing mode against the allocator's peak of the same step, above what it held."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from lightning_automodel import ParallelDims
-    from lightning_automodel.parallel import parallelize
-    from lightning_automodel.planning.activation_memory import activation_bytes, training_step
-
-    checkpointing = json.loads(mode)
-    shape = "tiny" if args.dry_run else "1b"
-    hf_config = AutoConfig.for_model(**config(shape, args.seq_len), attn_implementation="sdpa")
-    with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(hf_config)
-    dims = ParallelDims().resolve(1)
-    estimate = activation_bytes(
-        meta_model,
-        dims,
-        micro_batch=args.rows,
-        seq_len=args.seq_len,
-        activation_checkpointing=checkpointing,
-    )
-    result: dict[str, Any] = {"estimate_gib": estimate / 2**30, "measured_gib": None}
-    if not torch.cuda.is_available():
-        return result
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(int(os.environ.get("GPU_CHECK_PORT", "29533")) + 1))
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    mesh = dims.build_mesh("cuda")
-    model = AutoModelForCausalLM.from_config(hf_config).cuda()
-    parallelize(model, mesh, activation_checkpointing=checkpointing)
-    tokens = torch.randint(hf_config.vocab_size, (args.rows, args.seq_len), device="cuda")
-    training_step(model, input_ids=tokens, mesh=mesh)  # nothing allocated for the first time in the measured step
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    training_step(model, input_ids=tokens, mesh=mesh)
-    torch.cuda.synchronize()
-    result["measured_gib"] = (torch.cuda.max_memory_allocated() - held) / 2**30
-    dist.destroy_process_group()
-    return result
-
-
 def matmul_peak() -> dict[str, Any]:
     """The bf16 FLOP/s of a large square matmul on this GPU: MFU's denominator, measured, not a datasheet's."""
     import torch
@@ -324,7 +284,9 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     if section == "cp":
         return measure_cp(args, name)
     if section == "activations":
-        return measure_activations(args, name)
+        return measure_activations(args, name, model_config=config("tiny" if args.dry_run else "1b", args.seq_len))
+    if section == "auto":
+        return measure_auto_layout(args, model_config=config("tiny" if args.dry_run else "3b", args.seq_len))
     return matmul_peak()
 
 
@@ -369,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     # the dry run's Trainers leave a process group, in which the estimate refuses to run: they go last
     if "activations" in sections:
         rows += [activation_row(mode, measure(f"activations:{json.dumps(mode)}")) for mode in CHECKPOINTING]
+    if "auto" in sections:  # its search runs in a child of its own: a process group left is no matter
+        rows.append(auto_layout_row(measure("auto")))
     if "cp" in sections:  # flex attention has no backward on CPUs
         attentions = ("sdpa", "flex") if torch.cuda.is_available() else ("sdpa",)
         rows += [cp_row(attention, measure(f"cp:{attention}")) for attention in attentions]
@@ -406,18 +370,6 @@ def cp_row(attention: str, result: dict[str, Any]) -> tuple[str, str, str]:
         return (f"cp=2 {attention}", f"FAILED ({result['failed']})", "")
     shown = f"loss {result['loss_error']:.1e}, gradients {result['grad_error']:.1e} off cp=1"
     return (f"cp=2 {attention}", shown, f"step {result['step_s'] * 1e3:.1f} ms")
-
-
-def activation_row(mode: Any, result: dict[str, Any]) -> tuple[str, str, str]:
-    name = f"activations, checkpointing {mode or 'off'}"
-    if "failed" in result:
-        return (name, f"FAILED ({result['failed']})", "")
-    measured = result["measured_gib"]
-    against = f"{result['estimate_gib'] / measured:.3f}x the allocator's" if measured else "(no GPU: estimate only)"
-    shown = (
-        f"estimate {result['estimate_gib'] * 1024:,.1f} MiB, allocator {_num(measured and measured * 1024, ',.1f')} MiB"
-    )
-    return (name, shown, against)
 
 
 def _num(value: float | None, spec: str) -> str:

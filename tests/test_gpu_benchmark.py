@@ -1,5 +1,6 @@
 """benchmarks/gpu.py's dry run: the GPU check's code (every section, tiny shapes, in one process) runs on CPU, so that
-it cannot rot between one use of a GPU and the next; its cp=2 row is a parity check of its own."""
+it cannot rot between one use of a GPU and the next; its cp=2 row is a parity check of its own, and layout="auto"
+chooses and trains."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ def test_gpu_check_dry_run():
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     table = done.stdout[done.stdout.index("CPU (dry run)") :]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for row in ("activations, checkpointing full", "cp=2 sdpa", "compiled_float8", "lightning_expert", "3b_compiled"):
+    for row in (
+        "activations, checkpointing full",
+        'layout="auto"',
+        "cp=2 sdpa",
+        "compiled_float8",
+        "lightning_expert",
+        "3b_compiled",
+    ):
         assert row in table, table
     cp = next(line for line in table.splitlines() if line.startswith("cp=2 sdpa"))
     loss, grads = (float(cp.split(word)[1].split()[0].rstrip(",")) for word in ("loss ", "gradients "))

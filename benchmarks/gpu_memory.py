@@ -3,7 +3,10 @@
 - activations: the activation estimate (``planning.activation_memory``) of one checkpointing mode against the
   allocator's peak of the same step above what the step held before;
 - auto: ``layout="auto"`` through a real Trainer on the one GPU, its memory read from the device: the memory it
-  chose by (the state and the chosen checkpointing's activations) against the allocator's peak over the run.
+  chose by (the state and the chosen checkpointing's activations) against the allocator's peak over the run. The
+  estimate holds the gradients through the whole step, where Lightning frees them before each (an upper bound by up
+  to their size: the state is printed beside it), and leaves out the temporaries of AdamW's step (foreach AdamW's
+  are the size of the parameters' shards; no activation is held then): the row shows which of the two the run meets.
 
 The allocator's peak is ``torch.cuda.max_memory_allocated``.
 
@@ -102,8 +105,10 @@ def measure_auto_layout(args: argparse.Namespace, *, model_config: dict[str, Any
     return {
         "chosen": f"{choice.candidate.name} {choice.candidate.checkpointing}",
         "gpu_gib": choice.hardware.memory_gib,
+        "state_gib": choice.outcome.state_bytes / 2**30,
         "estimate_gib": choice.outcome.memory_bytes / 2**30,
         "measured_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
     }
 
 
@@ -118,6 +123,8 @@ def auto_layout_row(result: dict[str, Any]) -> tuple[str, str, str]:
     if "failed" in result:
         return ('layout="auto"', f"FAILED ({result['failed']})", "")
     shown, against = _against_the_allocator(result)
+    state, reserved = result["state_gib"] * 1024, result["reserved_gib"]
+    shown += f" (state {state:,.1f} MiB" + ("" if reserved is None else f"; reserved {reserved * 1024:,.1f} MiB") + ")"
     return (f'layout="auto", {result["gpu_gib"]:.0f} GiB', f"{result['chosen']}: {shown}", against)
 
 

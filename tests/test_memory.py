@@ -235,6 +235,21 @@ def test_the_estimate_fills_no_host_memory_with_the_layers_it_gathers():
     assert max(made.sizes) < 2**16, sorted(made.sizes)[-3:]
 
 
+@pytest.mark.parametrize(
+    "dims, options",
+    [
+        (ParallelDims(dp_shard=4), dict(activation_checkpointing="selective")),
+        (ParallelDims(pp=2, dp_shard=2), dict(pipeline=PipelineOptions(microbatches=2))),
+    ],
+)
+def test_fake_buffers_change_no_byte_of_the_estimate(dims, options, monkeypatch):
+    """The estimate with FSDP2's buffers and the stages' receive buffers fake equals the one with them real."""
+    step = dict(micro_batch=2, seq_len=64, **options)
+    fake = activation_bytes(_on_meta(vocab_size=8000, **MEMORY_MODEL), dims.resolve(4), **step)
+    monkeypatch.setattr(memory, "_EMPTY", ())
+    assert activation_bytes(_on_meta(vocab_size=8000, **MEMORY_MODEL), dims.resolve(4), **step) == fake
+
+
 class _RealTensorsMade(TorchDispatchMode):
     """The bytes of every tensor holding data the ops run inside make."""
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
@@ -87,24 +88,35 @@ class TotalsTracker(MemTracker):
         self._mod_tracker = _ModulesUntracked()
 
 
+_EMPTY = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+# Empty tensors under this size stay real: bookkeeping a collective fills and the code reads back (expert parallel's
+# token counts), where FSDP2's buffers and a stage's receive buffers are whole layers and activations.
+_SMALL_BYTES = 64 * 1024
+
+
 class _EmptyTensorsFake(TorchDispatchMode):
-    """Tensors made empty made fake: FSDP2's gather and reduce-scatter buffers, its unsharded layers, a stage's receive
-    buffers, which the step only fills from fake tensors, then cost neither host memory nor the time of filling them
-    (three quarters of a step of whole layers, before). Other tensors made from nothing stay real, for the code that
-    reads them (the mesh's ranks; the positions from which transformers decides to skip the causal mask, as it does in
-    training). ``fake_mode`` itself stays inactive: the tracker counts only the ops run outside a fake mode (DTensor's
-    shape propagation runs in one of its own)."""
+    """Large tensors made empty made fake: FSDP2's gather and reduce-scatter buffers, its unsharded layers, a stage's
+    receive buffers, which the step only fills from fake tensors, then cost neither host memory nor the time of filling
+    them (three quarters of a step of whole layers, before). Other tensors made from nothing stay real, for the code
+    that reads them (the mesh's ranks; the positions from which transformers decides to skip the causal mask, as it
+    does in training). ``fake_mode`` is entered for the op alone: left active, it would be the one DTensor's shape
+    propagation runs in, and the tracker would count the global-shape tensors made there."""
 
     def __init__(self, fake_mode: FakeTensorMode) -> None:
         super().__init__()
         self.fake_mode = fake_mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        with self.fake_mode if func in _EMPTY and active_fake_mode() is None else contextlib.nullcontext():
-            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func not in _EMPTY or active_fake_mode() is not None or not _large_on_cpu(args[0], **kwargs):
+            return func(*args, **kwargs)
+        with self.fake_mode:
+            return func(*args, **kwargs)
 
 
-_EMPTY = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+def _large_on_cpu(size, *, dtype: torch.dtype | None = None, device: torch.device | None = None, **_) -> bool:
+    dtype = dtype or torch.get_default_dtype()
+    return torch.device(device or "cpu").type == "cpu" and math.prod(size) * dtype.itemsize >= _SMALL_BYTES
 
 
 def activation_bytes(

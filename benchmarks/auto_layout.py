@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from lightning_automodel.cli import configured
+from lightning_automodel.cli.config import configured
 from lightning_automodel.planning.child_process import ChildProcess
 from lightning_automodel.planning.fitting import NoLayoutFits, choose_layout
 from lightning_automodel.planning.layouts import Outcome, tensor_budget

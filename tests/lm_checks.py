@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.lm import CausalLMModule
-from lightning_automodel.lm.module import learning_rate_factor
+from lightning_automodel.lm.optimization import learning_rate_factor
 from lightning_automodel.testing.harness import shared_directory
 from lightning_automodel.testing.models import SHRUNK, VOCAB, tiny_config
 from lightning_automodel.testing.parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE, full

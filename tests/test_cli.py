@@ -16,7 +16,9 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_automodel.cli import cli, configured, expand_home, main, plan_for_config
+from lightning_automodel.cli import cli, expand_home, main
+from lightning_automodel.cli.config import configured
+from lightning_automodel.cli.plan import plan_for_config
 from lightning_automodel.data import ChatDataModule, DemoDataModule
 
 EXAMPLES = Path(__file__).parents[1] / "examples"

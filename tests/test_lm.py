@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
 from lightning_automodel.data import DemoDataModule, byte_tokenizer
 from lightning_automodel.lm import CausalLMModule, StepProgressBar
 from lightning_automodel.lm.limits import check_batch, check_seq_len
-from lightning_automodel.lm.module import learning_rate_factor
+from lightning_automodel.lm.optimization import learning_rate_factor
 from lightning_automodel.testing.harness import check_name, run_checks
 from lightning_automodel.testing.models import tiny_config
 

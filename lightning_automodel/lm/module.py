@@ -9,24 +9,22 @@ others than ``AutoModelParallelStrategy`` the model is built with real weights b
 
 from __future__ import annotations
 
-import math
 import tempfile
 from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
-from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_automodel.hf.document_masking import packed_documents_problem
 from lightning_automodel.hf.loading import from_pretrained
 from lightning_automodel.hf.peft import with_lora
 from lightning_automodel.lm.limits import check_batch, check_seq_len, check_tokenizer
 from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
+from lightning_automodel.lm.optimization import Schedule, adamw_with_schedule
 from lightning_automodel.lm.summary import TrainingSummary
 from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
 from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
@@ -43,7 +41,6 @@ from lightning_automodel.parallel.pipeline import pipeline_of
 from lightning_automodel.planning.flops import flops_per_token
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
-Schedule = Literal["cosine", "linear", "constant"]
 _STAGES = ("train", "val", "test")
 _VOCAB_MULTIPLE = 64  # a vocabulary sized from a tokenizer is rounded up so that tp = 2, 4, ..., 64 divide it
 
@@ -258,29 +255,16 @@ class CausalLMModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hparams = self.hparams
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": hparams.weight_decay},
-            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(
-            [group for group in groups if group["params"]], lr=hparams.learning_rate, betas=tuple(hparams.betas)
-        )
-        total = self.trainer.estimated_stepping_batches
-        if hparams.schedule != "constant" and not math.isfinite(total):
-            raise ValueError(
-                f'schedule="{hparams.schedule}" decays to the last step, and this run has no end: set'
-                ' Trainer(max_steps=...) or max_epochs, or schedule="constant".'
-            )
-        factor = partial(
-            learning_rate_factor,
+        return adamw_with_schedule(
+            [p for p in self.parameters() if p.requires_grad],
+            learning_rate=hparams.learning_rate,
+            betas=tuple(hparams.betas),
+            weight_decay=hparams.weight_decay,
             warmup_steps=hparams.warmup_steps,
-            total_steps=int(total) if math.isfinite(total) else 0,
             schedule=hparams.schedule,
             min_lr_ratio=hparams.min_lr_ratio,
+            total_steps=self.trainer.estimated_stepping_batches,
         )
-        scheduler = LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[Callback]:
         """Tokens/s and MFU (Lightning's ThroughputMonitor, each model replica counted once), and a summary at the
@@ -369,21 +353,6 @@ class CausalLMModule(L.LightningModule):
                 )
             overrides["vocab_size"] = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
         return AutoConfig.for_model(**overrides)
-
-
-def learning_rate_factor(
-    step: int, *, warmup_steps: int, total_steps: int, schedule: Schedule, min_lr_ratio: float
-) -> float:
-    """The learning rate of optimizer step ``step`` (0 to ``total_steps - 1``, as LambdaLR counts them) as a
-    fraction of the peak: ``1 / (warmup_steps + 1)``, ..., rising linearly to 1 at step ``warmup_steps``, then the
-    schedule's decay, reaching ``min_lr_ratio`` at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps))
-    decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
-    return min_lr_ratio + (1 - min_lr_ratio) * decay
 
 
 def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:

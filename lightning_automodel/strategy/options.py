@@ -14,11 +14,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS, setting_name
 from lightning_automodel.parallel.compile import CompileSpec, check_compile
-from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
+from lightning_automodel.parallel.context_parallel import CPAttention, check_cp_with_pipeline
+from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.pipeline import PipelineOptions
+from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.layouts import Candidate, SearchSpace
 
 
@@ -123,14 +125,25 @@ class StrategyOptions:
         data_parallel_size: int | str | None,
         tensor_parallel_size: int | str | None,
         layout_batch: tuple[int, int] | None,
-        **given: Any,
+        gpu_memory: float | None,
+        tp_plan: PlanSpec,
+        allow_unsharded_linears: bool,
+        cp_attention: CPAttention,
+        fsdp: FSDPOptions,
+        verify_plans: bool,
+        save_trainable_only: bool,
+        async_save: bool,
     ) -> StrategyOptions:
-        """The options of :class:`~lightning_automodel.AutoModelParallelStrategy`'s arguments (``given``: those kept
-        as they are). Under ``layout="auto"`` the sizes, sp and the checkpointing are placeholders until the search
-        chooses them."""
-        flags = ("allow_unsharded_linears", "verify_plans", "save_trainable_only", "async_save")
-        require_flags(cpu_offload=cpu_offload, save_distributed_checkpoint=save_distributed_checkpoint)
-        require_flags(**{name: given[name] for name in flags})
+        """The options of :class:`~lightning_automodel.AutoModelParallelStrategy`'s arguments. Under
+        ``layout="auto"`` the sizes, sp and the checkpointing are placeholders until the search chooses them."""
+        require_flags(
+            allow_unsharded_linears=allow_unsharded_linears,
+            verify_plans=verify_plans,
+            cpu_offload=cpu_offload,
+            save_trainable_only=save_trainable_only,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            async_save=async_save,
+        )
         tp = size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=(None, 1))
         dp_shard = size_by_either_name("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset=("auto",))
         tp_per_node = tensor_parallel_size == "auto"  # as in the parent: the devices of one node
@@ -155,12 +168,15 @@ class StrategyOptions:
             compile=compile,
             float8=float8,
             pipeline=pipeline if dims.pp > 1 else None,
-            **{name: given.pop(name) for name in ("tp_plan", "allow_unsharded_linears", "cp_attention", "fsdp")},
+            tp_plan=tp_plan,
+            allow_unsharded_linears=allow_unsharded_linears,
+            cp_attention=cp_attention,
+            fsdp=fsdp,
         )
         require_sharded_saves(
             save_distributed_checkpoint=save_distributed_checkpoint,
-            save_trainable_only=given["save_trainable_only"],
-            async_save=given["async_save"],
+            save_trainable_only=save_trainable_only,
+            async_save=async_save,
         )
         return cls(
             dims=dims,
@@ -169,7 +185,10 @@ class StrategyOptions:
             cpu_offload=cpu_offload,
             search=search,
             layout_batch=tuple(layout_batch) if layout_batch is not None else None,
-            **given,
+            gpu_memory=gpu_memory,
+            verify_plans=verify_plans,
+            save_trainable_only=save_trainable_only,
+            async_save=async_save,
         )
 
     def at_setup(self, *, devices_per_node: int, num_nodes: int, precision: str) -> StrategyOptions:

@@ -99,29 +99,30 @@ def _trainer(strategy: AutoModelParallelStrategy | str, **kwargs) -> L.Trainer:
 
 
 class MeshModel(FSDP2TensorParallelModel):
-    def __init__(self, expected: tuple[int, int]) -> None:
-        super().__init__()
-        self.expected = expected
+    """Records the parent's two mesh names as the strategy built them, when ``configure_model`` reads them."""
 
     def configure_model(self) -> None:
         mesh = self.device_mesh
-        assert (mesh["data_parallel"].size(), mesh["tensor_parallel"].size()) == self.expected
-        assert mesh["data_parallel", "tensor_parallel"].shape == self.expected
         assert mesh.device_type == self.device.type
+        self.built = {
+            "sizes": (mesh["data_parallel"].size(), mesh["tensor_parallel"].size()),
+            "shape": tuple(mesh["data_parallel", "tensor_parallel"].shape),
+        }
         super().configure_model()
 
 
-def check_setup_device_mesh() -> list:
-    """The parent's mesh names and sizes, for every (data_parallel_size, tensor_parallel_size) that tiles the world,
-    and for "auto"/"auto" (the parent's defaults: tensor parallel over the node). The mesh has our five axes and
-    the flattened ones beside the parent's two names, so ``mesh_dim_names`` and ``ndim`` differ from the parent's."""
+def check_setup_device_mesh() -> dict:
+    """The parent's mesh names and sizes as the strategy built them, for every (data_parallel_size,
+    tensor_parallel_size) that tiles the world and for "auto"/"auto" (the parent's defaults: tensor parallel over the
+    node). The mesh has our five axes and the flattened ones beside the parent's two names, so ``mesh_dim_names`` and
+    ``ndim`` differ from the parent's."""
     world = dist.get_world_size()
-    layouts = [(dp, world // dp) for dp in (1, 2, 4) if world % dp == 0] + [("auto", "auto")]
-    for dp, tp in layouts:
-        expected = (1, world) if dp == "auto" else (dp, tp)
-        run = _trainer(parent_strategy(data_parallel_size=dp, tensor_parallel_size=tp), max_steps=1)
-        run.fit(MeshModel(expected))
-    return layouts
+    built = {}
+    for dp, tp in [(dp, world // dp) for dp in (1, 2, 4) if world % dp == 0] + [("auto", "auto")]:
+        model = MeshModel()
+        _trainer(parent_strategy(data_parallel_size=dp, tensor_parallel_size=tp), max_steps=1).fit(model)
+        built[(dp, tp)] = model.built
+    return built
 
 
 def check_tensor_parallel() -> None:

@@ -42,6 +42,7 @@ def test_parent_tests_on_two_ranks():
             check_reduce_before_setup_and_boring_model,
         ],
     )
+    assert_meshes_built(results, {(1, 2): (1, 2), (2, 1): (2, 1), ("auto", "auto"): (1, 2)})
     for errors in results["check_saves_keep_user_files()"]:
         assert "experiment" in errors["folder"] and "(notes.txt)" in errors["folder"], errors
         assert "Choose another path" in errors["file"], errors
@@ -50,7 +51,15 @@ def test_parent_tests_on_two_ranks():
 
 def test_parent_tests_on_four_ranks():
     results = run_checks(4, [check_setup_device_mesh, check_fsdp2_tensor_parallel])
-    assert results["check_setup_device_mesh()"][0] == [(1, 4), (2, 2), (4, 1), ("auto", "auto")]
+    assert_meshes_built(results, {(1, 4): (1, 4), (2, 2): (2, 2), (4, 1): (4, 1), ("auto", "auto"): (1, 4)})
+
+
+def assert_meshes_built(results: dict, expected: dict) -> None:
+    """Every rank's strategy built the parent's (data_parallel, tensor_parallel) sizes each layout asks for ("auto":
+    tensor parallel over the node)."""
+    for built in results["check_setup_device_mesh()"]:
+        assert {layout: mesh["sizes"] for layout, mesh in built.items()} == expected, built
+        assert all(mesh["shape"] == mesh["sizes"] for mesh in built.values()), built
 
 
 def test_device_mesh_access_before_setup():

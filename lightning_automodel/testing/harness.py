@@ -20,11 +20,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
 Check = Callable[[], Any]
+
+
+class ChecksFailed(AssertionError):
+    """A launch's failure: a check failed on some rank, a rank crashed, or the launch timed out (an assertion, so
+    that pytest reports it as a test's failure; the harness itself needs no pytest, which benchmarks run without)."""
+
 
 # What every worker imports, once per test session: workers fork from a server process that imported these (a
 # spawned worker imports them anew, about 4 seconds of a core each on 2 cores, which the hundreds of launches repeat).
@@ -117,7 +122,8 @@ def run_checks(
             try:
                 rank, name, status, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
-                pytest.fail(f"distributed checks timed out after {timeout}s; results so far: {sorted(collected)}")
+                message = f"distributed checks timed out after {timeout}s; results so far: {sorted(collected)}"
+                raise ChecksFailed(message) from None
             received += 1
             if status == "failed":
                 failures.append(f"rank {rank}, check {name}:\n{value}")
@@ -134,10 +140,10 @@ def run_checks(
                 process.kill()
     if failures:
         exit_codes = [process.exitcode for process in processes]
-        pytest.fail("\n".join(failures) + f"\nexit codes of ranks 0..{world_size - 1}: {exit_codes}")
+        raise ChecksFailed("\n".join(failures) + f"\nexit codes of ranks 0..{world_size - 1}: {exit_codes}")
     crashed = [p.exitcode for p in processes if p.exitcode not in (0, -signal.SIGKILL)]
     if crashed:
-        pytest.fail(f"ranks exited with codes {crashed} after reporting their results")
+        raise ChecksFailed(f"ranks exited with codes {crashed} after reporting their results")
     return collected
 
 

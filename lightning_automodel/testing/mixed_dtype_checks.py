@@ -6,7 +6,8 @@ model runs with the router in a dtype of its own, and stock per-layer FSDP2 refu
 
 from __future__ import annotations
 
-import pytest
+from unittest import TestCase
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -46,9 +47,9 @@ def check_stock_fsdp_refuses_mixed_dtypes() -> str:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh["dp_shard_cp"])
     fully_shard(model, mesh=mesh["dp_shard_cp"])
-    with pytest.raises(AssertionError, match="uniform original parameter dtype") as error:
+    with TestCase().assertRaisesRegex(AssertionError, "uniform original parameter dtype") as error:
         model(torch.ones(1, 4, dtype=torch.long))
-    return str(error.value)
+    return str(error.exception)
 
 
 def check_float64_router_training() -> dict[str, float]:

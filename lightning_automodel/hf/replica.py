@@ -23,16 +23,17 @@ class ReplicaError(RuntimeError):
     """A shrunk replica of the model could not be built: a defect of the check that needed it, not of the model."""
 
 
-def shrunk_replica(model: nn.Module, *, min_layers: int | None = None) -> nn.Module:
+def shrunk_replica(model: nn.Module, *, min_layers: int | None = None) -> tuple[nn.Module, int]:
     """``model``'s class on its config shrunk (:func:`~lightning_automodel.hf.shrink.shrunk_config`), with
-    ``min_layers`` decoder layers at least, with random weights from the current random state, in eval mode. Raises
-    :class:`ReplicaError` when it cannot be built."""
+    ``min_layers`` decoder layers at least, with random weights from the current random state, in eval mode; and the
+    size of its text vocabulary, the tokens a check may feed it. Raises :class:`ReplicaError` when it cannot be
+    built."""
     try:
         config = shrunk_config(model.config)
-        text = config.get_text_config()  # a multimodal config keeps its decoder's layer count there
+        text = config.get_text_config()  # a multimodal config keeps its decoder's layers and vocabulary there
         if min_layers is not None and text.num_hidden_layers < min_layers:
             text.num_hidden_layers = min_layers
-        return type(model)(config).eval()
+        return type(model)(config).eval(), text.vocab_size
     except Exception as failure:  # noqa: BLE001 - whatever the config or the class raises, the check failed
         raise ReplicaError(
             f"Internal error of lightning-automodel: the shrunk replica of {type(model).__name__} (its config made"
@@ -51,20 +52,19 @@ def replica_problem(
     because: str | None = None,
     length: int = 8,
     min_layers: int | None = None,
-    text_vocabulary: bool = False,
 ) -> str | None:
     """Why ``model``'s class cannot be split, or None: ``split_logits(replica, tokens)`` must equal the replica's own
     logits on two rows of ``length`` random tokens. The replica: the class on its config shrunk (with ``min_layers``
-    decoder layers at least), random weights seeded 0; its tokens from the text config's vocabulary if
-    ``text_vocabulary`` (a multimodal model's). A refusal starts with ``fails`` when the model's code raises, with
+    decoder layers at least), random weights seeded 0; its tokens from the text config's vocabulary (a multimodal
+    model's config has none of its own). A refusal starts with ``fails`` when the model's code raises, with
     ``differs`` (then ``because``) when the logits differ. A replica that cannot be built raises
     :class:`ReplicaError`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        replica = shrunk_replica(model, min_layers=min_layers)
+        replica, vocabulary = shrunk_replica(model, min_layers=min_layers)
+        tokens = torch.randint(0, vocabulary, (2, length))
         try:
-            vocabulary = (replica.config.get_text_config() if text_vocabulary else replica.config).vocab_size
-            error = _relative_error(replica, torch.randint(0, vocabulary, (2, length)), split_logits=split_logits)
+            error = _relative_error(replica, tokens, split_logits=split_logits)
         except Exception as failure:  # noqa: BLE001 - the model's own code, whatever it raises, refuses the split
             return f"{fails} on a shrunk replica ({type(failure).__name__}: {failure})"
     if not error < TOLERANCE:  # NaN included

@@ -138,8 +138,8 @@ def balancing_problem(model: nn.Module) -> str | None:
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        replica = shrunk_replica(model)
-        tokens = torch.randint(0, replica.config.vocab_size, (2, 8))
+        replica, vocabulary = shrunk_replica(model)
+        tokens = torch.randint(0, vocabulary, (2, 8))
     mask = torch.ones_like(tokens)
     mask[1, -3:] = 0
     try:

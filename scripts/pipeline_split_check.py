@@ -26,9 +26,11 @@ PER_TYPE_SECONDS = 60
 
 
 def verdict(model_type: str) -> str:
-    """ "splits", or why the type is refused (or could not be built from its tiny config)."""
+    """ "splits", or why the type is refused (or could not be built from its tiny config, or its shrunk replica
+    could not be built: the check's own failure)."""
     from transformers import AutoModelForCausalLM
 
+    from lightning_automodel.hf.replica import ReplicaError
     from lightning_automodel.hf.shrink import tiny_config
     from lightning_automodel.parallel.pipeline import pipeline_problem, stage_split_problem
 
@@ -37,7 +39,11 @@ def verdict(model_type: str) -> str:
             model = AutoModelForCausalLM.from_config(tiny_config(model_type))
     except Exception as error:  # noqa: BLE001 - recorded, as the coverage report records it
         return f"not built from its tiny config ({type(error).__name__}: {str(error)[:120]})"
-    problem = pipeline_problem(model, pp=2) or stage_split_problem(model)
+    try:
+        problem = pipeline_problem(model, pp=2) or stage_split_problem(model)
+    except ReplicaError as error:
+        cause = error.__cause__
+        return f"check failed, its shrunk replica not built ({type(cause).__name__}: {str(cause)[:200]})"
     return "splits" if problem is None else f"refused: {problem[:240]}"
 
 
@@ -63,7 +69,8 @@ def main() -> None:
         "shrunk replica split in two stages equal to its logits whole (relative 1e-5).",
         "",
         f"{counts['splits']} of {len(results)} types split; {counts['refused:']} are refused; "
-        f"{counts['not']} could not be built from their tiny config.",
+        f"{counts['not']} could not be built from their tiny config; the check failed on {counts['check']} (its"
+        " shrunk replica could not be built).",
         "",
         "| type | verdict |",
         "|---|---|",

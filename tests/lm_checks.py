@@ -258,6 +258,21 @@ def check_predict_in_step_or_refused() -> dict:
     return {"refused": message[:60], "rows_predicted_here": rows}
 
 
+def check_three_heads_train_on_packed_documents() -> dict:
+    """A Llama of 3 heads (hidden 96) under FSDP2 alone, on the demo's packed documents: its shrunk replica keeps its
+    3 heads (hidden 48), so the packed-documents check accepts it, and it trains."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_automodel.data import DemoDataModule
+
+    config = tiny_config("llama", vocab_size=320, hidden_size=96, num_attention_heads=3, num_key_value_heads=3)
+    module = CausalLMModule(config=config.to_dict())
+    run = trainer(AutoModelParallelStrategy(), max_steps=1)
+    run.fit(module, datamodule=DemoDataModule(seq_len=16, batch_size=2, num_documents=8, val_documents=0))
+    assert run.global_step == 1 and isinstance(module.model, FSDPModule), (run.global_step, type(module.model))
+    return {"steps": run.global_step}
+
+
 def check_bad_data_refused_on_every_rank(tp: int) -> dict:
     """Data the model cannot take, refused before the first step: a tokenizer larger than the vocabulary, rows
     longer than the positions, a validation file that is not UTF-8. Every rank must raise (one raising alone would

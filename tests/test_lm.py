@@ -15,6 +15,7 @@ from lm_checks import (
     check_chunked_loss_refused_where_the_call_computes_it,
     check_lora_checkpoint_exports_merged,
     check_predict_in_step_or_refused,
+    check_three_heads_train_on_packed_documents,
 )
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
@@ -49,12 +50,14 @@ def test_mixture_of_experts_auxiliary_loss_over_the_global_batch():
 
 def test_lora_export_predict_and_refusals():
     """At tp=2, trained adapters merged into a plain Hugging Face model by `export`: the same logits. At dp=2,
-    predict over uneven batches is refused on every rank, and the data module's split predicts every row. At tp=2,
+    predict over uneven batches is refused on every rank, and the data module's split predicts every row; a Llama of
+    3 heads trains under FSDP2 on packed documents (its shrunk replica, which checks them, keeps 3 heads). At tp=2,
     data the model cannot take is refused on both ranks before the first step, with the numbers and the file."""
     checks = [
         partial(check_lora_checkpoint_exports_merged, 2),
         check_predict_in_step_or_refused,
         check_chunked_loss_refused_where_the_call_computes_it,
+        check_three_heads_train_on_packed_documents,
         partial(check_bad_data_refused_on_every_rank, 2),
     ]
     refused = run_checks(2, checks)[check_name(checks[-1])]

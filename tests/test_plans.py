@@ -7,7 +7,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.hf.decoder_layers import layers_sharing_parameters, named_decoder_layers
-from lightning_automodel.hf.shrink import tiny_config as coverage_config
 from lightning_automodel.parallel import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
@@ -29,11 +28,13 @@ from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes
 from lightning_automodel.parallel.tensor.styles.projections import PackedColwiseParallel, RegroupedColwiseParallel
 from lightning_automodel.parallel.tensor.styles.stream import SequenceParallelAllGather
 from lightning_automodel.planning.simulation import fake_world
+from lightning_automodel.testing.coverage_report.model_types import coverage_config
 from lightning_automodel.testing.models import tiny_config, tiny_model
 
 
 def coverage_model(model_type, **overrides):
-    """A model of any type, from the coverage report's tiny config (see lightning_automodel/hf/shrink.py)."""
+    """A model of any type, or of an extra tiny config, from the coverage report's tiny config (see
+    lightning_automodel/testing/coverage_report/model_types.py)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -342,6 +343,27 @@ def test_a_block_recomputed_outside_its_call_is_held_by_the_root():
         ):
             with pytest.raises(ValueError, match=f"runs reformer.encoder.layers.0 without autograd.*{named} would"):
                 check_before_collectives(model, mesh, **{option: True})
+
+
+def test_the_probe_finds_the_one_length_reformer_trains_on(monkeypatch, caplog):
+    """Reformer with 64 positions trains on the 16 tokens its axial position embeddings tile alone (4 x 6: 24, no
+    power of two): the probe runs at that length and finds its reversible layers. A model it cannot run at any
+    length is named in a warning at tp=1, saying what cannot be found."""
+    from lightning_automodel.parallel import preflight
+
+    with torch.device("meta"):
+        model = coverage_model("reformer:local_64_positions")
+        wider = coverage_model("reformer:local_64_positions", axial_pos_shape=(4, 6))
+    layers = tuple(name for name, _ in named_decoder_layers(model))
+    for reformer, length in ((model, 16), (wider, 24)):
+        trace = probe_unsharded(reformer, tp=1)
+        assert trace.tokens == length and blocks_recomputed_outside_calls(reformer, trace) == layers
+    monkeypatch.setattr(preflight, "sequence_lengths", lambda model, tp: [5 * tp])
+    with fake_world(2):
+        mesh = ParallelDims(dp_shard=2).resolve(2).build_mesh("cpu")
+        assert check_before_collectives(model, mesh).held_by_root == ()
+    assert "ReformerModelWithLMHead on the meta device failed at every sequence length tried" in caplog.text
+    assert "(reversible layers), which FSDP2 must leave to the root's unit, cannot be found" in caplog.text
 
 
 def test_a_registered_parallelization_strategy_takes_over_the_flow():

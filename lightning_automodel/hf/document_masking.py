@@ -26,7 +26,6 @@ def packed_documents_problem(model: nn.Module) -> str | None:
         fails=f"{name} fails on packed documents",
         differs=f"{name} lets packed documents see each other",
         because="its layers carry state along the sequence, or it does not mask by position_ids",
-        text_vocabulary=True,
     )
 
 

@@ -3,7 +3,8 @@
 The config's values (a type's defaults, or a real model's) describe a full-size model. Every size field is shrunk
 to a few dozen (hidden 64, 4 heads, vocabulary 128, 4 experts), and per-layer lists keep the first layer of each kind,
 so that the model still holds every kind of block its architecture has. The shape of the architecture stays as the
-values say: a model with as many KV heads as heads keeps as many, one with a single KV head (multi-query) keeps one.
+values say: a model with as many KV heads as heads keeps as many, one with a single KV head (multi-query) keeps one; a
+model with fewer heads than the tiny count keeps its own, and the hidden size stays a multiple of the heads kept.
 Types that need more than these generic rules have an entry in :func:`overrides`.
 
 It lives in the package, not the tests, because :func:`~lightning_automodel.planning.verify.verify_plan` shrinks the
@@ -65,9 +66,9 @@ _SIZE_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
             "encoder_attention_heads", "linear_num_heads", "mamba_n_heads", "mamba_num_heads", "n_mamba_heads",
-            "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
         ),
     ),
+    ("experts", ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
     (
         "pair",
         (
@@ -101,8 +102,9 @@ _SIZE_NAMES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 @functools.cache
-def tiny_sizes(heads: int = HEADS) -> dict[str, int]:
-    """The tiny value of every size field of ``_SIZE_NAMES``, for a model of ``heads`` heads."""
+def tiny_sizes(heads: int = HEADS, *, experts: int = HEADS) -> dict[str, int]:
+    """The tiny value of every size field of ``_SIZE_NAMES``, for a model of ``heads`` heads and ``experts``
+    experts."""
     hidden = HEAD_SIZE * heads
     size = {
         "hidden": hidden,
@@ -111,12 +113,16 @@ def tiny_sizes(heads: int = HEADS) -> dict[str, int]:
         "head size": HEAD_SIZE,
         "window": 8,
         "heads": heads,
+        "experts": experts,
         "pair": 2,
         "one": 1,
         "vocab": VOCAB,
         "positions": 64,
     }
     return {name: size[kind] for kind, names in _SIZE_NAMES for name in names}
+
+
+HIDDEN_SIZES = frozenset(dict(_SIZE_NAMES)["hidden"])
 
 
 # Head sizes some config classes leave None although their models need a value.
@@ -205,13 +211,16 @@ def shrunk_config(config, *, heads: int = HEADS):
 
 def shrink(values: dict[str, Any], *, heads: int = HEADS) -> dict[str, Any]:
     """The config dict with every size field tiny; sub-configs (text, vision, audio) shrunk alike."""
-    sizes = tiny_sizes(heads)
+    kept_heads = heads_kept(values, heads=heads)
+    sizes = tiny_sizes(kept_heads, experts=heads)
     tiny = dict(values)
     for name, value in values.items():
         if isinstance(value, dict) and "model_type" in value:
             tiny[name] = shrink(value, heads=heads)
+        elif name in sizes and value is None and name in REQUIRED_SIZES:
+            tiny[name] = sizes[name]
         elif name in sizes:
-            tiny[name] = sizes[name] if value is None and name in REQUIRED_SIZES else _smaller(value, sizes[name])
+            tiny[name] = _smaller(value, sizes[name], multiple_of=kept_heads if name in HIDDEN_SIZES else 1)
         elif any(word in name for word in RANDOMNESS) and isinstance(value, float):
             tiny[name] = 0.0
         elif name == "pad_token_id":
@@ -234,12 +243,22 @@ def merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _smaller(value: Any, tiny: int) -> Any:
+def heads_kept(values: dict[str, Any], *, heads: int) -> int:
+    """The head count of the shrunk config dict: ``heads``, or the config's own count where it has fewer."""
+    own = next((values[name] for name in HEAD_COUNTS if isinstance(values.get(name), int)), None)
+    return own if own is not None and 0 < own < heads else heads
+
+
+def _smaller(value: Any, tiny: int, *, multiple_of: int = 1) -> Any:
+    """``value`` lowered to ``tiny``, never raised; a value kept below it rounded down to ``multiple_of`` (a hidden
+    size the heads kept must divide), ``multiple_of`` at least."""
     if isinstance(value, list):
-        return [_smaller(item, tiny) for item in value]
-    if isinstance(value, int) and not isinstance(value, bool) and value > tiny:
+        return [_smaller(item, tiny, multiple_of=multiple_of) for item in value]
+    if not isinstance(value, int) or isinstance(value, bool):
+        return value
+    if value > tiny:
         return tiny
-    return value
+    return max(value - value % multiple_of, multiple_of) if value > 0 else value
 
 
 def _out_of_vocabulary(value: Any) -> bool:

@@ -232,7 +232,6 @@ def chunking_problem(model: nn.Module) -> str | None:
         split_logits=_head_of_hidden_states,
         fails=f"{name} fails",
         differs=f"{name}'s logits are more than its lm_head on its last hidden states",
-        text_vocabulary=True,
     )
 
 

@@ -67,6 +67,15 @@ def check_before_collectives(
     if cp > 1:
         check_context_parallel(model, cp=cp, pipeline=pipeline if pp > 1 else None)
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
+    if tp == 1 and isinstance(unsharded, ProbeError):
+        log.warning(
+            "A training step of %s on the meta device failed at every sequence length tried (%s): blocks it runs"
+            " without autograd and recomputes in backward without calling them (reversible layers), which FSDP2 must"
+            " leave to the root's unit, cannot be found. If it has such blocks, its backward will fail on sharded"
+            " weights.",
+            type(model).__name__,
+            unsharded,
+        )
     recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
     if recomputed and (reshard_after_forward or activation_checkpointing):
         undoing = "reshard_after_forward=True" if reshard_after_forward else "activation checkpointing"

@@ -10,6 +10,7 @@ modules compute on activations tensor parallel shards (see :mod:`.tensor.sharded
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -101,11 +102,18 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def sequence_lengths(model: nn.Module, *, tp: int) -> list[int]:
     """The probe's sequence lengths to try, each a multiple of ``tp``: a short one, then, for a model that refuses
-    it (some take only lengths their chunks or position tables tile, as Reformer), the model's longest."""
-    lengths = [PROBE_TOKENS_PER_RANK * tp]
-    longest = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(longest, int) and longest % tp == 0 and longest not in lengths:
-        lengths.append(longest)
+    it (some take only lengths their chunks or position tables tile), the length axial position embeddings tile
+    (Reformer trains on that length alone), the model's longest, and the powers of two below it, longest first."""
+    config = getattr(model, "config", None)
+    longest = getattr(config, "max_position_embeddings", None)
+    axial = getattr(config, "axial_pos_shape", None)
+    candidates = [PROBE_TOKENS_PER_RANK * tp, math.prod(axial) if getattr(config, "axial_pos_embds", False) else None]
+    if isinstance(longest, int):
+        candidates += [longest, *(2**power for power in range(longest.bit_length() - 1, 2, -1))]
+    lengths: list[int] = []
+    for length in candidates:
+        if isinstance(length, int) and length > 0 and length % tp == 0 and length not in lengths:
+            lengths.append(length)
     return lengths
 
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from transformers import PreTrainedModel
 
-from lightning_automodel.hf.shrink import shrunk_config
+from lightning_automodel.hf.replica import shrunk_replica
 
 
 @dataclass
@@ -138,8 +138,8 @@ def balancing_problem(model: nn.Module) -> str | None:
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        replica = type(model)(shrunk_config(model.config)).eval()
-        tokens = torch.randint(0, replica.config.vocab_size, (2, 8))
+        replica, vocabulary = shrunk_replica(model)
+        tokens = torch.randint(0, vocabulary, (2, 8))
     mask = torch.ones_like(tokens)
     mask[1, -3:] = 0
     try:

@@ -69,7 +69,8 @@ def _parameters_beside_blocks(model: nn.Module) -> list[str]:
 def stage_split_problem(model: nn.Module) -> str | None:
     """Whether the model's class computes the same logits split in two stages as whole, on a shrunk replica of it
     (its config made tiny, at least two decoder layers, random weights), in this process; None if it does. A class
-    whose replica cannot be built or split is refused with what it raised."""
+    whose replica cannot be split is refused with what it raised (a replica that cannot be built raises
+    :class:`~lightning_automodel.hf.replica.ReplicaError`: the check failed, not the model)."""
     name = type(model).__name__
     return replica_problem(
         model,

@@ -1,12 +1,12 @@
 """Coverage: any model type of transformers, parallelized on one layout as the strategy does it, against one process.
 
-A check builds the type's tiny config (:mod:`lightning_automodel.hf.shrink`), a single-process reference from it, and
-the same model on the meta device, which it parallelizes and materializes as ``AutoModelParallelStrategy`` does
-(``parallelize`` with the strategy's defaults, then ``materialize_hf_model``); it then loads the reference's weights
-shard by shard and compares loss, logits and every gradient. A check never raises: it returns what happened on its
-rank, and :func:`.verdicts.classify` turns the outcomes of every rank into one
-verdict. ``scripts/coverage.py`` runs every type this way (:mod:`~lightning_automodel.testing.coverage_report.launch`);
-``tests/test_coverage.py`` runs a representative few.
+A check builds the type's tiny config (:mod:`lightning_automodel.hf.shrink`, or one of
+:data:`~.model_types.EXTRA_TINY_CONFIGS`), a single-process reference from it, and the same model on the meta device,
+which it parallelizes and materializes as ``AutoModelParallelStrategy`` does (``parallelize`` with the strategy's
+defaults, then ``materialize_hf_model``); it then loads the reference's weights shard by shard and compares loss,
+logits and every gradient. A check never raises: it returns what happened on its rank, and :func:`.verdicts.classify`
+turns the outcomes of every rank into one verdict. ``scripts/coverage.py`` runs every type this way
+(:mod:`~lightning_automodel.testing.coverage_report.launch`); ``tests/test_coverage.py`` runs a representative few.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, parallelize
 from lightning_automodel.hf.initialization import copy_shard, materialize_hf_model
-from lightning_automodel.hf.shrink import tiny_config
 from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.parallel.parallelizer import is_meta
@@ -43,6 +42,7 @@ from lightning_automodel.planning.replica_comparison import (
     worst_rounding,
 )
 from lightning_automodel.testing.collectives import CollectiveCount
+from lightning_automodel.testing.coverage_report.model_types import coverage_config
 from lightning_automodel.testing.coverage_report.verdicts import NO_TINY_CONFIG, describe_error, first_line
 from lightning_automodel.testing.parity import (
     FP32_TOLERANCE,
@@ -133,7 +133,7 @@ class NoTinyConfig(Exception):
 def single_process_reference(model_type: str) -> Reference:
     stage = "config"
     try:
-        config = tiny_config(model_type)
+        config = coverage_config(model_type)
         stage = "build"
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))

@@ -102,7 +102,7 @@ def test_constructible_from_lightning_cli():
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AutoModelParallelStrategy)
     options = strategy.options
-    assert (options.dims.tp, options.parallel.sp, options.parallel.activation_checkpointing) == (2, True, True)
+    assert (options.dims.tp, options.parallel.sp, options.parallel.activation_checkpointing) == (2, True, "full")
 
 
 @pytest.mark.parametrize(

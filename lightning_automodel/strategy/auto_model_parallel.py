@@ -31,9 +31,10 @@ from lightning_automodel.hf.models import find_hf_models
 from lightning_automodel.parallel.activation_checkpointing import ACMode
 from lightning_automodel.parallel.compile import CompileSpec
 from lightning_automodel.parallel.context_parallel import CPAttention
-from lightning_automodel.parallel.float8 import Float8Spec, precompute_float8_scales
+from lightning_automodel.parallel.float8 import Float8Spec, float8_options, precompute_float8_scales
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.mesh import axis_size, data_mesh, reduction_mesh
+from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelizer import is_meta, parallelize
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
@@ -59,7 +60,7 @@ from lightning_automodel.strategy.lightning_patches import (
     log_local_values,
     to_local,
 )
-from lightning_automodel.strategy.options import StrategyOptions
+from lightning_automodel.strategy.options import GivenLayout, StrategyOptions, size_by_either_name
 from lightning_automodel.strategy.plan_verification import VerifiedPlans
 from lightning_automodel.strategy.predict_batches import require_equal_batch_counts
 from lightning_automodel.strategy.preemption import Preemption
@@ -126,37 +127,46 @@ class AutoModelParallelStrategy(CheckpointHooks):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.options = StrategyOptions.from_arguments(
-            tp=tp,
-            sp=sp,
-            dp_replicate=dp_replicate,
-            dp_shard=dp_shard,
-            cp=cp,
-            cp_attention=cp_attention,
+        given = GivenLayout(
             pp=pp,
+            dp_replicate=dp_replicate,
+            dp_shard=size_by_either_name(
+                "data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset=("auto",)
+            ),
+            cp=cp,
+            tp=size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=(None, 1)),
             ep=ep,
+            sp=sp,
+            activation_checkpointing=activation_checkpointing,
             pipeline=PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn),
-            layout=layout,
-            gpu_memory=gpu_memory,
-            layout_batch=layout_batch,
+            tp_per_node=tensor_parallel_size == "auto",  # as in the parent: the devices of one node
+        )
+        parallel = ParallelOptions(
             tp_plan=tp_plan,
             allow_unsharded_linears=allow_unsharded_linears,
-            verify_plans=verify_plans,
-            activation_checkpointing=activation_checkpointing,
             compile=compile,
-            float8=float8,
+            float8=float8_options(float8),
+            cp_attention=cp_attention,
             fsdp=FSDPOptions(
                 mp_policy=mp_policy,
                 reshard_after_forward=reshard_after_forward,
                 forward_prefetch=forward_prefetch,
                 backward_prefetch=backward_prefetch,
             ),
+        )
+        dims, parallel, search = given.placed(parallel, layout=layout)
+        self.options = StrategyOptions(
+            dims=dims,
+            parallel=parallel,
+            search=search,
+            tp_per_node=given.tp_per_node,
+            gpu_memory=gpu_memory,
+            layout_batch=tuple(layout_batch) if layout_batch is not None else None,
+            verify_plans=verify_plans,
             cpu_offload=cpu_offload,
             save_trainable_only=save_trainable_only,
             save_distributed_checkpoint=save_distributed_checkpoint,
             async_save=async_save,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
         )
         self.layout_choice: LayoutChoice | None = None  # layout="auto"'s, once made
         self._accumulating = False  # the Trainer accumulates the batches the choice needs

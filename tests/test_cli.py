@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import inspect
 import os
 import re
 import shutil
@@ -16,10 +17,12 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.cli import cli, expand_home, main
 from lightning_automodel.cli.config import configured
 from lightning_automodel.cli.plan import plan_for_config
 from lightning_automodel.data import ChatDataModule, DemoDataModule
+from lightning_automodel.strategy.argument_docs import argument_description
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 DEMO_STEPS = 100
@@ -237,6 +240,22 @@ def test_print_config(capsys, no_pytest_argv):
     )
     for line in expected:
         assert line in printed, printed
+
+
+def test_the_strategys_help_describes_every_argument(capsys, no_pytest_argv):
+    """`fit --trainer.strategy.help AutoModelParallelStrategy`: every argument of the constructor with its one-line
+    description, the first sentence of the options field it sets (strategy/argument_docs.py)."""
+    with pytest.raises(SystemExit) as exit:
+        main(["fit", "--trainer.strategy.help", "AutoModelParallelStrategy"])
+    assert exit.value.code == 0
+    printed = capsys.readouterr().out
+    arguments = list(inspect.signature(AutoModelParallelStrategy.__init__).parameters)[1:]
+    assert len(arguments) == 34
+    for name in arguments:
+        entry = re.search(rf"^  --trainer\.strategy\.{name} [^\n]*\n(.*?)\(type:", printed, re.MULTILINE | re.DOTALL)
+        assert entry is not None, name
+        shown = "".join(entry[1].split())  # the help wraps lines, breaking words at hyphens
+        assert shown and shown == "".join(argument_description(name).split()), (name, entry[1])
 
 
 def test_every_example_config_parses(no_pytest_argv):

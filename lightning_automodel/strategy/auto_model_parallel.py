@@ -39,6 +39,7 @@ from lightning_automodel.parallel.parallelizer import is_meta, parallelize
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.fitting import LayoutChoice
+from lightning_automodel.strategy.argument_docs import with_argument_docs
 from lightning_automodel.strategy.auto_layout import apply_accumulation, choose_for_trainer, require_memory_to_plan
 from lightning_automodel.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_automodel.strategy.faults import (
@@ -71,19 +72,23 @@ if TYPE_CHECKING:
 
 
 class AutoModelParallelStrategy(CheckpointHooks):
-    """Lightning's ModelParallelStrategy that parallelizes the LightningModule's Hugging Face models itself, over a
-    5D mesh: pipeline (pp), HSDP and FSDP2 (dp_replicate, dp_shard), context (cp), tensor and sequence (tp, sp) and
-    expert (ep) parallel. Its arguments are documented on the fields of
-    :class:`~lightning_automodel.strategy.options.StrategyOptions`, which holds them as ``self.options``::
+    """Lightning's ModelParallelStrategy that parallelizes the LightningModule's Hugging Face models itself.
+
+    Over a 5D mesh: pipeline (pp), HSDP and FSDP2 (dp_replicate, dp_shard), context (cp), tensor and sequence (tp,
+    sp) and expert (ep) parallel::
 
         trainer = L.Trainer(strategy=AutoModelParallelStrategy(tp=2, sp=True, activation_checkpointing=True))
 
+    Each argument sets a field of the options it builds, held as ``self.options``
+    (:class:`~lightning_automodel.strategy.options.StrategyOptions`), whose docstring describes it in full; the
+    first sentence is its line in the constructor's docstring, and so in LightningCLI's ``--help``.
     ``layout="auto"`` chooses the sizes not given at setup (see :mod:`~lightning_automodel.strategy.auto_layout`);
     ``self.layout_choice`` then holds the choice and what the search measured.
     """
 
     strategy_name = "automodel"
 
+    @with_argument_docs
     def __init__(
         self,
         tp: int | None = None,
@@ -122,6 +127,7 @@ class AutoModelParallelStrategy(CheckpointHooks):
         data_parallel_size: int | Literal["auto"] | None = None,
         tensor_parallel_size: int | Literal["auto"] | None = None,
     ) -> None:
+        """The strategy, its options built from its arguments and checked, before any process group exists."""
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,

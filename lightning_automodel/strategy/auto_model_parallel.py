@@ -61,7 +61,12 @@ from lightning_automodel.strategy.lightning_patches import (
     log_local_values,
     to_local,
 )
-from lightning_automodel.strategy.options import GivenLayout, StrategyOptions, size_by_either_name
+from lightning_automodel.strategy.options import (
+    GivenLayout,
+    StrategyOptions,
+    dp_shard_by_either_name,
+    tp_by_either_name,
+)
 from lightning_automodel.strategy.plan_verification import VerifiedPlans
 from lightning_automodel.strategy.predict_batches import require_equal_batch_counts
 from lightning_automodel.strategy.preemption import Preemption
@@ -136,11 +141,9 @@ class AutoModelParallelStrategy(CheckpointHooks):
         given = GivenLayout(
             pp=pp,
             dp_replicate=dp_replicate,
-            dp_shard=size_by_either_name(
-                "data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset=("auto",)
-            ),
+            dp_shard=dp_shard_by_either_name(dp_shard, data_parallel_size),
             cp=cp,
-            tp=size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=(None, 1)),
+            tp=tp_by_either_name(tp, tensor_parallel_size),
             ep=ep,
             sp=sp,
             activation_checkpointing=activation_checkpointing,

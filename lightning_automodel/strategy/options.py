@@ -35,7 +35,7 @@ class GivenLayout:
     dp_replicate: int | None = None
     dp_shard: Size = "auto"
     cp: int | None = None
-    tp: int | None = None
+    tp: int | None = None  # None too where tp_per_node
     ep: int = 1
     sp: bool | None = None
     activation_checkpointing: bool | ACMode | None = None  # as given: read through ``checkpointing``
@@ -63,7 +63,7 @@ class GivenLayout:
                 dp_replicate=_or_one(self.dp_replicate),
                 dp_shard=self.dp_shard,
                 cp=_or_one(self.cp),
-                tp=1 if self.tp_per_node else _or_one(self.tp),
+                tp=_or_one(self.tp),  # tp per node: 1 until setup
                 ep=self.ep,
             )
             pipeline = self.pipeline if dims.pp > 1 else None
@@ -81,7 +81,7 @@ class GivenLayout:
             raise ValueError('layout="auto" with pp_layers_per_stage: a manual split is one of pp stages; give pp too.')
         return SearchSpace(
             pp=self.pp,
-            tp=None if self.tp_per_node else self.tp,
+            tp=self.tp,
             cp=self.cp,
             dp_shard=None if self.dp_shard == "auto" else self.dp_shard,
             dp_replicate=self.dp_replicate,
@@ -251,6 +251,18 @@ def require_flags(**flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name}={value!r}: {name} is a flag, True or False.")
+
+
+def tp_by_either_name(tp: int | None, tensor_parallel_size: int | Literal["auto"] | None) -> int | None:
+    """tp given as ours or as Lightning's ``tensor_parallel_size``; None for Lightning's "auto" (a node's devices,
+    known at setup)."""
+    size = size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=(None, 1))
+    return None if tensor_parallel_size == "auto" else size
+
+
+def dp_shard_by_either_name(dp_shard: Size, data_parallel_size: Size | None) -> Size:
+    """dp_shard given as ours or as Lightning's ``data_parallel_size``."""
+    return size_by_either_name("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset=("auto",))
 
 
 def size_by_either_name(parent_name: str, parent_value: Any, name: str, value: Any, *, unset: tuple[Any, ...]) -> Any:

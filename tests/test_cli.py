@@ -12,6 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ProgressBar
@@ -23,6 +24,7 @@ from lightning_automodel.cli.config import configured
 from lightning_automodel.cli.plan import plan_for_config
 from lightning_automodel.data import ChatDataModule, DemoDataModule
 from lightning_automodel.strategy.argument_docs import argument_description
+from lightning_automodel.strategy.module_hints import loss_chunks_of
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 DEMO_STEPS = 100
@@ -158,6 +160,14 @@ def test_plan_of_the_70b_pipeline_example(no_pytest_argv):
     assert interleaved.stages[0].layers == {0: range(0, 1), 4: range(7, 9)}, interleaved.stages[0]
     assert interleaved.stages[3].layers == {3: range(5, 7), 7: range(13, 14)}, interleaved.stages[3]
     assert "pp rank 3 (ranks 48-63): stage 3: layers 5-6; stage 7: layer 13, norm, head;" in str(interleaved)
+
+
+def test_plan_steps_as_the_module_computes_its_loss(no_pytest_argv):
+    """The step `plan` and layout="auto" measure takes the LightningModule's loss_chunks, asked through the
+    strategy's ModuleHints (CausalLMModule answers; a module that does not computes the logits whole)."""
+    config = configured(str(EXAMPLES / "demo.yaml"), "--model.loss_chunks=4", world_size=2)
+    assert config.step_options().loss_chunks == 4
+    assert loss_chunks_of(L.LightningModule()) == 1
 
 
 def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):

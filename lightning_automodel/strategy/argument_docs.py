@@ -41,9 +41,13 @@ Init = TypeVar("Init", bound=Callable[..., None])
 
 
 def with_argument_docs(init: Init) -> Init:
-    """``init`` with its docstring generated: its first line, then each argument's description under ``Args:``
-    (Google style, which jsonargparse and IDEs read)."""
-    lines = [*inspect.cleandoc(init.__doc__ or "").splitlines(), "", "Args:"]
+    """``init`` with its docstring generated: each argument's description under ``Args:`` (Google style, which
+    jsonargparse reads)."""
+    lines = [
+        "The strategy's options, built from its arguments and checked before any process group exists.",
+        "",
+        "Args:",
+    ]
     for name in list(inspect.signature(init).parameters)[1:]:  # self first
         lines.append(f"    {name}: {argument_description(name)}")
     init.__doc__ = "\n".join(lines)

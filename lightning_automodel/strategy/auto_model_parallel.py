@@ -61,12 +61,7 @@ from lightning_automodel.strategy.lightning_patches import (
     log_local_values,
     to_local,
 )
-from lightning_automodel.strategy.options import (
-    GivenLayout,
-    StrategyOptions,
-    dp_shard_by_either_name,
-    tp_by_either_name,
-)
+from lightning_automodel.strategy.options import GivenLayout, StrategyOptions
 from lightning_automodel.strategy.plan_verification import VerifiedPlans
 from lightning_automodel.strategy.predict_batches import require_equal_batch_counts
 from lightning_automodel.strategy.preemption import Preemption
@@ -80,15 +75,10 @@ class AutoModelParallelStrategy(CheckpointHooks):
     """Lightning's ModelParallelStrategy that parallelizes the LightningModule's Hugging Face models itself.
 
     Over a 5D mesh: pipeline (pp), HSDP and FSDP2 (dp_replicate, dp_shard), context (cp), tensor and sequence (tp,
-    sp) and expert (ep) parallel::
+    sp) and expert (ep) parallel. Each argument sets a field of ``self.options``, documented there (``--help`` shows
+    its first sentence). ``layout="auto"`` chooses the sizes not given at setup; ``self.layout_choice`` holds it::
 
         trainer = L.Trainer(strategy=AutoModelParallelStrategy(tp=2, sp=True, activation_checkpointing=True))
-
-    Each argument sets a field of the options it builds, held as ``self.options``
-    (:class:`~lightning_automodel.strategy.options.StrategyOptions`), whose docstring describes it in full; the
-    first sentence is its line in the constructor's docstring, and so in LightningCLI's ``--help``.
-    ``layout="auto"`` chooses the sizes not given at setup (see :mod:`~lightning_automodel.strategy.auto_layout`);
-    ``self.layout_choice`` then holds the choice and what the search measured.
     """
 
     strategy_name = "automodel"
@@ -132,7 +122,6 @@ class AutoModelParallelStrategy(CheckpointHooks):
         data_parallel_size: int | Literal["auto"] | None = None,
         tensor_parallel_size: int | Literal["auto"] | None = None,
     ) -> None:
-        """The strategy, its options built from its arguments and checked, before any process group exists."""
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -141,14 +130,15 @@ class AutoModelParallelStrategy(CheckpointHooks):
         given = GivenLayout(
             pp=pp,
             dp_replicate=dp_replicate,
-            dp_shard=dp_shard_by_either_name(dp_shard, data_parallel_size),
+            dp_shard=dp_shard,
             cp=cp,
-            tp=tp_by_either_name(tp, tensor_parallel_size),
+            tp=tp,
             ep=ep,
             sp=sp,
             activation_checkpointing=activation_checkpointing,
             pipeline=PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn),
-            tp_per_node=tensor_parallel_size == "auto",  # as in the parent: the devices of one node
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
         )
         parallel = ParallelOptions(
             tp_plan=tp_plan,

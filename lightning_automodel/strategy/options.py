@@ -27,25 +27,45 @@ from lightning_automodel.planning.layouts import Candidate, SearchSpace
 
 @dataclass(frozen=True)
 class GivenLayout:
-    """The layout as the strategy's arguments give it: the mesh's sizes, sequence parallel and activation
-    checkpointing, None where unset, and the pipeline's options. Under ``layout="auto"`` those given are fixed and the
-    search chooses the rest; otherwise unset sizes are 1 and unset settings off."""
+    """The layout as the strategy's arguments give it: the mesh's sizes (tp and dp_shard under our names or
+    Lightning's), sequence parallel and activation checkpointing, None where unset, and the pipeline's options. Under
+    ``layout="auto"`` those given are fixed and the search chooses the rest; otherwise unset sizes are 1 and unset
+    settings off."""
 
     pp: int | None = None
     dp_replicate: int | None = None
     dp_shard: Size = "auto"
     cp: int | None = None
-    tp: int | None = None  # None too where tp_per_node
+    tp: int | None = None
     ep: int = 1
     sp: bool | None = None
     activation_checkpointing: bool | ACMode | None = None  # as given: read through ``checkpointing``
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
-    tp_per_node: bool = False  # Lightning's tensor_parallel_size="auto": tp is a node's devices, known at setup
+    data_parallel_size: Size | None = None  # Lightning's ModelParallelStrategy name for dp_shard
+    tensor_parallel_size: Size | None = None  # and for tp; "auto": a node's devices, known at setup
 
     def __post_init__(self) -> None:
         if self.sp is not None:
             require_flags(sp=self.sp)
-        _ = self.checkpointing  # a setting that names no mode is refused here
+        _ = self.checkpointing, self.tp_size, self.dp_shard_size  # refused here: a setting naming no mode, two sizes
+
+    @property
+    def tp_per_node(self) -> bool:
+        """Lightning's ``tensor_parallel_size="auto"``: tp is the devices of one node."""
+        return self.tensor_parallel_size == "auto"
+
+    @property
+    def tp_size(self) -> int | None:
+        """tp under either name (both given must agree); None where unset or per node."""
+        size = size_by_either_name("tensor_parallel_size", self.tensor_parallel_size, "tp", self.tp, unset=(None, 1))
+        return None if self.tp_per_node else size
+
+    @property
+    def dp_shard_size(self) -> Size:
+        """dp_shard under either name (both given must agree)."""
+        return size_by_either_name(
+            "data_parallel_size", self.data_parallel_size, "dp_shard", self.dp_shard, unset=("auto",)
+        )
 
     @property
     def checkpointing(self) -> ACMode | None:
@@ -61,9 +81,9 @@ class GivenLayout:
             dims = ParallelDims(
                 pp=_or_one(self.pp),
                 dp_replicate=_or_one(self.dp_replicate),
-                dp_shard=self.dp_shard,
+                dp_shard=self.dp_shard_size,
                 cp=_or_one(self.cp),
-                tp=_or_one(self.tp),  # tp per node: 1 until setup
+                tp=_or_one(self.tp_size),  # tp per node: 1 until setup
                 ep=self.ep,
             )
             pipeline = self.pipeline if dims.pp > 1 else None
@@ -81,9 +101,9 @@ class GivenLayout:
             raise ValueError('layout="auto" with pp_layers_per_stage: a manual split is one of pp stages; give pp too.')
         return SearchSpace(
             pp=self.pp,
-            tp=self.tp,
+            tp=self.tp_size,
             cp=self.cp,
-            dp_shard=None if self.dp_shard == "auto" else self.dp_shard,
+            dp_shard=None if self.dp_shard_size == "auto" else self.dp_shard_size,
             dp_replicate=self.dp_replicate,
             ep=self.ep,
             checkpointing=self.checkpointing,
@@ -251,18 +271,6 @@ def require_flags(**flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name}={value!r}: {name} is a flag, True or False.")
-
-
-def tp_by_either_name(tp: int | None, tensor_parallel_size: int | Literal["auto"] | None) -> int | None:
-    """tp given as ours or as Lightning's ``tensor_parallel_size``; None for Lightning's "auto" (a node's devices,
-    known at setup)."""
-    size = size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=(None, 1))
-    return None if tensor_parallel_size == "auto" else size
-
-
-def dp_shard_by_either_name(dp_shard: Size, data_parallel_size: Size | None) -> Size:
-    """dp_shard given as ours or as Lightning's ``data_parallel_size``."""
-    return size_by_either_name("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset=("auto",))
 
 
 def size_by_either_name(parent_name: str, parent_value: Any, name: str, value: Any, *, unset: tuple[Any, ...]) -> Any:

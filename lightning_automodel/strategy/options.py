@@ -87,10 +87,10 @@ class GivenLayout:
                 ep=self.ep,
             )
             pipeline = self.pipeline if dims.pp > 1 else None
-            settings = dataclasses.replace(
+            applied = dataclasses.replace(
                 parallel, sp=self.sp is True, activation_checkpointing=self.checkpointing or "off", pipeline=pipeline
             )
-            return dims, settings, None
+            return dims, applied, None
         if layout != "auto":
             raise ValueError(f'layout={layout!r}: use "auto" (the strategy chooses the sizes) or leave it unset.')
         return ParallelDims(), parallel, self._search(compile=parallel.compile)
@@ -120,8 +120,9 @@ def _or_one(size: int | None) -> int:
 @dataclass(frozen=True)
 class StrategyOptions:
     """What :class:`~lightning_automodel.AutoModelParallelStrategy` is asked for. The parent's
-    ``process_group_backend`` and ``timeout`` stay the parent's, as in Lightning's ModelParallelStrategy (and
-    ``save_distributed_checkpoint`` is the parent's too); ``timeout`` also bounds every sub-group of the mesh."""
+    ``process_group_backend`` and ``timeout`` stay the parent's, as in Lightning's ModelParallelStrategy (``timeout``
+    also bounds every sub-group of the mesh); ``save_distributed_checkpoint`` is the parent's too, and held here for
+    the checks of the saves that need it."""
 
     dims: ParallelDims = field(default_factory=ParallelDims)
     """The mesh's sizes (the strategy's ``tp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``pp`` and ``ep``, described

@@ -41,19 +41,12 @@ from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.fitting import LayoutChoice
 from lightning_automodel.strategy.argument_docs import with_argument_docs
 from lightning_automodel.strategy.auto_layout import apply_accumulation, choose_for_trainer, require_memory_to_plan
-from lightning_automodel.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_automodel.strategy.checkpointing_strategy import CheckpointingStrategy
 from lightning_automodel.strategy.faults import (
     FaultMonitor,
     report_failure,
     stop_watching,
     watch_stage,
-)
-from lightning_automodel.strategy.hf_models import (
-    PARALLELIZED_BY_US,
-    convert_keeping_pinned_fp32,
-    materialize,
-    models_to_parallelize,
-    refuse_fsdp1,
 )
 from lightning_automodel.strategy.lightning_patches import (
     clip_across_meshes,
@@ -62,6 +55,13 @@ from lightning_automodel.strategy.lightning_patches import (
     to_local,
 )
 from lightning_automodel.strategy.options import GivenLayout, StrategyOptions
+from lightning_automodel.strategy.parallelized_models import (
+    PARALLELIZED_BY_US,
+    convert_keeping_pinned_fp32,
+    materialize,
+    models_to_parallelize,
+    refuse_fsdp1,
+)
 from lightning_automodel.strategy.plan_verification import VerifiedPlans
 from lightning_automodel.strategy.predict_batches import require_equal_batch_counts
 from lightning_automodel.strategy.preemption import Preemption
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class AutoModelParallelStrategy(CheckpointHooks):
+class AutoModelParallelStrategy(CheckpointingStrategy):
     """Lightning's ModelParallelStrategy that parallelizes the LightningModule's Hugging Face models itself.
 
     Over a 5D mesh: pipeline (pp), HSDP and FSDP2 (dp_replicate, dp_shard), context (cp), tensor and sequence (tp,

@@ -85,7 +85,7 @@ def main() -> None:
     hardware = config.hardware(args.gpu_memory)
     start = child_start_seconds()
     measurements = Measurements(
-        config.model, batch_shape=shape, budget=tensor_budget(args.gpu_memory), **config.step_options()
+        config.model, batch_shape=shape, budget=tensor_budget(args.gpu_memory), step=config.step_options()
     )
     started = time.monotonic()
     with ChildWorkers(measurements, count=args.workers) as workers:
@@ -99,7 +99,7 @@ def main() -> None:
                 space=space,
                 evaluate=evaluate,
                 workers=wave_size,
-                **config.step_options(),
+                step=config.step_options(),
             )
             record = choice.record
             print(choice)

@@ -10,7 +10,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_automodel import AutoModelParallelStrategy
-from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
 from lightning_automodel.parallel.parallelizer import is_meta
 from lightning_automodel.planning.fitting import NoLayoutFits
 from lightning_automodel.testing.models import tiny_model
@@ -113,7 +112,7 @@ def check_chosen_layout_memory(gpu_memory: float) -> dict:
         MEMORY_ROWS,
         MEMORY_TOKENS,
         sp=candidate.sp,
-        activation_checkpointing=AC_SETTINGS[candidate.checkpointing],
+        activation_checkpointing=candidate.checkpointing,
         pipeline=candidate.pipeline,
     )
     return {

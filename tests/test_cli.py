@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import inspect
 import os
 import re
 import shutil
@@ -11,15 +12,19 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ProgressBar
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.cli import cli, expand_home, main
 from lightning_automodel.cli.config import configured
 from lightning_automodel.cli.plan import plan_for_config
 from lightning_automodel.data import ChatDataModule, DemoDataModule
+from lightning_automodel.strategy.argument_docs import argument_description
+from lightning_automodel.strategy.module_hints import loss_chunks_of
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 DEMO_STEPS = 100
@@ -157,6 +162,14 @@ def test_plan_of_the_70b_pipeline_example(no_pytest_argv):
     assert "pp rank 3 (ranks 48-63): stage 3: layers 5-6; stage 7: layer 13, norm, head;" in str(interleaved)
 
 
+def test_plan_steps_as_the_module_computes_its_loss(no_pytest_argv):
+    """The step `plan` and layout="auto" measure takes the LightningModule's loss_chunks, asked through the
+    strategy's ModuleHints (CausalLMModule answers; a module that does not computes the logits whole)."""
+    config = configured(str(EXAMPLES / "demo.yaml"), "--model.loss_chunks=4", world_size=2)
+    assert config.step_options().loss_chunks == 4
+    assert loss_chunks_of(L.LightningModule()) == 1
+
+
 def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):
     """A config without vocab_size gets the tokenizer's, rounded up, as fit would."""
     report = plan_for_config(str(EXAMPLES / "demo.yaml"))
@@ -237,6 +250,22 @@ def test_print_config(capsys, no_pytest_argv):
     )
     for line in expected:
         assert line in printed, printed
+
+
+def test_the_strategys_help_describes_every_argument(capsys, no_pytest_argv):
+    """`fit --trainer.strategy.help AutoModelParallelStrategy`: every argument of the constructor with its one-line
+    description, the first sentence of the options field it sets (strategy/argument_docs.py)."""
+    with pytest.raises(SystemExit) as exit:
+        main(["fit", "--trainer.strategy.help", "AutoModelParallelStrategy"])
+    assert exit.value.code == 0
+    printed = capsys.readouterr().out
+    arguments = list(inspect.signature(AutoModelParallelStrategy.__init__).parameters)[1:]
+    assert len(arguments) > 30  # 34 when written
+    for name in arguments:
+        entry = re.search(rf"^  --trainer\.strategy\.{name} [^\n]*\n(.*?)\(type:", printed, re.MULTILINE | re.DOTALL)
+        assert entry is not None, name
+        shown = "".join(entry[1].split())  # the help wraps lines, breaking words at hyphens
+        assert shown and shown == "".join(argument_description(name).split()), (name, entry[1])
 
 
 def test_every_example_config_parses(no_pytest_argv):

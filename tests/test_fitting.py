@@ -7,7 +7,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, plan_report
-from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
+from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.planning.fitting import choose_layout, fitting_layouts
@@ -30,7 +30,7 @@ def _memory(dims: ParallelDims, setting: str) -> int:
     options = dict(sp=dims.tp > 1, pipeline=PipelineOptions(microbatches=ROWS) if dims.pp > 1 else None)
     report = plan_report(_on_meta(), dims, **options)
     states = [stage.training_bytes_per_rank for stage in report.stages] or [report.training_bytes_per_rank]
-    step = dict(micro_batch=ROWS, seq_len=TOKENS, activation_checkpointing=AC_SETTINGS[setting], **options)
+    step = dict(micro_batch=ROWS, seq_len=TOKENS, activation_checkpointing=setting, **options)
     return max(
         state + activation_bytes(_on_meta(), dims, rank=stage * dims.ranks_per_stage, **step)
         for stage, state in enumerate(states)
@@ -59,7 +59,7 @@ def test_each_layout_takes_the_least_recomputing_setting_that_fits():
     for layout in (listed[(1, 1, 1)], listed[(1, 2, 1)], listed[(2, 1, 1)], listed[(2, 1, 2)]):
         assert layout in fitting.fits
         assert layout.memory_bytes == _memory(layout.dims, layout.checkpointing) <= budget
-        earlier = list(AC_SETTINGS)[: list(AC_SETTINGS).index(layout.checkpointing)]
+        earlier = list(AC_MODES)[: AC_MODES.index(layout.checkpointing)]
         assert all(_memory(layout.dims, setting) > budget for setting in earlier), layout
     for layout in fitting.too_large:
         assert layout.checkpointing == "full" and layout.memory_bytes == _memory(layout.dims, "full") > budget

@@ -20,7 +20,9 @@ from lightning_checks import (
 
 import lightning_automodel
 from lightning_automodel import AutoModelParallelStrategy
+from lightning_automodel.parallel.float8 import Float8Options
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
+from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.trainer_checks import (
     check_bf16_trainer,
@@ -102,7 +104,7 @@ def test_constructible_from_lightning_cli():
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AutoModelParallelStrategy)
     options = strategy.options
-    assert (options.dims.tp, options.parallel.sp, options.parallel.activation_checkpointing) == (2, True, True)
+    assert (options.dims.tp, options.parallel.sp, options.parallel.activation_checkpointing) == (2, True, "full")
 
 
 @pytest.mark.parametrize(
@@ -131,6 +133,24 @@ def test_unsupported_options_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError) as error:
         AutoModelParallelStrategy(**kwargs)
     assert message in str(error.value)
+
+
+def test_the_options_hold_one_form_of_each_setting():
+    """activation_checkpointing and float8 are read once, where the arguments arrive (the strategy's, parallelize's
+    keywords), and held in one form: the mode's name, Float8Options or None; ParallelOptions refuses another."""
+    for given, mode in [(True, "full"), (False, "off"), (None, "off"), ("off", "off"), ("selective", "selective")]:
+        options = AutoModelParallelStrategy(activation_checkpointing=given).options
+        assert options.parallel.activation_checkpointing == mode, given
+    search = AutoModelParallelStrategy(layout="auto", activation_checkpointing=True, gpu_memory=8).options.search
+    assert search.checkpointing == "full"
+    assert AutoModelParallelStrategy(float8=True).options.parallel.float8 == Float8Options()
+    assert AutoModelParallelStrategy().options.parallel.float8 is None
+    keywords = ParallelOptions.from_keywords(activation_checkpointing=True, float8={"recipe": "rowwise"})
+    assert keywords == ParallelOptions(activation_checkpointing="full", float8=Float8Options(recipe="rowwise"))
+    with pytest.raises(ValueError, match="ParallelOptions holds one of off, selective, submodule, full"):
+        ParallelOptions(activation_checkpointing=True)
+    with pytest.raises(ValueError, match="ParallelOptions holds Float8Options or None"):
+        ParallelOptions(float8=True)
 
 
 @pytest.mark.parametrize(

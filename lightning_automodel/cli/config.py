@@ -16,8 +16,10 @@ from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
+from lightning_automodel.planning.step_options import StepOptions
 from lightning_automodel.planning.throughput import Hardware
 from lightning_automodel.strategy import AutoModelParallelStrategy
+from lightning_automodel.strategy.module_hints import loss_chunks_of
 
 
 class _ConfigOnly(AutomodelCLI):
@@ -45,7 +47,7 @@ class Configured:
     datamodule: Any
     precision: str
     devices: Any = None  # the Trainer's devices (a number of GPUs a node, where the config gives one)
-    loss_chunks: int = 1  # CausalLMModule's (a module of one's own computes the logits whole, as far as we know)
+    loss_chunks: int = 1  # the LightningModule's (see strategy/module_hints.py)
 
     @property
     def dims(self) -> ParallelDims:
@@ -63,10 +65,10 @@ class Configured:
         devices = self.devices if isinstance(self.devices, int) else Hardware.gpus_per_node
         return Hardware(memory_gib, gpus_per_node=devices)
 
-    def step_options(self) -> dict[str, Any]:
+    def step_options(self) -> StepOptions:
         """The options that shape a training step's memory, as the strategy and the module set them."""
         parallel = self.strategy.options.parallel
-        return dict(
+        return StepOptions(
             mp_policy=self.mp_policy,
             tp_plan=parallel.tp_plan,
             allow_unsharded_linears=parallel.allow_unsharded_linears,
@@ -114,9 +116,14 @@ def configured(path: str, *overrides: str, world_size: int | None = None) -> Con
     if precision in _CAST_WEIGHTS:  # as the strategy casts them, what the model pins to fp32 kept so
         with keep_pinned_fp32(model, fp32_pinned_names(model)):
             model.to(_CAST_WEIGHTS[precision])
-    loss_chunks = module.hparams.get("loss_chunks", 1)
     return Configured(
-        model, strategy, world_size, parsed.datamodule, precision, devices=trainer["devices"], loss_chunks=loss_chunks
+        model,
+        strategy,
+        world_size,
+        parsed.datamodule,
+        precision,
+        devices=trainer["devices"],
+        loss_chunks=loss_chunks_of(module),
     )
 
 

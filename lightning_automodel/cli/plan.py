@@ -105,7 +105,7 @@ def plan_for_config(
 
 
 def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) -> PlanReport:
-    parallel = config.strategy.options.parallel
+    parallel, step = config.strategy.options.parallel, config.step_options()
     return plan_report(
         config.model,
         config.dims,
@@ -115,9 +115,7 @@ def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) 
         pipeline=parallel.pipeline,
         float8=parallel.float8,
         batch_shape=batch_shape,
-        step_options=dict(
-            mp_policy=config.mp_policy, cp_attention=parallel.cp_attention, loss_chunks=config.loss_chunks
-        ),
+        step_options=dict(mp_policy=step.mp_policy, cp_attention=step.cp_attention, loss_chunks=step.loss_chunks),
     )
 
 
@@ -140,4 +138,4 @@ def _choice_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int,
 def _search(config: Configured, memory_gib: float, batch_shape: tuple[int, int], workers: int) -> dict:
     """The search's arguments but the model, world and space: the config's GPUs, batch and step options."""
     hardware = config.hardware(memory_gib)
-    return dict(hardware=hardware, batch_shape=batch_shape, workers=workers, **config.step_options())
+    return dict(hardware=hardware, batch_shape=batch_shape, workers=workers, step=config.step_options())

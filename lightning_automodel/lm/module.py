@@ -280,6 +280,12 @@ class CausalLMModule(L.LightningModule):
         return (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).config
 
     @property
+    def loss_chunks(self) -> int:
+        """What the strategy plans the logits' memory by (its :class:`~lightning_automodel.strategy.module_hints.
+        ModuleHints`)."""
+        return self.hparams.loss_chunks
+
+    @property
     def flops_per_batch(self) -> int:
         """The FLOPs of this rank's batch: its model replica's work (ReplicaThroughputMonitor's device)."""
         return flops_per_token(self.model, self._batch_shape[1], training=self.training) * self._tokens(None)

@@ -31,14 +31,9 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_automodel.parallel.model_calls import build_no_cache
 
-ACMode = Literal["full", "selective", "submodule"]
-# Every setting by name, from the least recomputation to the most (what plan reports list).
-AC_SETTINGS: dict[str, ACMode | bool] = {
-    "off": False,
-    "selective": "selective",
-    "submodule": "submodule",
-    "full": "full",
-}
+ACMode = Literal["off", "selective", "submodule", "full"]
+# Every mode, from the least recomputation to the most (the order plan reports list them in).
+AC_MODES: tuple[ACMode, ...] = ("off", "selective", "submodule", "full")
 
 # Names Hugging Face decoder layers give their attention and MLP blocks.
 _SUBMODULE_NAMES = ("self_attn", "attention", "attn", "mlp", "feed_forward")
@@ -52,26 +47,28 @@ _ATTENTION_OPS = {
 _MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
-def setting_name(mode: ACMode | bool) -> str:
-    """The name in :data:`AC_SETTINGS` of an ``activation_checkpointing`` value (True is "full")."""
-    validate_ac_mode(mode)
-    return (
-        "full" if mode is True else next(name for name, value in AC_SETTINGS.items() if value is mode or value == mode)
-    )
-
-
-def validate_ac_mode(mode: ACMode | bool) -> None:
-    if mode not in (False, True, "full", "selective", "submodule") or not isinstance(mode, (bool, str)):
-        raise ValueError(f'activation_checkpointing={mode!r}: use False, True/"full", "selective" or "submodule".')
+def ac_mode(setting: bool | ACMode) -> ACMode:
+    """The mode an ``activation_checkpointing`` setting names: True is "full", False "off"; a name of
+    :data:`AC_MODES` is itself. Everything past the arguments holds the mode."""
+    if isinstance(setting, bool):
+        return "full" if setting else "off"
+    if setting not in AC_MODES:
+        raise ValueError(
+            f'activation_checkpointing={setting!r}: use False, True/"full", "selective" or "submodule" ("off" is'
+            " False)."
+        )
+    return setting
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, layers: Sequence[nn.Module], mode: ACMode | bool = "full", *, compiled: bool = False
+    model: nn.Module, layers: Sequence[nn.Module], mode: bool | ACMode = "full", *, compiled: bool = False
 ) -> None:
-    """Checkpoint each decoder layer in ``layers`` with ``mode`` (True means "full"); ``compiled``: the layers'
-    forwards are to be compiled next, the checkpoints of "selective" and "submodule" go inside them."""
-    validate_ac_mode(mode)
-    mode = "full" if mode is True else mode
+    """Checkpoint each decoder layer in ``layers`` with ``mode`` (a setting :func:`ac_mode` reads; "off" leaves them
+    as they are); ``compiled``: the layers' forwards are to be compiled next, the checkpoints of "selective" and
+    "submodule" go inside them."""
+    mode = ac_mode(mode)
+    if mode == "off":
+        return
     if not layers:
         raise ValueError(
             f"activation_checkpointing found no decoder layers in {type(model).__name__}: it needs a ModuleList of"

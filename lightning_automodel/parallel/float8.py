@@ -66,9 +66,9 @@ class Float8Options:
         object.__setattr__(self, "skip", tuple(self.skip))
 
 
-def float8_options(spec: Float8Spec | Float8Options) -> Float8Options | None:
+def float8_options(spec: Float8Spec | Float8Options | None) -> Float8Options | None:
     """The options ``float8=`` asks for; None when off."""
-    if isinstance(spec, Float8Options) or spec is False:
+    if isinstance(spec, Float8Options) or spec is False or spec is None:
         return spec or None
     if spec is True:
         return Float8Options()

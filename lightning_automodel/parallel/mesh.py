@@ -52,11 +52,32 @@ class ParallelDims:
     """Sizes of the five parallel dimensions; ``dp_shard="auto"`` takes whatever the world size leaves."""
 
     pp: int = 1
+    """Pipeline parallel: each of pp ranks holds a stage of every model (consecutive decoder layers), run by a schedule
+    of torch.distributed.pipelining over micro-batches. The embedding is on the first stage, the head on the last,
+    which computes the loss: training_step returns the model's own loss (``self.model(input_ids=..., labels=...)
+    .loss``), and it reaches every rank. Composes with every other axis, activation checkpointing, CPU offload and
+    LoRA."""
+
     dp_replicate: int = 1
+    """Replicas of the whole sharded model (HSDP: usually one per node or group of nodes)."""
+
     dp_shard: Size = "auto"
+    """The FSDP2 shard-group size; "auto" takes what the world size leaves."""
+
     cp: int = 1
+    """Context parallel: every sequence is split over cp ranks, and attention all-gathers keys and values over them.
+    A rank holds 2 of the 2 cp chunks of a sequence (rank i the chunks i and 2 cp - 1 - i). The model's call takes the
+    whole batch and returns this rank's share of the loss: training_step returns the model's own loss
+    (``self.model(input_ids=..., labels=...).loss``). FSDP shards over dp_shard x cp."""
+
     tp: int = 1
-    ep: int = 1  # expert parallel, borrowed from dp_shard x cp (see the module docstring)
+    """Tensor parallel: the ranks that split every layer's weights (keep them within a node)."""
+
+    ep: int = 1
+    """Expert parallel: each of ep ranks holds 1/ep of every mixture-of-experts layer's experts, and tokens travel to
+    their experts by all-to-all. ep borrows its ranks from dp_shard x cp, which it must divide (see the module
+    docstring); FSDP shards the experts over what dp_shard x cp leaves, and with tp > 1 each expert is also split over
+    tp."""
 
     def __post_init__(self) -> None:
         for name in (*MESH_AXES, "ep"):

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_automodel.parallel.activation_checkpointing import ACMode, validate_ac_mode
+from lightning_automodel.parallel.activation_checkpointing import AC_MODES, ACMode, ac_mode
 from lightning_automodel.parallel.compile import CompileSpec, compile_options
 from lightning_automodel.parallel.context_parallel import CPAttention, attention_kernel
-from lightning_automodel.parallel.float8 import Float8Options, Float8Spec, float8_options
+from lightning_automodel.parallel.float8 import Float8Options, float8_options
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
@@ -26,18 +26,18 @@ class ParallelOptions:
     """Sequence parallel: also split norms and the residual stream on the sequence over the tp ranks (needs tp > 1)."""
 
     tp_plan: PlanSpec | None = None
-    """A dict of module pattern -> ParallelStyle, an import path to one, or a function ``(model, sp) -> dict``;
-    default: the first of the family's registered plan, the model's Hugging Face plan and the default Llama-style
-    plan that shards every decoder block."""
+    """A tensor-parallel plan of one's own: a dict of module pattern -> ParallelStyle, an import path to one, or a
+    function ``(model, sp) -> dict``; default: the first of the family's registered plan, the model's Hugging Face
+    plan and the default Llama-style plan that shards every decoder block."""
 
     allow_unsharded_linears: bool = False
     """Accept a plan that leaves large weights of the decoder blocks whole on every tp rank (the candidate sharding
     the largest share of them then wins)."""
 
-    activation_checkpointing: bool | ACMode = False
-    """Recompute activations in backward: True or "full" (whole decoder layers), "selective" (keep attention and
-    every other matmul output) or "submodule" (attention and MLP apart); see
-    :mod:`~lightning_automodel.parallel.activation_checkpointing`."""
+    activation_checkpointing: ACMode = "off"
+    """Recompute activations in backward: "full" or True (whole decoder layers), "selective" (keep attention and
+    every other matmul output), "submodule" (attention and MLP apart), or "off" or False (none). Held as the mode's
+    name; see :mod:`~lightning_automodel.parallel.activation_checkpointing`."""
 
     compile: CompileSpec = False
     """Compile every decoder block's forward with torch.compile after tensor parallel and activation checkpointing,
@@ -45,29 +45,22 @@ class ParallelOptions:
     ``{"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}``). The blocks share one graph; composes with every
     activation_checkpointing mode; see :mod:`~lightning_automodel.parallel.compile`."""
 
-    float8: Float8Spec | Float8Options = False
+    float8: Float8Options | None = None
     """Float8 matmuls in the decoder blocks' linear layers through torchao: False (default), True (tensorwise
-    scaling) or a dict of :class:`~lightning_automodel.parallel.float8.Float8Options` (``recipe``: "tensorwise" or
-    "rowwise"; ``emulate``; ``skip``); see :mod:`~lightning_automodel.parallel.float8`."""
+    scaling) or a dict of Float8Options' fields (``recipe``: "tensorwise" or "rowwise"; ``emulate``; ``skip``). Held
+    as :class:`~lightning_automodel.parallel.float8.Float8Options`, None when off; see
+    :mod:`~lightning_automodel.parallel.float8`."""
 
     cp_attention: CPAttention = "auto"
     """The attention kernel at cp > 1: "flex" (flex attention over a block mask: the masked blocks skipped, nothing
     quadratic in the sequence stored; trains on GPUs only, torch has no CPU backward), "sdpa" (SDPA over a dense
     [S / cp, S] mask a row: any device, memory quadratic in the sequence) or "auto" (default: flex on GPUs, sdpa
-    elsewhere); see :mod:`~lightning_automodel.parallel.context_parallel`."""
+    elsewhere). See :mod:`~lightning_automodel.parallel.context_parallel`."""
 
     pipeline: PipelineOptions | None = None
     """How the mesh's pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s;
-    the strategy's ``pp_*`` arguments): ``pp_schedule`` "1F1B" (default), "GPipe", or with pp_stages_per_rank >= 2
-    "Interleaved1F1B", "LoopedBFS" or "InterleavedZeroBubble" (torch's schedule names); ``pp_microbatches`` per step
-    (default: pp), which must divide the batch, and be >= pp for "1F1B"; ``pp_layers_per_stage``, a manual split, the
-    number of decoder layers of each stage (pp x pp_stages_per_rank stages; default: an even split in which the
-    embedding and the head count as one layer each); ``pp_stages_per_rank``, virtual stages each rank holds for the
-    interleaved schedules (rank r holds stages r, r + pp, ...; the bubble shrinks to (pp - 1) / (pp_stages_per_rank x
-    m + pp - 1)); ``pp_loss_fn``, a loss of your own (in YAML, its import path): ``f(logits, labels)`` returns a
-    micro-batch's loss summed over its tokens, which the last stage computes and the pipeline divides by the global
-    batch's scored tokens (default: the next-token cross-entropy). Without the strategy, a pipelined model built on
-    the meta device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
+    the strategy's ``pp_*`` arguments set its fields). Without the strategy, a pipelined model built on the meta
+    device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
     ``.sum_tied_gradients()`` before each optimizer step; see :mod:`~lightning_automodel.parallel.pipeline`."""
 
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
@@ -76,17 +69,36 @@ class ParallelOptions:
 
     def __post_init__(self) -> None:
         attention_kernel(self.cp_attention, "cpu")  # a name it does not know is refused here
-        validate_ac_mode(self.activation_checkpointing)
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r}: ParallelOptions holds one of"
+                f" {', '.join(AC_MODES)} (ac_mode() reads True and False; parallelize's keywords take them)."
+            )
         compile_options(self.compile)
-        object.__setattr__(self, "float8", float8_options(self.float8) or False)
+        if self.float8 is not None and not isinstance(self.float8, Float8Options):
+            raise ValueError(
+                f"float8={self.float8!r}: ParallelOptions holds Float8Options or None (float8_options() reads True,"
+                " False and dicts; parallelize's keywords take them)."
+            )
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> ParallelOptions:
-        """Options from flat keywords, FSDP2's among them (``mp_policy=...``), as :func:`parallelize` takes them."""
+        """Options from flat keywords, as :func:`parallelize` takes them: FSDP2's among them (``mp_policy=...``),
+        ``activation_checkpointing`` as True, False or a mode, ``float8`` as True, False or a dict."""
+        if "activation_checkpointing" in keywords:
+            keywords["activation_checkpointing"] = ac_mode(keywords["activation_checkpointing"])
+        if "float8" in keywords:
+            keywords["float8"] = float8_options(keywords["float8"])
         flat = {name: keywords.pop(name) for name in _FSDP_FIELDS if name in keywords}
         if flat:  # beside fsdp=FSDPOptions(...), refused as a keyword given twice
             return cls(**keywords, fsdp=FSDPOptions(**flat))
         return cls(**keywords)
+
+
+def check_sequence_parallel(*, sp: bool, tp: int) -> None:
+    """Sequence parallel splits activations over the tp ranks: refused without more than one."""
+    if sp and tp == 1:
+        raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
 
 
 _FSDP_FIELDS = tuple(option.name for option in fields(FSDPOptions))

@@ -121,7 +121,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             apply_tensor_parallel(model, tp_mesh(device_mesh), tensor_parallel)
         experts = _apply_expert_parallel(model, device_mesh) if axis_size(device_mesh, "ep") > 1 else None
         compiled = compile_options(options.compile)
-        if options.activation_checkpointing:
+        if options.activation_checkpointing != "off":
             mode = options.activation_checkpointing
             apply_activation_checkpointing(model, layers, mode=mode, compiled=compiled is not None)
         if compiled is not None:
@@ -145,7 +145,7 @@ def _refuse_before_collectives(
         tp_plan=options.tp_plan,
         allow_unsharded_linears=options.allow_unsharded_linears,
         reshard_after_forward=options.fsdp.reshard_after_forward,
-        activation_checkpointing=bool(options.activation_checkpointing),
+        activation_checkpointing=options.activation_checkpointing != "off",
     )
     mp_policy = options.fsdp.mp_policy
     reduce_dtype = (mp_policy.reduce_dtype or mp_policy.param_dtype) if mp_policy else None

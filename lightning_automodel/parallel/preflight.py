@@ -17,6 +17,7 @@ from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline, context_parallel_problem
 from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
 from lightning_automodel.parallel.mesh import axis_size, tp_mesh
+from lightning_automodel.parallel.options import check_sequence_parallel
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem, stage_split_problem
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_tensor_parallel
@@ -50,8 +51,7 @@ def check_before_collectives(
     :func:`~lightning_automodel.planning.verify.verify_plan` shares it, so that what it verifies is the plan training
     gets."""
     tp = axis_size(device_mesh, "tp")
-    if sp and tp == 1:
-        raise ValueError("sp=True (sequence parallel) shards activations over the tp axis; it needs tp > 1.")
+    check_sequence_parallel(sp=sp, tp=tp)
     if tp > 1:
         validate_tp_sizes(model, tp)
     ep = axis_size(device_mesh, "ep")

@@ -9,6 +9,7 @@ from lightning_automodel.planning.fitting import Fitting, LayoutChoice, NoLayout
 from lightning_automodel.planning.flops import flops_per_token
 from lightning_automodel.planning.layouts import SearchSpace
 from lightning_automodel.planning.report import PlanReport, plan_report
+from lightning_automodel.planning.step_options import StepOptions
 from lightning_automodel.planning.throughput import Hardware
 from lightning_automodel.planning.verify import PlanVerification, verify_plan
 
@@ -20,6 +21,7 @@ __all__ = [
     "PlanReport",
     "PlanVerification",
     "SearchSpace",
+    "StepOptions",
     "activation_bytes",
     "choose_layout",
     "fitting_layouts",

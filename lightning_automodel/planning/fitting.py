@@ -14,11 +14,9 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
-from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
 from lightning_automodel.planning.layout_search import (
     Evaluate,
     SearchRecord,
@@ -36,6 +34,7 @@ from lightning_automodel.planning.layouts import (
     tensor_budget,
 )
 from lightning_automodel.planning.search_workers import ChildWorkers, Measurements
+from lightning_automodel.planning.step_options import StepOptions
 from lightning_automodel.planning.throughput import Hardware
 
 _HEADER = (
@@ -104,14 +103,15 @@ def fitting_layouts(
     batch_shape: tuple[int, int],
     space: SearchSpace | None = None,
     workers: int = 1,
-    **options: Any,
+    step: StepOptions | None = None,
 ) -> Fitting:
     """Every layout of ``world_size`` ranks ``space`` allows, each with the least recomputing checkpointing setting
     that fits ``hardware.memory_gib`` less :data:`~lightning_automodel.planning.layouts.HEADROOM`.
 
-    ``model`` is on the meta device (left as it is: each layout parallelizes copies); ``options``: parallelize's
-    (``tp_plan``, ``allow_unsharded_linears``, ``mp_policy``, ...); ``workers``: child processes measuring layouts side
-    by side (1: this process). A layout the plan or the step refuses is listed with the refusal's first line."""
+    ``model`` is on the meta device (left as it is: each layout parallelizes copies); ``step``: how each layout's step
+    is parallelized and computed beside its sizes; ``workers``: child processes measuring layouts side by side (1:
+    this process). A layout the plan or the step refuses is listed with the refusal's first line."""
+    step = step if step is not None else StepOptions()
     fitting = Fitting(hardware, batch_shape)
     ranked, fitting.refused = candidates(
         model,
@@ -119,10 +119,10 @@ def fitting_layouts(
         space=space or SearchSpace(),
         hardware=hardware,
         batch_shape=batch_shape,
-        mp_policy=options.get("mp_policy"),
+        mp_policy=step.mp_policy,
     )
     budget = tensor_budget(hardware.memory_gib)
-    measurements = Measurements(model, batch_shape=batch_shape, budget=budget, **options)
+    measurements = Measurements(model, batch_shape=batch_shape, budget=budget, step=step)
     with _workers(measurements, workers) as evaluate:
         record = search_every_layout(ranked, budget=budget, evaluate=evaluate, workers=workers)
     fits, too_large, refused = least_recomputing_fits(record)
@@ -215,18 +215,19 @@ def choose_layout(
     space: SearchSpace,
     evaluate: Evaluate | None = None,
     workers: int = 1,
-    **options: Any,
+    step: StepOptions | None = None,
 ) -> LayoutChoice:
     """The fastest layout of ``world_size`` ranks ``space`` allows whose step fits ``hardware.memory_gib``, with the
     least recomputation: the first fitting in the throughput order. ``evaluate`` measures a wave of ``workers``
-    candidates (default: ``workers`` child processes, or this process where 1). Raises :class:`NoLayoutFits` where
-    none fits, naming the smallest shortfall and what would make it fit."""
+    candidates (default: ``workers`` child processes, or this process where 1, with ``step``). Raises
+    :class:`NoLayoutFits` where none fits, naming the smallest shortfall and what would make it fit."""
+    step = step if step is not None else StepOptions()
     ranked, refused = candidates(
-        model, world_size, space=space, hardware=hardware, batch_shape=batch_shape, mp_policy=options.get("mp_policy")
+        model, world_size, space=space, hardware=hardware, batch_shape=batch_shape, mp_policy=step.mp_policy
     )
     budget, started = tensor_budget(hardware.memory_gib), time.monotonic()
     if evaluate is None:
-        measurements = Measurements(model, batch_shape=batch_shape, budget=budget, **options)
+        measurements = Measurements(model, batch_shape=batch_shape, budget=budget, step=step)
         with _workers(measurements, workers) as evaluate:
             record = search_layout(ranked, budget=budget, evaluate=evaluate, workers=workers)
     else:
@@ -293,7 +294,7 @@ def strategy_arguments(candidate: Candidate) -> dict[str, int | bool | str]:
         "cp": dims.cp,
         "dp_shard": dims.dp_shard,
         "dp_replicate": dims.dp_replicate,
-        "activation_checkpointing": AC_SETTINGS[candidate.checkpointing],
+        "activation_checkpointing": candidate.checkpointing,
     }
     if dims.ep > 1:
         arguments["ep"] = dims.ep

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
+from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.planning.layouts import Candidate, Outcome
 
 # The outcomes of a wave of candidates, in order: an Outcome, or the first line of the refusal.
@@ -117,12 +117,11 @@ def search_every_layout(
     """Resolve every layout of ``ranked`` to its least recomputing setting that fits, or to "too large" (full
     checkpointing, measured first, does not fit), or to the plan's refusal: what ``plan --fit`` lists."""
     record = SearchRecord(budget, ranked)
-    order = list(AC_SETTINGS)
     by_layout: dict = {}
     for index, candidate in enumerate(ranked):
         by_layout.setdefault(candidate.dims, []).append(index)
     for indices in by_layout.values():
-        indices.sort(key=lambda index: order.index(ranked[index].checkpointing))
+        indices.sort(key=lambda index: AC_MODES.index(ranked[index].checkpointing))
 
     def needed(indices: list[int]) -> int | None:
         """The layout's next candidate to measure: full first, then from the least recomputing on; none once it is
@@ -154,8 +153,7 @@ def least_recomputing_fits(record: SearchRecord) -> tuple[list[int], list[int], 
     """Of a resolved record, each layout's least recomputing fit (best throughput first), each too-large layout's
     least memory, and the refusals."""
     fits, too_large, refused = {}, {}, {}
-    order = list(AC_SETTINGS)
-    for index in sorted(record.outcomes, key=lambda index: order.index(record.ranked[index].checkpointing)):
+    for index in sorted(record.outcomes, key=lambda index: AC_MODES.index(record.ranked[index].checkpointing)):
         candidate, outcome = record.ranked[index], record.outcomes[index]
         if isinstance(outcome, str):
             refused.setdefault(candidate.name, outcome)

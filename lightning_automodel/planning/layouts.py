@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
-from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
+from lightning_automodel.parallel.activation_checkpointing import AC_MODES, ACMode
 from lightning_automodel.parallel.compile import CompileSpec, check_compile
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
 from lightning_automodel.parallel.mesh import ParallelDims
@@ -33,6 +33,7 @@ from lightning_automodel.parallel.pipeline import PipelineOptions, stage_layers
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.planning.layer_extrapolation import over_layers
 from lightning_automodel.planning.report import plan_report
+from lightning_automodel.planning.step_options import StepOptions
 from lightning_automodel.planning.throughput import Hardware, tokens_per_second
 
 # What a GPU's memory holds besides tensors: the CUDA context, NCCL's buffers, the allocator's fragmentation.
@@ -54,7 +55,7 @@ class SearchSpace:
     dp_shard: int | None = None
     dp_replicate: int | None = None
     ep: int = 1  # never searched: it borrows its ranks from dp_shard x cp
-    checkpointing: str | None = None  # a name of AC_SETTINGS; None: each, the least recomputing first
+    checkpointing: ACMode | None = None  # None: each mode, the least recomputing first
     sp: bool = True  # sequence parallel wherever tp > 1
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)  # microbatches None: one row each
     compile: CompileSpec = False
@@ -65,8 +66,8 @@ class SearchSpace:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} is invalid: {name} must be a positive integer (or left unset).")
-        if self.checkpointing is not None and self.checkpointing not in AC_SETTINGS:
-            raise ValueError(f"checkpointing={self.checkpointing!r}: use one of {', '.join(AC_SETTINGS)} (or None).")
+        if self.checkpointing is not None and self.checkpointing not in AC_MODES:
+            raise ValueError(f"checkpointing={self.checkpointing!r}: use one of {', '.join(AC_MODES)} (or None).")
 
     @property
     def fixed_model_parallel(self) -> int:
@@ -84,7 +85,7 @@ class Candidate:
     """One layout with one checkpointing setting, and what it would train at."""
 
     dims: ParallelDims
-    checkpointing: str  # a name of AC_SETTINGS
+    checkpointing: ACMode
     tokens_per_second: float  # estimated, per GPU
     accumulation: int  # batches per optimizer step that keep the global batch (times the Trainer's own)
     sp: bool
@@ -145,8 +146,7 @@ def candidates(
         for setting in _settings(dims, space=space, pipeline=pipeline, refused=refused):
             throughput = speed(dims, setting=setting, pipeline=pipeline)
             found.append(Candidate(dims, setting, throughput, accumulation, sp=sp, pipeline=pipeline))
-    order = list(AC_SETTINGS)
-    found.sort(key=lambda candidate: (-candidate.tokens_per_second, order.index(candidate.checkpointing)))
+    found.sort(key=lambda candidate: (-candidate.tokens_per_second, AC_MODES.index(candidate.checkpointing)))
     return found, refused
 
 
@@ -256,13 +256,13 @@ def _settings(
     dims: ParallelDims, *, space: SearchSpace, pipeline: PipelineOptions | None, refused: dict[str, str]
 ) -> list[str]:
     """The checkpointing settings a layout may run, the least recomputing first."""
-    settings = [space.checkpointing] if space.checkpointing is not None else list(AC_SETTINGS)
+    settings = [space.checkpointing] if space.checkpointing is not None else list(AC_MODES)
     allowed = []
     for setting in settings:
         try:
             if pipeline is not None and pipeline.splits_backward() and setting != "off":
                 raise ValueError(f"the {pipeline.schedule} schedule runs no activation checkpointing")
-            check_compile(compile=space.compile, activation_checkpointing=AC_SETTINGS[setting], ep=dims.ep)
+            check_compile(compile=space.compile, activation_checkpointing=setting, ep=dims.ep)
         except ValueError as refusal:
             refused[f"{layout_name(dims)} with {setting} checkpointing"] = str(refusal).splitlines()[0]
             continue
@@ -271,20 +271,16 @@ def _settings(
 
 
 def layout_memory(
-    model: nn.Module, candidate: Candidate, *, batch_shape: tuple[int, int], budget: float, **options: Any
+    model: nn.Module, candidate: Candidate, *, batch_shape: tuple[int, int], budget: float, step: StepOptions
 ) -> Outcome:
-    """``candidate``'s memory per GPU, measured on copies of ``model`` (on the meta device); the step is not estimated
-    where the state alone exceeds ``budget``. ``options``: parallelize's (``tp_plan``, ``allow_unsharded_linears``,
-    ``mp_policy``, ``cp_attention``) and the step's (``loss_chunks``). A layout the plan or the step refuses raises
-    the refusal (a ValueError)."""
+    """``candidate``'s memory per GPU, measured on copies of ``model`` (on the meta device) with ``step``'s plan,
+    precision and loss; the step is not estimated where the state alone exceeds ``budget``. A layout the plan or the
+    step refuses raises the refusal (a ValueError)."""
     dims = candidate.dims
-    plan_options = {name: options[name] for name in _PLAN_OPTIONS if name in options}
-    plan_options.update(sp=candidate.sp, pipeline=candidate.pipeline)
-    states = state_of_each_stage(model, dims, **plan_options)
+    states = state_of_each_stage(model, candidate, step=step)
     if max(states) > budget:
         return Outcome(max(states), None)
     rows, tokens = batch_shape
-    step = dict(options, sp=candidate.sp, pipeline=candidate.pipeline)
     outcomes = [
         Outcome(
             state,
@@ -294,8 +290,11 @@ def layout_memory(
                 micro_batch=rows,
                 seq_len=tokens,
                 rank=stage * dims.ranks_per_stage,
-                activation_checkpointing=AC_SETTINGS[candidate.checkpointing],
-                **step,
+                activation_checkpointing=candidate.checkpointing,
+                loss_chunks=step.loss_chunks,
+                mp_policy=step.mp_policy,
+                cp_attention=step.cp_attention,
+                **_plan_of(candidate, step=step),
             ),
         )
         for stage, state in enumerate(states)
@@ -303,16 +302,24 @@ def layout_memory(
     return max(outcomes, key=lambda outcome: outcome.memory_bytes)
 
 
-_PLAN_OPTIONS = ("tp_plan", "allow_unsharded_linears")
-
-
-def state_of_each_stage(model: nn.Module, dims: ParallelDims, **plan_options: Any) -> list[int]:
+def state_of_each_stage(model: nn.Module, candidate: Candidate, *, step: StepOptions) -> list[int]:
     """The parameters, gradients and AdamW state per rank of each stage (one without pp)."""
+    dims, plan = candidate.dims, _plan_of(candidate, step=step)
     if dims.pp == 1:
-        report = partial(plan_report, dims=dims, **plan_options)
+        report = partial(plan_report, dims=dims, **plan)
         return [over_layers(lambda copied: report(copied).training_bytes_per_rank, copy.deepcopy(model))]
-    report = plan_report(copy.deepcopy(model), dims, **plan_options)
+    report = plan_report(copy.deepcopy(model), dims, **plan)
     return [stage.training_bytes_per_rank for stage in report.stages]
+
+
+def _plan_of(candidate: Candidate, *, step: StepOptions) -> dict[str, Any]:
+    """The keywords of parallelize that decide the plan, and so the state: the candidate's and ``step``'s."""
+    return dict(
+        sp=candidate.sp,
+        pipeline=candidate.pipeline,
+        tp_plan=step.tp_plan,
+        allow_unsharded_linears=step.allow_unsharded_linears,
+    )
 
 
 def _divisors(n: int) -> list[int]:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.layer_configs import attention_shapes
-from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS
+from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.float8 import Float8Options, Float8Spec, float8_layers, float8_options
 from lightning_automodel.parallel.mesh import ParallelDims
@@ -202,7 +202,7 @@ def plan_report(
     batch_shape: tuple[int, int] | None = None,
     step_options: dict | None = None,
     rank: int = 0,
-    float8: Float8Spec | Float8Options = False,
+    float8: Float8Spec | Float8Options | None = False,
 ) -> PlanReport:
     """Parallelize ``model`` (on the meta device) as ``rank`` of a fake world of ``dims`` and describe the result.
 
@@ -268,14 +268,14 @@ def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, i
     but "off"), each on a copy of ``model``."""
     rows, tokens = batch_shape
     pipeline = options.get("pipeline")
-    settings = ["off"] if pipeline is not None and pipeline.splits_backward() else list(AC_SETTINGS)
+    settings = ["off"] if pipeline is not None and pipeline.splits_backward() else list(AC_MODES)
     return {
         name: activation_bytes(
             copy.deepcopy(model),
             dims,
             micro_batch=rows,
             seq_len=tokens,
-            activation_checkpointing=AC_SETTINGS[name],
+            activation_checkpointing=name,
             **options,
         )
         for name in settings

@@ -18,16 +18,17 @@ from torch import nn
 
 from lightning_automodel.planning.child_process import ChildProcess
 from lightning_automodel.planning.layouts import Candidate, Outcome, layout_memory
+from lightning_automodel.planning.step_options import StepOptions
 
 
 def measure_candidate(
-    *, model: nn.Module, candidate: Candidate, batch_shape: tuple[int, int], budget: float, options: dict[str, Any]
+    *, model: nn.Module, candidate: Candidate, batch_shape: tuple[int, int], budget: float, step: StepOptions
 ) -> Outcome | str:
     """``candidate``'s memory and the CPU time measuring it took, or the first line of its refusal (a layout the
     plan or the step refuses)."""
     started = time.process_time()
     try:
-        outcome = layout_memory(model, candidate, batch_shape=batch_shape, budget=budget, **options)
+        outcome = layout_memory(model, candidate, batch_shape=batch_shape, budget=budget, step=step)
     except ValueError as refusal:
         return str(refusal).splitlines()[0]
     return dataclasses.replace(outcome, seconds=time.process_time() - started)
@@ -36,8 +37,8 @@ def measure_candidate(
 class Measurements:
     """How every worker measures a candidate: :func:`measure_candidate`'s arguments but the candidate."""
 
-    def __init__(self, model: nn.Module, *, batch_shape: tuple[int, int], budget: float, **options: Any) -> None:
-        self.job = dict(model=model, batch_shape=batch_shape, budget=budget, options=options)
+    def __init__(self, model: nn.Module, *, batch_shape: tuple[int, int], budget: float, step: StepOptions) -> None:
+        self.job = dict(model=model, batch_shape=batch_shape, budget=budget, step=step)
 
     def here(self, wave: list[Candidate]) -> list[Outcome | str]:
         """The wave measured in this process, one after another (outside any process group)."""

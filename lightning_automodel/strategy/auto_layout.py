@@ -26,7 +26,9 @@ from lightning_automodel.planning.child_process import ChildProcess
 from lightning_automodel.planning.fitting import LayoutChoice, choose_layout
 from lightning_automodel.planning.layouts import Candidate, Outcome, SearchSpace, tensor_budget
 from lightning_automodel.planning.search_workers import Measurements
+from lightning_automodel.planning.step_options import StepOptions
 from lightning_automodel.planning.throughput import Hardware
+from lightning_automodel.strategy.module_hints import loss_chunks_of
 from lightning_automodel.strategy.options import StrategyOptions
 
 if TYPE_CHECKING:
@@ -41,16 +43,16 @@ def choose_for_trainer(options: StrategyOptions, trainer: pl.Trainer, *, devices
     batch_shape = _batch_shape(trainer, options)
     space = _with_accumulation(options.search, trainer)
     hardware = _hardware(options, trainer.strategy.root_device, gpus_per_node=devices_per_node)
-    step_options = dict(
+    step = StepOptions(
         tp_plan=options.parallel.tp_plan,
         allow_unsharded_linears=options.parallel.allow_unsharded_linears,
         mp_policy=options.parallel.fsdp.mp_policy,
         cp_attention=options.parallel.cp_attention,
-        loss_chunks=getattr(module, "hparams", {}).get("loss_chunks", 1),
+        loss_chunks=loss_chunks_of(module),
     )
     world_size = trainer.world_size
     planned = model if is_meta(model) else meta_copy(model)
-    with _RankWorkers(planned, batch_shape=batch_shape, hardware=hardware, **step_options) as workers:
+    with _RankWorkers(planned, batch_shape=batch_shape, hardware=hardware, step=step) as workers:
         return choose_layout(
             planned,
             world_size,
@@ -59,7 +61,7 @@ def choose_for_trainer(options: StrategyOptions, trainer: pl.Trainer, *, devices
             space=space,
             evaluate=workers,
             workers=world_size,
-            **step_options,
+            step=step,
         )
 
 
@@ -134,9 +136,9 @@ def _hardware(options: StrategyOptions, device: torch.device, *, gpus_per_node: 
 class _RankWorkers:
     """This rank's child process, measuring the rank's candidate of each wave; the ranks exchange the outcomes."""
 
-    def __init__(self, model: nn.Module, *, batch_shape: tuple[int, int], hardware: Hardware, **options: Any):
+    def __init__(self, model: nn.Module, *, batch_shape: tuple[int, int], hardware: Hardware, step: StepOptions):
         self.measurements = Measurements(
-            model, batch_shape=batch_shape, budget=tensor_budget(hardware.memory_gib), **options
+            model, batch_shape=batch_shape, budget=tensor_budget(hardware.memory_gib), step=step
         )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         ranks_per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", hardware.gpus_per_node))

@@ -31,27 +31,22 @@ from lightning_automodel.hf.models import find_hf_models
 from lightning_automodel.parallel.activation_checkpointing import ACMode
 from lightning_automodel.parallel.compile import CompileSpec
 from lightning_automodel.parallel.context_parallel import CPAttention
-from lightning_automodel.parallel.float8 import Float8Spec, precompute_float8_scales
+from lightning_automodel.parallel.float8 import Float8Spec, float8_options, precompute_float8_scales
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.mesh import axis_size, data_mesh, reduction_mesh
+from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelizer import is_meta, parallelize
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.fitting import LayoutChoice
+from lightning_automodel.strategy.argument_docs import with_argument_docs
 from lightning_automodel.strategy.auto_layout import apply_accumulation, choose_for_trainer, require_memory_to_plan
-from lightning_automodel.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_automodel.strategy.checkpointing_strategy import CheckpointingStrategy
 from lightning_automodel.strategy.faults import (
     FaultMonitor,
     report_failure,
     stop_watching,
     watch_stage,
-)
-from lightning_automodel.strategy.hf_models import (
-    PARALLELIZED_BY_US,
-    convert_keeping_pinned_fp32,
-    materialize,
-    models_to_parallelize,
-    refuse_fsdp1,
 )
 from lightning_automodel.strategy.lightning_patches import (
     clip_across_meshes,
@@ -59,7 +54,14 @@ from lightning_automodel.strategy.lightning_patches import (
     log_local_values,
     to_local,
 )
-from lightning_automodel.strategy.options import StrategyOptions
+from lightning_automodel.strategy.options import GivenLayout, StrategyOptions
+from lightning_automodel.strategy.parallelized_models import (
+    PARALLELIZED_BY_US,
+    convert_keeping_pinned_fp32,
+    materialize,
+    models_to_parallelize,
+    refuse_fsdp1,
+)
 from lightning_automodel.strategy.plan_verification import VerifiedPlans
 from lightning_automodel.strategy.predict_batches import require_equal_batch_counts
 from lightning_automodel.strategy.preemption import Preemption
@@ -69,20 +71,19 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class AutoModelParallelStrategy(CheckpointHooks):
-    """Lightning's ModelParallelStrategy that parallelizes the LightningModule's Hugging Face models itself, over a
-    5D mesh: pipeline (pp), HSDP and FSDP2 (dp_replicate, dp_shard), context (cp), tensor and sequence (tp, sp) and
-    expert (ep) parallel. Its arguments are documented on the fields of
-    :class:`~lightning_automodel.strategy.options.StrategyOptions`, which holds them as ``self.options``::
+class AutoModelParallelStrategy(CheckpointingStrategy):
+    """Lightning's ModelParallelStrategy that parallelizes the LightningModule's Hugging Face models itself.
+
+    Over a 5D mesh: pipeline (pp), HSDP and FSDP2 (dp_replicate, dp_shard), context (cp), tensor and sequence (tp,
+    sp) and expert (ep) parallel. Each argument sets a field of ``self.options``, documented there (``--help`` shows
+    its first sentence). ``layout="auto"`` chooses the sizes not given at setup; ``self.layout_choice`` holds it::
 
         trainer = L.Trainer(strategy=AutoModelParallelStrategy(tp=2, sp=True, activation_checkpointing=True))
-
-    ``layout="auto"`` chooses the sizes not given at setup (see :mod:`~lightning_automodel.strategy.auto_layout`);
-    ``self.layout_choice`` then holds the choice and what the search measured.
     """
 
     strategy_name = "automodel"
 
+    @with_argument_docs
     def __init__(
         self,
         tp: int | None = None,
@@ -126,37 +127,45 @@ class AutoModelParallelStrategy(CheckpointHooks):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.options = StrategyOptions.from_arguments(
-            tp=tp,
-            sp=sp,
+        given = GivenLayout(
+            pp=pp,
             dp_replicate=dp_replicate,
             dp_shard=dp_shard,
             cp=cp,
-            cp_attention=cp_attention,
-            pp=pp,
+            tp=tp,
             ep=ep,
+            sp=sp,
+            activation_checkpointing=activation_checkpointing,
             pipeline=PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn),
-            layout=layout,
-            gpu_memory=gpu_memory,
-            layout_batch=layout_batch,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        parallel = ParallelOptions(
             tp_plan=tp_plan,
             allow_unsharded_linears=allow_unsharded_linears,
-            verify_plans=verify_plans,
-            activation_checkpointing=activation_checkpointing,
             compile=compile,
-            float8=float8,
+            float8=float8_options(float8),
+            cp_attention=cp_attention,
             fsdp=FSDPOptions(
                 mp_policy=mp_policy,
                 reshard_after_forward=reshard_after_forward,
                 forward_prefetch=forward_prefetch,
                 backward_prefetch=backward_prefetch,
             ),
+        )
+        dims, parallel, search = given.placed(parallel, layout=layout)
+        self.options = StrategyOptions(
+            dims=dims,
+            parallel=parallel,
+            search=search,
+            tp_per_node=given.tp_per_node,
+            gpu_memory=gpu_memory,
+            layout_batch=tuple(layout_batch) if layout_batch is not None else None,
+            verify_plans=verify_plans,
             cpu_offload=cpu_offload,
             save_trainable_only=save_trainable_only,
             save_distributed_checkpoint=save_distributed_checkpoint,
             async_save=async_save,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
         )
         self.layout_choice: LayoutChoice | None = None  # layout="auto"'s, once made
         self._accumulating = False  # the Trainer accumulates the batches the choice needs

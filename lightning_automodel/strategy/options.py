@@ -1,71 +1,146 @@
-"""The strategy's options: its keyword arguments checked once, in the constructor, and held typed and frozen.
+"""The strategy's options: its arguments checked once, in the constructor, and held typed and frozen.
 
-What needs the world (tp per node, dp_shard="auto") or the Trainer (its precision) is resolved at setup.
+The constructor builds each part from the arguments that set it: the layout as given (:class:`GivenLayout`: the sizes,
+sequence parallel, checkpointing and the pipeline's options), how the axes are applied (``ParallelOptions``, with
+``FSDPOptions``), and these options, which hold the mesh's sizes, or under ``layout="auto"`` the search. What needs the
+world (tp per node, dp_shard="auto") or the Trainer (its precision) is resolved at setup.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from lightning_automodel.parallel.activation_checkpointing import AC_SETTINGS, setting_name
+from lightning_automodel.parallel.activation_checkpointing import ACMode, ac_mode
 from lightning_automodel.parallel.compile import CompileSpec, check_compile
-from lightning_automodel.parallel.context_parallel import CPAttention, check_cp_with_pipeline
-from lightning_automodel.parallel.fsdp.options import FSDPOptions
+from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
-from lightning_automodel.parallel.mesh import ParallelDims
-from lightning_automodel.parallel.options import ParallelOptions
+from lightning_automodel.parallel.mesh import ParallelDims, Size
+from lightning_automodel.parallel.options import ParallelOptions, check_sequence_parallel
 from lightning_automodel.parallel.pipeline import PipelineOptions
-from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.layouts import Candidate, SearchSpace
 
 
 @dataclass(frozen=True)
+class GivenLayout:
+    """The layout as the strategy's arguments give it: the mesh's sizes (tp and dp_shard under our names or
+    Lightning's), sequence parallel and activation checkpointing, None where unset, and the pipeline's options. Under
+    ``layout="auto"`` those given are fixed and the search chooses the rest; otherwise unset sizes are 1 and unset
+    settings off."""
+
+    pp: int | None = None
+    dp_replicate: int | None = None
+    dp_shard: Size = "auto"
+    cp: int | None = None
+    tp: int | None = None
+    ep: int = 1
+    sp: bool | None = None
+    activation_checkpointing: bool | ACMode | None = None  # as given: read through ``checkpointing``
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    data_parallel_size: Size | None = None  # Lightning's ModelParallelStrategy name for dp_shard
+    tensor_parallel_size: Size | None = None  # and for tp; "auto": a node's devices, known at setup
+
+    def __post_init__(self) -> None:
+        if self.sp is not None:
+            require_flags(sp=self.sp)
+        _ = self.checkpointing, self.tp_size, self.dp_shard_size  # refused here: a setting naming no mode, two sizes
+
+    @property
+    def tp_per_node(self) -> bool:
+        """Lightning's ``tensor_parallel_size="auto"``: tp is the devices of one node."""
+        return self.tensor_parallel_size == "auto"
+
+    @property
+    def tp_size(self) -> int | None:
+        """tp under either name (both given must agree); None where unset or per node."""
+        size = size_by_either_name("tensor_parallel_size", self.tensor_parallel_size, "tp", self.tp, unset=(None, 1))
+        return None if self.tp_per_node else size
+
+    @property
+    def dp_shard_size(self) -> Size:
+        """dp_shard under either name (both given must agree)."""
+        return size_by_either_name(
+            "data_parallel_size", self.data_parallel_size, "dp_shard", self.dp_shard, unset=("auto",)
+        )
+
+    @property
+    def checkpointing(self) -> ACMode | None:
+        """The activation-checkpointing mode given (None: unset)."""
+        return None if self.activation_checkpointing is None else ac_mode(self.activation_checkpointing)
+
+    def placed(
+        self, parallel: ParallelOptions, *, layout: Literal["auto"] | None
+    ) -> tuple[ParallelDims, ParallelOptions, SearchSpace | None]:
+        """The mesh's sizes and ``parallel`` with this layout's sequence parallel, checkpointing and pipeline; under
+        ``layout="auto"``, placeholders for them (``ParallelDims()``, ``parallel`` as it is) and the search."""
+        if layout is None:
+            dims = ParallelDims(
+                pp=_or_one(self.pp),
+                dp_replicate=_or_one(self.dp_replicate),
+                dp_shard=self.dp_shard_size,
+                cp=_or_one(self.cp),
+                tp=_or_one(self.tp_size),  # tp per node: 1 until setup
+                ep=self.ep,
+            )
+            pipeline = self.pipeline if dims.pp > 1 else None
+            applied = dataclasses.replace(
+                parallel, sp=self.sp is True, activation_checkpointing=self.checkpointing or "off", pipeline=pipeline
+            )
+            return dims, applied, None
+        if layout != "auto":
+            raise ValueError(f'layout={layout!r}: use "auto" (the strategy chooses the sizes) or leave it unset.')
+        return ParallelDims(), parallel, self._search(compile=parallel.compile)
+
+    def _search(self, *, compile: CompileSpec) -> SearchSpace:
+        """What ``layout="auto"`` may choose from: the sizes, checkpointing and micro-batches given stay fixed."""
+        if self.pipeline.layers_per_stage is not None and self.pp is None:
+            raise ValueError('layout="auto" with pp_layers_per_stage: a manual split is one of pp stages; give pp too.')
+        return SearchSpace(
+            pp=self.pp,
+            tp=self.tp_size,
+            cp=self.cp,
+            dp_shard=None if self.dp_shard_size == "auto" else self.dp_shard_size,
+            dp_replicate=self.dp_replicate,
+            ep=self.ep,
+            checkpointing=self.checkpointing,
+            sp=self.sp is not False,
+            pipeline=self.pipeline,
+            compile=compile,
+        )
+
+
+def _or_one(size: int | None) -> int:
+    return 1 if size is None else size
+
+
+@dataclass(frozen=True)
 class StrategyOptions:
-    """What :class:`~lightning_automodel.AutoModelParallelStrategy` is asked for. Its ``pp_*`` arguments build
-    ``parallel.pipeline``, its FSDP2 ones (``mp_policy``, ``reshard_after_forward``, ``forward_prefetch``,
-    ``backward_prefetch``) ``parallel.fsdp``. The parent's ``save_distributed_checkpoint``, ``process_group_backend``
-    and ``timeout`` stay the parent's, as in Lightning's ModelParallelStrategy; ``timeout`` also bounds every
-    sub-group of the mesh."""
+    """What :class:`~lightning_automodel.AutoModelParallelStrategy` is asked for. The parent's
+    ``process_group_backend`` and ``timeout`` stay the parent's, as in Lightning's ModelParallelStrategy (``timeout``
+    also bounds every sub-group of the mesh); ``save_distributed_checkpoint`` is the parent's too, and held here for
+    the checks of the saves that need it."""
 
     dims: ParallelDims = field(default_factory=ParallelDims)
-    """The mesh's sizes. ``tp``: ranks that split every layer's weights. ``dp_replicate``: replicas of the whole
-    sharded model (HSDP across nodes). ``dp_shard``: the FSDP shard-group size; "auto" takes what the world size
-    leaves. ``data_parallel_size`` and ``tensor_parallel_size`` are Lightning's ModelParallelStrategy names for
-    ``dp_shard`` and ``tp``, so that its configurations run unchanged; giving both names with different values is an
-    error.
-
-    ``cp``: every sequence is split over cp ranks (2 cp chunks, rank i holding chunks i and 2 cp - 1 - i), and
-    attention all-gathers keys and values over them. The model's call takes the whole batch and returns this rank's
-    share of the loss: training_step returns the model's own loss (``self.model(input_ids=..., labels=...).loss``).
-    FSDP shards over dp_shard x cp.
-
-    ``ep``: each of ep ranks holds 1/ep of every mixture-of-experts layer's experts, and tokens travel to their
-    experts by all-to-all. ep borrows its ranks from dp_shard x cp (it must divide it); FSDP shards the experts over
-    what dp_shard x cp leaves, and with tp > 1 each expert is also split over tp.
-
-    ``pp``: each of pp ranks holds a stage of every model (consecutive decoder layers, the embedding on the first,
-    the head on the last), and a schedule of torch.distributed.pipelining runs forward and backward of every
-    micro-batch. training_step returns the model's own loss (``self.model(input_ids=..., labels=...).loss``): the
-    last stage computes it, and it reaches every rank. Composes with tp (and sp), dp_shard, dp_replicate, cp, ep,
-    activation checkpointing, CPU offload and LoRA."""
+    """The mesh's sizes (the strategy's ``tp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``pp`` and ``ep``, described
+    on :class:`~lightning_automodel.parallel.mesh.ParallelDims`' fields)."""
 
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
-    """How each axis is applied. Its ``fsdp.mp_policy`` defaults to the one of ``Trainer(precision=...)``, and
-    ``cpu_offload`` sets its ``fsdp.offload_policy``, both at setup."""
+    """How each axis is applied (its ``pipeline``: the strategy's ``pp_*`` arguments; its ``fsdp``: ``mp_policy``,
+    ``reshard_after_forward``, ``forward_prefetch`` and ``backward_prefetch``). Its ``fsdp.mp_policy`` defaults to the
+    one of ``Trainer(precision=...)``, and ``cpu_offload`` sets its ``fsdp.offload_policy``, both at setup."""
 
     tp_per_node: bool = False
     """``tensor_parallel_size="auto"``, as in the parent: tp is the devices of one node, known at setup."""
 
     verify_plans: bool = False
-    """Before parallelizing a model whose class no family plan is registered for (or with ``tp_plan`` given), verify
-    its plan once per class with :func:`~lightning_automodel.verify_plan`: one step of a shrunk replica, tp simulated
-    on CPU, against one process. A plan that trains wrong raises on every rank before any collective. Costs seconds
-    per class (a child process on every rank)."""
+    """Verify the tensor-parallel plan of a model whose class no family plan is registered for (or with ``tp_plan``
+    given) once per class, before parallelizing it. :func:`~lightning_automodel.verify_plan` runs one step of a
+    shrunk replica, tp simulated on CPU, against one process: a plan that trains wrong raises on every rank before any
+    collective. Costs seconds per class (a child process on every rank)."""
 
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
@@ -73,6 +148,10 @@ class StrategyOptions:
     save_trainable_only: bool = False
     """Checkpoints hold the trainable parameters only (LoRA adapters) with the optimizer and loop state; resuming
     takes the frozen rest from the model as built (its pretrained weights or seed)."""
+
+    save_distributed_checkpoint: bool = True
+    """Each rank saves its shards of the weights and optimizer state (True, the default), or rank 0 gathers them into
+    one file (False), as Lightning's ModelParallelStrategy does."""
 
     async_save: bool = False
     """Checkpoints are written while training goes on: a save costs the step only the copy of each rank's shards to
@@ -95,101 +174,29 @@ class StrategyOptions:
     no ``batch_size`` and ``seq_len`` to read them from."""
 
     def __post_init__(self) -> None:
+        require_flags(
+            allow_unsharded_linears=self.parallel.allow_unsharded_linears,
+            verify_plans=self.verify_plans,
+            cpu_offload=self.cpu_offload,
+            save_trainable_only=self.save_trainable_only,
+            save_distributed_checkpoint=self.save_distributed_checkpoint,
+            async_save=self.async_save,
+        )
+        require_sharded_saves(
+            save_distributed_checkpoint=self.save_distributed_checkpoint,
+            save_trainable_only=self.save_trainable_only,
+            async_save=self.async_save,
+        )
         require_search_for(gpu_memory=self.gpu_memory, layout_batch=self.layout_batch, search=self.search)
+        if self.search is not None:
+            refuse_unmodelled(cpu_offload=self.cpu_offload, float8=self.parallel.float8 is not None)
         dims, parallel = self.dims, self.parallel
         check_cp_with_pipeline(cp=dims.cp, pipeline=parallel.pipeline if dims.pp > 1 else None)
         if parallel.pipeline is not None:
             parallel.pipeline.validate(dims.pp)
         check_compile(compile=parallel.compile, activation_checkpointing=parallel.activation_checkpointing, ep=dims.ep)
-        if parallel.sp and dims.tp == 1 and not self.tp_per_node:
-            raise ValueError("sp=True (sequence parallel) splits activations over the tp ranks; it needs tp > 1.")
-
-    @classmethod
-    def from_arguments(
-        cls,
-        *,
-        tp: int | None,
-        sp: bool | None,
-        dp_replicate: int | None,
-        dp_shard: int | str,
-        cp: int | None,
-        pp: int | None,
-        ep: int,
-        pipeline: PipelineOptions,
-        layout: str | None,
-        activation_checkpointing: bool | str | None,
-        compile: CompileSpec,
-        float8: Any,
-        cpu_offload: bool,
-        save_distributed_checkpoint: bool,
-        data_parallel_size: int | str | None,
-        tensor_parallel_size: int | str | None,
-        layout_batch: tuple[int, int] | None,
-        gpu_memory: float | None,
-        tp_plan: PlanSpec,
-        allow_unsharded_linears: bool,
-        cp_attention: CPAttention,
-        fsdp: FSDPOptions,
-        verify_plans: bool,
-        save_trainable_only: bool,
-        async_save: bool,
-    ) -> StrategyOptions:
-        """The options of :class:`~lightning_automodel.AutoModelParallelStrategy`'s arguments. Under
-        ``layout="auto"`` the sizes, sp and the checkpointing are placeholders until the search chooses them."""
-        require_flags(
-            allow_unsharded_linears=allow_unsharded_linears,
-            verify_plans=verify_plans,
-            cpu_offload=cpu_offload,
-            save_trainable_only=save_trainable_only,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            async_save=async_save,
-        )
-        tp = size_by_either_name("tensor_parallel_size", tensor_parallel_size, "tp", tp, unset=(None, 1))
-        dp_shard = size_by_either_name("data_parallel_size", data_parallel_size, "dp_shard", dp_shard, unset=("auto",))
-        tp_per_node = tensor_parallel_size == "auto"  # as in the parent: the devices of one node
-        sizes = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=None if tp_per_node else tp)
-        search = auto_layout_search(
-            layout,
-            **sizes,
-            ep=ep,
-            sp=sp,
-            activation_checkpointing=activation_checkpointing,
-            pipeline=pipeline,
-            compile=compile,
-            float8=float8,
-            cpu_offload=cpu_offload,
-        )
-        dims = ParallelDims() if search is not None else ParallelDims(**given_sizes(sizes), ep=ep)
-        sp = False if sp is None or search is not None else sp
-        require_flags(sp=sp)
-        parallel = ParallelOptions(
-            sp=sp,
-            activation_checkpointing=False if search is not None else (activation_checkpointing or False),
-            compile=compile,
-            float8=float8,
-            pipeline=pipeline if dims.pp > 1 else None,
-            tp_plan=tp_plan,
-            allow_unsharded_linears=allow_unsharded_linears,
-            cp_attention=cp_attention,
-            fsdp=fsdp,
-        )
-        require_sharded_saves(
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            save_trainable_only=save_trainable_only,
-            async_save=async_save,
-        )
-        return cls(
-            dims=dims,
-            parallel=parallel,
-            tp_per_node=tp_per_node,
-            cpu_offload=cpu_offload,
-            search=search,
-            layout_batch=tuple(layout_batch) if layout_batch is not None else None,
-            gpu_memory=gpu_memory,
-            verify_plans=verify_plans,
-            save_trainable_only=save_trainable_only,
-            async_save=async_save,
-        )
+        if not self.tp_per_node:  # checked at setup, once tp is known
+            check_sequence_parallel(sp=parallel.sp, tp=dims.tp)
 
     def at_setup(self, *, devices_per_node: int, num_nodes: int, precision: str) -> StrategyOptions:
         """These options for a world of ``num_nodes x devices_per_node`` processes and a Trainer's ``precision``,
@@ -215,7 +222,7 @@ class StrategyOptions:
         parallel = dataclasses.replace(
             self.parallel,
             sp=candidate.sp,
-            activation_checkpointing=AC_SETTINGS[candidate.checkpointing],
+            activation_checkpointing=candidate.checkpointing,
             pipeline=candidate.pipeline,
         )
         return dataclasses.replace(
@@ -230,29 +237,8 @@ class StrategyOptions:
         return given if given is not None else derived
 
 
-def given_sizes(sizes: dict[str, Any]) -> dict[str, Any]:
-    """The mesh's sizes as given, those left unset 1 (dp_shard's "auto" stays: what the others leave)."""
-    return {name: 1 if value is None else value for name, value in sizes.items()}
-
-
-def auto_layout_search(
-    layout: str | None,
-    *,
-    activation_checkpointing: bool | str | None,
-    sp: bool | None,
-    dp_shard: int | str,
-    float8: Any,
-    cpu_offload: bool,
-    **given: Any,
-) -> SearchSpace | None:
-    """What ``layout="auto"`` may choose from (None for the sizes as given): the sizes, ``activation_checkpointing``
-    and ``pp_microbatches`` given stay fixed. What the memory estimate does not model is refused."""
-    if layout is None:
-        return None
-    if layout != "auto":
-        raise ValueError(f'layout={layout!r}: use "auto" (the strategy chooses the sizes) or leave it unset.')
-    if sp is not None:
-        require_flags(sp=sp)
+def refuse_unmodelled(*, cpu_offload: bool, float8: bool) -> None:
+    """``layout="auto"`` with what its memory estimate does not model."""
     if cpu_offload:
         raise ValueError(
             'layout="auto" with cpu_offload=True: the search counts the parameters, gradients and AdamW state on the'
@@ -264,25 +250,22 @@ def auto_layout_search(
             'layout="auto" with float8: the memory estimate runs the step in high precision, whose memory float8'
             " changes. Give the sizes yourself (`lightning-automodel plan --fit` lists the high-precision layouts)."
         )
-    if given["pipeline"].layers_per_stage is not None and given["pp"] is None:
-        raise ValueError('layout="auto" with pp_layers_per_stage: a manual split is one of pp stages; give pp too.')
-    setting = None if activation_checkpointing is None else setting_name(activation_checkpointing)
-    shard = None if dp_shard == "auto" else dp_shard
-    return SearchSpace(**given, dp_shard=shard, checkpointing=setting, sp=sp is not False)
 
 
-def require_search_for(*, search: SearchSpace | None, **settings: Any) -> None:
-    """``settings`` (``gpu_memory``, ``layout_batch``) that only ``layout="auto"`` reads."""
-    for name, value in settings.items():
+def require_search_for(
+    *, search: SearchSpace | None, gpu_memory: float | None, layout_batch: tuple[int, int] | None
+) -> None:
+    """``gpu_memory`` and ``layout_batch`` size the search of ``layout="auto"``, and nothing else."""
+    for name, value in (("gpu_memory", gpu_memory), ("layout_batch", layout_batch)):
         if value is not None and search is None:
             raise ValueError(f'{name}={value!r} sizes the search of layout="auto"; set layout="auto", or drop {name}.')
-    if settings.get("gpu_memory") is not None and not settings["gpu_memory"] > 0:
-        raise ValueError(f"gpu_memory={settings['gpu_memory']!r}: give the GiB of memory per GPU, a positive number.")
-    batch = settings.get("layout_batch")
-    if batch is not None and not (
-        len(batch) == 2 and all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in batch)
+    if gpu_memory is not None and not gpu_memory > 0:
+        raise ValueError(f"gpu_memory={gpu_memory!r}: give the GiB of memory per GPU, a positive number.")
+    if layout_batch is not None and not (
+        len(layout_batch) == 2
+        and all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in layout_batch)
     ):
-        raise ValueError(f"layout_batch={batch!r}: give (rows a batch, tokens a row), two positive integers.")
+        raise ValueError(f"layout_batch={layout_batch!r}: give (rows a batch, tokens a row), two positive integers.")
 
 
 def require_flags(**flags: Any) -> None:

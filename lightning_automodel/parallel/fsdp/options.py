@@ -20,11 +20,11 @@ class FSDPOptions:
     state in CPU memory."""
 
     reshard_after_forward: bool | None = None
-    """None (default): free every decoder layer's gathered weights after its forward but the last's (whose weights
-    backward needs again at once), and keep the root's (embeddings, final norm, lm_head: backward starts with them);
-    under pp, free none (torch's pipeline stage keeps them gathered from a micro-batch's backward to the last one:
-    freed after each forward, they would be gathered again for each micro-batch). True: free all (least memory);
-    False: free none (no all-gather in backward, most memory)."""
+    """Whether each unit frees its gathered weights after its forward: True all (least memory), False none (no
+    all-gather in backward, most memory), None (default) every decoder layer but the last. None keeps the last
+    layer's (whose weights backward needs again at once) and the root's (embeddings, final norm, lm_head: backward
+    starts with them); under pp it frees none (torch's pipeline stage keeps them gathered from a micro-batch's
+    backward to the last one: freed after each forward, they would be gathered again for each micro-batch)."""
 
     forward_prefetch: int = 0
     """Following decoder layers each layer all-gathers before its forward (0: FSDP's default, each layer gathers its

@@ -23,19 +23,31 @@ VIRTUAL_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubbl
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
-    """How to pipeline: ``schedule`` is a name of torch's (``get_schedule_class``); ``microbatches`` per step
-    (default: the pp size); ``layers_per_stage`` a manual split (decoder layers of each stage, in order);
-    ``stages_per_rank``: virtual stages each rank holds, for the schedules that interleave them (Interleaved1F1B,
-    LoopedBFS, InterleavedZeroBubble: rank r holds stages r, r + pp, ...). ``loss_fn``: a loss of your own, which
-    the last stage applies to each micro-batch: ``loss_fn(logits, labels)`` returns the micro-batch's loss summed
-    over its tokens (labels as the model's call got them, unshifted), and the pipeline divides it by the global
-    batch's scored tokens (next-token labels other than -100); default: the next-token cross-entropy."""
+    """How to pipeline: the schedule, its micro-batches, the stages each rank holds and the split of the decoder
+    layers into them, and the loss the last stage computes."""
 
     schedule: str = "1F1B"
+    """The pipeline schedule, by torch's name: "1F1B" or "GPipe", or with two stages a rank or more "Interleaved1F1B",
+    "LoopedBFS" or "InterleavedZeroBubble" (torch's ``get_schedule_class``)."""
+
     microbatches: int | None = None
+    """Micro-batches a step, which must divide the batch (default: the pp size). 1F1B needs at least pp; the
+    interleaved schedules run them in rounds of pp; the idle share of a step is (pp - 1) / (v m + pp - 1) for m
+    micro-batches and v stages a rank."""
+
     layers_per_stage: Sequence[int] | None = None
+    """A manual split: the decoder layers of each stage, in order (pp x stages_per_rank counts, such as [7, 9, 9, 7]).
+    Default: an even split of the work, in which the embedding and the head count as one layer each."""
+
     stages_per_rank: int = 1
+    """The stages each rank holds (virtual stages), for the schedules that interleave them: rank r holds stages r,
+    r + pp, ..."""
+
     loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None
+    """A loss of one's own (in YAML, its import path), which the last stage applies to each micro-batch (default: the
+    next-token cross-entropy). ``loss_fn(logits, labels)`` returns the micro-batch's loss summed over its tokens
+    (labels as the model's call got them, unshifted), and the pipeline divides it by the global batch's scored tokens
+    (next-token labels other than -100)."""
 
     def validate(self, pp: int, *, num_layers: int | None = None) -> None:
         """Refuse a schedule torch lacks, a number of stages per rank it does not run, too few micro-batches, and a

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 RANDOM_STATES = "random_states"
 
 
-class CheckpointHooks(ModelParallelStrategy):
+class CheckpointingStrategy(ModelParallelStrategy):
     options: StrategyOptions
     _preemption: Preemption | None = None
     _async_saver: AsyncSaver | None = None  # made at the first asynchronous save of a stage

@@ -1,0 +1,37 @@
+"""What a measured training step needs beside the layout it is measured at, as one frozen value: the search passes
+it to every worker (a child process too) unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from lightning_automodel.parallel.context_parallel import CPAttention
+from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a candidate layout's step is parallelized and computed, where the candidate does not say (its sizes,
+    sequence parallel, checkpointing and pipeline are its own): as the strategy's options and the LightningModule
+    set them."""
+
+    tp_plan: PlanSpec | None = None
+    """The strategy's ``tp_plan`` (None: the plan the model gets)."""
+
+    allow_unsharded_linears: bool = False
+    """The strategy's ``allow_unsharded_linears``."""
+
+    mp_policy: MixedPrecisionPolicy | None = None
+    """FSDP2's mixed precision, as the strategy takes it from the Trainer's precision (None: the weights' dtype)."""
+
+    cp_attention: CPAttention = "auto"
+    """The strategy's ``cp_attention`` (the estimate counts SDPA's dense mask under any)."""
+
+    loss_chunks: int = 1
+    """The sequence chunks the LightningModule computes its head and loss in (1: the logits whole)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or self.loss_chunks < 1:
+            raise ValueError(f"loss_chunks={self.loss_chunks!r} must be a positive integer (1: the logits whole).")

@@ -1,7 +1,7 @@
 """The GPU check: speed, MFU and memory of ours against the peers, Float8, flex attention under cp, and the planner's
 memory (the activation estimate, layout="auto"'s choice) against the allocator, in one command and one table.
 
-    PYTHONPATH=. python benchmarks/gpu.py              # one H100: about 7 minutes
+    PYTHONPATH=. python benchmarks/gpu.py              # one H100: about 7 minutes (or: python -m benchmarks.gpu)
     PYTHONPATH=. python benchmarks/gpu.py --dry-run    # CPU: tiny shapes, the same code (tests/test_gpu_benchmark.py)
 
 Every measurement runs in a fresh process (nothing compiled or allocated leaks into the next), killed after
@@ -42,7 +42,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gpu_memory import activation_row, auto_layout_row, measure_activations, measure_auto_layout
+from benchmarks.gpu_memory import activation_row, auto_layout_row, measure_activations, measure_auto_layout
+from benchmarks.throughput import random_tokens, step_timer
 
 SHAPES = {  # Llama-shaped: Llama 3.2 1B, and a 3B that trains on one 80 GB GPU with full checkpointing
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, heads=32, kv_heads=8, vocab=128256),
@@ -121,9 +122,6 @@ def measure_throughput(args: argparse.Namespace, name: str) -> dict[str, Any]:
     from lightning_automodel import AutoModelParallelStrategy
     from lightning_automodel.lm import CausalLMModule
     from lightning_automodel.planning.flops import flops_per_token
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import random_tokens, step_timer
 
     shape, asked = THROUGHPUT[name]
     options = device_settings(args, asked)
@@ -304,7 +302,7 @@ def spawn(child: str, argv: list[str], timeout: float, *, dry_run: bool) -> dict
             return {"failed": "raised"}
     with tempfile.TemporaryDirectory() as directory:
         result = Path(directory) / "result.json"
-        command = [sys.executable, __file__, *argv, "--child", child, "--result", str(result)]
+        command = [sys.executable, "-m", "benchmarks.gpu", *argv, "--child", child, "--result", str(result)]
         started = time.perf_counter()
         try:
             code = subprocess.run(command, timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"}).returncode

@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 from typing import Any
+
+from benchmarks.throughput import random_tokens
 
 DRY_RUN_GPU_GIB = 1.0  # the memory the dry run plans for: the CPU has none to read
 
@@ -77,9 +77,6 @@ def measure_auto_layout(args: argparse.Namespace, *, model_config: dict[str, Any
 
     from lightning_automodel import AutoModelParallelStrategy
     from lightning_automodel.lm import CausalLMModule
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import random_tokens
 
     cuda = torch.cuda.is_available()
     strategy = AutoModelParallelStrategy(

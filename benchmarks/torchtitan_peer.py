@@ -2,20 +2,12 @@
 
     scripts/torchtitan_setup.sh    # once: torchtitan 0.3.0 into .torchtitan (or $1), the venv's torch untouched
     PYTHONPATH=$PWD:$PWD/.torchtitan .venv/bin/python benchmarks/torchtitan_peer.py    # every layout, a table each
-    PYTHONPATH=$PWD:$PWD/.torchtitan .venv/bin/torchrun --nproc_per_node 4 benchmarks/torchtitan_peer.py --tp 2  # one
+    PYTHONPATH=$PWD:$PWD/.torchtitan .venv/bin/torchrun --nproc_per_node 4 -m benchmarks.torchtitan_peer --tp 2  # one
 
 The layouts, model, batch and step of ours are peers.py's (lightning_automodel/testing/peer_setup.py: dp_shard=2 x tp=2
 with sequence parallel, dp_shard=2, tp=2 with sequence parallel; gloo, fp32, AdamW at lr 1e-3 and torch's defaults).
-torchtitan runs as its users run it: its ``Trainer`` built from ``Trainer.Config`` and stepped by ``train_step``, with
-its Llama-3 model and ``parallelize_llama`` (tensor parallel with sequence parallel and loss parallel, FSDP2 per block),
-its chunked cross-entropy (``ChunkedLossWrapper``: lm_head and the loss over 8 sequence chunks) and its AdamW container.
-Set for a CPU: a fused q/k/v projection (its default); SDPA attention, as FlexAttention is always torch.compile'd; the
-``partial_dtensor`` SPMD backend (model-parallel axes as DTensors), as its default ``spmd_types`` needs a torch nightly;
-for-loop AdamW, what torch's AdamW (ours) runs on CPU; no activation checkpointing (its default is selective), as ours.
-Its weights are the seeded Hugging Face model's, saved as safetensors and read by its checkpointer
-(``initial_load_in_hf``); rms_norm eps and rope theta are Hugging Face's. Beyond ours, its step computes the global
-gradient norm (max_norm 1e9: it never clips). Its Trainer turns Python's garbage collector off for the whole process,
-ours included.
+torchtitan's trainer, set as ours: benchmarks/torchtitan_trainer.py; its CPU workarounds:
+benchmarks/torchtitan_cpu.py.
 
 Ours runs twice, on two copies: with peers.py's step (the logits whole) and with the loss 8 sequence chunks at a time as
 torchtitan's (``chunked_step``: ``CausalLMModule(loss_chunks=8)``'s loss). Each rank builds all three and alternates
@@ -28,13 +20,6 @@ of the ratios: the noise a difference must exceed; the bytes of each collective 
 step, the worst rank's (lightning_automodel/testing/peak_memory.py: every tensor alive at the step's highest point,
 weights, gradients and AdamW state included; torch's MemTracker less its statistics by module, which refuse a loss
 calling lm_head once a chunk).
-
-CPU workarounds, each a function below that cites the torchtitan 0.3.0 line it works around:
-- device type: tools/utils.py:55 falls back to "cuda"; resolved as "cpu" (torch.cpu, gloo) while torchtitan imports.
-- triton: distributed/minimal_async_ep/kernels.py:10 imports it (MoE kernels, unused here); that module is stubbed.
-- memory monitor: components/metrics.py:42-50 asks torch.cpu for CUDA's memory statistics; a monitor of zeros.
-- gradient division: distributed/fsdp.py:41 makes FSDP2 reduce with PREMUL_SUM, which gloo rejects; plain SUM.
-- attention: models/common/config_utils.py:97 refuses "sdpa"; SDPA is put into the built config, as its tests do.
 """
 
 from __future__ import annotations
@@ -48,21 +33,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.torchtitan_trainer import logged_losses, torchtitan_step, torchtitan_trainer
 from lightning_automodel.testing.collectives import CollectiveBytes
 from lightning_automodel.testing.peak_memory import peak_bytes
 from lightning_automodel.testing.peer_setup import (
-    CONFIG,
     LAYOUTS,
-    ROWS,
     STEPS,
-    TOKENS,
     WARMUP,
     global_batch,
     one_process_loss,
@@ -75,7 +55,6 @@ from lightning_automodel.testing.peer_setup import (
 CHUNKED = "ours, loss_chunks=8"
 PEERS = ("ours", CHUNKED, "torchtitan")
 TOLERANCE = 1e-5  # relative: fp32 losses of the same weights and rows, summed in another order
-KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 
 
 def main() -> None:
@@ -94,7 +73,7 @@ def launch() -> None:
     """Each layout in a torchrun of its own, one after another (they share the cores); rank 0 prints its table."""
     for dp, tp in LAYOUTS:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={dp * tp}"]
-        subprocess.run([*command, __file__, f"--tp={tp}"], check=True)
+        subprocess.run([*command, "-m", "benchmarks.torchtitan_peer", f"--tp={tp}"], check=True)
 
 
 def compare(*, tp: int) -> None:
@@ -201,241 +180,6 @@ def chunked_step(model, optimizer, tokens: torch.Tensor, *, chunks: int) -> torc
         loss.backward()
     optimizer.step()
     return loss.detach()
-
-
-def torchtitan_step(trainer, data) -> None:
-    """What ``Trainer.train`` does each step, less its profiler, checkpoint and validation hooks."""
-    trainer.step += 1
-    trainer.train_step(data)
-
-
-def logged_losses(trainer) -> list[float]:
-    """The losses ``train_step`` logs (it returns none): the global mean, on the first step and every log_freq."""
-    losses = []
-    log = trainer.metrics_processor.log
-
-    def record(step: int, global_avg_loss: float, *args, **kwargs):
-        losses.append(float(global_avg_loss))
-        return log(step, global_avg_loss, *args, **kwargs)
-
-    trainer.metrics_processor.log = record
-    return losses
-
-
-def torchtitan_trainer(*, dp: int, tp: int, directory: str):
-    """torchtitan's Trainer over (dp_shard, tp) as ours, to load the Hugging Face weights from ``directory``."""
-    import_torchtitan()
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import ParallelismConfig, TrainingConfig
-    from torchtitan.trainer import Trainer
-
-    tokenizer, dataloader = data_components()
-    config = Trainer.Config(
-        model_spec=llama_spec(),
-        hf_assets_path=None,
-        dump_folder=directory,
-        tokenizer=tokenizer,
-        dataloader=dataloader,
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=CONFIG["vocab_size"])),
-        optimizer=replace(
-            default_adamw(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01), implementation="for-loop"
-        ),  # torch's AdamW defaults, as ours
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0),  # constant, as ours
-        training=TrainingConfig(
-            local_batch_size=ROWS // dp,
-            seq_len=TOKENS,
-            steps=WARMUP + STEPS + 2,  # the timed ones, then one counting collectives and one tracking memory
-            max_norm=1e9,
-            dtype="float32",
-            mixed_precision_param="float32",
-            disable_cuda_graphs=True,  # also: zero_grad(set_to_none=True), as ours
-        ),
-        parallelism=ParallelismConfig(
-            data_parallel_shard_degree=dp,
-            tensor_parallel_degree=tp,
-            enable_sequence_parallel=True,
-            spmd_backend="partial_dtensor",
-        ),
-        checkpoint=CheckpointManager.Config(
-            enable=True,
-            initial_load_path=directory,
-            initial_load_in_hf=True,
-            initial_load_model_only=True,
-            interval=10**9,
-        ),
-        activation_checkpoint=None,  # its default is selective activation checkpointing; ours keeps activations
-        metrics=MetricsProcessor.Config(log_freq=10**9),  # only the first step's loss: logging costs collectives
-    )
-    trainer = config.build()
-    sum_reductions(trainer)
-    return trainer
-
-
-def llama_spec():
-    """torchtitan's Llama-3 (its own builders, as its debugmodel flavor) shaped and set as the Hugging Face model.
-
-    SDPA attention: models/common/config_utils.py:97 refuses "sdpa" for language models, and FlexAttention is always
-    torch.compile'd (models/common/attention.py:277). The SDPA module goes into the built config as torchtitan's own
-    graph_trainer tests put it (experiments/graph_trainer/common_utils.py:66-70)."""
-    from torchtitan.models import llama3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from transformers import LlamaConfig
-
-    hf = LlamaConfig(**CONFIG)
-    dim, heads, vocab = hf.hidden_size, hf.num_attention_heads, hf.vocab_size
-    rope = ComplexRoPE.Config(
-        dim=dim // heads, max_seq_len=hf.max_position_embeddings, theta=hf.rope_parameters["rope_theta"], scaling="none"
-    )
-    layers = llama3._build_llama3_layers(
-        n_layers=hf.num_hidden_layers,
-        dim=dim,
-        n_heads=heads,
-        n_kv_heads=hf.num_key_value_heads,
-        hidden_dim=hf.intermediate_size,
-        fuse_qkv=True,
-        rope=rope,
-        attn_backend="flex",
-    )
-    for layer in layers:
-        layer.attention_norm.eps = layer.ffn_norm.eps = hf.rms_norm_eps
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    model = llama3.Llama3Model.Config(
-        dim=dim,
-        vocab_size=vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, eps=hf.rms_norm_eps, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
-        layers=layers,
-    )
-    return replace(llama3.model_registry("debugmodel"), flavor="peers", model=model)
-
-
-def data_components():
-    """The configs of a tokenizer that is never used and of a loader of this rank's rows, the same every step."""
-    from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.loss import IGNORE_INDEX
-    from torchtitan.components.tokenizer import BaseTokenizer
-
-    class NoTokenizer(BaseTokenizer):
-        """The Trainer builds a tokenizer; the rows are tokens already."""
-
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseTokenizer.Config):
-            pass
-
-        def __init__(self, config, *, tokenizer_path):
-            super().__init__()
-
-        def encode(self, *args, **kwargs):
-            raise NotImplementedError
-
-        def decode(self, *args, **kwargs):
-            raise NotImplementedError
-
-        def get_vocab_size(self) -> int:
-            return CONFIG["vocab_size"]
-
-    class RowsLoader(BaseDataLoader):
-        """The dp rank's rows of peers.py's batch. torchtitan takes inputs and labels apart: the labels are the next
-        tokens with the last position ignored, so that the loss averages the 255 predictions a row that ours does
-        (feeding 255 tokens instead would break sequence parallel's divisibility)."""
-
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            pass
-
-        def __init__(self, config, *, dp_world_size, dp_rank, **_):
-            self.rows = global_batch().chunk(dp_world_size)[dp_rank]
-            self.labels = torch.cat([self.rows[:, 1:], torch.full((len(self.rows), 1), IGNORE_INDEX)], dim=1)
-
-        def __iter__(self):
-            while True:
-                yield {"input": self.rows.clone()}, self.labels.clone()
-
-        def state_dict(self) -> dict:
-            return {}
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            pass
-
-    return NoTokenizer.Config(), RowsLoader.Config()
-
-
-def import_torchtitan() -> None:
-    """torchtitan's trainer and Llama-3, imported on a CPU-only torch."""
-    with cpu_device_type():
-        stub_triton_kernels()
-        import torchtitan.models.llama3  # noqa: F401
-        import torchtitan.trainer  # noqa: F401
-    zero_memory_monitor()
-
-
-@contextmanager
-def cpu_device_type():
-    """tools/utils.py:55 takes ``_get_available_device_type() or "cuda"`` at import: on a CPU-only torch the Trainer
-    would set a CUDA device and pick NCCL. While torchtitan imports, the available device is "cpu" (torch.cpu, gloo)."""
-    import torch._utils
-
-    available = torch._utils._get_available_device_type
-    torch._utils._get_available_device_type = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch._utils._get_available_device_type = available
-
-
-def stub_triton_kernels() -> None:
-    """distributed/minimal_async_ep/kernels.py:10 imports triton, which a CPU torch lacks; every model reaches it
-    (models/common/token_dispatcher.py:17 -> minimal_async_ep/api.py:30) but only MoE expert parallelism runs its
-    kernels. That module alone is stubbed: a fake triton would mislead torch's own imports of it."""
-    if importlib.util.find_spec("triton") is not None:
-        return
-
-    def kernel(name: str):
-        if name.startswith("__"):  # a module's own attributes (``__file__``...), which inspect looks up
-            raise AttributeError(name)
-
-        def unavailable(*args, **kwargs):
-            raise RuntimeError(f"{name} needs triton")
-
-        return unavailable
-
-    module = types.ModuleType(KERNELS)
-    module.__getattr__ = kernel
-    sys.modules[KERNELS] = module
-
-
-def zero_memory_monitor() -> None:
-    """components/metrics.py:42-50: the device memory monitor asks torch.cpu for a device name, its properties and
-    memory statistics, which it has not. A monitor of zeros instead (CPU has no allocator statistics)."""
-    import torchtitan.components.metrics as metrics
-
-    class CpuMemoryMonitor:
-        device_name, device_capacity_gib = "cpu", 0.0
-
-        def get_peak_stats(self):
-            return metrics.DeviceMemStats(0.0, 0.0, 0.0, 0.0, 0, 0)
-
-        def reset_peak_stats(self) -> None:
-            pass
-
-    metrics.build_device_memory_monitor = CpuMemoryMonitor
-
-
-def sum_reductions(trainer) -> None:
-    """distributed/fsdp.py:41 sets every FSDP module's gradient divide factor to 1.0 (the loss is already divided by
-    the global token count), which torch's FSDP2 reduces with ReduceOp.PREMUL_SUM(1 / 1.0)
-    (fsdp/_fully_shard/_fsdp_collectives.py:850), which gloo rejects. Plain SUM reductions compute the same."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for part in trainer.model_parts:
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ over the full logits, and an AdamW loop written out here.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy
-from lightning_automodel.lm import CausalLMModule
+from lightning_automodel.lm import CausalLMModule, PredictionWriter
 from lightning_automodel.lm.optimization import learning_rate_factor
 from lightning_automodel.testing.harness import shared_directory
 from lightning_automodel.testing.models import SHRUNK, VOCAB, tiny_config
@@ -164,8 +165,13 @@ def predict_error(
     fit: L.Trainer, module: L.LightningModule, reference: torch.nn.Module, rows: dict, loader: DataLoader
 ) -> float:
     """predict's per-sequence summed losses against ``reference``'s (asserted within the trained-loss tolerance), and
-    its token counts (asserted equal). Lightning deals rows r, r + dp, ... to data-parallel rank r."""
+    its token counts (asserted equal). Lightning deals rows r, r + dp, ... to data-parallel rank r. The file
+    PredictionWriter writes holds every row once, in order, with the reference's tokens and mean loss."""
+    directory = shared_directory()
+    writer = PredictionWriter(path=str(directory / "predictions.jsonl"))
+    fit.callbacks.append(writer)
     outputs = fit.predict(module, loader)
+    fit.callbacks.remove(writer)
     predicted = torch.cat([output["loss_sum"] for output in outputs])
     dp_rank, dp = (fit.strategy.distributed_sampler_kwargs[key] for key in ("rank", "num_replicas"))
     with torch.no_grad():
@@ -173,11 +179,19 @@ def predict_error(
         logits = reference(**inputs, use_cache=False).logits
     targets = torch.nn.functional.pad(rows["labels"][:, 1:], (0, 1), value=-100)
     per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-    expected_sums = per_token.sum(1)[dp_rank::dp]
-    error = ((predicted - expected_sums).abs().max() / expected_sums.abs().max()).item()
+    expected_sums, expected_tokens = per_token.sum(1), (targets != -100).sum(1)
+    error = ((predicted - expected_sums[dp_rank::dp]).abs().max() / expected_sums.abs().max()).item()
     assert error < TRAINED_LOSS_TOLERANCE, (predicted, expected_sums)
-    assert torch.equal(torch.cat([output["tokens"] for output in outputs]), (targets != -100).sum(1)[dp_rank::dp])
-    return error
+    assert torch.equal(torch.cat([output["tokens"] for output in outputs]), expected_tokens[dp_rank::dp])
+    dist.barrier()  # rank 0 has written the file
+    written = [json.loads(line) for line in (directory / "predictions.jsonl").read_text().splitlines()]
+    assert [line["row"] for line in written] == list(range(len(expected_sums))), written
+    assert [line["tokens"] for line in written] == expected_tokens.tolist(), written
+    expected_means = (expected_sums / expected_tokens).tolist()
+    written_error = max(abs(line["loss"] / expected_means[line["row"]] - 1) for line in written)
+    assert written_error < TRAINED_LOSS_TOLERANCE, (written, expected_sums / expected_tokens)
+    remove(directory)
+    return max(error, written_error)
 
 
 def reference_training(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> tuple[list, list, list]:
@@ -247,10 +261,17 @@ def check_predict_in_step_or_refused() -> dict:
     except ValueError as error:
         message = str(error)
     assert "different numbers of batches ([3, 2])" in message, message
-    data = DemoDataModule(seq_len=16, batch_size=2, num_documents=4, val_documents=3)
+    data = DemoDataModule(seq_len=16, batch_size=2, num_documents=4, val_documents=2)  # 23 rows: one twice
+    directory = shared_directory()
+    writer = PredictionWriter(path=str(directory / "predictions.jsonl"))
+    predict.callbacks.append(writer)
     outputs = predict.predict(module, datamodule=data)
     rows = sum(len(output["tokens"]) for output in outputs)
     assert rows == -(-len(data.datasets["test"]) // 2), (rows, len(data.datasets["test"]))  # dp=2, padded
+    dist.barrier()  # rank 0 has written the file: every row once, the one predicted twice too
+    written = [json.loads(line)["row"] for line in writer.path.read_text().splitlines()]
+    assert written == list(range(len(data.datasets["test"]))), written
+    remove(directory)
     # On nccl, evaluation under inference_mode breaks FSDP2's first unshard (seen on a GPU, where validate, test or
     # predict run first); gloo always takes no_grad, so what can be checked here is that the strategy turned it off.
     loops = (predict.validate_loop, predict.test_loop, predict.predict_loop)
@@ -323,7 +344,7 @@ def check_causal_lm_module_split(
     3 steps on padded (or packed) rows (AdamW with decay groups, warm-up then cosine) match transformers' model in
     one process:
     the logged loss and accuracy at every step, this rank's gradients, the weights; then validation's loss,
-    perplexity and accuracy; predict's per-sequence losses on every rank under pp, refused under cp. A
+    perplexity and accuracy; predict's per-sequence losses on every rank under pp or cp, refused under both. A
     mixture-of-experts family adds its load-balancing loss (logged apart) over the real tokens of the global batch."""
     directory = saved_checkpoint(family, **(AUXILIARY if family in SHRUNK else {}))
     train, val = ROWS[rows](GLOBAL_BATCH, seed=1), ROWS[rows](2 * GLOBAL_BATCH, seed=2)
@@ -345,15 +366,15 @@ def check_causal_lm_module_split(
     result["val_accuracy"] = abs(logged["val_accuracy"] - expected["accuracy"].item())
     assert result["train_accuracy"] <= one_token and result["val_accuracy"] <= 1 / expected["tokens"].item(), result
     assert max(result["val_loss"], result["val_perplexity"]) < TRAINED_LOSS_TOLERANCE, result
-    if cp == 1:
+    if pp == 1 or cp == 1:
         result["predict"] = predict_error(fit, module, reference, val, val_loader)
     else:
         try:
             fit.predict(module, val_loader)
         except ValueError as error:
-            assert "does not run under cp > 1" in str(error), error
+            assert "predict with pp=1 or cp=1" in str(error), error
         else:
-            raise AssertionError("CausalLMModule's predict under cp was not refused")
+            raise AssertionError("CausalLMModule's predict under pp x cp was not refused")
     remove(directory)
     return result
 

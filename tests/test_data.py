@@ -10,6 +10,7 @@ import pytest
 import torch
 from data_checks import DEMO, check_resume_across_epochs, check_streamed_resume
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer
@@ -291,6 +292,8 @@ def test_val_test_and_predict_sources(tmp_path):
 
     with pytest.raises(ValueError, match="Nothing to validate"):
         TextDataModule(train_files=train).setup("validate")
+    with pytest.raises(ValueError, match="^Nothing to test: set val_files"):  # the stage as Lightning passes it
+        TextDataModule(train_files=train).setup(TrainerFn.TESTING)
     with pytest.raises(ValueError, match="choose one source"):
         TextDataModule(train_files=train, val_files=val, val_fraction=0.1)
 
@@ -307,7 +310,10 @@ def test_an_empty_validation_set_is_an_error_not_a_skip(tmp_path):
     assert len(module.val_dataloader()) == 1
     module = TextDataModule(train_files=train, seq_len=64)
     module.setup("fit")
-    assert module.val_dataloader() == []
+    assert module.val_dataloader() == [] and "val" not in module.datasets
+    module = DemoDataModule(num_documents=4, val_documents=0, seq_len=16)  # documents given in code: none held out
+    module.setup("fit")
+    assert module.val_dataloader() == [] and "val" not in module.datasets
 
 
 def test_demo_documents_are_deterministic_in_the_seed():

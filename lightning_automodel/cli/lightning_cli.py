@@ -7,11 +7,12 @@ import warnings
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import ProgressBar
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_automodel import data  # noqa: F401 - its data modules' short names, for LightningCLI
-from lightning_automodel.lm import CausalLMModule
+from lightning_automodel.lm import CausalLMModule, PredictionWriter
 from lightning_automodel.lm.progress import StepProgressBar
 
 TRAINER_DEFAULTS = {
@@ -35,18 +36,50 @@ def ignore_lightning_deprecations() -> None:
     )
 
 
+def ignore_checkpoint_dirpath_warning() -> None:
+    """``validate``, ``test`` and ``predict`` restore the checkpoint callbacks' state from ``--ckpt_path`` into a new
+    run's directory, and ModelCheckpoint warns once a process that its dirpath changed and its best scores are not
+    reloaded: scores it keeps for saving, which it does during ``fit`` only. Ignored by message, category and module,
+    in the command's processes, for those three subcommands."""
+    warnings.filterwarnings(
+        "ignore", "The dirpath has changed from", UserWarning, r"lightning\.pytorch\.callbacks\.model_checkpoint"
+    )
+
+
 class AutomodelCLI(LightningCLI):
     """LightningCLI whose Trainer gets a :class:`StepProgressBar` unless the config brings a progress bar of its own
-    or turns the bar off."""
+    or turns the bar off; whose default logger writes under ``--trainer.default_root_dir``; whose ``predict`` writes
+    what it scores (:class:`PredictionWriter`, unless the config brings a prediction writer of its own); and whose
+    ``validate``, ``test`` and ``predict`` do not warn about the checkpoint callbacks' directory."""
+
+    def before_instantiate_classes(self) -> None:
+        _default_logger_under_root_dir(self._get(self.config, "trainer"))
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         section = self.config_init.get(str(self.subcommand), self.config_init)
         trainer = {**section.get("trainer", {}), **kwargs}
         callbacks = trainer.get("callbacks") or []
-        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if self.subcommand in ("validate", "test", "predict"):
+            ignore_checkpoint_dirpath_warning()
         if trainer.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            callbacks.append(StepProgressBar())
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in callbacks):
+            callbacks.append(PredictionWriter())
+        kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
+
+
+def _default_logger_under_root_dir(trainer: Namespace) -> None:
+    """The command's default logger (a CSVLogger in ``"."``) in ``default_root_dir`` where one is given: Lightning
+    puts its own default logger there, but a logger the Trainer is given keeps its ``save_dir``. A logger the config
+    sets otherwise keeps its own."""
+    logger, root = trainer.get("logger"), trainer.get("default_root_dir")
+    default = TRAINER_DEFAULTS["logger"]
+    if root is None or not isinstance(logger, Namespace) or logger.get("class_path") != default["class_path"]:
+        return
+    if logger.init_args.get("save_dir") == default["init_args"]["save_dir"]:
+        logger.init_args.save_dir = root
 
 
 def cli(

@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -87,7 +88,7 @@ class TokenDataModule(L.LightningDataModule):
         self.cache_timeout_s = cache_timeout_s
         self.num_workers = num_workers
         self.seed = seed
-        self.datasets: dict[str, Dataset] = {}
+        self.datasets: dict[str, Dataset] = {}  # the splits set up that hold rows: one without is absent
 
     @functools.cached_property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -96,12 +97,13 @@ class TokenDataModule(L.LightningDataModule):
         return load_tokenizer(self.tokenizer_path)
 
     def setup(self, stage: str) -> None:
+        stage = TrainerFn(stage).value  # "test": Lightning passes its enum, TrainerFn.TESTING
         for split in _STAGE_SPLITS[stage]:
-            if split not in self.datasets:
-                self.datasets[split] = self._split_rows(split)
-        if stage == "fit" and not self.datasets["train"]:
+            if split not in self.datasets and (rows := self._split_rows(split)) is not None and len(rows):
+                self.datasets[split] = rows
+        if stage == "fit" and "train" not in self.datasets:
             raise ValueError(f"No training text in {self.files['train']!r}: every document is empty.")
-        if stage != "fit" and not self.datasets[_STAGE_SPLITS[stage][0]]:
+        if stage != "fit" and _STAGE_SPLITS[stage][0] not in self.datasets:
             raise ValueError(f"Nothing to {stage}: set val_files, val_fraction or test_files.")
 
     def documents(self, split: str) -> list[str] | None:
@@ -110,6 +112,7 @@ class TokenDataModule(L.LightningDataModule):
         return None
 
     def _split_rows(self, split: str) -> Dataset | None:
+        """The rows of ``split``, or None where it has no source (no files or documents for it)."""
         documents = self.documents(split)
         if documents is not None:
             batches = document_batches(documents, f"<{type(self).__name__} {split}>")
@@ -117,7 +120,7 @@ class TokenDataModule(L.LightningDataModule):
             return self._rows(store, chosen=None)
         role, part = self._file_set(split)
         if role is None:
-            return []
+            return None
         store = self._store(role)
         chosen = None if part is None else held_out_split(store.documents, self.val_fraction, self.seed)[part]
         return self._rows(store, chosen=chosen)
@@ -178,7 +181,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> QuietStatefulDataLoader | list:
         rows = self.datasets.get("val")
-        return self._loader(rows) if rows else []  # an empty list makes Lightning skip validation
+        return self._loader(rows) if rows is not None else []  # an empty list makes Lightning skip validation
 
     def test_dataloader(self) -> QuietStatefulDataLoader:
         return self._loader(self.datasets["test"])

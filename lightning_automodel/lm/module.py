@@ -25,6 +25,7 @@ from lightning_automodel.hf.peft import with_lora
 from lightning_automodel.lm.limits import check_batch, check_seq_len, check_tokenizer
 from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
 from lightning_automodel.lm.optimization import Schedule, adamw_with_schedule
+from lightning_automodel.lm.predictions import row_scores
 from lightning_automodel.lm.summary import TrainingSummary
 from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
 from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
@@ -54,7 +55,8 @@ class CausalLMModule(L.LightningModule):
         config: with ``model``, overrides of its config (``{"attn_implementation": "sdpa"}``); without, a whole
             config to build a new model from, with its ``model_type`` (``{"model_type": "llama", "hidden_size":
             ...}``). A missing ``vocab_size`` is taken from the data module's tokenizer (rounded up to a
-            multiple of 64, so that tensor parallelism divides it).
+            multiple of 64, so that tensor parallelism divides it), and so are missing ``bos_token_id``,
+            ``eos_token_id`` and ``pad_token_id`` (an exported model's ``generate`` stops at the tokenizer's EOS).
         lora: ``peft.LoraConfig`` arguments (``{"r": 16, "target_modules": ["q_proj", "v_proj"]}``): only the
             adapters train.
         dtype: the weights' dtype when loading ``model`` (``"auto"``: the checkpoint's). Training precision is
@@ -158,23 +160,14 @@ class CausalLMModule(L.LightningModule):
         self._step("test", batch)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities).
-        Under pipeline parallel the last stage computes them, and every rank returns them."""
+        """Each sequence's summed next-token loss and scored-token count (score documents, compute perplexities),
+        on every rank under any layout (see :func:`~lightning_automodel.lm.predictions.row_scores`);
+        :class:`~lightning_automodel.lm.predictions.PredictionWriter` writes them to a file."""
         check_batch(batch, self.hf_config)
-        if context_parallel_of(self.model) is not None:
-            raise ValueError("CausalLMModule's predict does not run under cp > 1 yet: predict with cp=1.")
         if "labels" not in batch:  # refused on every rank, before any stage waits for the last one
             raise ValueError("CausalLMModule's predict scores each sequence against its labels: give batches labels.")
         self._batch_shape = tuple(batch["input_ids"].shape)
-        logits = self(**_model_inputs(batch))
-        rows = batch["input_ids"].size(0)
-        scores = torch.zeros(2, rows, device=batch["input_ids"].device)
-        for row in range(rows if logits is not None else 0):  # None: a pipeline stage before the last
-            loss_sum, count = causal_lm_loss_sum(logits[row : row + 1], batch["labels"][row : row + 1])
-            scores[0, row], scores[1, row] = _plain(loss_sum).detach(), count
-        if (pipeline := pipeline_of(self.model)) is not None:
-            scores = pipeline.from_last_stage(scores)
-        return {"loss_sum": scores[0], "tokens": scores[1].long()}
+        return row_scores(self.model, labels=batch["labels"], **_model_inputs(batch))
 
     def _step(self, stage: str, batch: dict[str, Tensor]) -> Tensor:
         check_batch(batch, self.hf_config)
@@ -344,13 +337,16 @@ class CausalLMModule(L.LightningModule):
 
     def model_config(self, tokenizer: Any = None) -> Any:
         """The Hugging Face config of the model: ``model``'s with the ``config`` overrides, or ``config`` whole,
-        whose missing ``vocab_size`` is the tokenizer's rounded up to a multiple of 64. No weights are read."""
+        whose missing ``vocab_size`` is the tokenizer's rounded up to a multiple of 64 and missing special token ids
+        the tokenizer's (:func:`special_token_ids`). No weights are read."""
         from transformers import AutoConfig
 
         hparams = self.hparams
         overrides = dict(hparams.config or {})
         if hparams.model is not None:
             return AutoConfig.from_pretrained(hparams.model, **overrides)
+        if tokenizer is not None:
+            overrides = {**special_token_ids(tokenizer), **overrides}
         if "vocab_size" not in overrides:
             if tokenizer is None:
                 raise ValueError(
@@ -359,6 +355,17 @@ class CausalLMModule(L.LightningModule):
                 )
             overrides["vocab_size"] = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
         return AutoConfig.for_model(**overrides)
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int | None]:
+    """The tokenizer's BOS, EOS and padding ids, for a new model's config (and so its generation config, and what
+    `export` writes): ``generate`` stops at the EOS the model was trained to end with, not at the config class's
+    default. A padding id that stands in for EOS (a tokenizer without a pad token of its own) is left out: the
+    embedding of a config's ``pad_token_id`` is kept at zero and not trained, and EOS is a token the model reads."""
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        ids["pad_token_id"] = tokenizer.pad_token_id
+    return ids
 
 
 def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:

@@ -105,7 +105,7 @@ def test_demo_is_quiet_and_counts_steps(demo_run):
     deprecations were printed once per process, torchao's notice that it skips its C++ extensions too), and its
     progress bar counts steps to max_steps (Lightning's read "Epoch 0/-2")."""
     output = (demo_run / "output.txt").read_text()
-    for noise in ("set_vital", "LeafSpec", "deprecated", "Warning", "Epoch 0/-2", TORCHAO_NOTICE):
+    for noise in ("set_vital", "LeafSpec", "deprecated", "Warning", "Epoch 0/-2", TORCHAO_NOTICE, "Tip:"):
         assert noise not in output, f"{noise!r} in:\n{output[-6000:]}"
     assert re.search(rf"Step +━+ {DEMO_STEPS}/{DEMO_STEPS} ", output), output[-3000:]
 
@@ -155,7 +155,7 @@ def test_predict_writes_each_rows_loss(demo_run, demo_export):
     )
     path = demo_run / "lightning_logs/version_1/predictions.jsonl"
     assert f"predictions      {path}" in output, output[-3000:]
-    for noise in ("dirpath has changed", "Warning", TORCHAO_NOTICE):
+    for noise in ("dirpath has changed", "Warning", TORCHAO_NOTICE, "Tip:"):
         assert noise not in output, f"{noise!r} in:\n{output[-6000:]}"
     written = [json.loads(line) for line in path.read_text().splitlines()]
     batch = demo_rows("predict")

@@ -20,7 +20,7 @@ import os
 import sys
 
 from lightning_automodel.cli.export import export_command
-from lightning_automodel.cli.lightning_cli import DESCRIPTION, cli, ignore_lightning_deprecations
+from lightning_automodel.cli.lightning_cli import DESCRIPTION, cli, drop_lightning_tips, ignore_lightning_deprecations
 from lightning_automodel.cli.plan import plan_command
 
 # Every command, as `lightning-automodel --help` lists them: LightningCLI's parser knows its four only.
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv[1:] = given  # what LightningCLI, and the processes Lightning's launcher starts, read
     commands = {"plan": plan_command, "export": export_command}
     ignore_lightning_deprecations()
+    drop_lightning_tips()
     if not given or given[0] in ("-h", "--help"):
         _front_door(given)
     elif given[0] in commands:

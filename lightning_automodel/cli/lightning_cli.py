@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -34,6 +35,17 @@ def ignore_lightning_deprecations() -> None:
         FutureWarning,
         r"lightning\.pytorch\.utilities\._pytree",
     )
+
+
+def drop_lightning_tips() -> None:
+    """Lightning 2.6 logs "💡 Tip:" adverts for its cloud packages (litlogger, litmodels) at every run: lines the
+    command's user did not ask for and need not act on. A filter on the logger Lightning logs them through drops
+    those lines alone, in the command's processes (not in a user's own script that imports the package)."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_a_tip)
+
+
+def _not_a_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
 
 
 def ignore_checkpoint_dirpath_warning() -> None:

@@ -22,9 +22,9 @@ from lightning_automodel.parallel.preflight import (
     check_before_collectives,
     probe_unsharded,
 )
-from lightning_automodel.parallel.tensor.plans.coverage import unmatched_patterns
 from lightning_automodel.parallel.tensor.plans.hf_plan import hf_style_strings, translate_style
 from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
+from lightning_automodel.parallel.tensor.plans.sharded_weights import unmatched_patterns
 from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes
 from lightning_automodel.parallel.tensor.styles.projections import PackedColwiseParallel, RegroupedColwiseParallel
 from lightning_automodel.parallel.tensor.styles.stream import SequenceParallelAllGather
@@ -449,7 +449,7 @@ def test_expert_placements_follow_each_layout():
     (in, out) experts, which carry no layout flags."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from lightning_automodel.parallel.experts.expert_tensor_parallel import expert_placements
+    from lightning_automodel.parallel.tensor.styles.experts import expert_placements
 
     def placements(model_type, path):
         with torch.device("meta"):
@@ -477,7 +477,7 @@ def test_plans_are_completed_with_experts_latent_attention_and_shared_experts():
     """DeepSeek-V3's Hugging Face plan names its MLP only: completed with latent attention (low-rank projections kept
     whole, the rotary key's gradient summed) and its shared experts. GPT-OSS's names lm_head only: measured by one
     expert's matrix, its attention weights are large, and the completed Llama-style plan wins."""
-    from lightning_automodel.parallel.experts.expert_tensor_parallel import ExpertTensorParallel
+    from lightning_automodel.parallel.tensor.styles.experts import ExpertTensorParallel
     from lightning_automodel.parallel.tensor.styles.projections import KeptWhole, LatentKeyValueProjection
 
     with torch.device("meta"):
@@ -513,7 +513,7 @@ def test_lora_on_experts_is_refused_at_tp_and_ep():
 
 def test_experts_computing_more_than_their_weighted_sum_are_refused():
     """Longcat-Flash's identity experts would be summed over tp like partial outputs: refused, named."""
-    from lightning_automodel.parallel.experts.expert_tensor_parallel import experts_problem
+    from lightning_automodel.parallel.tensor.styles.experts import experts_problem
 
     with torch.device("meta"):
         experts = coverage_model("longcat_flash").model.layers[0].mlp.experts

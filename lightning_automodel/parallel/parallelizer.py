@@ -27,7 +27,7 @@ from lightning_automodel.parallel.experts.expert_parallel import (
     expert_precision_problem,
     experts_modules,
 )
-from lightning_automodel.parallel.experts.expert_tensor_parallel import give_every_expert_a_gradient
+from lightning_automodel.parallel.experts.unreached_experts import give_every_expert_a_gradient
 from lightning_automodel.parallel.float8 import (
     Float8Layers,
     convert_to_float8,
@@ -42,7 +42,7 @@ from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, name_of, pipeline_model
 from lightning_automodel.parallel.preflight import PreflightFindings, check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, apply_tensor_parallel
-from lightning_automodel.parallel.tensor.sequence_parallel import stage_stream_boundaries, stream_placements
+from lightning_automodel.parallel.tensor.plans.sequence_parallel import stage_stream_boundaries, stream_placements
 
 log = logging.getLogger(__name__)
 

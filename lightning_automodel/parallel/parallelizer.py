@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_automodel.parallel.compile import apply_compile, check_compile, compile_options
 from lightning_automodel.parallel.context_parallel import context_parallel_model
@@ -86,7 +87,7 @@ def parallelize(
     if options is not None and keywords:
         raise TypeError(f"parallelize takes options or their keywords, not both (got {', '.join(keywords)} too).")
     options = options if options is not None else ParallelOptions.from_keywords(**keywords)
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf_model = unwrap_peft(model)
     parallelization_strategy_for(hf_model).parallelize(hf_model, device_mesh, options)
     return model
 

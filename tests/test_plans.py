@@ -16,7 +16,8 @@ from lightning_automodel.parallel import (
     parallelize,
     register_parallelization_strategy,
 )
-from lightning_automodel.parallel.parallelizer import is_meta, parallelization_strategy_for
+from lightning_automodel.parallel.initial_weights import is_meta
+from lightning_automodel.parallel.parallelizer import parallelization_strategy_for
 from lightning_automodel.parallel.preflight import (
     blocks_recomputed_outside_calls,
     check_before_collectives,
@@ -358,7 +359,7 @@ def test_a_registered_parallelization_strategy_takes_over_the_flow():
 
     model = Family()
     assert isinstance(parallelization_strategy_for(model), FamilyStrategy)
-    assert parallelize(model, "mesh", sp=True) is model
+    assert parallelize(model, "mesh", sp=True).model is model
     assert calls == [(model, "mesh", ParallelOptions(sp=True))]
     assert isinstance(parallelization_strategy_for(tiny_model()), DefaultParallelizationStrategy)
 

@@ -66,9 +66,9 @@ class ParallelOptions:
     interleaved schedules (rank r holds stages r, r + pp, ...; the bubble shrinks to (pp - 1) / (pp_stages_per_rank x
     m + pp - 1)); ``pp_loss_fn``, a loss of your own (in YAML, its import path): ``f(logits, labels)`` returns a
     micro-batch's loss summed over its tokens, which the last stage computes and the pipeline divides by the global
-    batch's scored tokens (default: the next-token cross-entropy). Without the strategy, a pipelined model built on
-    the meta device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
-    ``.sum_tied_gradients()`` before each optimizer step; see :mod:`~lightning_automodel.parallel.pipeline`."""
+    batch's scored tokens (default: the next-token cross-entropy). Without the strategy, the loop calls the methods of
+    what ``parallelize`` returns (:class:`~lightning_automodel.parallel.parallelized.Parallelized`); see
+    :mod:`~lightning_automodel.parallel.pipeline`."""
 
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     """How FSDP2 shards, gathers and computes (under pp, ``reshard_after_forward=None`` is False: a stage gathers its

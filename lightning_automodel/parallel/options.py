@@ -7,6 +7,7 @@ Sizes are the mesh's (:class:`~lightning_automodel.parallel.mesh.ParallelDims`);
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from lightning_automodel.parallel.activation_checkpointing import ACMode, validate_ac_mode
@@ -77,8 +78,14 @@ class ParallelOptions:
     def __post_init__(self) -> None:
         attention_kernel(self.cp_attention, "cpu")  # a name it does not know is refused here
         validate_ac_mode(self.activation_checkpointing)
-        compile_options(self.compile)
+        _ = self.compile_kwargs  # parsed here: a compile= torch.compile does not take is refused when built
         object.__setattr__(self, "float8", float8_options(self.float8) or False)
+
+    @cached_property
+    def compile_kwargs(self) -> dict[str, Any] | None:
+        """``compile`` as torch.compile's keyword arguments (None: no compile), parsed once, when the options are
+        built."""
+        return compile_options(self.compile)
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> ParallelOptions:

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_automodel.parallel.compile import apply_compile, check_compile, compile_options
+from lightning_automodel.parallel.compile import apply_compile, check_compile
 from lightning_automodel.parallel.context_parallel import context_parallel_model
 from lightning_automodel.parallel.experts.expert_parallel import (
     apply_expert_parallel,
@@ -134,7 +134,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if tensor_parallel is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), tensor_parallel)
         experts = _apply_expert_parallel(model, device_mesh) if axis_size(device_mesh, "ep") > 1 else None
-        compiled = compile_options(options.compile)
+        compiled = options.compile_kwargs
         if options.activation_checkpointing:
             mode = options.activation_checkpointing
             apply_activation_checkpointing(model, layers, mode=mode, compiled=compiled is not None)

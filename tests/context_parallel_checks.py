@@ -161,7 +161,7 @@ def check_rows_split_over_pp_and_cp(
     config = dict(config, num_hidden_layers=pp * stages_per_rank * 2)
     model, reference = any_model(family, **config), any_model(family, **config)
     pipeline_options = PipelineOptions(schedule, microbatches=4, stages_per_rank=stages_per_rank)
-    parallelize(
+    parallelized = parallelize(
         model, ParallelDims(pp=pp, cp=cp, tp=tp).resolve(world).build_mesh("cpu"), sp=sp, pipeline=pipeline_options
     )
     pipeline, context = pipeline_of(model), context_parallel_of(model)
@@ -174,7 +174,7 @@ def check_rows_split_over_pp_and_cp(
         expected.loss.backward()
         dist.all_reduce(shares := loss.detach().clone(), group=context.group)
         result["loss"] = max(result["loss"], abs(shares.item() / cp - expected.loss.item()) / expected.loss.item())
-    pipeline.sum_tied_gradients()
+    parallelized.after_backward()
     grads = dict(reference.named_parameters())
     result["grads"] = max(relative_error(full(p.grad), grads[n].grad) for n, p in model.named_parameters())
     model.eval()

@@ -88,6 +88,7 @@ def check_float8_trainer_parity(*, recipe: str = "tensorwise", **options: object
         "fp32_first_grads": gap["first_grads"],
         "float8_layers_here": len(converted),
         "float8_all_gather": _gathers_in_float8(module.model),
+        "scales_precomputed": _scales_precomputed(module.model),
     }
 
 
@@ -150,3 +151,11 @@ def _gathers_in_float8(model: torch.nn.Module) -> bool:
 
     weights = [m.weight for m in model.modules() if type(m).__name__ == "Float8Linear"]
     return any(isinstance(getattr(w, "_local_tensor", w), WeightWithDynamicFloat8CastTensor) for w in weights)
+
+
+def _scales_precomputed(model: torch.nn.Module) -> bool:
+    """Whether every float8 weight that FSDP2 gathers in float8 holds a scale for its next all-gather, computed after
+    the last optimizer step (the strategy's ``after_optimizer_step``); False where there is no such weight."""
+    weights = [m.weight for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    gathered = [w for w in (getattr(w, "_local_tensor", w) for w in weights) if hasattr(w, "_precomputed_scale")]
+    return bool(gathered) and all(w._precomputed_scale is not None for w in gathered)

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims, from_pretrained, parallelize
+from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.hf.loading import materialize_pretrained
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
 from lightning_automodel.testing.models import batch, tiny_model
@@ -122,9 +123,11 @@ def check_pipeline_loaded_weights(pp: int, family: str, stages_per_rank: int = 1
     model = from_pretrained(directory, dtype=torch.float32)
     schedule = "Interleaved1F1B" if stages_per_rank > 1 else "1F1B"
     options = PipelineOptions(schedule, stages_per_rank=stages_per_rank)
-    parallelize(model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"), pipeline=options)
+    parallelized = parallelize(
+        model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"), pipeline=options
+    )
     materialize_pretrained(model, torch.device("cpu"))
-    pipeline_of(model).adopt_weights()
+    parallelized.after_weights_loaded()
     expected = reference.state_dict()
     held = model.state_dict()
     stages = options.stages_of_rank(dist.get_rank(), pp)
@@ -134,7 +137,7 @@ def check_pipeline_loaded_weights(pp: int, family: str, stages_per_rank: int = 1
     tokens, labels = batch(GLOBAL_BATCH)
     loss = model(input_ids=tokens, labels=labels).loss
     loss.backward()
-    pipeline_of(model).sum_tied_gradients()
+    parallelized.after_backward()
     reference_loss = hf_loss(reference, tokens, labels)
     reference_loss.backward()
     grads = dict(reference.named_parameters())
@@ -147,6 +150,38 @@ def check_pipeline_loaded_weights(pp: int, family: str, stages_per_rank: int = 1
     assert logits is not None or not pipeline_of(model).last, "the last stage returned no logits"
     assert result["weights"] == 0.0 and max(result.values()) < FP32_TOLERANCE, result
     remove(directory)
+    return result
+
+
+def check_meta_build_stays_tied(pp: int, stages_per_rank: int = 2) -> dict:
+    """A tied model (Gemma 3) built on the meta device, split at pp with two stages per rank (views of the model) and
+    initialised on each rank, then ``after_weights_loaded``: the last stage's copy of the embedding holds the first
+    stage's values, and one step's loss and every gradient (the two copies' summed by ``after_backward``) equal one
+    process's on the weights the ranks hold."""
+    with torch.device("meta"):
+        model = tiny_model("gemma3", num_hidden_layers=LAYERS)
+    options = PipelineOptions("Interleaved1F1B", stages_per_rank=stages_per_rank)
+    mesh = ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu")
+    parallelized = parallelize(model, mesh, pipeline=options)
+    materialize_hf_model(model, torch.device("cpu"))
+    parallelized.after_weights_loaded()
+    reference = tiny_model("gemma3", num_hidden_layers=LAYERS)
+    held = [{name: full(tensor) for name, tensor in model.state_dict().items()}]
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, held[0])
+    first_stage = every_rank[0]["model.embed_tokens.weight"]
+    result = {"copy": (held[0]["model.embed_tokens.weight"] - first_stage).abs().max().item()}
+    reference.load_state_dict({name: t for state in reversed(every_rank) for name, t in state.items()}, strict=False)
+    tokens, labels = batch(GLOBAL_BATCH)
+    loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    parallelized.after_backward()
+    reference_loss = hf_loss(reference, tokens, labels)
+    reference_loss.backward()
+    grads = dict(reference.named_parameters())
+    result["loss"] = abs(loss.item() - reference_loss.item()) / reference_loss.item()
+    result["grads"] = max(relative_error(full(p.grad), grads[n].grad) for n, p in model.named_parameters())
+    assert result["copy"] == 0.0 and max(result.values()) < FP32_TOLERANCE, result
     return result
 
 
@@ -167,15 +202,14 @@ def check_pipeline_batch_shapes(pp: int) -> list[float]:
     the stages size their transfers again, and every step's gradients (Gemma 3, tied) equal one process's. A second
     backward of one loss is refused (it would add the schedule's gradients again)."""
     model, reference = (tiny_model("gemma3", num_hidden_layers=LAYERS) for _ in range(2))
-    parallelize(model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"))
-    pipeline = pipeline_of(model)
+    parallelized = parallelize(model, ParallelDims(pp=pp).resolve(dist.get_world_size()).build_mesh("cpu"))
     errors = []
     for rows, length in ((8, 16), (4, 16), (4, 12)):
         tokens, labels = (tensor[:, :length] for tensor in batch(rows))
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
         model(input_ids=tokens, labels=labels).loss.backward()
-        pipeline.sum_tied_gradients()
+        parallelized.after_backward()
         hf_loss(reference, tokens, labels).backward()
         expected = dict(reference.named_parameters())
         errors.append(max(relative_error(p.grad, expected[n].grad) for n, p in model.named_parameters()))

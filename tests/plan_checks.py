@@ -133,6 +133,15 @@ def naive_fused_plan(model: torch.nn.Module, sp: bool) -> dict:
     return {**select_tp_plan(model, sp=sp).plan, "model.layers.*.mlp.gate_up_proj": ColwiseParallel()}
 
 
+def plan_with_a_stray_pattern(model: torch.nn.Module, sp: bool) -> dict:
+    """The model's own plan and a pattern that matches no module, which the plan report names."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
+
+    return {**select_tp_plan(model, sp=sp).plan, "model.layers.*.mlp.no_such_proj": ColwiseParallel()}
+
+
 USER_PLAN = user_plan(None, False)
 # The Llama projections by name, and nothing else: per-head norms under other names (HunYuan's query_layernorm) are
 # left to the probe.

@@ -279,6 +279,34 @@ def test_plan_command_prints_no_warning(capsys, monkeypatch):
     assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1)" in capsys.readouterr().out
 
 
+def test_plan_prints_each_finding_once_in_its_report(capsys, caplog, monkeypatch):
+    """`plan` of a layout that parallelizes the model once a pipeline stage and once a checkpointing mode (pp=2, the
+    activation estimate), over flattened mesh axes (HSDP: dp_replicate=2) with keys and values gathered (cp=2), of a
+    plan with a pattern that matches no module: no warning and no log record of ours, torch's deprecations of its
+    old mesh slicing and functional collective among them; the pattern named once, in the report."""
+    command = [
+        "plan",
+        f"--config={EXAMPLES / 'demo.yaml'}",
+        "--world_size=16",
+        "--activations",
+        "--trainer.strategy.init_args.pp=2",
+        "--trainer.strategy.init_args.cp=2",
+        "--trainer.strategy.init_args.dp_replicate=2",
+        "--trainer.strategy.init_args.tp_plan=plan_checks.plan_with_a_stray_pattern",
+    ]
+    monkeypatch.setattr(sys, "argv", ["lightning-automodel", *command])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(command)
+    shown = [str(warning.message) for warning in caught if not issubclass(warning.category, DeprecationWarning)]
+    assert shown == []
+    assert [record.getMessage() for record in caplog.records if record.name.startswith("lightning_automodel")] == []
+    out = capsys.readouterr().out
+    assert out.startswith("LlamaForCausalLM on ParallelDims(pp=2, dp_replicate=2, dp_shard=1, cp=2, tp=2, ep=1)"), out
+    assert out.count("no_such_proj") == 2, out  # its line in the plan (x0), and the patterns matching no module
+    assert "patterns matching no module: model.layers.*.mlp.no_such_proj" in out
+
+
 # The demo's model as a Phi3, whose fused gate_up_proj a plan can split wrong.
 DEMO_AS_PHI3 = (
     '--model.config={"model_type": "phi3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,'

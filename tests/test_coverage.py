@@ -190,7 +190,7 @@ def broken_experts(model_type: str, broken: str) -> dict:
             summed_gradient(param.to_local(), mesh=mesh) if param.placements[0].is_replicate() else param.to_local()
         ),
     }
-    with mock.patch(f"lightning_automodel.parallel.experts.expert_tensor_parallel.{broken}", replacements[broken]):
+    with mock.patch(f"lightning_automodel.parallel.tensor.styles.experts.{broken}", replacements[broken]):
         return coverage_check(model_type, "tp2")
 
 

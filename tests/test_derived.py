@@ -12,7 +12,7 @@ from lightning_automodel.parallel.probe import PROBE_TOKENS_PER_RANK, meta_copy,
 from lightning_automodel.parallel.tensor.plans.derived import derived_plan
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
-from lightning_automodel.parallel.tensor.sequence_parallel import with_sequence_parallel
+from lightning_automodel.parallel.tensor.plans.sequence_parallel import with_sequence_parallel
 from lightning_automodel.parallel.tensor.styles.projections import (
     Conv1DColwiseParallel,
     Conv1DRowwiseParallel,

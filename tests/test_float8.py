@@ -1,7 +1,8 @@
 """Float8 training (``float8=``): the decoder blocks' linear layers converted by torchao (emulated on CPU), through a
 real Trainer against the same model converted in one process (see float8_checks): rowwise scaling at tp=2 + sp x
 dp_shard=2 with activation checkpointing and compiled blocks; tensorwise with FSDP2's float8 all-gather under pp=2 x
-dp_shard=2; the layers kept in high precision named; the options and devices refused."""
+dp_shard=2, every such weight's scale computed after each optimizer step; the layers kept in high precision named;
+the options and devices refused."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def test_float8_trains_as_one_process_converted():
     results = run_checks(4, checks, timeout=600)
     tp_sp, pp, compiled = (results[name] for name in results)
     assert all(rank["float8_all_gather"] for rank in pp), pp  # tensorwise over dp_shard=2: FSDP2 gathers in float8
+    assert all(rank["scales_precomputed"] for rank in pp), pp  # after each optimizer step, in one all-reduce
     assert all(not rank["float8_all_gather"] for rank in tp_sp), tp_sp  # rowwise: in high precision
     assert [rank["float8_layers_here"] for rank in pp] == [7, 7, 14, 14], (
         pp

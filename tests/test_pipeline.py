@@ -14,6 +14,7 @@ from lm_checks import check_causal_lm_module_split
 from pipeline_checks import (
     check_accumulation_around_forward_only_calls,
     check_loss_from_logits_is_refused,
+    check_meta_build_stays_tied,
     check_pipeline_accumulation_and_clipping,
     check_pipeline_batch_shapes,
     check_pipeline_loaded_weights,
@@ -47,7 +48,8 @@ def test_pipeline_two_stages_against_one_process():
     before fit with two stages per rank (the optimizer steps the sharded weights, not those validate left gathered);
     a loss of
     one's own (cross-entropy + z-loss, pp_loss_fn) on Qwen3. Two stages per rank: Llama with Interleaved1F1B, Gemma 3
-    (tied, layers of both kinds) with LoopedBFS, and loaded stage by stage."""
+    (tied, layers of both kinds) with LoopedBFS, and loaded stage by stage; Gemma 3 built on the meta device and
+    initialised stage by stage, its embedding's two copies tied by what parallelize returns."""
     checks = [
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4),
         partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3", cpu_offload=True),
@@ -64,6 +66,7 @@ def test_pipeline_two_stages_against_one_process():
         partial(check_pipeline_trainer_parity, 2, "1F1B", "qwen3", own_loss=True),
         partial(check_pipeline_trainer_parity, 2, "LoopedBFS", "gemma3", stages_per_rank=2, config=MIXED_LAYERS),
         partial(check_pipeline_loaded_weights, 2, "gemma3", 2, **MIXED_LAYERS),
+        partial(check_meta_build_stays_tied, 2),
     ]
     run_checks(2, checks, timeout=400)
 

@@ -15,15 +15,16 @@ from lightning_automodel.parallel import (
     parallelize,
     register_parallelization_strategy,
 )
-from lightning_automodel.parallel.parallelizer import is_meta, parallelization_strategy_for
+from lightning_automodel.parallel.initial_weights import is_meta
+from lightning_automodel.parallel.parallelizer import parallelization_strategy_for
 from lightning_automodel.parallel.preflight import (
     blocks_recomputed_outside_calls,
     check_before_collectives,
     probe_unsharded,
 )
-from lightning_automodel.parallel.tensor.plans.coverage import unmatched_patterns
 from lightning_automodel.parallel.tensor.plans.hf_plan import hf_style_strings, translate_style
 from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan
+from lightning_automodel.parallel.tensor.plans.sharded_weights import unmatched_patterns
 from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes
 from lightning_automodel.parallel.tensor.styles.projections import PackedColwiseParallel, RegroupedColwiseParallel
 from lightning_automodel.parallel.tensor.styles.stream import SequenceParallelAllGather
@@ -380,7 +381,7 @@ def test_a_registered_parallelization_strategy_takes_over_the_flow():
 
     model = Family()
     assert isinstance(parallelization_strategy_for(model), FamilyStrategy)
-    assert parallelize(model, "mesh", sp=True) is model
+    assert parallelize(model, "mesh", sp=True).model is model
     assert calls == [(model, "mesh", ParallelOptions(sp=True))]
     assert isinstance(parallelization_strategy_for(tiny_model()), DefaultParallelizationStrategy)
 
@@ -471,7 +472,7 @@ def test_expert_placements_follow_each_layout():
     (in, out) experts, which carry no layout flags."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from lightning_automodel.parallel.experts.expert_tensor_parallel import expert_placements
+    from lightning_automodel.parallel.tensor.styles.experts import expert_placements
 
     def placements(model_type, path):
         with torch.device("meta"):
@@ -499,7 +500,7 @@ def test_plans_are_completed_with_experts_latent_attention_and_shared_experts():
     """DeepSeek-V3's Hugging Face plan names its MLP only: completed with latent attention (low-rank projections kept
     whole, the rotary key's gradient summed) and its shared experts. GPT-OSS's names lm_head only: measured by one
     expert's matrix, its attention weights are large, and the completed Llama-style plan wins."""
-    from lightning_automodel.parallel.experts.expert_tensor_parallel import ExpertTensorParallel
+    from lightning_automodel.parallel.tensor.styles.experts import ExpertTensorParallel
     from lightning_automodel.parallel.tensor.styles.projections import KeptWhole, LatentKeyValueProjection
 
     with torch.device("meta"):
@@ -535,7 +536,7 @@ def test_lora_on_experts_is_refused_at_tp_and_ep():
 
 def test_experts_computing_more_than_their_weighted_sum_are_refused():
     """Longcat-Flash's identity experts would be summed over tp like partial outputs: refused, named."""
-    from lightning_automodel.parallel.experts.expert_tensor_parallel import experts_problem
+    from lightning_automodel.parallel.tensor.styles.experts import experts_problem
 
     with torch.device("meta"):
         experts = coverage_model("longcat_flash").model.layers[0].mlp.experts

@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.hf.replica import replica_problem
 
 
 def packed_documents_problem(model: nn.Module) -> str | None:
     """Why ``model`` would let the documents of a packed row see each other (None if it keeps them apart): a shrunk
     replica's logits on its two rows packed into one, position ids restarting, must equal its logits on each row."""
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf_model = unwrap_peft(model)
     name = type(hf_model).__name__
     return replica_problem(
         hf_model,

@@ -1,10 +1,16 @@
-"""PEFT's LoRA as this package meets it: recognising a LoRA layer, and wrapping a causal LM in one."""
+"""PEFT as this package meets it: the Hugging Face model inside a PEFT model, recognising a LoRA layer, and wrapping
+a causal LM in one."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from torch import nn
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The Hugging Face model a PEFT model wraps (whose module names the plans know), or ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def is_lora_layer(module: nn.Module) -> bool:

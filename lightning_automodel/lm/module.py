@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from lightning_automodel.hf.document_masking import packed_documents_problem
 from lightning_automodel.hf.loading import from_pretrained
-from lightning_automodel.hf.peft import with_lora
+from lightning_automodel.hf.peft import unwrap_peft, with_lora
 from lightning_automodel.lm.limits import check_batch, check_seq_len, check_tokenizer
 from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
 from lightning_automodel.lm.optimization import Schedule, adamw_with_schedule
@@ -224,7 +224,7 @@ class CausalLMModule(L.LightningModule):
         """The mixture-of-experts auxiliary loss (``output_router_logits``), weighted as the model weighs it, over
         the global batch (see :mod:`lightning_automodel.parallel.experts.load_balancing_loss`); logged with each
         layer's expert load imbalance, the same on every rank."""
-        hf_model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        hf_model = unwrap_peft(self.model)
         options = dict(num_experts=hf_model.num_experts, top_k=hf_model.num_experts_per_tok)
         if not self._load_balancing_checked:
             own, _ = load_balancing_loss(outputs.router_logits, attention_mask=attention_mask, **options)
@@ -270,7 +270,7 @@ class CausalLMModule(L.LightningModule):
     @property
     def hf_config(self) -> Any:
         """The built model's Hugging Face config (the base model's, under LoRA)."""
-        return (self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model).config
+        return unwrap_peft(self.model).config
 
     @property
     def loss_chunks(self) -> int:

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.hf.replica import replica_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.fsdp.sharding import view_outputs_allowed
@@ -39,7 +40,7 @@ def chunked_causal_lm_loss_sum(
     logits' loss. The gradients computed in forward are those of a loss whose gradient is 1 over the rank's positions;
     backward scales them by the gradient the loss gets (:class:`_PrecomputedBackward`), so that a loss scaled after
     this one (gradient accumulation) scales the head's gradients with the decoder's."""
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf_model = unwrap_peft(model)
     hidden = _replicated_or_evenly_sharded(
         last_hidden_states(hf_model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     )
@@ -217,7 +218,7 @@ def chunking_problem(model: nn.Module) -> str | None:
     ``logits_scaling``, passes, as it scales the hidden states instead; soft-capping does not), no auxiliary loss may
     ride on its call (a mixture of experts' router loss), and its call must not compute the loss itself (pipeline and
     context parallel). The same on every rank."""
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf_model = unwrap_peft(model)
     name, text_config = _class_name(hf_model), hf_model.config.get_text_config()
     if pipeline_of(model) is not None or context_parallel_of(model) is not None:
         return SPLIT_CALLS

@@ -226,7 +226,7 @@ def axis_size(mesh: DeviceMesh, name: str) -> int:
     if name in FLATTENED_AXES and all(axis in names for axis in FLATTENED_AXES[name]):
         return math.prod(mesh.size(names.index(axis)) for axis in FLATTENED_AXES[name])
     if name in EXPERT_AXES and name in mesh._get_root_mesh()._flatten_mapping:
-        return mesh[name].size()
+        return _expert_axis(mesh, name).size()
     return 1
 
 
@@ -239,13 +239,19 @@ def flattened(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh[FLATTENED_AXES[name]]._flatten(name)
 
 
+def _expert_axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1D mesh of expert axis ``name`` ("efsdp" or "ep") :meth:`ParallelDims.build_mesh` flattened, as the root
+    mesh keeps it (slicing it off the root by name is deprecated by torch)."""
+    return mesh._get_root_mesh()._flatten_mapping[name]
+
+
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP shards over: "dp_shard_cp", or the 2D (dp_replicate, dp_shard_cp) mesh for HSDP.
 
     Never a 2D (dp_shard, cp) slice: FSDP would read its first axis as a replicate axis.
     """
     if axis_size(mesh, "dp_replicate") > 1:
-        return mesh["dp_replicate", "dp_shard_cp"]  # "dp_shard_cp" was flattened by ParallelDims.build_mesh
+        return DeviceMesh._concatenate([mesh["dp_replicate"], flattened(mesh, "dp_shard_cp")])
     return flattened(mesh, "dp_shard_cp")
 
 
@@ -256,15 +262,15 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh experts are distributed on: "ep", with "tp" inside it when tp > 1 (needs ep > 1)."""
     if axis_size(mesh, "tp") > 1:
-        return DeviceMesh._concatenate([mesh["ep"], mesh["tp"]])
-    return mesh["ep"]
+        return DeviceMesh._concatenate([_expert_axis(mesh, "ep"), mesh["tp"]])
+    return _expert_axis(mesh, "ep")
 
 
 def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP shards experts over (needs ep > 1): "efsdp", or (dp_replicate, efsdp) for HSDP."""
     if axis_size(mesh, "dp_replicate") > 1:
-        return DeviceMesh._concatenate([mesh["dp_replicate"], mesh["efsdp"]])
-    return mesh["efsdp"]
+        return DeviceMesh._concatenate([mesh["dp_replicate"], _expert_axis(mesh, "efsdp")])
+    return _expert_axis(mesh, "efsdp")
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from lightning_automodel.hf.peft import unwrap_peft
+
 
 @dataclasses.dataclass
 class ParallelCausalLMOutput(CausalLMOutputWithPast):
@@ -38,7 +40,7 @@ def take_over_calls(model: nn.Module, forward: type[nn.Module], *, prefix: str, 
 def taken_over(model: nn.Module, forward: type[nn.Module], attribute: str) -> Any:
     """``attribute`` of a model whose calls :func:`take_over_calls` gave to ``forward`` (a PEFT model's base), or
     None."""
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf_model = unwrap_peft(model)
     return getattr(hf_model, attribute, None) if isinstance(hf_model, forward) else None
 
 

@@ -7,6 +7,7 @@ Sizes are the mesh's (:class:`~lightning_automodel.parallel.mesh.ParallelDims`);
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from lightning_automodel.parallel.activation_checkpointing import AC_MODES, ACMode, ac_mode
@@ -59,9 +60,9 @@ class ParallelOptions:
 
     pipeline: PipelineOptions | None = None
     """How the mesh's pp ranks split the model into stages and run them (default at pp > 1: :class:`PipelineOptions`'s;
-    the strategy's ``pp_*`` arguments set its fields). Without the strategy, a pipelined model built on the meta
-    device or with tied embeddings needs ``pipeline_of(model).adopt_weights()`` once its weights exist, and
-    ``.sum_tied_gradients()`` before each optimizer step; see :mod:`~lightning_automodel.parallel.pipeline`."""
+    the strategy's ``pp_*`` arguments set its fields). Without the strategy, the loop calls the methods of what
+    ``parallelize`` returns (:class:`~lightning_automodel.parallel.parallelized.Parallelized`); see
+    :mod:`~lightning_automodel.parallel.pipeline`."""
 
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     """How FSDP2 shards, gathers and computes (under pp, ``reshard_after_forward=None`` is False: a stage gathers its
@@ -74,12 +75,18 @@ class ParallelOptions:
                 f"activation_checkpointing={self.activation_checkpointing!r}: ParallelOptions holds one of"
                 f" {', '.join(AC_MODES)} (ac_mode() reads True and False; parallelize's keywords take them)."
             )
-        compile_options(self.compile)
+        _ = self.compile_kwargs  # parsed here: a compile= torch.compile does not take is refused when built
         if self.float8 is not None and not isinstance(self.float8, Float8Options):
             raise ValueError(
                 f"float8={self.float8!r}: ParallelOptions holds Float8Options or None (float8_options() reads True,"
                 " False and dicts; parallelize's keywords take them)."
             )
+
+    @cached_property
+    def compile_kwargs(self) -> dict[str, Any] | None:
+        """``compile`` as torch.compile's keyword arguments (None: no compile), parsed once, when the options are
+        built."""
+        return compile_options(self.compile)
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> ParallelOptions:

@@ -1,5 +1,20 @@
-"""``parallelize``: pipeline stages, context parallel, tensor parallel, expert parallel, activation checkpointing,
-compile and FSDP2, applied to a model in that order, each where the mesh and the options ask for it.
+"""``parallelize``: a model's parallel layout applied in this order, each step where the mesh and the options ask for
+it (see :meth:`DefaultParallelizationStrategy.parallelize`):
+
+1. every check that can refuse, before any collective: sizes, the tensor-parallel plan, a probe step on meta
+2. real weights made the same on every rank (broadcast from rank 0); a model on meta is materialized by the caller
+3. pipeline stages (pp): this rank's stages kept
+4. context parallel (cp)
+5. float8 linear layers (torchao; under tensorwise scaling, torchao's tensor-parallel styles for them)
+6. tensor and sequence parallel (tp, sp)
+7. expert parallel (ep)
+8. activation checkpointing
+9. torch.compile per decoder block
+10. experts no token reached given a zero gradient, for FSDP2's reduction
+11. FSDP2 / HSDP, by dtype
+
+It returns a :class:`~lightning_automodel.parallel.parallelized.Parallelized`: the model, with what a training loop
+calls after the weights are loaded, after backward and after the optimizer step.
 
 Nothing here knows about Lightning: the same call serves the strategy, Fabric and plain torch scripts.
 """
@@ -7,27 +22,24 @@ Nothing here knows about Lightning: the same call serves the strategy, Fabric an
 from __future__ import annotations
 
 import dataclasses
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_automodel.parallel.compile import apply_compile, check_compile, compile_options
+from lightning_automodel.parallel.compile import apply_compile, check_compile
 from lightning_automodel.parallel.context_parallel import context_parallel_model
 from lightning_automodel.parallel.experts.expert_parallel import (
     apply_expert_parallel,
     expert_precision_problem,
     experts_modules,
 )
-from lightning_automodel.parallel.experts.expert_tensor_parallel import give_every_expert_a_gradient
+from lightning_automodel.parallel.experts.unreached_experts import give_every_expert_a_gradient
 from lightning_automodel.parallel.float8 import (
     Float8Layers,
     convert_to_float8,
@@ -37,14 +49,14 @@ from lightning_automodel.parallel.float8 import (
 )
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.fsdp.sharding import ExpertSharding, apply_fsdp
+from lightning_automodel.parallel.initial_weights import broadcast_from_rank0, is_meta
 from lightning_automodel.parallel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
 from lightning_automodel.parallel.options import ParallelOptions
+from lightning_automodel.parallel.parallelized import Parallelized
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, name_of, pipeline_model
 from lightning_automodel.parallel.preflight import PreflightFindings, check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, apply_tensor_parallel
-from lightning_automodel.parallel.tensor.sequence_parallel import stage_stream_boundaries, stream_placements
-
-log = logging.getLogger(__name__)
+from lightning_automodel.parallel.tensor.plans.sequence_parallel import stage_stream_boundaries, stream_placements
 
 Strategy = TypeVar("Strategy", bound="ParallelizationStrategy")
 
@@ -76,19 +88,21 @@ def parallelization_strategy_for(model: nn.Module) -> ParallelizationStrategy:
 
 def parallelize(
     model: nn.Module, device_mesh: DeviceMesh, options: ParallelOptions | None = None, **keywords: Any
-) -> nn.Module:
+) -> Parallelized:
     """Parallelize ``model`` in place over the 5D ``device_mesh`` (see :class:`~lightning_automodel.ParallelDims`)
     with the strategy registered for its class, as ``options`` say, or the keywords of :class:`ParallelOptions`
     (FSDP2's flat among them: ``parallelize(model, mesh, sp=True, mp_policy=MixedPrecisionPolicy(...))``).
 
-    A PEFT model is parallelized through the Hugging Face model it wraps, whose module names the plans know.
+    Returns the model's :class:`~lightning_automodel.parallel.parallelized.Parallelized`, whose methods a training
+    loop calls after the weights are loaded, after backward and after the optimizer step. A PEFT model is
+    parallelized through the Hugging Face model it wraps, whose module names the plans know.
     """
     if options is not None and keywords:
         raise TypeError(f"parallelize takes options or their keywords, not both (got {', '.join(keywords)} too).")
     options = options if options is not None else ParallelOptions.from_keywords(**keywords)
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf_model = unwrap_peft(model)
     parallelization_strategy_for(hf_model).parallelize(hf_model, device_mesh, options)
-    return model
+    return Parallelized(model)
 
 
 class DefaultParallelizationStrategy(ParallelizationStrategy):
@@ -120,7 +134,7 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if tensor_parallel is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), tensor_parallel)
         experts = _apply_expert_parallel(model, device_mesh) if axis_size(device_mesh, "ep") > 1 else None
-        compiled = compile_options(options.compile)
+        compiled = options.compile_kwargs
         if options.activation_checkpointing != "off":
             mode = options.activation_checkpointing
             apply_activation_checkpointing(model, layers, mode=mode, compiled=compiled is not None)
@@ -251,49 +265,3 @@ def fp32_pinned_names(model: nn.Module) -> tuple[str, ...]:
     """Names the model's authors require to stay fp32 even in a bf16 or fp16 model (Hugging Face's
     ``_keep_in_fp32_modules_strict``, which a model gathers from its submodules too)."""
     return tuple(sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or ()))
-
-
-def is_meta(model: nn.Module) -> bool:
-    """Whether ``model`` was built on the meta device; a model only partly on meta is refused.
-
-    Materializing re-allocates every tensor, so the real weights of a half-meta model would be lost. A model built
-    under ``torch.device("meta")`` can still hold a few real tensors: torch makes ``torch.normal(mean, std, size)``
-    with float arguments on the CPU whatever the default device (DiffLlama's lambda vectors). When the input
-    embedding is on meta and the real tensors are vectors (a weight a user loaded into a module of a meta-built
-    model is a matrix, and is refused), they are moved there: the model's own init gives them their values with the
-    rest, or their constructor's (see :func:`~lightning_automodel.hf.initialization.materialize_hf_model`).
-    """
-    on_meta = [t.is_meta for t in _tensors(model)]
-    if all(on_meta) or not any(on_meta):
-        return any(on_meta)
-    stray = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embedding is None or not embedding.weight.is_meta or any(t.ndim > 1 for _, t in stray):
-        raise ValueError(
-            f"{type(model).__name__} has tensors both on the meta device and real ones"
-            f" ({', '.join(name for name, _ in stray[:4])}{', ...' if len(stray) > 4 else ''} are real). Build the"
-            " whole model under `with torch.device('meta'):`, or build it with real weights."
-        )
-    log.warning(
-        "%s was built on the meta device except %s (vectors torch made on the CPU): moved to the meta device and"
-        " initialised with the rest",
-        type(model).__name__,
-        [name for name, _ in stray],
-    )
-    model.to("meta")
-    return True
-
-
-def broadcast_from_rank0(model: nn.Module) -> None:
-    """Overwrite every parameter and buffer with global rank 0's values."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for tensor in _tensors(model):
-            if isinstance(tensor, DTensor):
-                raise ValueError("broadcast_from_rank0 expects a model that is not parallelized yet.")
-            dist.broadcast(tensor, src=0)
-
-
-def _tensors(model: nn.Module) -> list[torch.Tensor]:
-    return [*model.parameters(), *model.buffers()]

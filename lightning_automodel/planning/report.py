@@ -24,7 +24,7 @@ from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
 from lightning_automodel.parallel.preflight import check_before_collectives
-from lightning_automodel.parallel.tensor.apply import TensorParallelPlan
+from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_not_logged
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.activation_memory import activation_bytes
@@ -265,21 +265,22 @@ def plan_report(
 
 def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, int], **options) -> dict[str, int]:
     """The activation estimate of every checkpointing setting the layout runs (a zero-bubble pipeline schedule none
-    but "off"), each on a copy of ``model``."""
+    but "off"), each on a copy of ``model``; the plan, which the report says, not logged."""
     rows, tokens = batch_shape
     pipeline = options.get("pipeline")
     settings = ["off"] if pipeline is not None and pipeline.splits_backward() else list(AC_MODES)
-    return {
-        name: activation_bytes(
-            copy.deepcopy(model),
-            dims,
-            micro_batch=rows,
-            seq_len=tokens,
-            activation_checkpointing=name,
-            **options,
-        )
-        for name in settings
-    }
+    with plan_not_logged():
+        return {
+            name: activation_bytes(
+                copy.deepcopy(model),
+                dims,
+                micro_batch=rows,
+                seq_len=tokens,
+                activation_checkpointing=name,
+                **options,
+            )
+            for name in settings
+        }
 
 
 def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:
@@ -303,8 +304,8 @@ def _parallelized(
     pipeline: PipelineOptions | None = None,
 ) -> tuple[int, int]:
     """Parallelize ``model`` as ``rank``, describing its plan in ``report`` first (unless None); the parameters and
-    parameter bytes the rank then holds."""
-    with fake_world(dims.world_size, rank=rank):
+    parameter bytes the rank then holds. What the report says of the plan is not logged too."""
+    with fake_world(dims.world_size, rank=rank), plan_not_logged():
         mesh = dims.build_mesh("cpu")
         if report is not None:
             planned = check_before_collectives(model, mesh, **options).planned

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.hf.shrink import heads_for, shrunk_config
 from lightning_automodel.parallel.mesh import ParallelDims, tp_mesh
 from lightning_automodel.parallel.preflight import check_before_collectives
@@ -236,7 +237,7 @@ def _class_and_config(model_or_config: Any) -> tuple[type[nn.Module] | None, Any
 
     if isinstance(model_or_config, PretrainedConfig):
         return None, model_or_config
-    model = model_or_config.get_base_model() if hasattr(model_or_config, "get_base_model") else model_or_config
+    model = unwrap_peft(model_or_config)
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"verify_plan needs a Hugging Face model (transformers.PreTrainedModel) or its config, got"

@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_automodel.hf.models import find_hf_models
-from lightning_automodel.parallel.parallelizer import is_meta
+from lightning_automodel.parallel.initial_weights import is_meta
 from lightning_automodel.parallel.probe import meta_copy
 from lightning_automodel.planning.child_process import ChildProcess
 from lightning_automodel.planning.fitting import LayoutChoice, choose_layout

@@ -31,11 +31,13 @@ from lightning_automodel.hf.models import find_hf_models
 from lightning_automodel.parallel.activation_checkpointing import ACMode
 from lightning_automodel.parallel.compile import CompileSpec
 from lightning_automodel.parallel.context_parallel import CPAttention
-from lightning_automodel.parallel.float8 import Float8Spec, float8_options, precompute_float8_scales
+from lightning_automodel.parallel.float8 import Float8Spec, float8_options
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
+from lightning_automodel.parallel.initial_weights import is_meta
 from lightning_automodel.parallel.mesh import axis_size, data_mesh, reduction_mesh
 from lightning_automodel.parallel.options import ParallelOptions
-from lightning_automodel.parallel.parallelizer import is_meta, parallelize
+from lightning_automodel.parallel.parallelized import Parallelized
+from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.fitting import LayoutChoice
@@ -265,11 +267,10 @@ class AutoModelParallelStrategy(CheckpointingStrategy):
         on_meta = is_meta(model)
         if self.options.verify_plans:
             self._verified_plans.verify_once(model, tp=axis_size(self.device_mesh, "tp"), options=self.options.parallel)
-        parallelize(model, self.device_mesh, self.options.parallel)
+        parallelized = parallelize(model, self.device_mesh, self.options.parallel)
         if on_meta:
             materialize(model, torch.device("cpu") if self.options.cpu_offload else self.root_device)
-        if (pipeline := pipeline_of(model)) is not None:
-            pipeline.adopt_weights()
+        parallelized.after_weights_loaded()
 
     @override
     def model_to_device(self) -> None:
@@ -289,18 +290,20 @@ class AutoModelParallelStrategy(CheckpointingStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Under pp, the two copies of a tied embedding sum their gradients once the step's last backward ran, before
-        anything reads them (hooks, clipping, the optimizer)."""
+        """Each parallelized model's duties (:class:`~lightning_automodel.parallel.parallelized.Parallelized`) once
+        the step's last backward ran, before anything reads the gradients (hooks, clipping, the optimizer), and after
+        the optimizer step; each may be a collective: in the module's order on every rank."""
+        parallelized = [Parallelized(each) for each in self._parallelized_models]
 
-        def closure_then_sum_tied_gradients() -> Any:
+        def closure_then_after_backward() -> Any:
             result = closure()
-            for pipeline in self._pipelines:
-                pipeline.sum_tied_gradients()
+            for each in parallelized:
+                each.after_backward()
             return result
 
-        result = super().optimizer_step(optimizer, closure_then_sum_tied_gradients, model, **kwargs)
-        for parallelized in self._parallelized_models:  # each a collective: in the module's order on every rank
-            precompute_float8_scales(parallelized)
+        result = super().optimizer_step(optimizer, closure_then_after_backward, model, **kwargs)
+        for each in parallelized:
+            each.after_optimizer_step()
         assert self._preemption is not None
         self._preemption.agree()  # a signal stops every rank after the same step
         return result

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.planning.verify import plan_unregistered, verify_plan
 
@@ -25,7 +26,7 @@ class VerifiedPlans:
         fail on one rank only (out of memory, killed), so the ranks then exchange their outcomes, all of them
         reaching that one collective, and every rank raises the first failure, before parallelize's first collective.
         """
-        hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        hf_model = unwrap_peft(model)
         if tp == 1 or type(hf_model) in self.classes or not plan_unregistered(hf_model, options.tp_plan):
             return
         verification, failure = None, None

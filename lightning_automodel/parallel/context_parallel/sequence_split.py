@@ -10,6 +10,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+# The name torch 2.13 gives it (its old name warns that it is deprecated); older torch has the old name only
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
 
 def token_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
     """The positions in a sequence of ``seq_len`` (a multiple of 2 ``cp``) that cp rank ``rank`` holds: chunks
@@ -118,5 +121,5 @@ class SequenceSplit:
         """Keys or values [B, heads, S / cp, D] of every cp rank, concatenated in rank order along the sequence."""
         if self.group is None:
             return tensor
-        gathered = funcol.all_gather_tensor_autograd(tensor.contiguous(), 2, self.group)
+        gathered = _all_gather_autograd(tensor.contiguous(), 2, self.group)
         return funcol.wait_tensor(gathered)

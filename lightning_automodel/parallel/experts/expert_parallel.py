@@ -19,7 +19,7 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_automodel.hf.peft import is_lora_layer
-from lightning_automodel.parallel.experts.expert_tensor_parallel import is_experts
+from lightning_automodel.parallel.tensor.styles.experts import is_experts
 from lightning_automodel.parallel.tensor.styles.parameters import local_parameters
 
 

@@ -2,8 +2,7 @@
 
 :mod:`.plans` chooses a model's plan; :mod:`.apply` checks it on a meta-device copy (:mod:`.head_counts`,
 :mod:`.sharded_activations`) and shards the model with it; :mod:`.styles` holds the styles torch does not ship,
-:mod:`.lora` makes any plan shard PEFT's LoRA layers, and :mod:`.sequence_parallel` gives a plan without one a
-sequence-parallel layout. ``register_tp_plan`` and ``select_tp_plan`` are exported by
-:mod:`lightning_automodel.parallel`, not here: :mod:`lightning_automodel.parallel.experts` imports this package's
-styles, and the plans import the experts.
+:mod:`.lora` makes any plan shard PEFT's LoRA layers. ``register_tp_plan`` and ``select_tp_plan`` are exported by
+:mod:`lightning_automodel.parallel`. :mod:`lightning_automodel.parallel.experts` imports this package (the experts'
+tensor-parallel style, :mod:`.styles.experts`); nothing here imports it.
 """

@@ -7,7 +7,8 @@ happens on the copy, before any collective and alike on every rank; the model is
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -97,6 +98,22 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, planned: TensorPar
         )
     if planned.head_counts:
         log.info("Head counts made this rank's: %s", planned.head_counts)
+
+
+@contextmanager
+def plan_not_logged() -> Iterator[None]:
+    """Leave out of the log what :func:`apply_tensor_parallel` logs about the plan (its choice, patterns matching no
+    module, weights left whole), for a caller that reports it itself: the plan report, which parallelizes a model
+    once a pipeline stage and once a checkpointing mode."""
+    log.addFilter(_nothing)
+    try:
+        yield
+    finally:
+        log.removeFilter(_nothing)
+
+
+def _nothing(record: logging.LogRecord) -> bool:
+    return False
 
 
 def shard(model: nn.Module, mesh: DeviceMesh, styles: Mapping[str, ParallelStyle]) -> list[str]:

@@ -32,8 +32,8 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import ParallelDims, parallelize
 from lightning_automodel.hf.initialization import copy_shard, materialize_hf_model
 from lightning_automodel.parallel import decoder_layers
+from lightning_automodel.parallel.initial_weights import is_meta
 from lightning_automodel.parallel.mesh import data_mesh
-from lightning_automodel.parallel.parallelizer import is_meta
 from lightning_automodel.planning.replica_comparison import (
     ZERO_GRADIENT,
     fp64_copy,

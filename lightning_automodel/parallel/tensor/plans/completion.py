@@ -10,13 +10,13 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_automodel.hf.peft import is_lora_layer
-from lightning_automodel.parallel.experts.expert_tensor_parallel import (
+from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, matches_inside, pattern_matches
+from lightning_automodel.parallel.tensor.sizes import model_config
+from lightning_automodel.parallel.tensor.styles.experts import (
     ExpertTensorParallel,
     is_experts,
     is_stacked_experts,
 )
-from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, matches_inside, pattern_matches
-from lightning_automodel.parallel.tensor.sizes import model_config
 from lightning_automodel.parallel.tensor.styles.inputs import SplitArgument
 from lightning_automodel.parallel.tensor.styles.mixers import mixer_style
 from lightning_automodel.parallel.tensor.styles.parameters import OutputGradientSummed

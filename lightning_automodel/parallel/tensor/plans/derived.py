@@ -90,7 +90,7 @@ def derived_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     * anything else is refused, naming the module: a plan that runs with the right shapes can still be wrong.
 
     The embedding and lm_head are vocabulary-parallel as in the Llama plan, unless the lm_head shares a parameter with
-    anything but the input embedding. With sp the plan gets the layout of :mod:`..sequence_parallel`, as a Hugging Face
+    anything but the input embedding. With sp the plan gets the layout of :mod:`.sequence_parallel`, as a Hugging Face
     plan does.
     """
     flow = follow_projections(model)

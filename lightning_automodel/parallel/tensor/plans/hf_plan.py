@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_automodel.parallel.experts.expert_tensor_parallel import ExpertTensorParallel
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.parallel.tensor.sizes import model_config
+from lightning_automodel.parallel.tensor.styles.experts import ExpertTensorParallel
 from lightning_automodel.parallel.tensor.styles.projections import LatentKeyValueProjection, PackedColwiseParallel
 
 # Hugging Face style string -> the torch style with the same layout. Covers transformers 4.4x to 5.x.
@@ -112,7 +112,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """The model's Hugging Face plan as torch styles, with a vocab-parallel embedding and lm_head.
 
     Raises a ValueError if the model has no plan. Hugging Face plans carry no sequence-parallel layout for the
-    residual stream (see :mod:`lightning_automodel.parallel.tensor.sequence_parallel`).
+    residual stream (see :mod:`lightning_automodel.parallel.tensor.plans.sequence_parallel`).
     """
     strings = hf_style_strings(model)
     if not strings:

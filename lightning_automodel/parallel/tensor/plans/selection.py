@@ -14,14 +14,18 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.parallel.probe import Trace
 from lightning_automodel.parallel.tensor.plans.completion import completed
-from lightning_automodel.parallel.tensor.plans.coverage import Coverage, coverage, unmatched_patterns
 from lightning_automodel.parallel.tensor.plans.derived import derived_plan
 from lightning_automodel.parallel.tensor.plans.family import PlanFunction, TPPlan, family_plan, llama_plan
 from lightning_automodel.parallel.tensor.plans.head_arguments import with_head_arguments
 from lightning_automodel.parallel.tensor.plans.hf_plan import hf_style_strings, hf_tp_plan, translate_style
 from lightning_automodel.parallel.tensor.plans.multi_query import with_multi_query
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
-from lightning_automodel.parallel.tensor.sequence_parallel import with_sequence_parallel
+from lightning_automodel.parallel.tensor.plans.sequence_parallel import with_sequence_parallel
+from lightning_automodel.parallel.tensor.plans.sharded_weights import (
+    ShardedWeights,
+    sharded_weights,
+    unmatched_patterns,
+)
 
 PlanSpec = Mapping[str, ParallelStyle | str] | str | PlanFunction
 
@@ -42,7 +46,7 @@ class _Verdict(NamedTuple):
 
     source: str
     plan: TPPlan | None
-    coverage: Coverage
+    sharded: ShardedWeights
 
 
 def select_tp_plan(
@@ -65,24 +69,24 @@ def select_tp_plan(
 
     ``trace``: a probe step of the model (see :mod:`~lightning_automodel.parallel.probe`), where known: the weights
     of modules it never calls (a decoder's cross-attention) need no sharding, and a candidate without a
-    sequence-parallel layout of its own gets one with ``sp`` (see :mod:`..sequence_parallel`).
+    sequence-parallel layout of its own gets one with ``sp`` (see :mod:`.sequence_parallel`).
     """
     blocks = named_decoder_layers(model) if blocks is None else blocks
     called = trace.called if trace is not None else None
     if tp_plan is not None:
         plan = _resolve_user_plan(tp_plan, model, sp)
-        user = _Verdict("user plan", plan, coverage(model, plan, blocks, called=called))
+        user = _Verdict("user plan", plan, sharded_weights(model, plan, blocks, called=called))
         _refuse_if_incomplete(model, user, allow=allow_unsharded_linears)
         return _chosen_plan(model, user, reason="it was given (tp_plan=)")
     verdicts = _verdicts(model, sp=sp, blocks=blocks, trace=trace)
-    complete = [verdict for verdict in verdicts if _shards_every_block(verdict.coverage)]
+    complete = [verdict for verdict in verdicts if _shards_every_block(verdict.sharded)]
     if complete:
         reason = _reason_with_passed_over(complete[0], verdicts, because="it shards every decoder block")
         return _chosen_plan(model, complete[0], reason=reason)
-    usable = [verdict for verdict in verdicts if verdict.coverage.unusable is None and verdict.coverage.matches_any]
+    usable = [verdict for verdict in verdicts if verdict.sharded.unusable is None and verdict.sharded.matches_any]
     if allow_unsharded_linears and usable:
-        best = max(usable, key=lambda verdict: verdict.coverage.sharded_share)  # the first of equals
-        because = f"it shards the largest share of the decoder blocks' weights ({best.coverage.sharded_share:.0%})"
+        best = max(usable, key=lambda verdict: verdict.sharded.sharded_share)  # the first of equals
+        because = f"it shards the largest share of the decoder blocks' weights ({best.sharded.sharded_share:.0%})"
         return _chosen_plan(model, best, reason=_reason_with_passed_over(best, verdicts, because=because))
     raise ValueError(_no_plan_message(model, verdicts, allow=allow_unsharded_linears))
 
@@ -98,10 +102,10 @@ def _verdicts(
         try:
             plan = with_head_arguments(model, with_multi_query(model, build(sp)), trace=trace)
         except ValueError as error:  # a Hugging Face plan with styles we cannot apply, or no sequence-parallel layout
-            verdicts.append(_Verdict(source, None, Coverage([], 0.0, unusable=str(error))))
+            verdicts.append(_Verdict(source, None, ShardedWeights([], 0.0, unusable=str(error))))
             continue
-        verdicts.append(_Verdict(source, plan, coverage(model, plan, blocks, called=called)))
-        if _shards_every_block(verdicts[-1].coverage):
+        verdicts.append(_Verdict(source, plan, sharded_weights(model, plan, blocks, called=called)))
+        if _shards_every_block(verdicts[-1].sharded):
             break
     return verdicts
 
@@ -170,13 +174,13 @@ def _resolve_user_plan(spec: PlanSpec, model: nn.Module, sp: bool) -> TPPlan:
     return plan
 
 
-def _shards_every_block(found: Coverage) -> bool:
+def _shards_every_block(found: ShardedWeights) -> bool:
     return found.unusable is None and found.matches_any and not found.unsharded
 
 
 def _chosen_plan(model: nn.Module, verdict: _Verdict, *, reason: str) -> PlanChoice:
     unmatched = unmatched_patterns(model, verdict.plan)
-    return PlanChoice(verdict.plan, verdict.source, reason, verdict.coverage.unsharded, unmatched)
+    return PlanChoice(verdict.plan, verdict.source, reason, verdict.sharded.unsharded, unmatched)
 
 
 def _reason_with_passed_over(chosen: _Verdict, verdicts: Sequence[_Verdict], *, because: str) -> str:
@@ -186,7 +190,7 @@ def _reason_with_passed_over(chosen: _Verdict, verdicts: Sequence[_Verdict], *, 
     return because + (f" ({'; '.join(passed_over)})" if passed_over else "")
 
 
-def _shortcoming(found: Coverage) -> str:
+def _shortcoming(found: ShardedWeights) -> str:
     if found.unusable is not None:
         return f"cannot be used: {found.unusable}"
     if not found.matches_any:
@@ -213,7 +217,7 @@ def _refuse_if_incomplete(model: nn.Module, verdict: _Verdict, *, allow: bool) -
 
 def _no_plan_message(model: nn.Module, verdicts: Sequence[_Verdict], *, allow: bool) -> str:
     name = type(model).__name__
-    found = "; ".join(f"the {source} {_shortcoming(coverage)}" for source, _, coverage in verdicts)
+    found = "; ".join(f"the {source} {_shortcoming(sharded)}" for source, _, sharded in verdicts)
     absent = [f"no family plan is registered for {name}"] if family_plan(name) is None else []
     absent += [f"{name} has no Hugging Face plan"] if not hf_style_strings(model) else []
     if allow:

@@ -191,24 +191,3 @@ def _this_ranks_part(param: DTensor, *, mesh: DeviceMesh) -> torch.Tensor:
     if param.placements[-1].is_replicate():  # tp is the last axis of the experts' mesh, (ep, tp) under ep
         return summed_gradient(param.to_local(), mesh=mesh) / mesh.size()
     return param.to_local()
-
-
-def give_every_expert_a_gradient(model: nn.Module) -> None:
-    """Make every experts module's parameters take part in every forward, with weight zero where no token reached them.
-
-    FSDP2 reduces a unit's gradients as one buffer on every rank: a rank whose tokens reached none of a layer's
-    experts (Longcat-Flash's zero-computation experts can take them all) would have no gradient for them, and the
-    ranks' collectives would no longer match. One element of each parameter, times zero, added to the output gives
-    them a zero gradient instead; the output does not change.
-    """
-    for module in model.modules():
-        if is_experts(module):
-            module.register_forward_hook(_touch_every_parameter)
-
-
-def _touch_every_parameter(module: nn.Module, args: tuple, output: Any) -> Any:
-    if not isinstance(output, torch.Tensor):
-        return output
-    params = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters(recurse=False)]
-    touched = sum(p.reshape(-1)[0].to(output.dtype) for p in params if p.requires_grad)
-    return output + touched * 0 if isinstance(touched, torch.Tensor) else output

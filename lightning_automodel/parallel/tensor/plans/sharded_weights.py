@@ -10,13 +10,13 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_automodel.hf.peft import is_lora_layer
-from lightning_automodel.parallel.experts.expert_tensor_parallel import (
+from lightning_automodel.parallel.tensor.lora import LoraParallel
+from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
+from lightning_automodel.parallel.tensor.styles.experts import (
     ExpertTensorParallel,
     experts_problem,
     is_experts,
 )
-from lightning_automodel.parallel.tensor.lora import LoraParallel
-from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.parallel.tensor.styles.mixers import is_recurrent_mixer
 from lightning_automodel.parallel.tensor.styles.projections import (
     Conv1DColwiseParallel,
@@ -39,7 +39,7 @@ _WEIGHT_SHARDING_STYLES = (
 
 
 @dataclass
-class Coverage:
+class ShardedWeights:
     """What a plan does to the decoder blocks: the large weights it leaves whole, the share of their elements it
     shards, or why it cannot be applied at all."""
 
@@ -49,13 +49,13 @@ class Coverage:
     matches_any: bool = True
 
 
-def coverage(
+def sharded_weights(
     model: nn.Module,
     plan: Mapping[str, ParallelStyle],
     blocks: Sequence[tuple[str, nn.Module]],
     *,
     called: Callable[[str], bool] | None = None,
-) -> Coverage:
+) -> ShardedWeights:
     """What ``plan`` does to the large weights of ``blocks`` (see :func:`_large_weights`).
 
     A weight counts as sharded when a style that splits weights (column-, row-wise, packed, experts, and their LoRA
@@ -67,7 +67,7 @@ def coverage(
     for name, style in matched:
         problem = unsupported_target(style, modules[name])
         if problem is not None:
-            return Coverage([], 0.0, unusable=f"{problem} ({name})", matches_any=True)
+            return ShardedWeights([], 0.0, unusable=f"{problem} ({name})", matches_any=True)
     sharded = _parameter_ids(modules, [name for name, style in matched if isinstance(style, _WEIGHT_SHARDING_STYLES)])
     whole_by_design = _parameter_ids(modules, [name for name, style in matched if isinstance(style, KeptWhole)])
     experts = {id(p) for module in modules.values() if is_experts(module) for p in module.parameters(recurse=False)}
@@ -81,7 +81,7 @@ def coverage(
             else:
                 unsharded.append(f"{block_name}.{name.rpartition('.')[0] or name}")
     unique = list(dict.fromkeys(unsharded))
-    return Coverage(unique, split / total if total else 1.0, matches_any=bool(matched))
+    return ShardedWeights(unique, split / total if total else 1.0, matches_any=bool(matched))
 
 
 def _parameter_ids(modules: Mapping[str, nn.Module], names: Sequence[str]) -> set[int]:

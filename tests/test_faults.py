@@ -27,7 +27,7 @@ from fault_checks import (
 
 from lightning_automodel.io.lightning_checkpoint import check_checkpoint
 from lightning_automodel.strategy.collective_progress import GroupProgress, find_missed
-from lightning_automodel.strategy.stragglers import flight_recorder_environment
+from lightning_automodel.strategy.stragglers import _as_the_waiting_say, flight_recorder_environment
 from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
 from lightning_automodel.testing.harness import run_checks
 
@@ -216,6 +216,21 @@ def test_the_rank_the_others_wait_for_is_the_one_that_waits_for_none():
     assert find_missed(progress) == []  # every collective waited in is entered everywhere: stuck inside one
     crossed = {0: at(a=(5, 4), b=(2, 2)), 1: at(a=(4, 4), b=(3, 2))}
     assert find_missed(crossed) == []
+
+
+def test_a_frozen_rank_is_said_to_miss_the_collective_the_others_say_they_wait_in():
+    """A frozen rank's published progress lags (its monitor froze with it): by it, rank 0 would wait in collective 37
+    of default_pg, which it completed; rank 0 says it waits in collective 88 of mesh_tp, and that is the one named."""
+    everyone = {
+        0: {"0": GroupProgress("default_pg", 38, 38), "9": GroupProgress("mesh_tp", 88, 87)},
+        1: {"0": GroupProgress("default_pg", 36, 36), "9": GroupProgress("mesh_tp", 52, 51)},
+    }
+    [missed] = find_missed(everyone)
+    assert (missed.group, missed.collective) == ("0", 37)
+    wheres = {1: None, 0: {"place": "wait", "still": 6.0, "waits": {"9": [88, "gloo:all_reduce"]}}}
+    said, operation, waited = _as_the_waiting_say(missed, wheres, everyone)
+    assert (said.rank, said.desc, said.collective, said.waiting, said.members) == (1, "mesh_tp", 88, (0,), (0, 1))
+    assert (operation, waited) == ("gloo:all_reduce", 6.0)
 
 
 def test_the_nccl_flight_recorder_dumps_beside_the_run_unless_told_otherwise(tmp_path, monkeypatch):

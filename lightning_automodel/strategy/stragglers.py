@@ -137,14 +137,9 @@ class Stragglers:
     def _describe(self, store: dist.Store, everyone: dict[int, dict[str, GroupProgress]]) -> str:
         first = self.missed[0]
         stuck = sorted({each.rank for each in self.missed})
-        wheres = {rank: _where(store, rank, everyone[rank]) for rank in (first.rank, *first.waiting)}
-        waiters = [
-            where
-            for rank in first.waiting
-            if (where := wheres[rank]) is not None and where["waits"].get(first.group, [None])[0] == first.collective
-        ]
-        waited = max((where["still"] for where in waiters), default=None)
-        operation = next((where["waits"][first.group][1] for where in waiters), None)
+        waiting = sorted({rank for each in self.missed if each.rank == first.rank for rank in each.waiting})
+        wheres = {rank: _where(store, rank, everyone[rank]) for rank in (first.rank, *waiting)}
+        first, operation, waited = _as_the_waiting_say(first, wheres, everyone)
         who = f"rank {first.rank} ({self._whois(first.rank)})"
         who += f" and {len(stuck) - 1} more" if len(stuck) > 1 else ""
         how_long = f" for {waited:.0f} s" if waited is not None else ""
@@ -155,6 +150,27 @@ class Stragglers:
             f" {'has' if len(first.waiting) == 1 else 'have'} waited in{how_long} ({what}{_collective(first)});"
             f" rank {first.rank} is in {place}"
         )
+
+
+def _as_the_waiting_say(
+    missed: Missed, wheres: dict[int, dict[str, Any] | None], everyone: dict[int, dict[str, GroupProgress]]
+) -> tuple[Missed, str | None, float | None]:
+    """The first collective that ranks waiting for ``missed.rank`` say they wait in (what it is, and for how long),
+    among those of its groups it has not entered; ``missed`` itself if none says (a frozen rank's published
+    progress lags: what the waiting ranks wait in is what they say)."""
+    said: dict[tuple[str, int], list[tuple[int, str | None, float]]] = {}
+    mine = everyone[missed.rank]
+    for rank, where in wheres.items():
+        for group, (number, operation) in where["waits"].items() if where else ():
+            if group in mine and mine[group].entered < number:
+                said.setdefault((group, number), []).append((rank, operation, where["still"]))
+    if not said:
+        return missed, None, None
+    (group, number), waits = next(iter(said.items()))
+    members = tuple(rank for rank in sorted(everyone) if group in everyone[rank])
+    waiting = tuple(rank for rank, _, _ in waits)
+    waited = max(still for _, _, still in waits)
+    return Missed(missed.rank, group, mine[group].desc, members, number, waiting), waits[0][1], waited
 
 
 def _where(store: dist.Store, rank: int, progress: dict[str, GroupProgress]) -> dict[str, Any] | None:

@@ -219,8 +219,9 @@ def test_the_rank_the_others_wait_for_is_the_one_that_waits_for_none():
 
 
 def test_a_frozen_rank_is_said_to_miss_the_collective_the_others_say_they_wait_in():
-    """A frozen rank's published progress lags (its monitor froze with it): by it, rank 0 would wait in collective 37
-    of default_pg, which it completed; rank 0 says it waits in collective 88 of mesh_tp, and that is the one named."""
+    """A rank's published progress may lag (frozen, or its monitor starved, after it named its groups): by it, rank 0
+    would wait in collective 37 of default_pg, which it completed; rank 0 says it waits in collective 88 of mesh_tp,
+    and that is the one named."""
     everyone = {
         0: {"0": GroupProgress("default_pg", 38, 38), "9": GroupProgress("mesh_tp", 88, 87)},
         1: {"0": GroupProgress("default_pg", 36, 36), "9": GroupProgress("mesh_tp", 52, 51)},

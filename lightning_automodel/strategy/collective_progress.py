@@ -7,17 +7,17 @@ the first collective of a group that has not completed everywhere is one that so
 have not reached. A rank that has not reached one, and has entered none that waits for another rank, is the one
 the others wait for: stuck in its forward, its backward, its data loader, or anywhere between two collectives.
 
-The recorder names its groups by a number local to each process; the group's name, the same on all its members, is
-in the recorder's entries, read once for each group it has not seen (a dump of its buffer, about 0.1 s for 2000
-entries, off the main thread). Where torch has no flight recorder, or it was turned off (``TORCH_FR_BUFFER_SIZE=0``),
-nothing is known and nothing is reported.
+The recorder numbers its groups locally to each process; the group's name, the same on all its members, is in the
+recorder's entries, read (a dump of its buffer, about 0.1 s for 2000 entries, off the main thread) only once this
+rank's progress stands still: a rank that never does names no group and is compared with none, at no cost. Where
+torch has no flight recorder, or it was turned off (``TORCH_FR_BUFFER_SIZE=0``), nothing is known and nothing is
+reported.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,46 +45,54 @@ class Missed:
     waiting: tuple[int, ...]
 
 
+Counts = dict[tuple[str, str], tuple[int, int]]  # (recorder, its number for a group) -> (entered, completed)
+
+
 class CollectiveProgress:
-    """This rank's progress in each of its process groups, keyed by the group's name (for the monitor's thread)."""
+    """This rank's progress in each of its process groups, for the monitor's thread. Reading it is cheap; naming
+    its groups (by the names all their members share) and saying what the collectives it waits in are take a read
+    of the recorders' entries (:meth:`look`), which the monitor does once this rank's progress stands still."""
 
     def __init__(self) -> None:
         c10d = torch._C._distributed_c10d
         names = [CPU_RECORDER] + ([NCCL_RECORDER] if "nccl" in str(dist.get_backend()) else [])
         self._recorders = {name: getattr(c10d, name) for name in names if hasattr(c10d, name)}
-        self._groups: dict[tuple[str, str], tuple[str, str] | None] = {}  # (recorder, its number) -> (name, desc)
+        self._names: dict[tuple[str, str], tuple[str, str]] = {}  # (recorder, its number) -> (name, desc)
 
-    def read(self) -> dict[str, GroupProgress]:
-        progress = {}
+    def read(self) -> Counts:
+        counts = {}
         for recorder, dump in self._recorders.items():
-            statuses = json.loads(dump(False, False)).get("pg_status", {})
-            if any((recorder, number) not in self._groups for number in statuses):
-                self._learn(recorder, statuses)
-            for number, status in statuses.items():
-                if (group := self._groups[recorder, number]) is not None:
-                    entered, completed = (
-                        int(status["last_enqueued_collective"]),
-                        int(status["last_completed_collective"]),
-                    )
-                    progress[group[0]] = GroupProgress(group[1], entered, completed)
-        return progress
+            for number, status in json.loads(dump(False, False)).get("pg_status", {}).items():
+                entered, completed = status["last_enqueued_collective"], status["last_completed_collective"]
+                counts[recorder, number] = (int(entered), int(completed))
+        return counts
 
-    def operations(self, wanted: dict[str, int]) -> dict[str, str | None]:
-        """What each group's collective of the given number is ("gloo:all_reduce"), while it is in the recorder."""
-        found: dict[str, str | None] = dict.fromkeys(wanted)
-        for dump in self._recorders.values():
+    def named(self, counts: Counts) -> dict[str, GroupProgress]:
+        """The progress in each existing group named so far, by name; of groups that had a name in turn (one
+        destroyed, another made), the newest."""
+        existing = set(dist.distributed_c10d._world.pg_names.values())
+        named = {}
+        for key in sorted(counts, key=lambda key: int(key[1])):
+            if key in self._names and self._names[key][0] in existing:
+                name, desc = self._names[key]
+                named[name] = GroupProgress(desc, *counts[key])
+        return named
+
+    def look(self, counts: Counts) -> dict[str, list]:
+        """Name the groups of ``counts`` not named yet, and say what each collective this rank has entered and not
+        seen complete is: {name: [number, "gloo:all_reduce"]}. A read of the recorders' entries (about 0.1 s for
+        2000), when there is something to learn."""
+        waiting = {key: done + 1 for key, (entered, done) in counts.items() if entered > done}
+        if not waiting and all(key in self._names for key in counts):
+            return {}
+        said: dict[str, list] = {}
+        for recorder, dump in self._recorders.items():
             for entry in json.loads(dump(True, False)).get("entries", []):
-                group = entry["process_group"][0]
-                if wanted.get(group) == entry["collective_seq_id"] and not entry["is_p2p"]:
-                    found[group] = entry["profiling_name"]
-        return found
-
-    def _learn(self, recorder: str, statuses: dict[str, Any]) -> None:
-        """The name and description of each group the recorder numbers (None where its entries are gone)."""
-        for entry in json.loads(self._recorders[recorder](True, False)).get("entries", []):
-            self._groups[recorder, str(entry["pg_id"])] = tuple(entry["process_group"])
-        for number in statuses:
-            self._groups.setdefault((recorder, number), None)
+                key = (recorder, str(entry["pg_id"]))
+                self._names.setdefault(key, tuple(entry["process_group"]))
+                if waiting.get(key) == entry["collective_seq_id"] and not entry["is_p2p"]:
+                    said[self._names[key][0]] = [entry["collective_seq_id"], entry["profiling_name"]]
+        return said
 
 
 def find_missed(progress: dict[int, dict[str, GroupProgress]]) -> list[Missed]:

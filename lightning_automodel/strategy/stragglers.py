@@ -26,7 +26,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_automodel.strategy.collective_progress import CollectiveProgress, GroupProgress, Missed, find_missed
+from lightning_automodel.strategy.collective_progress import (
+    CollectiveProgress,
+    Counts,
+    GroupProgress,
+    Missed,
+    find_missed,
+)
 from lightning_automodel.strategy.main_thread import main_thread_place
 
 RANKS_SHOWN = 3  # ranks a list names before "and N more"
@@ -44,8 +50,9 @@ class Stragglers:
         self._first_report = max(after / 2, after - 2 * tick)
         self._whois = whois
         self._progress: CollectiveProgress | None = None
-        self._counts: dict[str, GroupProgress] | None = None  # this rank's progress, as last published
+        self._counts: Counts | None = None  # this rank's progress
         self._changed = 0.0  # when it last moved
+        self._named: dict[str, GroupProgress] | None = None  # ... in the groups it has named, as published
         self._waits: dict[str, list] | None = None  # group -> [collective, what it is] of those this rank waits in
         self._reported = -math.inf
         self._failed = False
@@ -90,13 +97,11 @@ class Stragglers:
         self._publish_progress(store, now)
         still = now - self._changed
         if still >= self.after / 4:
-            assert self._counts is not None
-            where = {
-                "at": _stamp(self._counts),
-                "place": main_thread_place(),
-                "still": still,
-                "waits": self._waiting_in(),
-            }
+            assert self._progress is not None and self._counts is not None and self._named is not None
+            if self._waits is None:  # once a wait: name the groups, and what this rank waits in
+                self._waits = self._progress.look(self._counts)
+                self._publish_named(store)
+            where = {"at": _stamp(self._named), "place": main_thread_place(), "still": still, "waits": self._waits}
             store.set(f"where/{self.rank}", json.dumps(where))
         if still >= self._first_report and now - self._reported >= self.after:
             self._reported = now
@@ -109,20 +114,15 @@ class Stragglers:
         counts = self._progress.read()
         if counts != self._counts:
             self._counts, self._changed, self._waits = counts, now, None
-            published = {group: [each.desc, each.entered, each.completed] for group, each in counts.items()}
-            store.set(f"progress/{self.rank}", json.dumps(published))
+            self._publish_named(store)
 
-    def _waiting_in(self) -> dict[str, list]:
-        """The collectives this rank has entered that have not completed, and what each is (read once)."""
-        if self._waits is None:
-            assert self._progress is not None
-            assert self._counts is not None
-            pending = {
-                group: each.completed + 1 for group, each in self._counts.items() if each.entered > each.completed
-            }
-            operations = self._progress.operations(pending) if pending else {}
-            self._waits = {group: [number, operations[group]] for group, number in pending.items()}
-        return self._waits
+    def _publish_named(self, store: dist.Store) -> None:
+        assert self._progress is not None and self._counts is not None
+        named = self._progress.named(self._counts)
+        if named != self._named:
+            self._named = named
+            published = {group: [each.desc, each.entered, each.completed] for group, each in named.items()}
+            store.set(f"progress/{self.rank}", json.dumps(published))
 
     def _everyone(self, store: dist.Store) -> dict[int, dict[str, GroupProgress]]:
         """Every rank's progress; {} until every rank has published it."""

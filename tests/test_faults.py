@@ -8,6 +8,7 @@ rendezvous). benchmarks/faults.py measures the same faults with the default time
 
 from __future__ import annotations
 
+import re
 import signal
 from functools import partial
 
@@ -25,7 +26,8 @@ from fault_checks import (
 )
 
 from lightning_automodel.io.lightning_checkpoint import check_checkpoint
-from lightning_automodel.strategy.stragglers import flight_recorder_environment
+from lightning_automodel.strategy.collective_progress import GroupProgress, find_missed
+from lightning_automodel.strategy.stragglers import _as_the_waiting_say, flight_recorder_environment
 from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
 from lightning_automodel.testing.harness import run_checks
 
@@ -91,7 +93,7 @@ def test_sigterm_to_the_launcher(tmp_path):
     check_checkpoint(tmp_path / "ckpt" / "on_exception.ckpt")
 
 
-@pytest.mark.sweep  # 34 s of waiting; test_a_stalled_rank_is_named_while_the_others_wait names a silent rank too
+@pytest.mark.sweep  # 34 s of waiting; test_a_rank_stuck_inside_a_step_is_named_while_the_others_wait names one too
 def test_frozen_rank(tmp_path):
     """A rank that stops responding (SIGSTOP: what a hung host or a dead nccl peer looks like to the others): its
     heartbeat goes silent, and the others exit naming it within half the timeout (plus a 5 s grace)."""
@@ -144,22 +146,92 @@ def test_sigterm_during_a_save_under_slurm(tmp_path):
     print(seconds)
 
 
-def test_a_stalled_rank_is_named_while_the_others_wait(tmp_path):
-    """Rank 1 stalls before its third batch (a slow data loader; 40 s, past the 15 s timeout): rank 0, waiting in
-    batch 3, says after a quarter of the timeout which rank it waits for, at which batch and where that rank is;
-    when the collective times out, rank 0 names rank 1 as the one behind, and rank 1, ended, says where it was."""
-    args = ("--stall-rank=1", "--stall-step=2", "--stall-seconds=40", "--steps=4")
-    outcome = launch(tmp_path, None, world=2, timeout=TIMEOUT / 2, args=args)
-    rank_zero = outcome.ranks[0].output
-    waited = [line for line in rank_zero.splitlines() if "lightning-automodel: batch 3 has waited" in line]
-    assert waited and "for rank 1 (" in waited[0] and "still at batch 2, in on_train_batch_start" in waited[0], (
-        rank_zero
-    )
-    stopped = [line for line in rank_zero.splitlines() if "lightning-automodel: the run stopped" in line]
-    assert stopped and "the others were waiting for rank 1 (" in stopped[0], outcome.describe()
-    assert "on_train_batch_start (fault_train.py" in outcome.ranks[1].output, outcome.describe()
-    assert all(end.code not in (0, None) for end in outcome.ranks.values()), outcome.describe()
-    print(waited[0], stopped[0], sep="\n")
+# Where rank 1 stalls (once the Trainer has done STEP steps), for how long, and the function it is then in.
+STALLS = (("loader", 2, 5, "__getitem__"), ("backward", 3, 5, "stall_in_backward"))
+STALLS += (("optimizer", 4, 5, "stall_in_optimizer_step"), ("forward", 5, 40, "stall_in_forward"))
+REPORT = re.compile(
+    r"\[rank (\d)\] lightning-automodel: rank 1 \(.*\) has not reached the collective that rank 0 has waited in"
+    r" for (\d+) s \((.*)\); rank 1 is in (.*)\.$"
+)
+
+
+def test_a_rank_stuck_inside_a_step_is_named_while_the_others_wait(tmp_path):
+    """Rank 1 stalls inside its steps, as a hung read or a stuck kernel would hold it, at a 15 s timeout (a report
+    every 3.75 s): 5 s in its data loader's read, in its backward, before its optimizer step, then 40 s in its
+    forward. During each, both ranks print within the interval that rank 1 has not reached the collective that rank
+    0 waits in, and the function rank 1 is in. When rank 0's collective times out, both ranks say that the run
+    stopped, naming rank 1 and its forward hook, and rank 1, ended, says it had not reached the collective."""
+    timeout = TIMEOUT / 2
+    stalls = [f"--stall={place}:{step}:{seconds}" for place, step, seconds, _ in STALLS]
+    args = ("--stall-rank=1", *stalls, "--steps=8")
+    outcome = launch(tmp_path, None, launcher="slurm", world=2, timeout=timeout, wait=120, args=args)
+    for rank, end in outcome.ranks.items():
+        assert end.code not in (0, None), outcome.describe()
+        reports = [match for line in end.output.splitlines() if (match := REPORT.search(line))]
+        for _, _, _, function in STALLS:
+            during = [match for match in reports if f"{function} (fault_train.py:" in match[4]]
+            assert during and int(during[0][2]) <= timeout / 4 + 1, (function, outcome.describe())
+            assert during[0][3].startswith("gloo:") and " of group mesh_tp, ranks 0 and 1" in during[0][3], during[0][0]
+            print(during[0][0])
+        stopped = [
+            line for line in end.output.splitlines() if f"[rank {rank}] lightning-automodel: the run stopped" in line
+        ]
+        assert stopped and "rank 1 (" in stopped[0] and "has not reached the collective" in stopped[0], (
+            outcome.describe()
+        )
+        assert "stall_in_forward (fault_train.py:" in stopped[0], outcome.describe()
+        print(stopped[0])
+    ended = [
+        line for line in outcome.ranks[1].output.splitlines() if "lightning-automodel: ending this process" in line
+    ]
+    assert ended and "which had not reached the collective that rank 0 waited in" in ended[0], outcome.describe()
+    assert "stall_in_forward (fault_train.py:" in ended[0], outcome.describe()
+    print(ended[0])
+
+
+def test_the_rank_the_others_wait_for_is_the_one_that_waits_for_none():
+    """tp=2 x dp=2, rank 1 stuck between two collectives: rank 0 waits for it in their tp group, rank 3 in their dp
+    group, and rank 2 for rank 3 in theirs. Rank 1 is named, once for each group; rank 3, waiting itself, is not.
+    Ranks that have all entered a collective, or that wait for each other (collectives called in different orders),
+    name none."""
+    tp01, tp23, dp02, dp13 = "3", "4", "1", "2"
+
+    def at(**groups: tuple[int, int]) -> dict[str, GroupProgress]:
+        return {group: GroupProgress(f"mesh_{group}", *counts) for group, counts in groups.items()}
+
+    progress = {
+        0: {tp01: GroupProgress("mesh_tp", 9, 8), dp02: GroupProgress("mesh_dp", 4, 4)},
+        1: {tp01: GroupProgress("mesh_tp", 8, 8), dp13: GroupProgress("mesh_dp", 3, 3)},
+        2: {tp23: GroupProgress("mesh_tp", 9, 8), dp02: GroupProgress("mesh_dp", 4, 4)},
+        3: {tp23: GroupProgress("mesh_tp", 8, 8), dp13: GroupProgress("mesh_dp", 4, 3)},
+    }
+    missed = find_missed(progress)
+    assert [(each.rank, each.group, each.collective, each.waiting) for each in missed] == [
+        (1, dp13, 4, (3,)),
+        (1, tp01, 9, (0,)),
+    ]
+    progress[1][tp01] = GroupProgress("mesh_tp", 9, 8)
+    progress[3][tp23] = GroupProgress("mesh_tp", 9, 8)
+    progress[1][dp13] = GroupProgress("mesh_dp", 4, 3)
+    assert find_missed(progress) == []  # every collective waited in is entered everywhere: stuck inside one
+    crossed = {0: at(a=(5, 4), b=(2, 2)), 1: at(a=(4, 4), b=(3, 2))}
+    assert find_missed(crossed) == []
+
+
+def test_a_frozen_rank_is_said_to_miss_the_collective_the_others_say_they_wait_in():
+    """A rank's published progress may lag (frozen, or its monitor starved, after it named its groups): by it, rank 0
+    would wait in collective 37 of default_pg, which it completed; rank 0 says it waits in collective 88 of mesh_tp,
+    and that is the one named."""
+    everyone = {
+        0: {"0": GroupProgress("default_pg", 38, 38), "9": GroupProgress("mesh_tp", 88, 87)},
+        1: {"0": GroupProgress("default_pg", 36, 36), "9": GroupProgress("mesh_tp", 52, 51)},
+    }
+    [missed] = find_missed(everyone)
+    assert (missed.group, missed.collective) == ("0", 37)
+    wheres = {1: None, 0: {"place": "wait", "still": 6.0, "waits": {"9": [88, "gloo:all_reduce"]}}}
+    said, operation, waited = _as_the_waiting_say(missed, wheres, everyone)
+    assert (said.rank, said.desc, said.collective, said.waiting, said.members) == (1, "mesh_tp", 88, (0,), (0, 1))
+    assert (operation, waited) == ("gloo:all_reduce", 6.0)
 
 
 def test_the_nccl_flight_recorder_dumps_beside_the_run_unless_told_otherwise(tmp_path, monkeypatch):

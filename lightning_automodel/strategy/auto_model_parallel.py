@@ -310,8 +310,6 @@ class AutoModelParallelStrategy(CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fault_monitor is not None:
-            self._fault_monitor.stragglers.begin_batch()
         if self._preemption is not None:
             self._preemption.begin_batch()
         return to_local(super().training_step(*args, **kwargs))

@@ -27,7 +27,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -35,9 +34,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint import CheckpointException
 
 from lightning_automodel.strategy.stragglers import Stragglers
-
-if TYPE_CHECKING:
-    pass
 
 INTERVAL = 1.0  # seconds between heartbeats
 GONE_AFTER = 3.0  # once a failure is known, a rank without a heartbeat for this long is gone
@@ -81,7 +77,8 @@ class FaultMonitor:
         self._seen: dict[int, tuple[int, float, float]] = {}  # rank -> (heartbeat, when it changed, first look)
         self._who: dict[int, dict[str, str]] = {}
         self._thread = threading.Thread(target=self._run, name="lightning-automodel-faults", daemon=True)
-        self.stragglers = Stragglers(rank=rank, world_size=world_size, after=self.silent_after / 2, whois=self._whois)
+        after = self.silent_after / 2  # between reports of the rank the others wait for: 30 s at most
+        self.stragglers = Stragglers(rank=rank, world_size=world_size, after=after, tick=INTERVAL, whois=self._whois)
 
     def start(self) -> None:
         self._thread.start()
@@ -186,13 +183,12 @@ class FaultMonitor:
 
     def _end_if_blocked(self) -> None:
         """End this process if its main thread has not reached a failure of its own ``GRACE`` seconds after the
-        stage stopped: it waits in a collective that will not return."""
+        stage stopped: it waits in a collective that will not return, or is the rank the others waited for."""
         assert self._stopping_since is not None
         if self._handling or time.monotonic() - self._stopping_since < GRACE:
             return
         print(
-            f"[rank {self.rank}] lightning-automodel: ending this process, which was waiting for ranks that stopped,"
-            f" in {self.stragglers.place()}.",
+            f"[rank {self.rank}] lightning-automodel: ending this process, {self.stragglers.ending()}.",
             file=sys.stderr,
             flush=True,
         )
@@ -229,17 +225,18 @@ class FaultMonitor:
     def _describe(self, found: list[Note]) -> str:
         """The notes of the most telling kind, ranks with the same text together."""
         kind = next((kind for kind in _ORDER if any(note.kind == kind for note in found)), None)
+        cause = self.stragglers.cause(self._store)  # the rank the others waited for, unless it is named already
+        cause = "" if {each.rank for each in self.stragglers.missed} <= {note.rank for note in found} else cause
         if kind is None:
-            return "no rank said why."
+            return f"{cause}." if cause else "no rank said why."
         texts: dict[str, list[int]] = {}
         for note in found:
             if note.kind == kind:
                 texts.setdefault(note.text, []).append(note.rank)
-        said = "; ".join(self._explain(kind, text, ranks) for text, ranks in list(texts.items())[:3]).rstrip(".")
-        behind = self.stragglers.behind(self._store) if kind == COLLECTIVE else ""
-        return said + (f"; {behind}" if behind else "") + "."
+        explained = [self._explain(kind, text, ranks, cause=cause) for text, ranks in list(texts.items())[:3]]
+        return "; ".join([*explained, cause] if cause else explained).rstrip(".") + "."
 
-    def _explain(self, kind: str, text: str, ranks: list[int]) -> str:
+    def _explain(self, kind: str, text: str, ranks: list[int], *, cause: str) -> str:
         who = self._name(ranks)
         if kind == ERROR:
             return f"{who} failed: {text}"
@@ -252,6 +249,8 @@ class FaultMonitor:
             return f"{who} stopped responding ({text}): stopped, frozen, or gone with its host"
         if kind == SIGNAL:
             return f"{who} received {text}"
+        if cause:
+            return f"{who} had a collective fail ({text[:300]})"
         return (
             f"{who} had a collective fail ({text[:300]}) and no rank reported a cause: a rank may have skipped a"
             " collective or called them in another order"

@@ -1,12 +1,13 @@
-"""Which rank the others wait for, said while they wait.
+"""Which rank the others wait for, said by every rank while they wait, and again when the wait times out.
 
-A rank that is alive but stuck (a slow data loader, a deadlock in user code) leaves the others in a collective until
-the process group's timeout, 30 minutes by default, and nothing in the log says why. Each rank counts the training
-batches it has begun (:meth:`Stragglers.begin_batch`, from the main thread); its fault monitor's thread publishes
-the count in the c10d store, and where its main thread is once a batch has lasted ``after / 2`` seconds. A rank
-that has been in one batch for ``after`` seconds reads every rank's count: the ranks with the lowest count are
-behind, and the lowest-numbered rank ahead of them says so, every ``after`` seconds, naming where the first of them
-is. A stage that stops on a failed collective names them too, and a rank ended while stuck says where it was.
+A rank that is alive but stuck (in its forward, its backward, its optimizer step, its data loader; a hung read, a
+deadlock in user code) leaves the others in a collective until the process group's timeout, 30 minutes by default.
+Each rank's fault monitor thread publishes in the c10d store, at every heartbeat, how far the rank is in each process
+group's collectives (collective_progress.py, from torch's flight recorder) and, once that has not moved for a quarter
+of the report interval ``after``, where its main thread is (main_thread.py) and what collective it waits in. A rank
+whose collectives have not moved for ``after`` (a quarter of the timeout, 30 s at most) reads every rank's progress
+and prints which rank has not reached the collective the others wait in and where that rank is, and again every
+``after``. A stage that stops on a failed collective names that rank too, and the rank, ended, says it was the one.
 
 On GPUs, torch's NCCL flight recorder (the last collectives of every rank, dumped at a timeout) is pointed at the
 run's directory, beside the logs: :func:`point_flight_recorder`.
@@ -14,43 +15,57 @@ run's directory, beside the logs: :func:`point_flight_recorder`.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
-FRAMES = 3  # innermost frames of a stuck rank's stack that a report shows
+from lightning_automodel.strategy.collective_progress import (
+    CollectiveProgress,
+    Counts,
+    GroupProgress,
+    Missed,
+    find_missed,
+)
+from lightning_automodel.strategy.main_thread import main_thread_place
+
+RANKS_SHOWN = 3  # ranks a list names before "and N more"
 
 
 class Stragglers:
-    """One stage of one rank. ``whois(rank)`` names a rank ("host, pid 12")."""
+    """One stage of one rank, driven by its fault monitor's thread (``introduce`` once, ``tick`` every ``tick``
+    seconds). ``whois(rank)`` names a rank ("host, pid 12")."""
 
-    def __init__(self, *, rank: int, world_size: int, after: float, whois: Callable[[int], str]) -> None:
+    def __init__(self, *, rank: int, world_size: int, after: float, tick: float, whois: Callable[[int], str]) -> None:
         self.rank = rank
         self.world_size = world_size
         self.after = after
+        # Stillness is seen at heartbeats, up to ``tick`` late: the first report comes within ``after`` of a wait.
+        self._first_report = max(after / 2, after - 2 * tick)
         self._whois = whois
-        self._batch = 0  # training batches begun on this rank (written by the main thread only)
-        self._since = time.monotonic()  # when the current one began
-        self._published = -1
-        self._placed = 0.0
-        self._reported = 0.0
+        self._progress: CollectiveProgress | None = None
+        self._counts: Counts | None = None  # this rank's progress
+        self._changed = 0.0  # when it last moved
+        self._named: dict[str, GroupProgress] | None = None  # ... in the groups it has named, as published
+        self._waits: dict[str, list] | None = None  # group -> [collective, what it is] of those this rank waits in
+        self._reported = -math.inf
         self._failed = False
+        self.missed: list[Missed] = []  # what the last look found: the ranks the others wait for
 
-    def begin_batch(self) -> None:
-        """The main thread begins a training batch (an attribute write: no store, no lock)."""
-        self._since = time.monotonic()
-        self._batch += 1
+    def introduce(self, store: dist.Store) -> None:
+        self._progress = CollectiveProgress()
+        self._publish_progress(store, time.monotonic())
 
     def tick(self, store: dist.Store, now: float) -> None:
-        """From the monitor's thread, every heartbeat: publish this rank's count, and report the ranks behind once
-        this rank has waited ``after`` seconds (again every ``after`` seconds). A failure here ends the reports, not
-        the monitor (a store that is gone fails the heartbeat next)."""
+        """Publish this rank's progress, and where it is once that has stood still; report the ranks the others
+        wait for once it has stood still for ``after`` (again every ``after``). A failure here ends the reports,
+        not the monitor (a store that is gone fails the heartbeat next)."""
         if self._failed:
             return
         try:
@@ -59,64 +74,129 @@ class Stragglers:
             self._failed = True
             print(f"[rank {self.rank}] lightning-automodel: no more straggler reports: {error}", file=sys.stderr)
 
-    def _tick(self, store: dist.Store, now: float) -> None:
-        batch, since = self._batch, self._since
-        if batch != self._published:
-            store.set(f"batch/{self.rank}", str(batch))
-            self._published = batch
-        if now - since >= self.after / 2 and now - self._placed >= self.after / 2:  # before the others ask
-            store.set(f"place/{self.rank}", self.place())
-            self._placed = now
-        if now - since < self.after or now - self._reported < self.after:
-            return
-        self._reported = now
-        counts = self._counts(store)
-        behind = [rank for rank, count in counts.items() if count == min(counts.values(), default=0)]
-        ahead = [rank for rank in counts if rank not in behind]
-        if ahead and min(ahead) == self.rank:
-            print(
-                f"[rank {self.rank}] lightning-automodel: batch {batch} has waited {now - since:.0f} s for"
-                f" {self._describe(store, behind, counts)}.",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def behind(self, store: dist.Store) -> str:
-        """The ranks behind the others (for the report of a stage stopped by a failed collective), or ""."""
+    def cause(self, store: dist.Store) -> str:
+        """Which rank the others wait for, in which collective, and where it is; "" if none (or the store is gone)."""
         try:
-            counts = self._counts(store)
-            behind = [rank for rank, count in counts.items() if count == min(counts.values(), default=0)]
-            if len(behind) == len(counts):
-                return ""
-            return f"the others were waiting for {self._describe(store, behind, counts)}"
+            everyone = self._everyone(store)
+            self.missed = find_missed(everyone)
+            return self._describe(store, everyone) if self.missed else ""
         except Exception:  # the store is gone: the report says so
             return ""
 
-    def place(self) -> str:
-        """Where this rank's main thread is: its innermost frames, innermost first."""
-        frame = sys._current_frames().get(threading.main_thread().ident or -1)
-        if frame is None:
-            return "an unknown place"
-        frames = traceback.extract_stack(frame)[-FRAMES:]
-        return " <- ".join(f"{frame.name} ({Path(frame.filename).name}:{frame.lineno})" for frame in reversed(frames))
+    def ending(self) -> str:
+        """What this rank was doing when its monitor ends it, as the last look saw it."""
+        mine = [each for each in self.missed if each.rank == self.rank]
+        if not mine:
+            return f"which was waiting for ranks that stopped, in {main_thread_place()}"
+        return (
+            f"which had not reached the collective that {_ranks(mine[0].waiting)} waited in ({_collective(mine[0])}),"
+            f" in {main_thread_place()}"
+        )
 
-    def introduce(self, store: dist.Store) -> None:
-        store.set(f"batch/{self.rank}", "0")
+    def _tick(self, store: dist.Store, now: float) -> None:
+        self._publish_progress(store, now)
+        still = now - self._changed
+        if still >= self.after / 4:
+            assert self._progress is not None and self._counts is not None and self._named is not None
+            if self._waits is None:  # once a wait: name the groups, and what this rank waits in
+                self._waits = self._progress.look(self._counts)
+                self._publish_named(store)
+            where = {"at": _stamp(self._named), "place": main_thread_place(), "still": still, "waits": self._waits}
+            store.set(f"where/{self.rank}", json.dumps(where))
+        if still >= self._first_report and now - self._reported >= self.after:
+            self._reported = now
+            cause = self.cause(store)
+            if cause:
+                print(f"[rank {self.rank}] lightning-automodel: {cause}.", file=sys.stderr, flush=True)
 
-    def _counts(self, store: dist.Store) -> dict[int, int]:
-        """Every rank's count; {} until every rank has published one."""
-        keys = [f"batch/{rank}" for rank in range(self.world_size)]
+    def _publish_progress(self, store: dist.Store, now: float) -> None:
+        assert self._progress is not None
+        counts = self._progress.read()
+        if counts != self._counts:
+            self._counts, self._changed, self._waits = counts, now, None
+            self._publish_named(store)
+
+    def _publish_named(self, store: dist.Store) -> None:
+        assert self._progress is not None and self._counts is not None
+        named = self._progress.named(self._counts)
+        if named != self._named:
+            self._named = named
+            published = {group: [each.desc, each.entered, each.completed] for group, each in named.items()}
+            store.set(f"progress/{self.rank}", json.dumps(published))
+
+    def _everyone(self, store: dist.Store) -> dict[int, dict[str, GroupProgress]]:
+        """Every rank's progress; {} until every rank has published it."""
+        keys = [f"progress/{rank}" for rank in range(self.world_size)]
         if not store.check(keys):
             return {}
-        return {rank: int(value) for rank, value in enumerate(store.multi_get(keys))}
+        return {
+            rank: {group: GroupProgress(*values) for group, values in json.loads(value).items()}
+            for rank, value in enumerate(store.multi_get(keys))
+        }
 
-    def _describe(self, store: dist.Store, behind: list[int], counts: dict[int, int]) -> str:
-        first = behind[0]
-        where = (
-            store.get(f"place/{first}").decode() if store.check([f"place/{first}"]) else "a place it has not published"
+    def _describe(self, store: dist.Store, everyone: dict[int, dict[str, GroupProgress]]) -> str:
+        first = self.missed[0]
+        stuck = sorted({each.rank for each in self.missed})
+        waiting = sorted({rank for each in self.missed if each.rank == first.rank for rank in each.waiting})
+        wheres = {rank: _where(store, rank, everyone[rank]) for rank in (first.rank, *waiting)}
+        first, operation, waited = _as_the_waiting_say(first, wheres, everyone)
+        who = f"rank {first.rank} ({self._whois(first.rank)})"
+        who += f" and {len(stuck) - 1} more" if len(stuck) > 1 else ""
+        how_long = f" for {waited:.0f} s" if waited is not None else ""
+        what = f"{operation}, " if operation else ""
+        place = wheres[first.rank]["place"] if wheres[first.rank] else "a place it has not published"
+        return (
+            f"{who} {'has' if len(stuck) == 1 else 'have'} not reached the collective that {_ranks(first.waiting)}"
+            f" {'has' if len(first.waiting) == 1 else 'have'} waited in{how_long} ({what}{_collective(first)});"
+            f" rank {first.rank} is in {place}"
         )
-        others = f" and {len(behind) - 1} more" if len(behind) > 1 else ""
-        return f"rank {first} ({self._whois(first)}){others}, still at batch {counts[first]}, in {where}"
+
+
+def _as_the_waiting_say(
+    missed: Missed, wheres: dict[int, dict[str, Any] | None], everyone: dict[int, dict[str, GroupProgress]]
+) -> tuple[Missed, str | None, float | None]:
+    """The first collective that ranks waiting for ``missed.rank`` say they wait in (what it is, and for how long),
+    among those of its groups it has not entered; ``missed`` itself if none says (a frozen rank's published
+    progress lags: what the waiting ranks wait in is what they say)."""
+    said: dict[tuple[str, int], list[tuple[int, str | None, float]]] = {}
+    mine = everyone[missed.rank]
+    for rank, where in wheres.items():
+        for group, (number, operation) in where["waits"].items() if where else ():
+            if group in mine and mine[group].entered < number:
+                said.setdefault((group, number), []).append((rank, operation, where["still"]))
+    if not said:
+        return missed, None, None
+    (group, number), waits = next(iter(said.items()))
+    members = tuple(rank for rank in sorted(everyone) if group in everyone[rank])
+    waiting = tuple(rank for rank, _, _ in waits)
+    waited = max(still for _, _, still in waits)
+    return Missed(missed.rank, group, mine[group].desc, members, number, waiting), waits[0][1], waited
+
+
+def _where(store: dist.Store, rank: int, progress: dict[str, GroupProgress]) -> dict[str, Any] | None:
+    """Where ``rank`` is while its progress stands still at ``progress`` (None before it has said, or once it has
+    moved on: what it said is of an earlier wait)."""
+    key = f"where/{rank}"
+    where = json.loads(store.get(key)) if store.check([key]) else None
+    return where if where is not None and where["at"] == _stamp(progress) else None
+
+
+def _stamp(progress: dict[str, GroupProgress]) -> int:
+    """Changes whenever a rank enters or completes a collective."""
+    return sum(each.entered + each.completed for each in progress.values())
+
+
+def _collective(missed: Missed) -> str:
+    return f"collective {missed.collective} of group {missed.desc}, {_ranks(missed.members)}"
+
+
+def _ranks(ranks: tuple[int, ...] | list[int]) -> str:
+    """ "rank 0", "ranks 0 and 2", "ranks 0, 2, 4 and 5 more"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) <= RANKS_SHOWN:
+        return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+    return f"ranks {', '.join(map(str, ranks[:RANKS_SHOWN]))} and {len(ranks) - RANKS_SHOWN} more"
 
 
 def flight_recorder_environment(directory: str | os.PathLike) -> dict[str, str]:

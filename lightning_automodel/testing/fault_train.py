@@ -8,7 +8,7 @@ rank it started and reaped (the driver cannot read those).
 
 Usage: fault_train.py OUT_DIR [--devices N] [--nodes N] [--timeout SECONDS] [--steps N] [--save-every N]
     [--in-save RANK] [--in-swap] [--slow-save SECONDS] [--nan-rank RANK [--nan-step STEP]] [--detect-anomaly]
-    [--save-on-exception] [--stall-rank RANK [--stall-step STEP] [--stall-seconds SECONDS]]
+    [--save-on-exception] [--stall-rank RANK --stall PLACE:STEP:SECONDS [--stall ...]]
 """
 
 from __future__ import annotations
@@ -49,9 +49,14 @@ def main() -> None:
     parser.add_argument("--in-save", type=int, default=None, help="this rank kills itself midway through a save")
     parser.add_argument("--in-swap", action="store_true", help="rank 0 dies between the renames of its second swap")
     parser.add_argument("--slow-save", type=float, default=0.0, help="every rank's shard takes this long to write")
-    parser.add_argument("--stall-rank", type=int, default=None, help="this rank stalls before a batch (a slow loader)")
-    parser.add_argument("--stall-step", type=int, default=2)
-    parser.add_argument("--stall-seconds", type=float, default=60.0)
+    parser.add_argument("--stall-rank", type=int, default=None, help="this rank stalls where --stall says")
+    parser.add_argument(
+        "--stall",
+        action="append",
+        default=[],
+        metavar="PLACE:STEP:SECONDS",
+        help=f"sleep in one of {', '.join(STALL_PLACES)} once STEP steps are done (repeatable)",
+    )
     parser.add_argument("--nan-rank", type=int, default=None, help="this rank's loss turns NaN at --nan-step")
     parser.add_argument("--nan-step", type=int, default=3)
     parser.add_argument("--detect-anomaly", action="store_true", help="Trainer(detect_anomaly=True)")
@@ -61,21 +66,21 @@ def main() -> None:
     # Imported once the output is redirected: what importing prints (warnings, errors) lands in this rank's log.
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+    from torch.utils.data import DataLoader
 
     from lightning_automodel import AutoModelParallelStrategy
     from lightning_automodel.testing.models import tiny_model
     from lightning_automodel.testing.trainer_parity import CausalLM, data
 
+    stalls = Stalls(args.stall if global_rank() == args.stall_rank else [])
+
     class Progress(Callback):
         def on_train_start(self, trainer, pl_module):
             (args.out_dir / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
+            stalls.install(trainer)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             (args.out_dir / f"rank{trainer.global_rank}.step").write_text(str(trainer.global_step))
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_rank == args.stall_rank and trainer.global_step == args.stall_step:
-                time.sleep(args.stall_seconds)
 
     class NaNLoss(CausalLM):
         def training_step(self, batch, batch_idx):
@@ -114,7 +119,64 @@ def main() -> None:
         detect_anomaly=args.detect_anomaly,
     )
     atexit.register(record_exit_codes_of_started_ranks, trainer, args.out_dir)
-    trainer.fit(NaNLoss(tiny_model()), data(args.devices * args.nodes // 2))
+    loader = data(args.devices * args.nodes // 2)
+    loader = DataLoader(StallingDataset(loader.dataset, stalls), batch_size=loader.batch_size)
+    trainer.fit(NaNLoss(tiny_model()), loader)
+
+
+STALL_PLACES = ("loader", "forward", "backward", "optimizer")
+
+
+class Stalls:
+    """Sleeps of this rank inside a training step, as a hung read, a stuck kernel or a deadlock would block it: each
+    ``PLACE:STEP:SECONDS`` sleeps once, in a function of its own (named in what the ranks print), when the Trainer
+    has done STEP steps."""
+
+    def __init__(self, specs: list[str]) -> None:
+        self._due = {place: (int(step), float(seconds)) for place, step, seconds in (s.split(":") for s in specs)}
+        unknown = set(self._due) - set(STALL_PLACES)
+        assert not unknown, f"--stall places are {STALL_PLACES}, not {unknown}"
+        self._trainer = None
+
+    def install(self, trainer) -> None:
+        """Hooks in the model's forward and backward and before the optimizer's step (the loader asks itself)."""
+        self._trainer = trainer
+        norm = trainer.lightning_module.model.model.norm
+        norm.register_forward_hook(self.stall_in_forward)
+        norm.register_forward_hook(self.hook_backward)
+        trainer.optimizers[0].register_step_pre_hook(self.stall_in_optimizer_step)
+
+    def stall_in_forward(self, module, inputs, output) -> None:
+        self.sleep_if_due("forward")
+
+    def hook_backward(self, module, inputs, output) -> None:
+        output.register_hook(self.stall_in_backward)
+
+    def stall_in_backward(self, gradient) -> None:
+        self.sleep_if_due("backward")
+
+    def stall_in_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.sleep_if_due("optimizer")
+
+    def sleep_if_due(self, place: str) -> None:
+        step, seconds = self._due.get(place, (None, 0.0))
+        if self._trainer is not None and self._trainer.global_step == step:
+            del self._due[place]
+            time.sleep(seconds)
+
+
+class StallingDataset:
+    """A map-style data set whose reads stall where ``stalls`` says ("loader")."""
+
+    def __init__(self, dataset, stalls: Stalls) -> None:
+        self._dataset, self._stalls = dataset, stalls
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, index):
+        self._stalls.sleep_if_due("loader")
+        return self._dataset[index]
 
 
 def record_exit_codes_of_started_ranks(trainer, out_dir: Path) -> None:

@@ -97,15 +97,24 @@ def check_other_configuration_refused_or_loaded_in_part(directory: str, tp: int)
     """Checkpoints of the same model with 3 layers (sharded, and a single-device file) resumed into 2 layers, and
     one of 2 layers into 3: refused on every rank, the message naming what one side holds and the other lacks
     (weights and optimizer state) and the partial load; with ``strict_loading = False``, the weights both hold are
-    the checkpoint's, the others as built, and training goes on."""
+    the checkpoint's, the others as built, and so is the optimizer state of the parameters both hold (a single-device
+    file, which numbers it by position over other groups, leaves it fresh, warned); training goes on. A single file
+    cut short is refused on every rank, naming it."""
     root = Path(directory)
     saved = {}
     for layers in (2, 3):
         module = CausalLM(tiny_model(num_hidden_layers=layers))
-        fit(module, tp, 1).save_checkpoint(root / f"layers-{layers}.ckpt")
-        saved[root / f"layers-{layers}.ckpt"] = {name: full(p).clone() for name, p in module.model.named_parameters()}
+        run = fit(module, tp, 1)
+        run.save_checkpoint(root / f"layers-{layers}.ckpt")
+        names = {param: name for name, param in module.model.named_parameters()}
+        saved[root / f"layers-{layers}.ckpt"] = {
+            "weights": {name: full(param).clone() for param, name in names.items()},
+            "moments": {
+                names[p]: {k: full(v).clone() for k, v in s.items()} for p, s in run.optimizers[0].state.items()
+            },
+        }
     one_file = root / "layers-3-one-device.ckpt"
-    saved[one_file] = fit_on_one_device(CausalLM(tiny_model(num_hidden_layers=3)), 1, save=one_file)["weights"]
+    saved[one_file] = fit_on_one_device(CausalLM(tiny_model(num_hidden_layers=3)), 1, save=one_file) | {"moments": {}}
     extra = r"weights in the checkpoint that this model lacks: model\.model\.layers\.2\..* and 6 more"
     unused = r"optimizer_0: state in the checkpoint of parameters this run does not train: model\.model\.layers\.2\."
     lacking = r"weights of this model that the checkpoint lacks: model\.model\.layers\.2\."
@@ -125,19 +134,31 @@ def check_other_configuration_refused_or_loaded_in_part(directory: str, tp: int)
         assert not missed, (missed, str(error.value))
         result[case] = str(error.value)
         result[f"{case}, partial"] = _check_partial_load(path, layers, tp, saved[path])
+    damaged = root / "damaged.ckpt"
+    if dist.get_rank() == 0:
+        damaged.write_bytes(one_file.read_bytes()[: one_file.stat().st_size // 2])
+    dist.barrier()
+    with pytest.raises(ValueError, match=f"{damaged} cannot be read") as error:
+        fit(CausalLM(tiny_model(num_hidden_layers=3, seed=3)), tp, 2, ckpt_path=damaged)
+    result["damaged"] = str(error.value)
     return result
 
 
-def _check_partial_load(path: Path, layers: int, tp: int, saved: dict[str, torch.Tensor]) -> dict:
-    """Resumed with ``strict_loading = False``: the weights both hold are the checkpoint's, the others as built."""
+def _check_partial_load(path: Path, layers: int, tp: int, saved: dict[str, dict]) -> dict:
+    """Resumed with ``strict_loading = False``: the weights both hold are the checkpoint's, the others as built; the
+    optimizer state of the parameters both hold (``saved["moments"]``) is the checkpoint's."""
     built = {name: p.detach().clone() for name, p in tiny_model(num_hidden_layers=layers, seed=3).named_parameters()}
     resumed = Resumed(tiny_model(num_hidden_layers=layers, seed=3))
     resumed.strict_loading = False
     fit(resumed, tp, 2, ckpt_path=path)
-    expected = {name: saved.get(name, built[name]) for name in resumed.loaded_weights}
-    result = {"loaded": len(expected.keys() & saved.keys()), "kept": len(expected.keys() - saved.keys())}
+    weights = saved["weights"]
+    expected = {name: weights.get(name, built[name]) for name in resumed.loaded_weights}
+    result = {"loaded": len(expected.keys() & weights.keys()), "kept": len(expected.keys() - weights.keys())}
     result["weights"] = _largest_difference(resumed.loaded_weights, expected)
-    assert result["weights"] == 0.0 and result["loaded"] > 0 and len(resumed.losses) == 1, result
+    moments = {name: state for name, state in saved["moments"].items() if name in resumed.loaded_moments}
+    result["moments"] = _largest_difference(resumed.loaded_moments, moments)
+    assert result["weights"] == 0.0 and result["moments"] == 0.0 and result["loaded"] > 0, result
+    assert len(resumed.losses) == 1, result
     return result
 
 

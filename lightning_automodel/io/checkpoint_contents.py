@@ -21,11 +21,6 @@ from lightning_automodel.hf.packed_weights import packed_block_keys
 WEIGHTS = "state_dict."
 Size = tuple[int, ...] | int  # a shape; or the number of values of a packed weight stored block by block
 
-PARTIAL_LOAD = (
-    "To load what both hold and keep the rest as this run built it, set `self.strict_loading = False` in the"
-    " LightningModule's __init__ (Lightning's partial load)."
-)
-
 
 def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
@@ -105,10 +100,10 @@ def misfit(path: Path, stored: Stored, held_by_rank: list[Held], *, strict: bool
     if not found:
         return None
     return ValueError(
-        f"{path} does not hold what this run loads (the LightningModule's strict_loading is on):\n  "
+        f"{path} does not hold what this run loads, and the LightningModule's strict_loading is on (to load what both"
+        " hold and keep the rest as this run built it, set `self.strict_loading = False` in its __init__):\n  "
         + "\n  ".join(found)
-        + "\nIs it a checkpoint of another configuration (another number of layers, other parameters trained)? "
-        + PARTIAL_LOAD
+        + "\nIs it a checkpoint of another configuration (another number of layers, other parameters trained)?"
     )
 
 

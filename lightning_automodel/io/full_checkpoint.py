@@ -71,7 +71,8 @@ class FullCheckpoint:
         groups = self.checkpoint[STATES][index]["param_groups"]
         return [{key: value for key, value in group.items() if key != "params"} for group in groups]
 
-    def metadata(self, *, weights_only: bool | None) -> dict[str, Any]:
+    def metadata(self) -> dict[str, Any]:
+        """The checkpoint but the weights (loops, callbacks, ...), as Lightning's loader returns it."""
         return {key: value for key, value in self.checkpoint.items() if key != "state_dict"}
 
 

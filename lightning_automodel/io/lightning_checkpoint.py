@@ -119,7 +119,7 @@ def load_checkpoint(
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(cpu_offload=True))
         for group, saved in zip(optimizer.param_groups, settings, strict=False):  # a partial load: fewer or more
             group.update(saved)
-    return reader.metadata(weights_only=weights_only)
+    return reader.metadata()
 
 
 def _open(
@@ -128,7 +128,7 @@ def _open(
     """The checkpoint at ``path`` opened, or why it cannot be: said on every rank, not raised on one."""
     try:
         if _is_sharded_checkpoint(path):
-            return ShardedCheckpoint(path), None
+            return ShardedCheckpoint(path, weights_only=weights_only), None
         return FullCheckpoint(path, weights_only=weights_only), None
     except ValueError as error:
         return None, error

@@ -20,11 +20,13 @@ from lightning_automodel.io.checkpoint_contents import WEIGHTS, Held, Stored, fo
 class ShardedCheckpoint:
     """A sharded checkpoint at ``path``, its index read."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, weights_only: bool | None) -> None:
         self.path = path
+        self.weights_only = weights_only
         self.index = FileSystemReader(path).read_metadata().state_dict_metadata
 
     def contents(self, held_by_rank: list[Held]) -> Stored:
+        """What the checkpoint holds (its index: the same whatever this run holds, ``held_by_rank``)."""
         sizes = {key: tuple(meta.size) for key, meta in self.index.items() if isinstance(meta, TensorStorageMetadata)}
         counts: dict[int, set[str]] = {}
         for key in self.index:  # optimizer_<i>.param_groups.<group>.<setting>
@@ -46,8 +48,9 @@ class ShardedCheckpoint:
             group["params"] = params  # as one rank saved them: under pp, another stage's
         return [{k: v for k, v in group.items() if k != "params"} for group in optimizer_state["param_groups"]]
 
-    def metadata(self, *, weights_only: bool | None) -> dict[str, Any]:
-        return torch.load(self.path / _METADATA_FILENAME, weights_only=weights_only)
+    def metadata(self) -> dict[str, Any]:
+        """Lightning's ``meta.pt``: the checkpoint but the weights and optimizer states (loops, callbacks, ...)."""
+        return torch.load(self.path / _METADATA_FILENAME, weights_only=self.weights_only)
 
 
 def _load(state: dict[str, Any], path: Path, stored: dict[str, Any], *, strict: bool) -> None:

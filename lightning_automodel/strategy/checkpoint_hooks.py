@@ -1,6 +1,6 @@
 """The strategy's checkpoint hooks: saves that appear whole or not at all and replace nothing a user wrote (written
-while training goes on with ``async_save``), loads that check the checkpoint first and reshard it to this run's
-layout, and every rank's random states.
+while training goes on with ``async_save``), loads that check the checkpoint first (sharded, or Lightning's single
+file from any run: one device, DDP) and reshard it to this run's layout, and every rank's random states.
 
 Random states: restored at the load, before the loader's iterator is made (its base seed is a draw), so that a
 resume at an epoch's end draws what the uninterrupted run drew when it began the next epoch; and again as

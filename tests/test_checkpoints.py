@@ -26,6 +26,8 @@ from resume_checks import check_other_configuration_refused_or_loaded_in_part, c
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from lightning_automodel.io.atomic_directory import atomic_directory, readable_path, unowned_entries
+from lightning_automodel.io.checkpoint_contents import Held
+from lightning_automodel.io.full_checkpoint import FullCheckpoint
 from lightning_automodel.io.lightning_checkpoint import load_checkpoint
 from lightning_automodel.io.random_states import gather_random_states, restore_random_states
 from lightning_automodel.testing.harness import run_checks
@@ -150,3 +152,33 @@ def test_optimizer_settings_load_by_group_position(tmp_path):
     saved_moments = optimizer.state[saving["b"].weight]["exp_avg"]
     assert torch.equal(resumed.state[stage["b"].weight]["exp_avg"], saved_moments)
     resumed.step()  # every group has what AdamW reads
+
+
+def test_optimizer_state_numbered_by_position_is_placed_on_the_stages_parameters(tmp_path):
+    """A single-device file numbers AdamW's state through its param groups (here vectors first, then matrices).
+    Two pipeline stages each hold a share of both groups: the whole groups are the shares in the model's order, and
+    each parameter gets its own state. Shares out of the model's order, or groups of other sizes, cannot be placed:
+    the reason is given (the load refuses, or, when partial, leaves the state fresh)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 4), torch.nn.Linear(4, 5))
+    vectors, matrices = [m.bias for m in model], [m.weight for m in model]
+    optimizer = torch.optim.AdamW([{"params": vectors}, {"params": matrices}])
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "one-device.ckpt"
+    torch.save({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}, path)
+    first, second = Held({}, [[["0.bias"], ["0.weight"]]]), Held({}, [[["1.bias", "2.bias"], ["1.weight", "2.weight"]]])
+    reader = FullCheckpoint(path, weights_only=True)
+    stored = reader.contents([first, second])
+    assert not stored.unplaced and stored.sizes["optimizer_0.state.2.weight.exp_avg"] == (5, 4)
+    for name, param in model.named_parameters():
+        assert torch.equal(reader.states[0][name]["exp_avg"], optimizer.state[param]["exp_avg"]), name
+
+    def unplaced(*held: Held) -> str:
+        return FullCheckpoint(path, weights_only=True).contents(list(held)).unplaced[0]
+
+    assert "order other than the model's" in unplaced(
+        first, Held({}, [[["2.bias", "1.bias"], ["1.weight", "2.weight"]]])
+    )
+    assert "holds 3 parameters where this run's holds 2" in unplaced(
+        Held({}, [[["0.bias", "1.bias"], ["0.weight", "1.weight"]]])
+    )

@@ -41,7 +41,7 @@ class FullCheckpoint:
         sizes = {WEIGHTS + name: tuple(value.shape) for name, value in self.weights.items() if _is_tensor(value)}
         order = {name: position for position, name in enumerate(self.weights)}
         saved = self.checkpoint.get(STATES, [])
-        unplaced = {}
+        unplaced, self.states = {}, []
         for index, optimizer in enumerate(saved):
             shares = [rank.groups[index] for rank in held_by_rank if index < len(rank.groups)]
             placed = _by_name(optimizer, shares, order) if shares else {}

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from lightning_automodel.hf.packed_weights import is_packed, packed_blocks
 from lightning_automodel.io.atomic_directory import unowned_entries
-from lightning_automodel.io.checkpoint_contents import Held, misfit
+from lightning_automodel.io.checkpoint_contents import Held, Stored, misfit
 from lightning_automodel.io.full_checkpoint import FullCheckpoint
 from lightning_automodel.io.sharded_checkpoint import ShardedCheckpoint
 
@@ -96,30 +96,50 @@ def load_checkpoint(
     model_state = only_trainable(whole_state, module) if trainable_only else whole_state
     optimizer_states = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
     held = Held.of(model_state, optimizer_states, kept=frozenset(whole_state.keys() - model_state.keys()))
+    reader, stored = _open_fitting(path, held, strict=strict, weights_only=weights_only)
+    reader.load_weights(model_state, strict=strict)
+    set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict and not trainable_only))
+    for index, (optimizer, state) in enumerate(zip(optimizers, optimizer_states, strict=True)):
+        if index in stored.unplaced:  # strict refused it: the user asked for what can be loaded
+            rank_zero_warn(
+                f"{path}: optimizer {index}'s state is not loaded and starts fresh: {stored.unplaced[index]}."
+            )
+            continue
+        _load_optimizer(reader, index, module, optimizer, state)
+    return reader.metadata()
+
+
+def _open_fitting(
+    path: Path, held: Held, *, strict: bool, weights_only: bool | None
+) -> tuple[ShardedCheckpoint | FullCheckpoint, Stored]:
+    """The checkpoint at ``path`` opened and what it holds, once every rank has found that it can be read and fits
+    what the ranks hold (``held``: this rank's); otherwise the first rank's reason raised on every rank."""
     reader, problem = _open(path, weights_only=weights_only)
     gathered = gather_everywhere((held, problem))
     unreadable = next((found for _, found in gathered if found is not None), None)
     if unreadable is not None:  # every rank gathered the same
         raise unreadable
     assert reader is not None
-    held_by_rank = [held for held, _ in gathered]
+    held_by_rank = [rank for rank, _ in gathered]
     stored = reader.contents(held_by_rank)
     raise_everywhere(misfit(path, stored, held_by_rank, strict=strict))
-    reader.load_weights(model_state, strict=strict)
-    set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict and not trainable_only))
-    for index, (optimizer, state) in enumerate(zip(optimizers, optimizer_states, strict=True)):
-        if index in stored.unplaced:  # strict refused it: the user asked for what can be loaded
-            rank_zero_warn(
-                f"{path}: the state of optimizer {index} is not loaded and starts fresh: {stored.unplaced[index]}."
-            )
-            continue
-        # Settings by the group's position: a checkpoint holds the groups' parameter names as one rank saved them,
-        # and under pp the ranks hold other parameters (torch, matching groups by those names, would miss them).
-        settings = reader.load_optimizer(index, state)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(cpu_offload=True))
-        for group, saved in zip(optimizer.param_groups, settings, strict=False):  # a partial load: fewer or more
-            group.update(saved)
-    return reader.metadata()
+    return reader, stored
+
+
+def _load_optimizer(
+    reader: ShardedCheckpoint | FullCheckpoint,
+    index: int,
+    module: nn.Module,
+    optimizer: Optimizer,
+    state: dict[str, Any],
+) -> None:
+    """Load ``optimizer``'s state (``state``: this run's, by parameter name) and each param group's settings by the
+    group's position: a checkpoint holds the groups' parameter names as one rank saved them, and under pp the ranks
+    hold other parameters (torch, matching groups by those names, would give a group none of its settings)."""
+    settings = reader.load_optimizer(index, state)
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(cpu_offload=True))
+    for group, saved in zip(optimizer.param_groups, settings, strict=False):  # a partial load: fewer or more
+        group.update(saved)
 
 
 def _open(

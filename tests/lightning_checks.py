@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from resume_checks import fit_on_one_device, two_groups
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -55,27 +56,34 @@ class SelfParallelizedCausalLM(CausalLM):
 
 
 def check_checkpoint_resume_across_layouts(
-    directory: str, resumes: list[tuple[dict, dict]], family: str = "gemma3", *, num_hidden_layers: int = 4
+    directory: str, resumes: list[tuple[dict | None, dict]], family: str = "gemma3", *, num_hidden_layers: int = 4
 ) -> dict:
-    """Lightning checkpoints (default: Gemma 3, tied) saved after 2 steps at one layout and resumed at another, for
-    each (saved at, resumed at) pair of strategy sizes: the remaining losses are those of the uninterrupted run."""
+    """Lightning checkpoints (default: Gemma 3, tied) saved after 2 steps at one layout (None: Lightning's single file
+    from one device) and resumed at another, for each (saved at, resumed at) pair of strategy sizes: the remaining
+    losses are those of the uninterrupted run. AdamW in two param groups, as CausalLMModule's."""
+
+    def module(seed: int) -> HFLossCausalLM:
+        return HFLossCausalLM(tiny_model(family, seed=seed, num_hidden_layers=num_hidden_layers), optimizer=two_groups)
 
     def fit(sizes: dict, steps: int, ckpt_path: Path | None = None) -> tuple[HFLossCausalLM, L.Trainer]:
-        module = HFLossCausalLM(tiny_model(family, seed=5 + dist.get_rank(), num_hidden_layers=num_hidden_layers))
+        resumed = module(5 + dist.get_rank())
         run = trainer(AutoModelParallelStrategy(**sizes), max_steps=steps)
         dp = dist.get_world_size() // sizes.get("pp", 1) // sizes.get("tp", 1) // sizes.get("cp", 1)
-        run.fit(module, data(dp), ckpt_path=ckpt_path)
-        return module, run
+        run.fit(resumed, data(dp), ckpt_path=ckpt_path)
+        return resumed, run
 
     whole, _ = fit({}, 4)
     result = {}
     for saved_at, resumed_at in resumes:
-        checkpoint = Path(directory) / "-".join(["saved", *(f"{name}{size}" for name, size in saved_at.items())])
-        if not checkpoint.exists():
+        name = ["one-device"] if saved_at is None else (f"{name}{size}" for name, size in saved_at.items())
+        checkpoint = Path(directory) / "-".join(["saved", *name])
+        if saved_at is None and not checkpoint.exists():
+            fit_on_one_device(module(5), 2, save=checkpoint)
+        elif not checkpoint.exists():
             fit(saved_at, 2)[1].save_checkpoint(checkpoint)
         resumed, _ = fit(resumed_at, 4, ckpt_path=checkpoint)
         errors = [abs(a - b) / b for a, b in zip(resumed.losses, whole.losses[2:], strict=True)]
-        result[f"{saved_at or 'whole'} resumed at {resumed_at or 'whole'}"] = max(errors)
+        result[f"{saved_at if saved_at is not None else 'one device'} resumed at {resumed_at or 'whole'}"] = max(errors)
     assert max(result.values()) < FP32_TOLERANCE, result
     return result
 

@@ -22,10 +22,13 @@ from checkpoint_checks import (
 )
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.callbacks import ModelCheckpoint
+from resume_checks import check_other_configuration_refused_or_loaded_in_part, check_resume_from_one_device
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from lightning_automodel.io.atomic_directory import atomic_directory, readable_path, unowned_entries
-from lightning_automodel.io.lightning_checkpoint import load_sharded_checkpoint
+from lightning_automodel.io.checkpoint_contents import Held
+from lightning_automodel.io.full_checkpoint import FullCheckpoint
+from lightning_automodel.io.lightning_checkpoint import load_checkpoint
 from lightning_automodel.io.random_states import gather_random_states, restore_random_states
 from lightning_automodel.testing.harness import run_checks
 
@@ -33,22 +36,27 @@ from lightning_automodel.testing.harness import run_checks
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.sweep) if f == "phi3" else f for f in FAMILIES])
 def test_resume_exactly_and_into_other_layouts(tmp_path, family):
     """Saved at tp=2 x dp_shard=2 (world 4), resumed there exactly, then at dp_shard=2 and at tp=2 (world 2);
-    saved at dp_shard=2 and resumed at tp=2; converted to a Hugging Face directory by the command-line converter."""
+    saved at dp_shard=2 and resumed at tp=2; converted to a Hugging Face directory by the command-line converter.
+    Lightning's single file from single-device training resumed at tp=2 x dp_shard=2 as the single-device run
+    continues."""
     save = partial(check_save_and_exact_resume, str(tmp_path), 2, family)
-    losses = run_checks(4, [save])[f"check_save_and_exact_resume({str(tmp_path)!r}, 2, {family!r})"][0]
+    one_device = partial(check_resume_from_one_device, str(tmp_path), 2, family)
+    losses = run_checks(4, [save, one_device])[f"check_save_and_exact_resume({str(tmp_path)!r}, 2, {family!r})"][0]
     checks = [partial(check_resume_into_layout, str(tmp_path), tp, family, losses) for tp in (1, 2)]
     checks.append(partial(check_save_unsharded_resume_sharded, str(tmp_path), family, losses))
     run_checks(2, checks)
     assert_converted(tmp_path, family)
 
 
-def test_data_position_random_states_and_asynchronous_saves(tmp_path):
+def test_data_position_random_states_asynchronous_saves_and_other_configurations(tmp_path):
     """At tp=2 x dp_shard=2: resumed mid-epoch, a stateful loader continues at the next batch; with attention
     dropout, mid-epoch and at an epoch's end, the resumed run draws the uninterrupted run's masks; checkpoints saved
-    asynchronously resume exactly."""
+    asynchronously resume exactly; a checkpoint of another number of layers (sharded, or one device's file) is
+    refused, or loaded in part when asked."""
     checks = [partial(check_data_position_restored, str(tmp_path), 2)]
     checks.append(partial(check_resume_with_dropout_exactly, str(tmp_path), 2))
     checks.append(partial(check_asynchronous_saves_resume_exactly, str(tmp_path), 2))
+    checks.append(partial(check_other_configuration_refused_or_loaded_in_part, str(tmp_path), 2))
     for name, results in run_checks(4, checks).items():
         print(name, results[0])
 
@@ -138,9 +146,39 @@ def test_optimizer_settings_load_by_group_position(tmp_path):
     stage = torch.nn.ModuleDict({"b": torch.nn.Linear(2, 2), "c": torch.nn.Linear(2, 2)})
     groups = [{"params": stage["c"].parameters()}, {"params": []}, {"params": stage["b"].parameters()}]
     resumed = torch.optim.AdamW(groups, lr=1.0)
-    load_sharded_checkpoint(tmp_path, stage, [resumed], strict=False)
+    load_checkpoint(tmp_path, stage, [resumed], strict=False)
     assert [group["lr"] for group in resumed.param_groups] == [0.1, 0.2, 0.3]
     assert all(group["betas"] == (0.5, 0.6) for group in resumed.param_groups)
     saved_moments = optimizer.state[saving["b"].weight]["exp_avg"]
     assert torch.equal(resumed.state[stage["b"].weight]["exp_avg"], saved_moments)
     resumed.step()  # every group has what AdamW reads
+
+
+def test_optimizer_state_numbered_by_position_is_placed_on_the_stages_parameters(tmp_path):
+    """A single-device file numbers AdamW's state through its param groups (here vectors first, then matrices).
+    Two pipeline stages each hold a share of both groups: the whole groups are the shares in the model's order, and
+    each parameter gets its own state. Shares out of the model's order, or groups of other sizes, cannot be placed:
+    the reason is given (the load refuses, or, when partial, leaves the state fresh)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 4), torch.nn.Linear(4, 5))
+    vectors, matrices = [m.bias for m in model], [m.weight for m in model]
+    optimizer = torch.optim.AdamW([{"params": vectors}, {"params": matrices}])
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "one-device.ckpt"
+    torch.save({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}, path)
+    first, second = Held({}, [[["0.bias"], ["0.weight"]]]), Held({}, [[["1.bias", "2.bias"], ["1.weight", "2.weight"]]])
+    reader = FullCheckpoint(path, weights_only=True)
+    stored = reader.contents([first, second])
+    assert not stored.unplaced and stored.sizes["optimizer_0.state.2.weight.exp_avg"] == (5, 4)
+    for name, param in model.named_parameters():
+        assert torch.equal(reader.states[0][name]["exp_avg"], optimizer.state[param]["exp_avg"]), name
+
+    def unplaced(*held: Held) -> str:
+        return FullCheckpoint(path, weights_only=True).contents(list(held)).unplaced[0]
+
+    assert "order other than the model's" in unplaced(
+        first, Held({}, [[["2.bias", "1.bias"], ["1.weight", "2.weight"]]])
+    )
+    assert "holds 3 parameters where this run's holds 2" in unplaced(
+        Held({}, [[["0.bias", "1.bias"], ["0.weight", "1.weight"]]])
+    )

@@ -1,9 +1,11 @@
-"""Loading Lightning's sharded checkpoints, including those that hold the trainable parameters only.
+"""Lightning's checkpoints under the strategy: loaded, sharded or a single file, into any layout after checking that
+they fit; saved into paths that hold nothing else, with failures explained.
 
 A LoRA run trains a few million parameters on top of billions of frozen ones that never change and can be
 rebuilt from where they came from (the pretrained checkpoint, or the seed): saving them at every checkpoint
-costs disk and time for nothing. And an optimizer has no state for a parameter that never got a gradient (a
-vision tower in text-only training), so its saved state lacks entries that a freshly set-up optimizer has.
+costs disk and time for nothing, so a checkpoint may hold the trainable parameters only. And an optimizer has no
+state for a parameter that never got a gradient (a vision tower in text-only training), so its saved state lacks
+entries that a freshly set-up optimizer has.
 """
 
 from __future__ import annotations
@@ -13,20 +15,14 @@ import zipfile
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.distributed.checkpoint import (
-    CheckpointException,
-    DefaultLoadPlanner,
-    FileSystemReader,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,12 +30,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_automodel.hf.initialization import copy_shard
-from lightning_automodel.hf.packed_weights import is_packed, packed_block_keys, packed_blocks
+from lightning_automodel.hf.packed_weights import is_packed, packed_blocks
 from lightning_automodel.io.atomic_directory import unowned_entries
+from lightning_automodel.io.checkpoint_contents import Held, Stored, misfit
+from lightning_automodel.io.full_checkpoint import FullCheckpoint
+from lightning_automodel.io.sharded_checkpoint import ShardedCheckpoint
+
+T = TypeVar("T")
 
 
 def not_checkpoint_files(path: Path) -> list[str]:
@@ -70,52 +69,12 @@ def split_packed(tree: Any) -> Any:
     return packed_blocks(tree) if is_packed(tree) else tree
 
 
-def _load(state: dict[str, Any], path: Path, stored: dict[str, Any], *, strict: bool) -> None:
-    """Load ``state`` in place. A packed weight saved by another layout (as one tensor, or in blocks where this
-    layout holds it whole) cannot be read slice by slice: each rank reads it whole, one at a time, and keeps its
-    shard. ``strict=False`` leaves entries the checkpoint lacks as they are."""
-    mismatched: list[tuple[list[str], torch.Tensor]] = []
-    split: list[tuple[DTensor, dict[str, DTensor]]] = []
-    request = _request(state, "", stored, packed_block_keys(stored), mismatched, split)
-    dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    for target, blocks in split:  # blocks alias the weight, unless made on another device (CPU offload)
-        for chunk, block in zip(target.to_local().chunk(len(blocks)), blocks.values(), strict=True):
-            chunk.copy_(block.to_local())
-    for keys, target in mismatched:
-        if not keys:  # not in the checkpoint: refused beforehand when strict (see _misfit)
-            continue
-        whole = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype) for key in keys}
-        dcp.load(whole, checkpoint_id=path)
-        copy_shard(target, torch.cat(list(whole.values())))
-
-
-def _request(
-    tree: Any, prefix: str, stored: dict[str, Any], blocks_of: dict[str, list[str]], mismatched: list, split: list
-) -> Any:
-    """What to ask torch's checkpoint reader for, in the shape of ``tree``; tensors stored in another form go to
-    ``mismatched`` with the checkpoint keys that hold them, packed weights read as blocks to ``split``."""
-    if isinstance(tree, dict):
-        requests = {k: _request(v, f"{prefix}{k}.", stored, blocks_of, mismatched, split) for k, v in tree.items()}
-        return {key: value for key, value in requests.items() if value is not None}
-    if not isinstance(tree, torch.Tensor):
-        return tree
-    key = prefix[:-1]
-    blocks = blocks_of.get(key, [])
-    if is_packed(tree) and blocks:
-        split.append((tree, packed_blocks(tree)))
-        return split[-1][1]
-    if not is_packed(tree) and (key in stored or not blocks):
-        return tree
-    mismatched.append(([key] if key in stored else blocks, tree))
-    return None
-
-
 def only_trainable(state_dict: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     trainable = {name for name, param in module.named_parameters() if param.requires_grad}
     return {name: value for name, value in state_dict.items() if name in trainable}
 
 
-def load_sharded_checkpoint(
+def load_checkpoint(
     path: Path,
     module: nn.Module,
     optimizers: list[Optimizer],
@@ -124,45 +83,79 @@ def load_sharded_checkpoint(
     strict: bool = True,
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
-    """Load a sharded checkpoint into ``module`` and ``optimizers``, resharding to their layout if it differs
-    from the saving run's. Returns the checkpoint's other contents (loop state, callbacks), as Lightning does.
+    """Load a Lightning checkpoint, sharded or a single file (what one device, DDP or any layout saved), into
+    ``module`` and ``optimizers``, resharded to their layout. Returns the checkpoint's other contents (loop state,
+    callbacks), as Lightning does. Refused on every rank before the load's first collective when it does not fit
+    (see :func:`~lightning_automodel.io.checkpoint_contents.misfit`).
 
     ``trainable_only``: the checkpoint holds the trainable parameters only; frozen ones stay as built. ``strict``
-    (the LightningModule's ``strict_loading``): weights the checkpoint lacks are an error. Optimizer state the
-    checkpoint lacks (parameters that never got a gradient) keeps its fresh initial value.
+    (the LightningModule's ``strict_loading``): what one side holds and the other lacks is an error; without it,
+    what both hold is loaded.
     """
-    if not _is_sharded_checkpoint(path):
-        raise ValueError(
-            f"{path} is not a sharded (distributed) checkpoint. Checkpoints of trainable parameters only are written"
-            " and read with save_distributed_checkpoint=True."
-        )
-    stored = FileSystemReader(path).read_metadata().state_dict_metadata
-    model_state = get_model_state_dict(module)
-    model_state = only_trainable(model_state, module) if trainable_only else model_state
-    raise_everywhere(_misfit(path, model_state, stored, strict=strict))
-    _load({"state_dict": model_state}, path, stored, strict=strict)
+    whole_state = get_model_state_dict(module)
+    model_state = only_trainable(whole_state, module) if trainable_only else whole_state
+    optimizer_states = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
+    held = Held.of(model_state, optimizer_states, kept=frozenset(whole_state.keys() - model_state.keys()))
+    reader, stored = _open_fitting(path, held, strict=strict, weights_only=weights_only)
+    reader.load_weights(model_state, strict=strict)
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict and not trainable_only))
-    for index, optimizer in enumerate(optimizers):
-        _load_optimizer(path, stored, module, optimizer, key=f"optimizer_{index}")
-    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+    for index, (optimizer, state) in enumerate(zip(optimizers, optimizer_states, strict=True)):
+        if index in stored.unplaced:  # strict refused it: the user asked for what can be loaded
+            rank_zero_warn(
+                f"{path}: optimizer {index}'s state is not loaded and starts fresh: {stored.unplaced[index]}."
+            )
+            continue
+        _load_optimizer(reader, index, module, optimizer, state)
+    return reader.metadata()
 
 
-def _load_optimizer(path: Path, stored: dict[str, Any], module: nn.Module, optimizer: Optimizer, *, key: str) -> None:
-    """Load the state and each param group's settings (learning rate, betas, ...) of ``optimizer`` by the group's
-    position. A checkpoint holds the groups' parameter names once, as one rank saved them: under pipeline parallel
-    the ranks hold other parameters, and torch, matching groups by those names, would give a group of this rank
-    none of the checkpoint's settings (nor one holding no parameter here)."""
-    optimizer_state = get_optimizer_state_dict(module, optimizer)
-    held = [list(group["params"]) for group in optimizer_state["param_groups"]]
-    _load({key: optimizer_state}, path, stored, strict=False)
-    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer_state["param_groups"]]
-    for group, params in zip(optimizer_state["param_groups"], held, strict=True):
-        group["params"] = params
-    set_optimizer_state_dict(
-        module, optimizer, optim_state_dict=optimizer_state, options=StateDictOptions(cpu_offload=True)
-    )
-    for group, saved in zip(optimizer.param_groups, settings, strict=True):
+def _open_fitting(
+    path: Path, held: Held, *, strict: bool, weights_only: bool | None
+) -> tuple[ShardedCheckpoint | FullCheckpoint, Stored]:
+    """The checkpoint at ``path`` opened and what it holds, once every rank has found that it can be read and fits
+    what the ranks hold (``held``: this rank's); otherwise the first rank's reason raised on every rank."""
+    reader, problem = _open(path, weights_only=weights_only)
+    gathered = gather_everywhere((held, problem))
+    unreadable = next((found for _, found in gathered if found is not None), None)
+    if unreadable is not None:  # every rank gathered the same
+        raise unreadable
+    assert reader is not None
+    held_by_rank = [rank for rank, _ in gathered]
+    stored = reader.contents(held_by_rank)
+    raise_everywhere(misfit(path, stored, held_by_rank, strict=strict))
+    return reader, stored
+
+
+def _load_optimizer(
+    reader: ShardedCheckpoint | FullCheckpoint,
+    index: int,
+    module: nn.Module,
+    optimizer: Optimizer,
+    state: dict[str, Any],
+) -> None:
+    """Load ``optimizer``'s state (``state``: this run's, by parameter name) and each param group's settings by the
+    group's position: a checkpoint holds the groups' parameter names as one rank saved them, and under pp the ranks
+    hold other parameters (torch, matching groups by those names, would give a group none of its settings)."""
+    settings = reader.load_optimizer(index, state)
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(cpu_offload=True))
+    for group, saved in zip(optimizer.param_groups, settings, strict=False):  # a partial load: fewer or more
         group.update(saved)
+
+
+def _open(
+    path: Path, *, weights_only: bool | None
+) -> tuple[ShardedCheckpoint | FullCheckpoint | None, Exception | None]:
+    """The checkpoint at ``path`` opened, or why it cannot be: said on every rank, not raised on one."""
+    try:
+        if _is_sharded_checkpoint(path):
+            return ShardedCheckpoint(path, weights_only=weights_only), None
+        return FullCheckpoint(path, weights_only=weights_only), None
+    except ValueError as error:
+        return None, error
+    except Exception as error:
+        return None, ValueError(
+            f"{path} cannot be read ({type(error).__name__}: {error}). Resume from an earlier checkpoint."
+        )
 
 
 def check_checkpoint(path: Path) -> None:
@@ -175,23 +168,31 @@ def check_checkpoint(path: Path) -> None:
 def raise_everywhere(problem: Exception | None) -> None:
     """Raise the first rank's ``problem`` on every rank; collective. A rank that raised alone would leave the others
     waiting in the next collective (shared file systems can show ranks different files)."""
-    problems = [problem]
-    if dist.is_initialized():
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-    found = next((found for found in problems if found is not None), None)
+    found = next((found for found in gather_everywhere(problem) if found is not None), None)
     if found is not None:
         raise found
+
+
+def gather_everywhere(value: T) -> list[T]:
+    """Every rank's ``value``, by rank (collective; ``[value]`` without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _damage(path: Path) -> Exception | None:
     if not path.exists():
         return FileNotFoundError(f"No checkpoint at {path}.")
     if not path.is_dir():
-        return None  # a single-file checkpoint: torch.load names it if it is damaged
+        return None  # a single-file checkpoint: read on every rank, which says if it cannot be
     parts = [path / _METADATA_FILENAME, path / ".metadata"]
     if not any(part.exists() for part in parts) and not any(path.glob("*.distcp")):
-        return None  # not a sharded checkpoint at all: Lightning says so
+        return ValueError(
+            f"{path} does not point to a valid checkpoint: it is a directory without a sharded checkpoint's files"
+            " (meta.pt, .metadata, *.distcp). Pass a sharded checkpoint's directory or a single-file checkpoint."
+        )
     missing = [part.name for part in parts if not part.is_file()]
     if missing:
         return FileNotFoundError(
@@ -216,38 +217,6 @@ def _damage(path: Path) -> Exception | None:
                 f"{shard} is truncated: {shard.stat().st_size} bytes, where the checkpoint's index needs {size}."
                 " Resume from an earlier checkpoint."
             )
-    return None
-
-
-def _misfit(path: Path, model_state: dict[str, Any], stored: dict[str, Any], *, strict: bool) -> Exception | None:
-    """The model's tensors that ``path`` holds in another shape, or (``strict``) lacks: a checkpoint of another
-    model. Packed weights stored in blocks are compared by their blocks' total size."""
-    blocks_of = packed_block_keys(stored)
-    wrong, absent = [], []
-    for name, tensor in model_state.items():
-        key = f"state_dict.{name}"
-        if key in stored and isinstance(stored[key], TensorStorageMetadata):
-            if tuple(stored[key].size) != tuple(tensor.shape):
-                wrong.append(f"{name} is {tuple(stored[key].size)} there, {tuple(tensor.shape)} here")
-        elif key in blocks_of:
-            size = sum(stored[block].size.numel() for block in blocks_of[key])
-            if size != tensor.numel():
-                wrong.append(f"{name} holds {size} values there, {tensor.numel()} here")
-        elif strict:
-            absent.append(name)
-    if wrong:
-        return ValueError(
-            f"{path} does not fit this model: {'; '.join(wrong[:3])}"
-            + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
-            + ". It is a checkpoint of another model or configuration."
-        )
-    if absent:
-        return ValueError(
-            f"{path} lacks {len(absent)} of this model's {len(model_state)} tensors ({', '.join(absent[:3])}"
-            + (", ..." if len(absent) > 3 else "")
-            + "): a checkpoint of another model? Set strict_loading = False on the LightningModule to load what"
-            " it holds."
-        )
     return None
 
 

@@ -1,6 +1,6 @@
 """The strategy's checkpoint hooks: saves that appear whole or not at all and replace nothing a user wrote (written
-while training goes on with ``async_save``), loads that check the checkpoint first and reshard it to this run's
-layout, and every rank's random states.
+while training goes on with ``async_save``), loads that check the checkpoint first (sharded, or Lightning's single
+file from any run: one device, DDP) and reshard it to this run's layout, and every rank's random states.
 
 Random states: restored at the load, before the loader's iterator is made (its base seed is a draw), so that a
 resume at an epoch's end draws what the uninterrupted run drew when it began the next epoch; and again as
@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -25,7 +24,7 @@ from lightning_automodel.io.atomic_directory import atomic_directory, check_save
 from lightning_automodel.io.lightning_checkpoint import (
     check_checkpoint,
     explain_save_failure,
-    load_sharded_checkpoint,
+    load_checkpoint,
     not_checkpoint_files,
     only_trainable,
     split_packed,
@@ -113,18 +112,15 @@ class CheckpointingStrategy(ModelParallelStrategy):
         self.wait_for_saves()
         path = Path(self.broadcast(str(readable_path(Path(checkpoint_path)))))
         check_checkpoint(path)
-        if not self.options.save_trainable_only and not _is_sharded_checkpoint(path):
-            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
-        else:
-            assert self.lightning_module is not None
-            checkpoint = load_sharded_checkpoint(
-                path,
-                self.model,
-                self.optimizers,
-                trainable_only=self.options.save_trainable_only,
-                strict=self.lightning_module.strict_loading,
-                weights_only=weights_only,
-            )
+        assert self.lightning_module is not None and self.model is not None
+        checkpoint = load_checkpoint(
+            path,
+            self.model,
+            self.optimizers,
+            trainable_only=self.options.save_trainable_only,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
         self._random_states = self._restorable(checkpoint.pop(RANDOM_STATES, None), path)
         if self._random_states is not None:
             restore_random_states(self._random_states)

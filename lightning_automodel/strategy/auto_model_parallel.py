@@ -44,12 +44,7 @@ from lightning_automodel.planning.fitting import LayoutChoice
 from lightning_automodel.strategy.argument_docs import with_argument_docs
 from lightning_automodel.strategy.auto_layout import apply_accumulation, choose_for_trainer, require_memory_to_plan
 from lightning_automodel.strategy.checkpointing_strategy import CheckpointingStrategy
-from lightning_automodel.strategy.faults import (
-    FaultMonitor,
-    report_failure,
-    stop_watching,
-    watch_stage,
-)
+from lightning_automodel.strategy.faults import FaultMonitor, report_failure, stop_watching, watch_stage
 from lightning_automodel.strategy.lightning_patches import (
     clip_across_meshes,
     evaluate_without_inference_mode,

@@ -3,6 +3,7 @@
 import io
 import os
 import random
+import re
 from functools import partial
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def test_optimizer_state_numbered_by_position_is_placed_on_the_stages_parameters
     stored = reader.contents([first, second])
     assert not stored.unplaced and stored.sizes["optimizer_0.state.2.weight.exp_avg"] == (5, 4)
     for name, param in model.named_parameters():
-        assert torch.equal(reader.states[0][name]["exp_avg"], optimizer.state[param]["exp_avg"]), name
+        assert torch.equal(stored.states[0][name]["exp_avg"], optimizer.state[param]["exp_avg"]), name
 
     def unplaced(*held: Held) -> str:
         return FullCheckpoint(path, weights_only=True).contents(list(held)).unplaced[0]
@@ -182,3 +183,52 @@ def test_optimizer_state_numbered_by_position_is_placed_on_the_stages_parameters
     assert "holds 3 parameters where this run's holds 2" in unplaced(
         Held({}, [[["0.bias", "1.bias"], ["0.weight", "1.weight"]]])
     )
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one file", "sharded"])
+@pytest.mark.parametrize("weights_only", [False, True], ids=["one optimizer saved", "weights only"])
+def test_an_optimizer_the_checkpoint_holds_no_state_of_starts_fresh_or_is_refused(tmp_path, sharded, weights_only):
+    """A run of two optimizers resumed from a checkpoint of a run of one, or of the weights alone (save_weights_only):
+    with strict loading refused, naming each optimizer the checkpoint holds no state of; without, the weights and the
+    state it holds are loaded, and each such optimizer starts fresh (zero moments), warned."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 4))
+    saving = torch.optim.AdamW(model[0].parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    saving.step()
+    path = _saved(tmp_path, model, [] if weights_only else [saving], sharded=sharded)
+    missing = [0, 1] if weights_only else [1]
+
+    def resumed(*, strict: bool) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        built = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 4))
+        optimizers = [torch.optim.AdamW(built[0].parameters()), torch.optim.AdamW(built[1].parameters())]
+        load_checkpoint(path, built, optimizers, strict=strict)
+        return built, optimizers
+
+    with pytest.raises(ValueError, match="strict_loading is on") as error:
+        resumed(strict=True)
+    for index in missing:
+        assert f"optimizer_{index}: the checkpoint holds no state of it" in str(error.value), str(error.value)
+    with pytest.warns(UserWarning, match="starts fresh: the checkpoint holds no state of it") as warned:
+        built, optimizers = resumed(strict=False)
+    fresh_ones = [re.search(r"optimizer (\d+)'s state is not loaded and starts fresh", str(w.message)) for w in warned]
+    assert [int(found.group(1)) for found in fresh_ones if found] == missing
+    assert all(torch.equal(value, built.state_dict()[name]) for name, value in model.state_dict().items())
+    moments = [[state["exp_avg"] for state in optimizer.state.values()] for optimizer in optimizers]
+    assert [not any(torch.count_nonzero(moment) for moment in each) for each in moments] == [0 in missing, True]
+    if not weights_only:
+        for loaded, saved in zip(built[0].parameters(), model[0].parameters(), strict=True):
+            assert torch.equal(optimizers[0].state[loaded]["exp_avg"], saving.state[saved]["exp_avg"])
+
+
+def _saved(directory: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *, sharded: bool) -> Path:
+    """``model`` and ``optimizers`` saved as Lightning saves them: one file (by position), or sharded (by name)."""
+    if not sharded:
+        path = directory / "one-device.ckpt"
+        states = {"optimizer_states": [optimizer.state_dict() for optimizer in optimizers]} if optimizers else {}
+        torch.save({"state_dict": model.state_dict(), **states}, path)
+        return path
+    state = {"state_dict": get_model_state_dict(model)}
+    state.update({f"optimizer_{i}": get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)})
+    dcp.save(state, checkpoint_id=directory)
+    torch.save({}, directory / _METADATA_FILENAME)
+    return directory

@@ -1,8 +1,10 @@
 """CausalLMModule: parity with a single process under tp x dp, its schedule, and its use without our strategy."""
 
+import json
 import math
 import re
 from functools import partial
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -21,7 +23,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig
 
 from lightning_automodel.data import DemoDataModule, byte_tokenizer
-from lightning_automodel.lm import CausalLMModule, StepProgressBar
+from lightning_automodel.lm import CausalLMModule, PredictionWriter, StepProgressBar
 from lightning_automodel.lm.limits import check_batch, check_seq_len
 from lightning_automodel.lm.optimization import learning_rate_factor
 from lightning_automodel.testing.harness import check_name, run_checks
@@ -143,6 +145,22 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     fix = re.escape(f"Use the model's own tokenizer (data tokenizer: {tmp_path / 'model'})")
     with pytest.raises(ValueError, match=f"{expected}.*{fix}"):
         CausalLMModule(model=str(tmp_path / "model")).build_model(tokenizer, meta=True)
+
+
+def test_a_diverged_models_predictions_are_written_with_an_infinite_perplexity(tmp_path, capsys):
+    """A mean loss of 800 nats (``math.exp`` overflows above ~709): the file is written, its perplexity infinite, as
+    is the summary's; a row with no scored token has neither."""
+    writer, trainer = PredictionWriter(path=str(tmp_path / "predictions.jsonl")), SimpleNamespace(is_global_zero=True)
+    writer.on_predict_epoch_start(trainer, None)
+    prediction = {"loss_sum": torch.tensor([3200.0, 0.0]), "tokens": torch.tensor([4, 0])}
+    writer.write_on_batch_end(trainer, None, prediction, [0, 1], None, 0, 0)
+    writer.on_predict_epoch_end(trainer, None)
+    written = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert written == [
+        {"row": 0, "loss": 800.0, "tokens": 4, "perplexity": math.inf},
+        {"row": 1, "loss": None, "tokens": 0, "perplexity": None},
+    ]
+    assert "perplexity       inf" in capsys.readouterr().out
 
 
 def small_trainer(tmp_path, **kwargs):

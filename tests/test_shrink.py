@@ -3,7 +3,7 @@ built is the check's own failure, never a refusal of the model."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from lightning_automodel.hf.document_masking import packed_documents_problem
 from lightning_automodel.hf.replica import ReplicaError
@@ -50,6 +50,32 @@ def test_a_narrow_hidden_size_is_rounded_to_the_heads_kept():
     config = shrunk_config(LlamaConfig(hidden_size=10, num_attention_heads=5, num_key_value_heads=5, head_dim=2))
     assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (8, 4, 4)
     builds_and_runs(config)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3])
+@pytest.mark.parametrize("model_type", ["reformer", "zamba", "zamba2", "falcon_h1"])
+def test_overrides_follow_the_heads_kept(model_type, heads):
+    """The types whose overrides follow the model's width (Reformer's axial position embeddings sum to the hidden
+    size, Zamba's shared attention is twice as wide, Falcon-H1's mamba heads span it), from a config of fewer heads
+    than the tiny count: the heads are kept, the width 16 a head, and the shrunk config builds and runs."""
+    config = shrunk_config(CONFIG_MAPPING[model_type](**_heads(model_type, heads)))
+    assert (config.num_attention_heads, config.hidden_size) == (heads, 16 * heads)
+    builds_and_runs(config)
+
+
+@pytest.mark.parametrize("model_type", ["reformer", "zamba", "falcon_h1"])
+def test_overrides_follow_a_narrow_width_kept(model_type):
+    """A config narrower than the tiny one (3 heads of 8) keeps its width, and the overrides follow it."""
+    config = shrunk_config(CONFIG_MAPPING[model_type](**_heads(model_type, 3), hidden_size=24))
+    assert (config.num_attention_heads, config.hidden_size) == (3, 24)
+    builds_and_runs(config)
+
+
+def _heads(model_type: str, heads: int) -> dict[str, int]:
+    """A valid config's head counts: ``heads``, and as many KV heads where the type's default has other counts."""
+    return {"num_attention_heads": heads} | (
+        {"num_key_value_heads": heads} if model_type in ("zamba", "falcon_h1") else {}
+    )
 
 
 def test_three_heads_of_32_keep_their_documents_apart():

@@ -122,7 +122,8 @@ def tiny_sizes(heads: int = HEADS, *, experts: int = HEADS) -> dict[str, int]:
     return {name: size[kind] for kind, names in _SIZE_NAMES for name in names}
 
 
-HIDDEN_SIZES = frozenset(dict(_SIZE_NAMES)["hidden"])
+_HIDDEN_NAMES = dict(_SIZE_NAMES)["hidden"]  # the model's width first (hidden_size), then the others
+HIDDEN_SIZES = frozenset(_HIDDEN_NAMES)
 
 
 # Head sizes some config classes leave None although their models need a value.
@@ -142,9 +143,9 @@ MIN_LAYERS = 2
 RANDOMNESS = ("dropout", "pdrop", "drop_prob", "layerdrop", "jitter")
 
 
-def overrides(model_type: str, *, heads: int = HEADS) -> dict[str, Any]:
-    """Keyword arguments of the config class of the types the generic rules do not fit, applied last."""
-    hidden = HEAD_SIZE * heads
+def overrides(model_type: str, *, hidden: int, heads: int) -> dict[str, Any]:
+    """Keyword arguments of the config class of the types the generic rules do not fit, applied last; sizes that
+    follow the model's width are those of the shrunk config's ``hidden`` size and ``heads``."""
     qwen4_indexer = {  # None by default
         "indexer_n_heads": 2,
         "indexer_kv_heads": 1,
@@ -153,7 +154,7 @@ def overrides(model_type: str, *, heads: int = HEADS) -> dict[str, Any]:
         "indexer_compress_ratio": 2,
     }
     # Zamba's shared attention runs on [hidden states; embeddings], twice the hidden size.
-    wide_attention = {"attention_hidden_size": 2 * hidden, "attention_head_dim": 2 * HEAD_SIZE}
+    wide_attention = {"attention_hidden_size": 2 * hidden, "attention_head_dim": 2 * hidden // heads}
     by_type: dict[str, dict[str, Any]] = {
         "bamba": {"attn_layer_indices": [1]},  # by default no layer of the first two has attention
         # Its default attention config lacks rope_theta (and cannot build), and clamps q, k, v by clip_qkv, None.
@@ -174,7 +175,7 @@ def overrides(model_type: str, *, heads: int = HEADS) -> dict[str, Any]:
         "reformer": {  # a decoder needs is_decoder; axial position embeddings tile max_position_embeddings
             "is_decoder": True,
             "axial_pos_shape": [4, 4],
-            "axial_pos_embds_dim": [hidden // 4, 3 * hidden // 4],
+            "axial_pos_embds_dim": [hidden // 4, hidden - hidden // 4],
             "max_position_embeddings": 16,
             "local_attn_chunk_length": 8,
             "lsh_attn_chunk_length": 8,
@@ -199,14 +200,22 @@ def tiny_config(model_type: str, *, heads: int = HEADS):
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    return config_class(**merged(shrink(config_class().to_dict(), heads=heads), overrides(model_type, heads=heads)))
+    return config_class(**_shrunk_values(config_class().to_dict(), model_type=model_type, heads=heads))
 
 
 def shrunk_config(config, *, heads: int = HEADS):
     """A config of the same class as ``config`` (a real model's, say), its values shrunk and one layer of each kind
     kept; what the generic rules leave of a real config's architecture is the same as for the type's defaults."""
-    values = merged(shrink(config.to_dict(), heads=heads), overrides(config.model_type, heads=heads))
-    return type(config)(**values)
+    return type(config)(**_shrunk_values(config.to_dict(), model_type=config.model_type, heads=heads))
+
+
+def _shrunk_values(values: dict[str, Any], *, model_type: str, heads: int) -> dict[str, Any]:
+    """``values`` shrunk, then the type's overrides sized for the width and heads the shrunk config has (a config
+    with fewer heads than ``heads`` keeps its own, and a narrower one its width)."""
+    tiny = shrink(values, heads=heads)
+    kept = heads_kept(values, heads=heads)
+    hidden = next((tiny[name] for name in _HIDDEN_NAMES if isinstance(tiny.get(name), int)), HEAD_SIZE * kept)
+    return merged(tiny, overrides(model_type, hidden=hidden, heads=kept))
 
 
 def shrink(values: dict[str, Any], *, heads: int = HEADS) -> dict[str, Any]:

@@ -49,12 +49,22 @@ class Held:
 
 @dataclass(frozen=True)
 class Stored:
-    """What a checkpoint holds: its tensors' sizes by key, each optimizer's number of param groups, and, by
-    optimizer, why its state cannot be placed on this run's parameters (a file that keys it by position)."""
+    """What a checkpoint holds: its tensors' sizes by key, each optimizer's number of param groups, by optimizer why
+    its state cannot be placed on this run's parameters (a file that keys it by position), and each optimizer's
+    state placed on them, by parameter name, where the reader holds it in memory (a single file; a sharded
+    checkpoint's is read from its shards by name)."""
 
     sizes: dict[str, Size]
     group_counts: list[int]
     unplaced: dict[int, str] = field(default_factory=dict)
+    states: list[dict[str, dict[str, Any]]] = field(default_factory=list)
+
+    def unloadable(self, index: int) -> str | None:
+        """Why optimizer ``index``'s state cannot be loaded into this run, or None: the checkpoint holds none of it
+        (every optimizer has a param group), or cannot place it."""
+        if index >= len(self.group_counts) or not self.group_counts[index]:
+            return "the checkpoint holds no state of it (saved with save_weights_only, or by fewer optimizers?)"
+        return self.unplaced.get(index)
 
 
 def optimizer_sizes(index: int, state: dict[str, dict[str, Any]]) -> dict[str, Size]:
@@ -127,11 +137,9 @@ def _unmatched(
             found.append(f"{key}: in the checkpoint, and this run has {optimizers} optimizer(s)")
             continue
         trained = {name for groups in groups_by_rank for group in groups[index] for name in group}
-        if index >= len(stored.group_counts):
-            found.append(f"{key}: the checkpoint holds no state of it (saved with save_weights_only?)")
-            continue
-        if index in stored.unplaced:
-            found.append(f"{key}: {stored.unplaced[index]}")
+        unloadable = stored.unloadable(index)
+        if unloadable is not None:
+            found.append(f"{key}: {unloadable}")
             continue
         counts = {len(groups[index]) for groups in groups_by_rank}
         if counts != {stored.group_counts[index]}:

@@ -34,23 +34,22 @@ class FullCheckpoint:
                 " trainer.save_checkpoint or ModelCheckpoint wrote."
             )
         self.weights: dict[str, Any] = self.checkpoint["state_dict"]
-        self.states: list[dict[str, dict[str, Any]]] = []  # each optimizer's, by parameter name (see contents)
 
     def contents(self, held_by_rank: list[Held]) -> Stored:
         """What the file holds, its optimizer state placed on this run's parameters (``held_by_rank``)."""
         sizes = {WEIGHTS + name: tuple(value.shape) for name, value in self.weights.items() if _is_tensor(value)}
         order = {name: position for position, name in enumerate(self.weights)}
         saved = self.checkpoint.get(STATES, [])
-        unplaced, self.states = {}, []
+        unplaced, states = {}, []
         for index, optimizer in enumerate(saved):
             shares = [rank.groups[index] for rank in held_by_rank if index < len(rank.groups)]
             placed = _by_name(optimizer, shares, order) if shares else {}
             if isinstance(placed, str):
                 unplaced[index] = f"{placed}. {_weights_alone(self.path)}"
                 placed = {}
-            self.states.append(placed)
+            states.append(placed)
             sizes.update(optimizer_sizes(index, placed))
-        return Stored(sizes, [len(optimizer["param_groups"]) for optimizer in saved], unplaced)
+        return Stored(sizes, [len(optimizer["param_groups"]) for optimizer in saved], unplaced, states)
 
     def load_weights(self, model_state: dict[str, Any], *, strict: bool) -> None:
         """Copy this rank's shard of each weight the file holds into ``model_state`` (others, when not ``strict``,
@@ -59,11 +58,11 @@ class FullCheckpoint:
             if name in self.weights:
                 copy_shard(target, self.weights[name])
 
-    def load_optimizer(self, index: int, optimizer_state: dict[str, Any]) -> list[dict[str, Any]]:
-        """Fill ``optimizer_state`` (this run's, by parameter name) in place; returns each param group's saved
-        settings, by position."""
+    def load_optimizer(self, index: int, optimizer_state: dict[str, Any], *, stored: Stored) -> list[dict[str, Any]]:
+        """Fill ``optimizer_state`` (this run's, by parameter name) in place from the state ``stored`` (what
+        :meth:`contents` found) placed on it; returns each param group's saved settings, by position."""
         for name, values in optimizer_state["state"].items():
-            for key, value in self.states[index].get(name, {}).items():
+            for key, value in stored.states[index].get(name, {}).items():
                 if _is_tensor(value) and _is_tensor(values.get(key)):
                     copy_shard(values[key], value)
                 else:

@@ -100,12 +100,11 @@ def load_checkpoint(
     reader.load_weights(model_state, strict=strict)
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict and not trainable_only))
     for index, (optimizer, state) in enumerate(zip(optimizers, optimizer_states, strict=True)):
-        if index in stored.unplaced:  # strict refused it: the user asked for what can be loaded
-            rank_zero_warn(
-                f"{path}: optimizer {index}'s state is not loaded and starts fresh: {stored.unplaced[index]}."
-            )
+        unloadable = stored.unloadable(index)
+        if unloadable is not None:  # strict refused it: the user asked for what can be loaded
+            rank_zero_warn(f"{path}: optimizer {index}'s state is not loaded and starts fresh: {unloadable}.")
             continue
-        _load_optimizer(reader, index, module, optimizer, state)
+        _load_optimizer(reader, stored, index, module, optimizer, state)
     return reader.metadata()
 
 
@@ -128,6 +127,7 @@ def _open_fitting(
 
 def _load_optimizer(
     reader: ShardedCheckpoint | FullCheckpoint,
+    stored: Stored,
     index: int,
     module: nn.Module,
     optimizer: Optimizer,
@@ -136,7 +136,7 @@ def _load_optimizer(
     """Load ``optimizer``'s state (``state``: this run's, by parameter name) and each param group's settings by the
     group's position: a checkpoint holds the groups' parameter names as one rank saved them, and under pp the ranks
     hold other parameters (torch, matching groups by those names, would give a group none of its settings)."""
-    settings = reader.load_optimizer(index, state)
+    settings = reader.load_optimizer(index, state, stored=stored)
     set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(cpu_offload=True))
     for group, saved in zip(optimizer.param_groups, settings, strict=False):  # a partial load: fewer or more
         group.update(saved)

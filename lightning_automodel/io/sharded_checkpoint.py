@@ -39,9 +39,10 @@ class ShardedCheckpoint:
     def load_weights(self, model_state: dict[str, Any], *, strict: bool) -> None:
         _load({WEIGHTS[:-1]: model_state}, self.path, self.index, strict=strict)
 
-    def load_optimizer(self, index: int, optimizer_state: dict[str, Any]) -> list[dict[str, Any]]:
-        """Fill ``optimizer_state`` (this run's, by parameter name) in place; returns each param group's saved
-        settings, by position."""
+    def load_optimizer(self, index: int, optimizer_state: dict[str, Any], *, stored: Stored) -> list[dict[str, Any]]:
+        """Fill ``optimizer_state`` (this run's, by parameter name) in place, from the shards, which key it by name
+        (``stored``, what :meth:`contents` found, places nothing); returns each param group's saved settings, by
+        position."""
         held = [list(group["params"]) for group in optimizer_state["param_groups"]]
         _load({optimizer_key(index): optimizer_state}, self.path, self.index, strict=False)
         for group, params in zip(optimizer_state["param_groups"], held, strict=True):

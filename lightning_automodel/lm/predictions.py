@@ -57,9 +57,9 @@ def row_scores(model: nn.Module, *, labels: Tensor, **inputs: Tensor | None) -> 
 class PredictionWriter(BasePredictionWriter):
     """One JSON line a row of the predict data, in its order: ``{"row": 0, "loss": 1.02, "tokens": 127,
     "perplexity": 2.77}`` (the mean next-token loss over the row's scored tokens, in nats; loss and perplexity are
-    null for a row with none), written to ``path``, by default ``predictions.jsonl`` in the run's directory
-    (``trainer.log_dir``: the logger's version directory, else ``default_root_dir``), and named at the end with the
-    loss over every scored token.
+    null for a row with none, and the perplexity of a loss above ~709 nats is ``Infinity``), written to ``path``, by
+    default ``predictions.jsonl`` in the run's directory (``trainer.log_dir``: the logger's version directory, else
+    ``default_root_dir``), and named at the end with the loss over every scored token.
 
     Every rank keeps the rows it predicted, by their index in the dataset (which Lightning's predict loop records); at
     the end rank 0 gathers them and keeps each row once: tensor-parallel peers and pipeline stages return the same
@@ -126,7 +126,16 @@ def _gathered_on_rank_zero(rows: RowScores) -> RowScores:
 
 def _line(index: int, loss_sum: float, tokens: int) -> dict[str, Any]:
     loss = loss_sum / tokens if tokens else None
-    return {"row": index, "loss": loss, "tokens": tokens, "perplexity": math.exp(loss) if tokens else None}
+    return {"row": index, "loss": loss, "tokens": tokens, "perplexity": _perplexity(loss) if tokens else None}
+
+
+def _perplexity(loss: float) -> float:
+    """``exp(loss)``; infinite where that overflows a float (a diverged model's mean loss, above ~709 nats), so that
+    the file is still written."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def _summary(rows: RowScores, path: Path) -> str:
@@ -134,6 +143,6 @@ def _summary(rows: RowScores, path: Path) -> str:
     loss_sum, tokens = sum(loss for loss, _ in rows.values()), sum(count for _, count in rows.values())
     lines = ["", "Prediction summary", f"{'rows':<16} {len(rows):,} ({tokens:,} tokens scored)"]
     if tokens:
-        lines += [f"{'loss':<16} {loss_sum / tokens:.4f}", f"{'perplexity':<16} {math.exp(loss_sum / tokens):.4f}"]
+        lines += [f"{'loss':<16} {loss_sum / tokens:.4f}", f"{'perplexity':<16} {_perplexity(loss_sum / tokens):.4f}"]
     lines.append(f"{'predictions':<16} {path}")
     return "\n".join(lines)

@@ -8,12 +8,17 @@ rendezvous). benchmarks/faults.py measures the same faults with the default time
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import time
+from datetime import timedelta
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from fault_checks import (
     check_asynchronous_save_failure,
     check_damaged_checkpoints,
@@ -26,8 +31,9 @@ from fault_checks import (
 )
 
 from lightning_automodel.io.lightning_checkpoint import check_checkpoint
+from lightning_automodel.strategy import faults, stragglers
 from lightning_automodel.strategy.collective_progress import GroupProgress, find_missed
-from lightning_automodel.strategy.stragglers import _as_the_waiting_say, flight_recorder_environment
+from lightning_automodel.strategy.stragglers import Stragglers, _as_the_waiting_say, flight_recorder_environment
 from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
 from lightning_automodel.testing.harness import run_checks
 
@@ -232,6 +238,99 @@ def test_a_frozen_rank_is_said_to_miss_the_collective_the_others_say_they_wait_i
     said, operation, waited = _as_the_waiting_say(missed, wheres, everyone)
     assert (said.rank, said.desc, said.collective, said.waiting, said.members) == (1, "mesh_tp", 88, (0,), (0, 1))
     assert (operation, waited) == ("gloo:all_reduce", 6.0)
+
+
+STOPPED_REPORTS = "lightning-automodel: no more reports of the rank the others wait for"
+
+
+@pytest.fixture
+def monitor(monkeypatch):
+    """Rank 0 of 2's fault monitor on an in-process store, a heartbeat every 0.1 s, its process never ended: the
+    calls of ``os._exit`` are recorded in ``monitor.ended``."""
+    store = dist.HashStore()
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: SimpleNamespace(clone=lambda: store))
+    monkeypatch.setattr(faults, "INTERVAL", 0.1)
+    monitor = faults.FaultMonitor(rank=0, world_size=2, generation="test", timeout=timedelta(seconds=60))
+    monitor.ended = []
+    monkeypatch.setattr(faults.os, "_exit", monitor.ended.append)
+    return monitor
+
+
+class BrokenRecorder:
+    """torch's flight recorder read through an API that differs (another torch's keys)."""
+
+    def read(self):
+        raise KeyError("last_enqueued_collective")
+
+
+def test_a_failing_flight_recorder_stops_the_reports_never_the_monitor(monitor, monkeypatch, capfd):
+    """The straggler side reads torch's private recorder API from the monitor's thread; when that fails (its keys
+    differ on another torch, a dump fails), it says once that its reports stop, and the monitor beats on: it takes
+    it for no store that is gone, and never ends the process (it would, at once, with no grace)."""
+    monkeypatch.setattr(stragglers, "CollectiveProgress", BrokenRecorder)
+    monkeypatch.setattr(faults, "GRACE", 0.0)
+    monitor.start()
+    deadline = time.monotonic() + 10
+    while monitor._store.add("beat/0", 0) < 5 and time.monotonic() < deadline and monitor._verdict is None:
+        time.sleep(0.05)
+    beats = monitor._store.add("beat/0", 0)
+    monitor.stop()
+    said = capfd.readouterr().err.splitlines()
+    assert monitor.ended == [] and monitor._verdict is None, said
+    assert beats >= 5, said
+    assert said == [f"[rank 0] {STOPPED_REPORTS} (KeyError: 'last_enqueued_collective')."]
+
+
+def test_a_blocked_rank_is_ended_even_when_where_it_is_cannot_be_said(monitor, monkeypatch, capfd):
+    """GRACE after the stage stopped, a blocked rank's monitor ends its process; a failure to say where the rank
+    is (its stack, the site's directories) changes the words, not the end."""
+
+    def unknown():
+        raise OSError("site-packages unreadable")
+
+    monkeypatch.setattr(monitor.stragglers, "ending", unknown)
+    monitor._stopping_since = time.monotonic() - faults.GRACE
+    monitor._end_if_blocked()
+    assert monitor.ended == [faults.EXIT_CODE]
+    assert capfd.readouterr().err.splitlines() == [
+        "[rank 0] lightning-automodel: ending this process, which was blocked when the run stopped"
+        " (where could not be said: OSError: site-packages unreadable)."
+    ]
+
+
+class GoneStore:
+    """A store whose host is gone: every read fails as torch's store, or its socket, fails."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def check(self, keys):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [dist.DistNetworkError("Connection reset by peer"), ConnectionResetError(104)])
+def test_the_cause_of_a_store_that_is_gone_is_left_to_the_monitor(error, capfd):
+    """A store that is gone is the monitor's to report (its heartbeat fails next): no cause, and nothing said."""
+    side = Stragglers(rank=0, world_size=2, after=4.0, tick=1.0, whois=str)
+    assert side.cause(GoneStore(error)) == ""
+    assert capfd.readouterr().err == ""
+
+
+def test_a_failure_to_find_the_cause_is_said_not_taken_for_no_cause(monkeypatch, capfd):
+    """An error of the straggler side's own (finding, describing) is said, once, rather than taken for a store
+    that is gone: the timeout's line would otherwise say that no rank reported a cause, as if none were found."""
+    store = dist.HashStore()
+    progress = {"1": ["mesh_tp", 9, 8]}
+    store.set("progress/0", json.dumps(progress))
+    store.set("progress/1", json.dumps(progress))
+
+    def broken(everyone):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(stragglers, "find_missed", broken)
+    side = Stragglers(rank=0, world_size=2, after=4.0, tick=1.0, whois=str)
+    assert side.cause(store) == "" and side.cause(store) == ""
+    assert capfd.readouterr().err.splitlines() == [f"[rank 0] {STOPPED_REPORTS} (ValueError: a bug)."]
 
 
 def test_the_nccl_flight_recorder_dumps_beside_the_run_unless_told_otherwise(tmp_path, monkeypatch):

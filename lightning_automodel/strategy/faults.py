@@ -140,7 +140,7 @@ class FaultMonitor:
     def _introduce(self) -> None:
         self._store.set(f"who/{self.rank}", f"{socket.gethostname()}|{_machine()}|{os.getpid()}")
         self._store.append("notes", "")
-        self.stragglers.introduce(self._store)
+        self.stragglers.introduce(self._store, time.monotonic())
 
     def _tick(self) -> None:
         self._publish()
@@ -187,12 +187,18 @@ class FaultMonitor:
         assert self._stopping_since is not None
         if self._handling or time.monotonic() - self._stopping_since < GRACE:
             return
-        print(
-            f"[rank {self.rank}] lightning-automodel: ending this process, {self.stragglers.ending()}.",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(EXIT_CODE)
+        try:
+            ending = f"[rank {self.rank}] lightning-automodel: ending this process, {self._ending()}."
+            print(ending, file=sys.stderr, flush=True)
+        finally:  # whatever the message meets, the process ends
+            os._exit(EXIT_CODE)
+
+    def _ending(self) -> str:
+        """What this rank was doing, as its stragglers' last look saw it; a plain word if that cannot be said."""
+        try:
+            return self.stragglers.ending()
+        except Exception as error:
+            return f"which was blocked when the run stopped (where could not be said: {type(error).__name__}: {error})"
 
     def _roll_call(self, now: float) -> str | None:
         """Which ranks failed and how, once each rank without a note has been seen running, gone or stopped (on

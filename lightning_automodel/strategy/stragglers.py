@@ -19,10 +19,9 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -36,6 +35,14 @@ from lightning_automodel.strategy.collective_progress import (
 from lightning_automodel.strategy.main_thread import main_thread_place
 
 RANKS_SHOWN = 3  # ranks a list names before "and N more"
+# What a store that is gone (its host down, its process killed) raises: torch's DistError (a RuntimeError), the
+# RuntimeError of older paths, or a socket's OSError.
+STORE_ERRORS = (RuntimeError, OSError)
+Read = TypeVar("Read")
+
+
+class StoreGone(Exception):
+    """A read of the store failed: the monitor's heartbeat fails next, and its report says why."""
 
 
 class Stragglers:
@@ -58,29 +65,28 @@ class Stragglers:
         self._failed = False
         self.missed: list[Missed] = []  # what the last look found: the ranks the others wait for
 
-    def introduce(self, store: dist.Store) -> None:
-        self._progress = CollectiveProgress()
-        self._publish_progress(store, time.monotonic())
+    def introduce(self, store: dist.Store, now: float) -> None:
+        """Publish this rank's first progress. A failure on this side, here as in every step (torch's private
+        recorder API differing on another torch, a dump that fails), ends its reports, said once, and never the
+        monitor: only the monitor's own use of the store may end the monitor's thread."""
+        self._guarded(self._publish_progress, store, now)
 
     def tick(self, store: dist.Store, now: float) -> None:
         """Publish this rank's progress, and where it is once that has stood still; report the ranks the others
-        wait for once it has stood still for ``after`` (again every ``after``). A failure here ends the reports,
-        not the monitor (a store that is gone fails the heartbeat next)."""
-        if self._failed:
-            return
-        try:
-            self._tick(store, now)
-        except Exception as error:
-            self._failed = True
-            print(f"[rank {self.rank}] lightning-automodel: no more straggler reports: {error}", file=sys.stderr)
+        wait for once it has stood still for ``after`` (again every ``after``)."""
+        self._guarded(self._tick, store, now)
 
     def cause(self, store: dist.Store) -> str:
-        """Which rank the others wait for, in which collective, and where it is; "" if none (or the store is gone)."""
+        """Which rank the others wait for, in which collective, and where it is; "" if none, if the store is gone
+        (the monitor's report says so), or if this side fails (said once)."""
         try:
             everyone = self._everyone(store)
             self.missed = find_missed(everyone)
             return self._describe(store, everyone) if self.missed else ""
-        except Exception:  # the store is gone: the report says so
+        except StoreGone:
+            return ""
+        except Exception as error:
+            self._fail(error)
             return ""
 
     def ending(self) -> str:
@@ -92,6 +98,26 @@ class Stragglers:
             f"which had not reached the collective that {_ranks(mine[0].waiting)} waited in ({_collective(mine[0])}),"
             f" in {main_thread_place()}"
         )
+
+    def _guarded(self, step: Callable[[dist.Store, float], None], store: dist.Store, now: float) -> None:
+        """``step(store, now)`` until this side fails; whatever it raises stops the reports, not the monitor."""
+        if self._failed:
+            return
+        try:
+            step(store, now)
+        except Exception as error:
+            self._fail(error)
+
+    def _fail(self, error: Exception) -> None:
+        """Stop the reports, saying why, once."""
+        if not self._failed:
+            self._failed = True
+            print(
+                f"[rank {self.rank}] lightning-automodel: no more reports of the rank the others wait for"
+                f" ({type(error).__name__}: {error}).",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _tick(self, store: dist.Store, now: float) -> None:
         self._publish_progress(store, now)
@@ -110,7 +136,7 @@ class Stragglers:
                 print(f"[rank {self.rank}] lightning-automodel: {cause}.", file=sys.stderr, flush=True)
 
     def _publish_progress(self, store: dist.Store, now: float) -> None:
-        assert self._progress is not None
+        self._progress = self._progress or CollectiveProgress()
         counts = self._progress.read()
         if counts != self._counts:
             self._counts, self._changed, self._waits = counts, now, None
@@ -127,11 +153,11 @@ class Stragglers:
     def _everyone(self, store: dist.Store) -> dict[int, dict[str, GroupProgress]]:
         """Every rank's progress; {} until every rank has published it."""
         keys = [f"progress/{rank}" for rank in range(self.world_size)]
-        if not store.check(keys):
+        if not _read(store.check, keys):
             return {}
         return {
             rank: {group: GroupProgress(*values) for group, values in json.loads(value).items()}
-            for rank, value in enumerate(store.multi_get(keys))
+            for rank, value in enumerate(_read(store.multi_get, keys))
         }
 
     def _describe(self, store: dist.Store, everyone: dict[int, dict[str, GroupProgress]]) -> str:
@@ -177,8 +203,17 @@ def _where(store: dist.Store, rank: int, progress: dict[str, GroupProgress]) -> 
     """Where ``rank`` is while its progress stands still at ``progress`` (None before it has said, or once it has
     moved on: what it said is of an earlier wait)."""
     key = f"where/{rank}"
-    where = json.loads(store.get(key)) if store.check([key]) else None
+    where = json.loads(_read(store.get, key)) if _read(store.check, [key]) else None
     return where if where is not None and where["at"] == _stamp(progress) else None
+
+
+def _read(read: Callable[..., Read], *args: Any) -> Read:
+    """``read(*args)``, a read of the store; its failure raised as :class:`StoreGone` (and only the store's: an
+    error of this module's own is not taken for a store that is gone)."""
+    try:
+        return read(*args)
+    except STORE_ERRORS as error:
+        raise StoreGone(f"{type(error).__name__}: {error}") from error
 
 
 def _stamp(progress: dict[str, GroupProgress]) -> int:

@@ -1,5 +1,13 @@
 """lightning-automodel: one-line model parallelism for Hugging Face models in PyTorch Lightning."""
 
+# ruff: noqa: E402 - the filter below is installed before the imports that follow
+
+# First, before any module of the package imports transformers, whose first import loads torchao: torchao's notice that
+# it skips its C++ extensions is dropped (see hf/torchao_notice.py). Every import of the package runs this file first.
+from lightning_automodel.hf.torchao_notice import drop_torchao_extensions_notice
+
+drop_torchao_extensions_notice()
+
 from lightning_automodel.hf.loading import from_pretrained
 from lightning_automodel.io.hf_export import export_hf, export_merged, export_peft_adapter
 from lightning_automodel.parallel import (

@@ -1,5 +1,8 @@
 """Plan selection and validation: pure functions, no process group needed."""
 
+import threading
+import weakref
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -352,6 +355,7 @@ def test_the_probe_finds_the_one_length_reformer_trains_on(monkeypatch, caplog):
     length is named in a warning at tp=1, saying what cannot be found."""
     from lightning_automodel.parallel import preflight
 
+    monkeypatch.setattr(preflight, "_WARNED_UNPROBED", weakref.WeakSet())  # warned once a class: not yet here
     with torch.device("meta"):
         model = coverage_model("reformer:local_64_positions")
         wider = coverage_model("reformer:local_64_positions", axial_pos_shape=(4, 6))
@@ -365,6 +369,42 @@ def test_the_probe_finds_the_one_length_reformer_trains_on(monkeypatch, caplog):
         assert check_before_collectives(model, mesh).held_by_root == ()
     assert "ReformerModelWithLMHead on the meta device failed at every sequence length tried" in caplog.text
     assert "(reversible layers), which FSDP2 must leave to the root's unit, cannot be found" in caplog.text
+
+
+def test_a_model_the_probe_cannot_run_is_named_once_per_class(monkeypatch, caplog):
+    """A plan report parallelizes a model once a pipeline stage and checkpointing mode, a layout search once a
+    candidate: the warning that the probe failed at every length names each model class once."""
+    from lightning_automodel.parallel import preflight
+
+    monkeypatch.setattr(preflight, "_WARNED_UNPROBED", weakref.WeakSet())
+    monkeypatch.setattr(preflight, "sequence_lengths", lambda model, tp: [5 * tp])
+    with torch.device("meta"):
+        models = [coverage_model("reformer:local_64_positions") for _ in range(2)]
+    with fake_world(2):
+        mesh = ParallelDims(dp_shard=2).resolve(2).build_mesh("cpu")
+        for model in models:
+            parallelize(model, mesh)
+    warnings = [record for record in caplog.records if "failed at every sequence length" in record.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_the_plan_left_out_of_the_log_nests_and_leaves_other_threads(caplog):
+    """plan_not_logged leaves out what this thread logs about the plan until the outermost use ends; what other
+    threads log passes."""
+    from lightning_automodel.parallel.tensor.apply import log, plan_not_logged
+
+    def told(message):
+        log.warning(message)
+
+    with plan_not_logged():
+        with plan_not_logged():
+            told("inner")
+        told("outer, after an inner use")
+        other = threading.Thread(target=told, args=("another thread",))
+        other.start()
+        other.join()
+    told("after")
+    assert [record.getMessage() for record in caplog.records] == ["another thread", "after"]
 
 
 def test_a_registered_parallelization_strategy_takes_over_the_flow():

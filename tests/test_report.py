@@ -8,6 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.pipeline import PipelineOptions
+from lightning_automodel.planning import StepOptions
 from lightning_automodel.testing.models import tiny_config
 
 LLAMA_8B = dict(
@@ -84,9 +85,8 @@ def test_unmatched_patterns_and_whole_linears_are_reported():
         "model.layers.*.mlp.down_proj": RowwiseParallel(),
         "model.layers.*.self_attn.qkv": ColwiseParallel(),
     }
-    report = plan_report(
-        on_meta(tiny_config()), ParallelDims(tp=2).resolve(4), tp_plan=plan, allow_unsharded_linears=True
-    )
+    step = StepOptions(tp_plan=plan, allow_unsharded_linears=True)
+    report = plan_report(on_meta(tiny_config()), ParallelDims(tp=2).resolve(4), step=step)
     assert report.plan_source == "user plan"
     assert report.unmatched_patterns == ["model.layers.*.self_attn.qkv"]
     assert "model.layers.0.self_attn.o_proj" in report.unsharded_weights

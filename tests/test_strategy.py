@@ -122,6 +122,7 @@ def test_constructible_from_lightning_cli():
         (dict(pp=4, pp_microbatches=2), "at least as many micro-batches as stages"),
         (dict(pp=2, pp_layers_per_stage=[1, 1, 1]), "one per stage"),
         (dict(sp=True), "it needs tp > 1"),
+        (dict(activation_checkpointing="everything"), "activation_checkpointing='everything': use False"),
         (dict(tp=0), "tp=0 is invalid"),
         (dict(forward_prefetch=-1), "gathered ahead (0 or more)"),
         (dict(backward_prefetch=0), "behind (1 or more"),
@@ -133,6 +134,26 @@ def test_unsupported_options_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError) as error:
         AutoModelParallelStrategy(**kwargs)
     assert message in str(error.value)
+
+
+def test_the_help_without_sources_summarizes_the_arguments(monkeypatch):
+    """Where the sources are not shipped (a pyc-only install), the options fields' docstrings cannot be read: the
+    constructor's docstring is its summary alone, so that the package still imports."""
+    from lightning_automodel.strategy import argument_docs
+
+    def no_source(obj):
+        raise OSError("could not get source code")
+
+    def init(self, tp: int | None = None, sp: bool | None = None) -> None: ...
+
+    argument_docs.field_docs.cache_clear()  # the fields' docstrings read again, without sources
+    monkeypatch.setattr(argument_docs.inspect, "getsource", no_source)
+    assert argument_docs.with_argument_docs(init) is init
+    assert (
+        init.__doc__ == "The strategy's options, built from its arguments and checked before any process group exists."
+    )
+    monkeypatch.undo()
+    assert "\nArgs:\n    tp: " in argument_docs.with_argument_docs(init).__doc__  # with sources: described
 
 
 def test_the_options_hold_one_form_of_each_setting():

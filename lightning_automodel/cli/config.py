@@ -9,11 +9,9 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LightningArgumentParser
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_automodel.cli.lightning_cli import AutomodelCLI, cli
 from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
-from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
 from lightning_automodel.planning.step_options import StepOptions
@@ -54,12 +52,6 @@ class Configured:
         """The strategy's sizes resolved for the world (`plan --fit` needs the world size only)."""
         return self.strategy.options.dims.resolve(self.world_size)
 
-    @property
-    def mp_policy(self) -> MixedPrecisionPolicy | None:
-        """FSDP2's policy, as the strategy would take it from the Trainer's precision."""
-        policy = self.strategy.options.parallel.fsdp.mp_policy
-        return policy if policy is not None else mixed_precision_policy(self.precision)
-
     def hardware(self, memory_gib: float) -> Hardware:
         """GPUs of ``memory_gib`` GiB, as many a node as the config's devices (the throughput model's H100 else)."""
         devices = self.devices if isinstance(self.devices, int) else Hardware.gpus_per_node
@@ -67,13 +59,9 @@ class Configured:
 
     def step_options(self) -> StepOptions:
         """The options that shape a training step's memory, as the strategy and the module set them."""
-        parallel = self.strategy.options.parallel
-        return StepOptions(
-            mp_policy=self.mp_policy,
-            tp_plan=parallel.tp_plan,
-            allow_unsharded_linears=parallel.allow_unsharded_linears,
-            cp_attention=parallel.cp_attention,
-            loss_chunks=self.loss_chunks,
+        options = self.strategy.options
+        return StepOptions.of(
+            options.parallel, mp_policy=options.mp_policy_for(self.precision), loss_chunks=self.loss_chunks
         )
 
     def batch_shape(self, *, batch_size: int | None = None, seq_len: int | None = None) -> tuple[int, int]:

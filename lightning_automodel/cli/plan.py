@@ -78,7 +78,7 @@ def plan_command(argv: list[str]) -> None:
             print(refusal)
             sys.exit(1)
         return
-    print(_plan_of(config, batch_shape=batch_shape))
+    print(_report_of(config, batch_shape=batch_shape))
     model, strategy, dims = config.model, config.strategy, config.dims
     if args.verify and dims.tp == 1:
         print("--verify: tp=1, no tensor-parallel plan to verify (FSDP2 alone needs none)")
@@ -101,21 +101,20 @@ def plan_for_config(
 ) -> PlanReport:
     """The plan report of a ``lightning-automodel fit`` config (with `fit`'s command-line overrides): its model on
     its strategy's mesh; with ``batch_shape`` (rows, tokens a row), its activation memory too."""
-    return _plan_of(configured(path, *overrides, world_size=world_size), batch_shape=batch_shape)
+    return _report_of(configured(path, *overrides, world_size=world_size), batch_shape=batch_shape)
 
 
-def _plan_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) -> PlanReport:
-    parallel, step = config.strategy.options.parallel, config.step_options()
+def _report_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) -> PlanReport:
+    """The plan report of the config's layout: its model on its strategy's mesh, parallelized with its options."""
+    parallel = config.strategy.options.parallel
     return plan_report(
         config.model,
         config.dims,
         sp=parallel.sp,
-        tp_plan=parallel.tp_plan,
-        allow_unsharded_linears=parallel.allow_unsharded_linears,
         pipeline=parallel.pipeline,
         float8=parallel.float8,
         batch_shape=batch_shape,
-        step_options=dict(mp_policy=step.mp_policy, cp_attention=step.cp_attention, loss_chunks=step.loss_chunks),
+        step=config.step_options(),
     )
 
 

@@ -28,7 +28,7 @@ from lightning_automodel.lm.optimization import Schedule, adamw_with_schedule
 from lightning_automodel.lm.predictions import row_scores
 from lightning_automodel.lm.summary import TrainingSummary
 from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
-from lightning_automodel.parallel.chunked_loss import chunked_causal_lm_loss_sum, chunking_problem
+from lightning_automodel.parallel.chunked_loss import check_loss_chunks, chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.experts.load_balancing_loss import load_balancing_loss
 from lightning_automodel.parallel.full_tensor import full_tensor
@@ -94,8 +94,7 @@ class CausalLMModule(L.LightningModule):
             )
         if schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"schedule={schedule!r} is not one of 'cosine', 'linear', 'constant'.")
-        if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 1:
-            raise ValueError(f"loss_chunks={loss_chunks!r} must be a positive integer (1: the logits whole).")
+        check_loss_chunks(loss_chunks)
         self.save_hyperparameters()
         self.model: nn.Module | None = None
         self.tokenizer: Any = None
@@ -188,20 +187,22 @@ class CausalLMModule(L.LightningModule):
         return loss
 
     def _whole_step(self, stage: str, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The loss to train on, this rank's summed loss, scored tokens and next-token hits, from the logits."""
+        """The loss to train on, this rank's summed loss, scored tokens and next-token hits, from the logits. A loss
+        summed on vocabulary-sharded logits is a (replicated) DTensor: the metrics, and a sum with plain terms, take
+        its full_tensor."""
         labels = batch["labels"]
         if self.hparams.loss_chunks > 1:
             loss_sum, tokens, hits = chunked_causal_lm_loss_sum(
                 self.model, labels=labels, chunks=self.hparams.loss_chunks, **_model_inputs(batch)
             )
-            return global_token_mean(loss_sum, tokens, self.device_mesh), _plain(loss_sum), tokens, hits
+            return global_token_mean(loss_sum, tokens, self.device_mesh), full_tensor(loss_sum), tokens, hits
         outputs = self.model(**_model_inputs(batch), use_cache=False)
         loss_sum, tokens = causal_lm_loss_sum(outputs.logits, labels)
         loss = global_token_mean(loss_sum, tokens, self.device_mesh)
         if getattr(outputs, "aux_loss", None) is not None:  # added to this rank's plain copy of the replicated loss
-            loss = _plain(loss) + self._load_balancing_loss(stage, outputs, batch.get("attention_mask"))
+            loss = full_tensor(loss) + self._load_balancing_loss(stage, outputs, batch.get("attention_mask"))
         hits, _ = next_token_hits(outputs.logits, labels)
-        return loss, _plain(loss_sum), tokens, hits
+        return loss, full_tensor(loss_sum), tokens, hits
 
     def _check_chunking(self) -> None:
         """Refuse loss_chunks where chunking cannot give the whole logits' loss, on every rank before any collective
@@ -381,9 +382,3 @@ def _model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor | None]:
     """What a model's call takes from a batch: position ids restarting at each document keep packed ones apart (with
     no cache: transformers reads packed documents from position ids only then, and a cache serves no training)."""
     return {name: batch.get(name) for name in ("input_ids", "attention_mask", "position_ids")}
-
-
-def _plain(tensor: Tensor) -> Tensor:
-    """A loss summed on vocabulary-sharded logits is a (replicated) DTensor; metrics, and a sum with plain terms,
-    take plain tensors."""
-    return full_tensor(tensor)

@@ -23,6 +23,12 @@ SPLIT_CALLS = (
 )
 
 
+def check_loss_chunks(loss_chunks: int) -> None:
+    """``loss_chunks`` (how many sequence chunks the head and loss run in) is a positive integer."""
+    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 1:
+        raise ValueError(f"loss_chunks={loss_chunks!r} must be a positive integer (1: the logits whole).")
+
+
 def chunked_causal_lm_loss_sum(
     model: nn.Module,
     *,

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from transformers.cache_utils import Cache
 
+from lightning_automodel.parallel.activation_checkpointing import ACMode
 from lightning_automodel.parallel.model_calls import build_no_cache
 
 CompileSpec = bool | dict[str, Any]
@@ -55,7 +56,7 @@ def compile_options(compile: CompileSpec) -> dict[str, Any] | None:
     return dict(compile)
 
 
-def check_compile(*, compile: CompileSpec, activation_checkpointing: bool | str, ep: int) -> None:
+def check_compile(*, compile: CompileSpec, activation_checkpointing: ACMode, ep: int) -> None:
     """Under expert parallel, compile composes with full activation checkpointing or none (see the module's
     docstring)."""
     if compile is not False and ep > 1 and activation_checkpointing in ("selective", "submodule"):

@@ -134,10 +134,8 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         if tensor_parallel is not None:
             apply_tensor_parallel(model, tp_mesh(device_mesh), tensor_parallel)
         experts = _apply_expert_parallel(model, device_mesh) if axis_size(device_mesh, "ep") > 1 else None
-        compiled = options.compile_kwargs
-        if options.activation_checkpointing != "off":
-            mode = options.activation_checkpointing
-            apply_activation_checkpointing(model, layers, mode=mode, compiled=compiled is not None)
+        mode, compiled = options.activation_checkpointing, options.compile_kwargs
+        apply_activation_checkpointing(model, layers, mode=mode, compiled=compiled is not None)
         if compiled is not None:
             apply_compile(model, layers, compiled)
         give_every_expert_a_gradient(model)

@@ -7,6 +7,7 @@ the others never reach; what they find (the tensor-parallel plan) is what the sh
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 from torch import nn
@@ -68,14 +69,7 @@ def check_before_collectives(
         check_context_parallel(model, cp=cp, pipeline=pipeline if pp > 1 else None)
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
     if tp == 1 and isinstance(unsharded, ProbeError):
-        log.warning(
-            "A training step of %s on the meta device failed at every sequence length tried (%s): blocks it runs"
-            " without autograd and recomputes in backward without calling them (reversible layers), which FSDP2 must"
-            " leave to the root's unit, cannot be found. If it has such blocks, its backward will fail on sharded"
-            " weights.",
-            type(model).__name__,
-            unsharded,
-        )
+        _warn_unprobed(model, unsharded)
     recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()
     if recomputed and (reshard_after_forward or activation_checkpointing):
         undoing = "reshard_after_forward=True" if reshard_after_forward else "activation checkpointing"
@@ -97,6 +91,26 @@ def check_before_collectives(
         unsharded=unsharded,
     )
     return PreflightFindings(planned, held_by_root=recomputed)
+
+
+_WARNED_UNPROBED: weakref.WeakSet[type] = weakref.WeakSet()
+"""The model classes a warning named as ones the probe cannot run at tp = 1."""
+
+
+def _warn_unprobed(model: nn.Module, failure: ProbeError) -> None:
+    """Once per model class: a plan report parallelizes a model once a pipeline stage and checkpointing mode, and a
+    layout search once a candidate, each finding the same."""
+    if type(model) in _WARNED_UNPROBED:
+        return
+    _WARNED_UNPROBED.add(type(model))
+    log.warning(
+        "A training step of %s on the meta device failed at every sequence length tried (%s): blocks it runs"
+        " without autograd and recomputes in backward without calling them (reversible layers), which FSDP2 must"
+        " leave to the root's unit, cannot be found. If it has such blocks, its backward will fail on sharded"
+        " weights.",
+        type(model).__name__,
+        failure,
+    )
 
 
 def check_pipeline(

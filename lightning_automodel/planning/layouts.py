@@ -19,7 +19,6 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -291,10 +290,9 @@ def layout_memory(
                 seq_len=tokens,
                 rank=stage * dims.ranks_per_stage,
                 activation_checkpointing=candidate.checkpointing,
-                loss_chunks=step.loss_chunks,
-                mp_policy=step.mp_policy,
-                cp_attention=step.cp_attention,
-                **_plan_of(candidate, step=step),
+                sp=candidate.sp,
+                pipeline=candidate.pipeline,
+                **step.keywords(),
             ),
         )
         for stage, state in enumerate(states)
@@ -304,22 +302,11 @@ def layout_memory(
 
 def state_of_each_stage(model: nn.Module, candidate: Candidate, *, step: StepOptions) -> list[int]:
     """The parameters, gradients and AdamW state per rank of each stage (one without pp)."""
-    dims, plan = candidate.dims, _plan_of(candidate, step=step)
+    dims = candidate.dims
+    report = partial(plan_report, dims=dims, sp=candidate.sp, pipeline=candidate.pipeline, step=step)
     if dims.pp == 1:
-        report = partial(plan_report, dims=dims, **plan)
         return [over_layers(lambda copied: report(copied).training_bytes_per_rank, copy.deepcopy(model))]
-    report = plan_report(copy.deepcopy(model), dims, **plan)
-    return [stage.training_bytes_per_rank for stage in report.stages]
-
-
-def _plan_of(candidate: Candidate, *, step: StepOptions) -> dict[str, Any]:
-    """The keywords of parallelize that decide the plan, and so the state: the candidate's and ``step``'s."""
-    return dict(
-        sp=candidate.sp,
-        pipeline=candidate.pipeline,
-        tp_plan=step.tp_plan,
-        allow_unsharded_linears=step.allow_unsharded_linears,
-    )
+    return [stage.training_bytes_per_rank for stage in report(copy.deepcopy(model)).stages]
 
 
 def _divisors(n: int) -> list[int]:

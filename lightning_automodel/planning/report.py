@@ -26,9 +26,9 @@ from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fracti
 from lightning_automodel.parallel.preflight import check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_not_logged
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
-from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.planning.simulation import fake_world
+from lightning_automodel.planning.step_options import StepOptions
 
 # Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and
 # exp_avg_sq (all in the parameter's dtype). Activations come on top and depend on the batch.
@@ -196,11 +196,9 @@ def plan_report(
     dims: ParallelDims,
     *,
     sp: bool = False,
-    tp_plan: PlanSpec | None = None,
-    allow_unsharded_linears: bool = False,
     pipeline: PipelineOptions | None = None,
     batch_shape: tuple[int, int] | None = None,
-    step_options: dict | None = None,
+    step: StepOptions | None = None,
     rank: int = 0,
     float8: Float8Spec | Float8Options | None = False,
 ) -> PlanReport:
@@ -210,12 +208,13 @@ def plan_report(
     training would refuse is refused here too, with the same message. Under pp, each stage is parallelized (as its
     first rank) on a copy of the model, for its layers and per-rank memory; the largest is the report's per rank.
 
-    With ``batch_shape`` (rows per data-parallel rank and step, tokens a row), the report adds the activation memory
-    of a training step under each activation-checkpointing mode (see :mod:`.activation_memory`);
-    ``step_options``: parallelize's options that shape it but not the plan (``mp_policy``, ``cp_attention``). Under
-    pp each stage's is estimated on its first rank (a zero-bubble schedule, which runs no checkpointing, under "off"
-    alone), and the report's per mode is that of the stage where state and activations add up to the most:
-    :meth:`PlanReport.total_bytes` is that total.
+    ``step`` (:class:`~lightning_automodel.planning.StepOptions`, its defaults if None): the plan's ``tp_plan`` and
+    ``allow_unsharded_linears``, and what shapes a training step but not the plan (``mp_policy``, ``cp_attention``,
+    ``loss_chunks``). With ``batch_shape`` (rows per data-parallel rank and step, tokens a row), the report adds
+    the activation memory of a training step under each activation-checkpointing mode (see
+    :mod:`.activation_memory`). Under pp each stage's is estimated on its first rank (a zero-bubble schedule, which
+    runs no checkpointing, under "off" alone), and the report's per mode is that of the stage where state and
+    activations add up to the most: :meth:`PlanReport.total_bytes` is that total.
 
     ``float8``: the strategy's option; the report lists the layers it converts and those it keeps, and why (the
     parallelizer's own choice, :func:`~lightning_automodel.parallel.float8.float8_layers`).
@@ -225,10 +224,11 @@ def plan_report(
     report = PlanReport(type(model).__name__, dims, plan_source="", float8=float8_options(float8))
     report.total_parameters = sum(p.numel() for p in model.parameters())
     report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
-    options = dict(sp=sp, tp_plan=tp_plan, allow_unsharded_linears=allow_unsharded_linears)
+    step = step if step is not None else StepOptions()
+    options = dict(sp=sp, tp_plan=step.tp_plan, allow_unsharded_linears=step.allow_unsharded_linears)
     report.batch_shape = batch_shape
     pristine = copy.deepcopy(model) if batch_shape is not None else None
-    estimate = dict(**options, **step_options or {})
+    estimate = dict(sp=sp, **step.keywords())
     if dims.pp == 1:
         held = _parallelized(model, dims, rank=rank, report=report, options=options)  # the plan's refusals first
         report.parameters_per_rank, report.parameter_bytes_per_rank = held

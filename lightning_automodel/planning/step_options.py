@@ -3,11 +3,14 @@ it to every worker (a child process too) unchanged."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_automodel.parallel.chunked_loss import check_loss_chunks
 from lightning_automodel.parallel.context_parallel import CPAttention
+from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 
 
@@ -33,5 +36,21 @@ class StepOptions:
     """The sequence chunks the LightningModule computes its head and loss in (1: the logits whole)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or self.loss_chunks < 1:
-            raise ValueError(f"loss_chunks={self.loss_chunks!r} must be a positive integer (1: the logits whole).")
+        check_loss_chunks(self.loss_chunks)
+
+    @classmethod
+    def of(cls, parallel: ParallelOptions, *, mp_policy: MixedPrecisionPolicy | None, loss_chunks: int) -> StepOptions:
+        """The step options of the strategy's ``parallel`` options, with FSDP2's ``mp_policy`` resolved for the
+        Trainer's precision and the LightningModule's ``loss_chunks``."""
+        return cls(
+            tp_plan=parallel.tp_plan,
+            allow_unsharded_linears=parallel.allow_unsharded_linears,
+            mp_policy=mp_policy,
+            cp_attention=parallel.cp_attention,
+            loss_chunks=loss_chunks,
+        )
+
+    def keywords(self) -> dict[str, Any]:
+        """These options as keyword arguments of
+        :func:`~lightning_automodel.planning.activation_memory.activation_bytes`."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}

@@ -42,15 +42,15 @@ Init = TypeVar("Init", bound=Callable[..., None])
 
 def with_argument_docs(init: Init) -> Init:
     """``init`` with its docstring generated: each argument's description under ``Args:`` (Google style, which
-    jsonargparse reads)."""
-    lines = [
-        "The strategy's options, built from its arguments and checked before any process group exists.",
-        "",
-        "Args:",
-    ]
-    for name in list(inspect.signature(init).parameters)[1:]:  # self first
-        lines.append(f"    {name}: {argument_description(name)}")
-    init.__doc__ = "\n".join(lines)
+    jsonargparse reads). Where the package's sources are not shipped (a pyc-only install), the fields' docstrings
+    cannot be read: the summary alone, so that the package still imports."""
+    summary = "The strategy's options, built from its arguments and checked before any process group exists."
+    names = list(inspect.signature(init).parameters)[1:]  # self first
+    try:
+        described = [f"    {name}: {argument_description(name)}" for name in names]
+    except (OSError, TypeError):  # inspect.getsource without a source file
+        described = []
+    init.__doc__ = "\n".join([summary, "", "Args:", *described] if described else [summary])
     return init
 
 

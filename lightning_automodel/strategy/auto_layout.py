@@ -43,13 +43,8 @@ def choose_for_trainer(options: StrategyOptions, trainer: pl.Trainer, *, devices
     batch_shape = _batch_shape(trainer, options)
     space = _with_accumulation(options.search, trainer)
     hardware = _hardware(options, trainer.strategy.root_device, gpus_per_node=devices_per_node)
-    step = StepOptions(
-        tp_plan=options.parallel.tp_plan,
-        allow_unsharded_linears=options.parallel.allow_unsharded_linears,
-        mp_policy=options.parallel.fsdp.mp_policy,
-        cp_attention=options.parallel.cp_attention,
-        loss_chunks=loss_chunks_of(module),
-    )
+    policy = options.parallel.fsdp.mp_policy  # set at setup: the one given, else the Trainer's precision's
+    step = StepOptions.of(options.parallel, mp_policy=policy, loss_chunks=loss_chunks_of(module))
     world_size = trainer.world_size
     planned = model if is_meta(model) else meta_copy(model)
     with _RankWorkers(planned, batch_shape=batch_shape, hardware=hardware, step=step) as workers:

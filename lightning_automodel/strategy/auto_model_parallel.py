@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_automodel.hf.models import find_hf_models
-from lightning_automodel.parallel.activation_checkpointing import ACMode
+from lightning_automodel.parallel.activation_checkpointing import ACMode, ac_mode
 from lightning_automodel.parallel.compile import CompileSpec
 from lightning_automodel.parallel.context_parallel import CPAttention
 from lightning_automodel.parallel.float8 import Float8Spec, float8_options
@@ -132,8 +132,14 @@ class AutoModelParallelStrategy(CheckpointingStrategy):
             tp=tp,
             ep=ep,
             sp=sp,
-            activation_checkpointing=activation_checkpointing,
-            pipeline=PipelineOptions(pp_schedule, pp_microbatches, pp_layers_per_stage, pp_stages_per_rank, pp_loss_fn),
+            checkpointing=None if activation_checkpointing is None else ac_mode(activation_checkpointing),
+            pipeline=PipelineOptions(
+                schedule=pp_schedule,
+                microbatches=pp_microbatches,
+                layers_per_stage=pp_layers_per_stage,
+                stages_per_rank=pp_stages_per_rank,
+                loss_fn=pp_loss_fn,
+            ),
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
         )
@@ -238,10 +244,8 @@ class AutoModelParallelStrategy(CheckpointingStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def _parallelize_models(self) -> None:
-        """Parallelize every Hugging Face model the LightningModule holds, unless the user already did.
-
-        A later stage (validate after fit) finds the models parallelized by us and only re-enters loss_parallel.
-        """
+        """Parallelize every Hugging Face model the LightningModule holds, unless the user already did; a later stage
+        (validate after fit) finds the models parallelized by us and only re-enters loss_parallel."""
         module = self.lightning_module
         assert module is not None
         log_local_values(module)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from lightning_automodel.parallel.activation_checkpointing import ACMode, ac_mode
+from lightning_automodel.parallel.activation_checkpointing import ACMode
 from lightning_automodel.parallel.compile import CompileSpec, check_compile
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
 from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
@@ -39,7 +39,7 @@ class GivenLayout:
     tp: int | None = None
     ep: int = 1
     sp: bool | None = None
-    activation_checkpointing: bool | ACMode | None = None  # as given: read through ``checkpointing``
+    checkpointing: ACMode | None = None  # the activation-checkpointing mode given (None: unset)
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     data_parallel_size: Size | None = None  # Lightning's ModelParallelStrategy name for dp_shard
     tensor_parallel_size: Size | None = None  # and for tp; "auto": a node's devices, known at setup
@@ -47,7 +47,7 @@ class GivenLayout:
     def __post_init__(self) -> None:
         if self.sp is not None:
             require_flags(sp=self.sp)
-        _ = self.checkpointing, self.tp_size, self.dp_shard_size  # refused here: a setting naming no mode, two sizes
+        _ = self.tp_size, self.dp_shard_size  # refused here: two sizes that disagree
 
     @property
     def tp_per_node(self) -> bool:
@@ -66,11 +66,6 @@ class GivenLayout:
         return size_by_either_name(
             "data_parallel_size", self.data_parallel_size, "dp_shard", self.dp_shard, unset=("auto",)
         )
-
-    @property
-    def checkpointing(self) -> ACMode | None:
-        """The activation-checkpointing mode given (None: unset)."""
-        return None if self.activation_checkpointing is None else ac_mode(self.activation_checkpointing)
 
     def placed(
         self, parallel: ParallelOptions, *, layout: Literal["auto"] | None

@@ -7,6 +7,7 @@ happens on the copy, before any collective and alike on every rank; the model is
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -103,17 +104,19 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, planned: TensorPar
 @contextmanager
 def plan_not_logged() -> Iterator[None]:
     """Leave out of the log what :func:`apply_tensor_parallel` logs about the plan (its choice, patterns matching no
-    module, weights left whole), for a caller that reports it itself: the plan report, which parallelizes a model
-    once a pipeline stage and once a checkpointing mode."""
-    log.addFilter(_nothing)
+    module, weights left whole) in this thread, for a caller that reports it itself: the plan report, which
+    parallelizes a model once a pipeline stage and once a checkpointing mode. Each use adds a filter of its own, so
+    that a nested use leaves the outer one in place; other threads log as before."""
+    caller = threading.get_ident()
+
+    def from_another_thread(record: logging.LogRecord) -> bool:
+        return threading.get_ident() != caller  # filters run in the thread that logs
+
+    log.addFilter(from_another_thread)
     try:
         yield
     finally:
-        log.removeFilter(_nothing)
-
-
-def _nothing(record: logging.LogRecord) -> bool:
-    return False
+        log.removeFilter(from_another_thread)
 
 
 def shard(model: nn.Module, mesh: DeviceMesh, styles: Mapping[str, ParallelStyle]) -> list[str]:

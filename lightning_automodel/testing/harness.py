@@ -7,6 +7,7 @@ the check's name. A launch that outlives its timeout is killed and fails the tes
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import queue
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 Check = Callable[[], Any]
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 class ChecksFailed(AssertionError):
@@ -74,6 +76,7 @@ def init_worker(rank: int, world_size: int, port: int, pg_timeout: float) -> Non
 
 def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], results: Any, pg_timeout: float) -> None:
     init_worker(rank, world_size, port, pg_timeout)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a launch that times out prints where each rank is
     try:
         for check in checks:
             name = check_name(check)
@@ -122,8 +125,9 @@ def run_checks(
             try:
                 rank, name, status, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
+                _print_stacks(processes)
                 message = f"distributed checks timed out after {timeout}s; results so far: {sorted(collected)}"
-                raise ChecksFailed(message) from None
+                raise ChecksFailed(f"{message} (each rank's threads are printed above)") from None
             received += 1
             if status == "failed":
                 failures.append(f"rank {rank}, check {name}:\n{value}")
@@ -145,6 +149,14 @@ def run_checks(
     if crashed:
         raise ChecksFailed(f"ranks exited with codes {crashed} after reporting their results")
     return collected
+
+
+def _print_stacks(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    """Every live rank's Python threads on its stderr: where a launch hangs (a collective one rank never reached)."""
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, STACKS_SIGNAL)
+    time.sleep(2)
 
 
 def _later_failures(results: Any, wait: float = 3.0) -> list[str]:

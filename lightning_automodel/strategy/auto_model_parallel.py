@@ -96,7 +96,7 @@ class AutoModelParallelStrategy(CheckpointingStrategy):
         pp_microbatches: int | None = None,
         pp_layers_per_stage: list[int] | None = None,
         pp_stages_per_rank: int = 1,
-        pp_loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+        pp_loss_fn: Callable[[Tensor, Tensor], Any] | None = None,  # Any: --help lists no Tensor subclasses
         layout: Literal["auto"] | None = None,
         gpu_memory: float | None = None,
         layout_batch: tuple[int, int] | None = None,

@@ -126,6 +126,16 @@ def test_parent_argument_names(kwargs, dp_shard, tp):
         (lambda: AutoModelParallelStrategy(tp="auto"), ValueError, "tp='auto' is invalid"),
         (lambda: AutoModelParallelStrategy(activation_checkpointing="fulll"), ValueError, '"selective" or "submodule"'),
         (lambda: AutoModelParallelStrategy(cpu_offload="yes"), TypeError, "cpu_offload is a flag"),
+        (
+            lambda: AutoModelParallelStrategy(pp=2, save_distributed_checkpoint=False),
+            ValueError,
+            "under pipeline parallel holds its own stages only",
+        ),
+        (
+            lambda: AutoModelParallelStrategy(layout="auto", gpu_memory=80, save_distributed_checkpoint=False),
+            ValueError,
+            "or give pp=1",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(make, error, message):

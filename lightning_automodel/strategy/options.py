@@ -183,6 +183,13 @@ class StrategyOptions:
             async_save=self.async_save,
         )
         require_search_for(gpu_memory=self.gpu_memory, layout_batch=self.layout_batch, search=self.search)
+        pp = self.dims.pp if self.search is None else self.search.pp
+        if not self.save_distributed_checkpoint and pp != 1:
+            raise ValueError(
+                "save_distributed_checkpoint=False writes one file from rank 0, which under pipeline parallel holds"
+                " its own stages only: the file would lack the others' layers. Keep sharded checkpoints (the default;"
+                " `lightning-automodel export` turns one into a Hugging Face model), or give pp=1."
+            )
         if self.search is not None:
             refuse_unmodelled(cpu_offload=self.cpu_offload, float8=self.parallel.float8 is not None)
         dims, parallel = self.dims, self.parallel

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims, from_pretrained, parallelize
 from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.hf.loading import materialize_pretrained
+from lightning_automodel.parallel.parallelized import Parallelized
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
 from lightning_automodel.testing.models import batch, tiny_model
 from lightning_automodel.testing.parity import FP32_TOLERANCE, full, relative_error
@@ -135,14 +136,7 @@ def check_pipeline_loaded_weights(pp: int, family: str, stages_per_rank: int = 1
     assert layers == set(stages), f"stages {stages} hold layers {layers}"
     result = {"weights": max((full(t) - expected[n]).abs().max().item() for n, t in held.items())}
     tokens, labels = batch(GLOBAL_BATCH)
-    loss = model(input_ids=tokens, labels=labels).loss
-    loss.backward()
-    parallelized.after_backward()
-    reference_loss = hf_loss(reference, tokens, labels)
-    reference_loss.backward()
-    grads = dict(reference.named_parameters())
-    result["loss"] = abs(loss.item() - reference_loss.item()) / reference_loss.item()
-    result["grads"] = max(relative_error(p.grad, grads[n].grad) for n, p in model.named_parameters())
+    result |= _step_against(parallelized, reference, tokens, labels)
     model.eval()  # without labels, outside training: the forward-only schedule, the logits on the last stage
     with torch.no_grad():
         logits, expected_logits = model(input_ids=tokens).logits, reference(input_ids=tokens).logits
@@ -151,6 +145,22 @@ def check_pipeline_loaded_weights(pp: int, family: str, stages_per_rank: int = 1
     assert result["weights"] == 0.0 and max(result.values()) < FP32_TOLERANCE, result
     remove(directory)
     return result
+
+
+def _step_against(parallelized: Parallelized, reference: torch.nn.Module, tokens, labels) -> dict[str, float]:
+    """One training call of the pipelined model (its tied copies' gradients summed) against one process's: the loss
+    and this rank's every gradient."""
+    model = parallelized.model
+    loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    parallelized.after_backward()
+    reference_loss = hf_loss(reference, tokens, labels)
+    reference_loss.backward()
+    grads = dict(reference.named_parameters())
+    return {
+        "loss": abs(loss.item() - reference_loss.item()) / reference_loss.item(),
+        "grads": max(relative_error(full(p.grad), grads[n].grad) for n, p in model.named_parameters()),
+    }
 
 
 def check_meta_build_stays_tied(pp: int, stages_per_rank: int = 2) -> dict:
@@ -172,15 +182,7 @@ def check_meta_build_stays_tied(pp: int, stages_per_rank: int = 2) -> dict:
     first_stage = every_rank[0]["model.embed_tokens.weight"]
     result = {"copy": (held[0]["model.embed_tokens.weight"] - first_stage).abs().max().item()}
     reference.load_state_dict({name: t for state in reversed(every_rank) for name, t in state.items()}, strict=False)
-    tokens, labels = batch(GLOBAL_BATCH)
-    loss = model(input_ids=tokens, labels=labels).loss
-    loss.backward()
-    parallelized.after_backward()
-    reference_loss = hf_loss(reference, tokens, labels)
-    reference_loss.backward()
-    grads = dict(reference.named_parameters())
-    result["loss"] = abs(loss.item() - reference_loss.item()) / reference_loss.item()
-    result["grads"] = max(relative_error(full(p.grad), grads[n].grad) for n, p in model.named_parameters())
+    result |= _step_against(parallelized, reference, *batch(GLOBAL_BATCH))
     assert result["copy"] == 0.0 and max(result.values()) < FP32_TOLERANCE, result
     return result
 

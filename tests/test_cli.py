@@ -268,15 +268,18 @@ def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):
 def test_plan_command_prints_no_warning(capsys, monkeypatch):
     """`plan` as run from the shell, sys.argv holding its command line: LightningCLI's warning against giving it
     both arguments and a command line was printed on every run."""
-    command = ["plan", f"--config={EXAMPLES / 'demo.yaml'}"]
+    assert _warnings_of_plan(["plan", f"--config={EXAMPLES / 'demo.yaml'}"], monkeypatch) == []
+    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1)" in capsys.readouterr().out
+
+
+def _warnings_of_plan(command: list[str], monkeypatch) -> list[str]:
+    """The warnings a shell's user sees from ``command`` run with it in sys.argv: what Python shows by default, so no
+    DeprecationWarning raised outside __main__ (jsonargparse's)."""
     monkeypatch.setattr(sys, "argv", ["lightning-automodel", *command])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         main(command)
-    # What Python shows by default: DeprecationWarnings raised outside __main__ (jsonargparse's, here) are not.
-    shown = [str(warning.message) for warning in caught if not issubclass(warning.category, DeprecationWarning)]
-    assert shown == []
-    assert "ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2, ep=1)" in capsys.readouterr().out
+    return [str(warning.message) for warning in caught if not issubclass(warning.category, DeprecationWarning)]
 
 
 def test_plan_prints_each_finding_once_in_its_report(capsys, caplog, monkeypatch):
@@ -294,12 +297,7 @@ def test_plan_prints_each_finding_once_in_its_report(capsys, caplog, monkeypatch
         "--trainer.strategy.init_args.dp_replicate=2",
         "--trainer.strategy.init_args.tp_plan=plan_checks.plan_with_a_stray_pattern",
     ]
-    monkeypatch.setattr(sys, "argv", ["lightning-automodel", *command])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        main(command)
-    shown = [str(warning.message) for warning in caught if not issubclass(warning.category, DeprecationWarning)]
-    assert shown == []
+    assert _warnings_of_plan(command, monkeypatch) == []
     assert [record.getMessage() for record in caplog.records if record.name.startswith("lightning_automodel")] == []
     out = capsys.readouterr().out
     assert out.startswith("LlamaForCausalLM on ParallelDims(pp=2, dp_replicate=2, dp_shard=1, cp=2, tp=2, ep=1)"), out

@@ -16,7 +16,8 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextmanager
+def launch_store(pg_timeout: float) -> Iterator[int]:
+    """The port of a c10d store this process serves to a launch's ranks while the launch lasts. The OS picks the port
+    and the store holds it from the start: a port found free, released and then bound by a rank could be taken in
+    between by another launch (two pytest workers launch at once)."""
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=pg_timeout))
+    try:
+        yield store.port
+    finally:
+        del store
+
+
 def init_worker(rank: int, world_size: int, port: int, pg_timeout: float) -> None:
-    """Make this spawned process rank ``rank`` of a gloo world, with one thread, whose collectives time out."""
+    """Make this spawned process rank ``rank`` of a gloo world, with one thread, whose collectives time out, on the
+    store the launcher serves at ``port`` (:func:`launch_store`)."""
     # A LightningCLI run in the pytest process (seed_everything) exports a global seed that every Trainer here would
     # re-seed from, overriding the seeds the checks set: the workers start without it.
     for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
@@ -71,11 +85,17 @@ def init_worker(rank: int, world_size: int, port: int, pg_timeout: float) -> Non
         }
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+    timeout = timedelta(seconds=pg_timeout)
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)  # the launcher's
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], results: Any, pg_timeout: float) -> None:
-    init_worker(rank, world_size, port, pg_timeout)
+    try:
+        init_worker(rank, world_size, port, pg_timeout)
+    except BaseException:  # reported at once, rather than left to the launch's timeout
+        results.put((rank, "init_worker", "failed", traceback.format_exc()))
+        return
     faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a launch that times out prints where each rank is
     try:
         for check in checks:
@@ -106,49 +126,49 @@ def run_checks(
     Checks must be picklable (module-level functions or functools.partial of them).
     """
     context = multiprocessing.get_context("spawn") if fresh_interpreters else worker_context()
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, checks, results, pg_timeout), daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    collected: dict[str, list[Any]] = {}
-    failures: list[str] = []
-    expected = world_size * len(checks)
-    received = 0
-    deadline = time.monotonic() + timeout
-    finished = False
-    try:
-        while received < expected and not failures:
-            try:
-                rank, name, status, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                _print_stacks(processes)
-                message = f"distributed checks timed out after {timeout}s; results so far: {sorted(collected)}"
-                raise ChecksFailed(f"{message} (each rank's threads are printed above)") from None
-            received += 1
-            if status == "failed":
-                failures.append(f"rank {rank}, check {name}:\n{value}")
-            collected.setdefault(name, [None] * world_size)[rank] = value
-        finished = not failures
-        if failures:
-            failures += _later_failures(results)
-    finally:
-        # After a failure or a timeout the other ranks may sit in a collective: don't wait for them.
-        grace = 60 if finished else 0.5
+    with launch_store(pg_timeout) as port:
+        results = context.Queue()
+        processes = [
+            context.Process(target=_worker, args=(rank, world_size, port, checks, results, pg_timeout), daemon=True)
+            for rank in range(world_size)
+        ]
         for process in processes:
-            process.join(timeout=grace)
-            if process.is_alive():
-                process.kill()
-    if failures:
-        exit_codes = [process.exitcode for process in processes]
-        raise ChecksFailed("\n".join(failures) + f"\nexit codes of ranks 0..{world_size - 1}: {exit_codes}")
-    crashed = [p.exitcode for p in processes if p.exitcode not in (0, -signal.SIGKILL)]
-    if crashed:
-        raise ChecksFailed(f"ranks exited with codes {crashed} after reporting their results")
-    return collected
+            process.start()
+        collected: dict[str, list[Any]] = {}
+        failures: list[str] = []
+        expected = world_size * len(checks)
+        received = 0
+        deadline = time.monotonic() + timeout
+        finished = False
+        try:
+            while received < expected and not failures:
+                try:
+                    rank, name, status, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
+                except queue.Empty:
+                    _print_stacks(processes)
+                    message = f"distributed checks timed out after {timeout}s; results so far: {sorted(collected)}"
+                    raise ChecksFailed(f"{message} (each rank's threads are printed above)") from None
+                received += 1
+                if status == "failed":
+                    failures.append(f"rank {rank}, check {name}:\n{value}")
+                collected.setdefault(name, [None] * world_size)[rank] = value
+            finished = not failures
+            if failures:
+                failures += _later_failures(results)
+        finally:
+            # After a failure or a timeout the other ranks may sit in a collective: don't wait for them.
+            grace = 60 if finished else 0.5
+            for process in processes:
+                process.join(timeout=grace)
+                if process.is_alive():
+                    process.kill()
+        if failures:
+            exit_codes = [process.exitcode for process in processes]
+            raise ChecksFailed("\n".join(failures) + f"\nexit codes of ranks 0..{world_size - 1}: {exit_codes}")
+        crashed = [p.exitcode for p in processes if p.exitcode not in (0, -signal.SIGKILL)]
+        if crashed:
+            raise ChecksFailed(f"ranks exited with codes {crashed} after reporting their results")
+        return collected
 
 
 def _print_stacks(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:

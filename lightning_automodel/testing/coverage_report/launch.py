@@ -31,7 +31,7 @@ from lightning_automodel.testing.coverage_report.verdicts import (
     classify,
     error_line,
 )
-from lightning_automodel.testing.harness import free_port, init_worker, worker_context
+from lightning_automodel.testing.harness import init_worker, launch_store, worker_context
 
 Job = tuple[str, str]  # (model type, layout)
 
@@ -70,21 +70,21 @@ def measure(
 
 def _launch(jobs: list[Job], *, job_timeout: float, check: Check) -> Iterator[tuple[Job, dict[str, Any]]]:
     context = worker_context()
-    port = free_port()
     # One pipe per worker: a send is written before it returns, so a process that dies next loses no report.
     pipes = [context.Pipe(duplex=False) for _ in range(WORLD_SIZE)]
-    workers = [
-        context.Process(target=_serve, args=(rank, port, jobs, pipes[rank][1], check), daemon=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    for worker in workers:
-        worker.start()
-    try:
-        yield from _verdicts(jobs, [reader for reader, _ in pipes], workers, job_timeout=job_timeout)
-    finally:
+    with launch_store(COLLECTIVE_TIMEOUT.total_seconds()) as port:
+        workers = [
+            context.Process(target=_serve, args=(rank, port, jobs, pipes[rank][1], check), daemon=True)
+            for rank in range(WORLD_SIZE)
+        ]
         for worker in workers:
-            worker.kill()
-            worker.join()
+            worker.start()
+        try:
+            yield from _verdicts(jobs, [reader for reader, _ in pipes], workers, job_timeout=job_timeout)
+        finally:
+            for worker in workers:
+                worker.kill()
+                worker.join()
 
 
 def _verdicts(jobs: list[Job], readers, workers, *, job_timeout: float) -> Iterator[tuple[Job, dict[str, Any]]]:

@@ -11,6 +11,7 @@ import faulthandler
 import multiprocessing
 import os
 import queue
+import random
 import signal
 import socket
 import tempfile
@@ -49,9 +50,20 @@ def worker_context() -> multiprocessing.context.BaseContext:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port for a launcher that binds it later (torchrun, Lightning's launcher), drawn below the range the OS
+    hands out to binds of port 0: between this check and the launcher's bind, no other launch's sockets (gloo's pairs,
+    a store's) are given it unasked."""
+    ports = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    lowest_ephemeral = int(ports.read_text().split()[0]) if ports.exists() else 32768  # Linux's default elsewhere
+    # A random source of its own: checks seed Python's, and two workers seeded alike would draw the same ports.
+    for port in random.SystemRandom().sample(range(10_000, lowest_ephemeral), 100):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among 100 drawn from 10000-{lowest_ephemeral - 1}")
 
 
 @contextmanager

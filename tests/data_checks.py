@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -53,17 +55,21 @@ def check_resume_across_epochs(directory: str, tp: int) -> dict:
 
 
 def check_streamed_resume(directory: str, tp: int) -> dict:
-    """A stream of the demo documents (a text file every rank names) for 6 steps, saving after every step, then
-    resumed from step 3. Returns this rank's data-parallel rank, its rows uninterrupted and resumed."""
+    """A shuffled stream of the demo documents (a text file and a Parquet file of 8 row groups every rank names),
+    through a buffer of 8 documents, for 6 steps, saving after every step, then resumed from step 3. Returns this
+    rank's data-parallel rank, its rows uninterrupted and resumed."""
     corpus = Path(directory) / "corpus.txt"
+    table = Path(directory) / "corpus.parquet"
     if dist.get_rank() == 0:
         corpus.write_text("\n\n".join(demo_documents(40, seed=0)))
+        rows = [{"text": text} for text in demo_documents(40, seed=1)]
+        pq.write_table(pa.Table.from_pylist(rows), table, row_group_size=5)
     dist.barrier()
     checkpoints = Path(directory) / "streamed"
 
     def fit(ckpt_path: Path | None = None, callbacks: tuple = ()) -> tuple:
         module = RecordRows()
-        data = TextDataModule(str(corpus), streaming=True, seq_len=16, batch_size=3)
+        data = TextDataModule([str(corpus), str(table)], streaming=True, shuffle_buffer=8, seq_len=16, batch_size=3)
         run = trainer(
             AutoModelParallelStrategy(tp=tp),
             max_steps=6,

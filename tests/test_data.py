@@ -17,11 +17,11 @@ from transformers import AutoTokenizer
 
 from lightning_automodel.data import cache
 from lightning_automodel.data.demo import DemoDataModule, demo_documents
-from lightning_automodel.data.encoding import DocumentEncoder, encode, file_batches
-from lightning_automodel.data.files import expand_files
+from lightning_automodel.data.encoding import DocumentEncoder, encode, source_batches
 from lightning_automodel.data.modules import TextDataModule, held_out_split
 from lightning_automodel.data.rows import IGNORE_INDEX, PackedRows, PaddedRows
 from lightning_automodel.data.sampler import ResumableShuffle
+from lightning_automodel.data.sources.expand import expand_sources
 from lightning_automodel.data.store import TokenStore, memory_store
 from lightning_automodel.data.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, byte_tokenizer
 from lightning_automodel.testing.harness import check_name, run_checks
@@ -71,7 +71,8 @@ def pad_rows(documents, seq_len, eos_id, pad_id):
 def read_documents(patterns, text_field="text"):
     """The documents of files as the text data module reads them (each without its EOS)."""
     tokenizer = byte_tokenizer()
-    encoded = encode(file_batches(expand_files(patterns)), DocumentEncoder(tokenizer, text_field), workers=0)
+    encoder = DocumentEncoder(tokenizer, text_field)
+    encoded = encode(source_batches(expand_sources(patterns), encoder), encoder, workers=0)
     store = memory_store(encoded, vocabulary=len(tokenizer), fine_tuning=False)
     return [
         tokenizer.decode(store.tokens[a : b - 1]) for a, b in zip(store.offsets[:-1], store.offsets[1:], strict=True)
@@ -216,8 +217,8 @@ def test_glob_patterns_expand_sorted_without_duplicates(tmp_path):
     b = write(tmp_path / "b.txt", "B")
     a = write(tmp_path / "a.txt", "A")
     nested = write(tmp_path / "sub" / "deep" / "c.jsonl", '{"text": "C"}\n')
-    assert expand_files(str(tmp_path / "*.txt")) == [a, b]
-    assert expand_files([str(tmp_path / "**" / "*.jsonl"), b, str(tmp_path / "*.txt")]) == [nested, b, a]
+    assert expand_sources(str(tmp_path / "*.txt")) == [a, b]
+    assert expand_sources([str(tmp_path / "**" / "*.jsonl"), b, str(tmp_path / "*.txt")]) == [nested, b, a]
     assert read_documents([str(tmp_path / "**" / "*.*")]) == ["A", "B", "C"]
 
 

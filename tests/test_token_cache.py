@@ -15,9 +15,10 @@ import pytest
 from lightning_automodel.data import TextDataModule, cache
 from lightning_automodel.data.cache import cache_key, cached_store
 from lightning_automodel.data.encoding import DocumentEncoder
-from lightning_automodel.data.files import file_pieces, pieces_in_range
+from lightning_automodel.data.sources.text_files import file_pieces, pieces_in_range
 from lightning_automodel.data.store import META, TOKENS, write_store
-from lightning_automodel.data.streaming import StreamedRows, byte_range, check_enough_documents
+from lightning_automodel.data.streaming.shares import byte_range, check_enough_documents
+from lightning_automodel.data.streaming.stream import StreamedRows
 from lightning_automodel.data.tokenizer import PAD_ID, byte_tokenizer
 
 

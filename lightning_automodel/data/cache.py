@@ -1,12 +1,12 @@
 """The token cache: a corpus tokenized once into a directory, reused across launches and ranks, keyed by what made it.
 
-The key holds each file's path, size and modification time, the tokenizer (a digest of its vocabulary, special
-tokens and chat template) and the settings that change the tokens: a change to any of them builds the cache again. One
-process per machine builds it (the local rank 0; on a shared filesystem the machines race harmlessly: the first
-complete copy stays), into a hidden directory beside it that takes its place once complete. The other ranks read
-the directory as soon as its ``meta.json`` carries their key, without any collective, and wait as long as the build
-makes progress; a build that fails leaves its error beside the cache, and every rank raises it; a builder announcing
-another key (a rank naming other files) is refused.
+The key holds each file's path, size and modification time (a ``datasets.Dataset``'s fingerprint and rows), the
+tokenizer (a digest of its vocabulary, special tokens and chat template) and the settings that change the tokens: a
+change to any of them builds the cache again. One process per machine builds it (the local rank 0; on a shared
+filesystem the machines race harmlessly: the first complete copy stays), into a hidden directory beside it that takes
+its place once complete. The other ranks read the directory as soon as its ``meta.json`` carries their key, without any
+collective, and wait as long as the build makes progress; a build that fails leaves its error beside the cache, and
+every rank raises it; a builder announcing another key (a rank naming other files) is refused.
 
 A cache directory holds the cache's files and nothing else: one that holds anything else (a user's files, a
 subdirectory) is refused on every rank, and never written into or deleted.
@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_automodel.data.sources.expand import Source
+from lightning_automodel.data.sources.tables import DatasetSource
 from lightning_automodel.data.store import STORE_FILES, TokenStore, open_store, read_meta
 
 FORMAT = 1  # the layout of a cache directory; a change of it rebuilds every cache
@@ -34,17 +36,22 @@ _SLACK_S = 5.0
 _HOST = socket.gethostname()
 
 
-def cache_key(*, files: list[str], tokenizer: Any, settings: dict[str, Any]) -> dict[str, Any]:
+def cache_key(*, files: list[Source], tokenizer: Any, settings: dict[str, Any]) -> dict[str, Any]:
     """What the cached tokens are a function of (see the module's docstring)."""
-    stats = [os.stat(path) for path in files]
     return {
         "format": FORMAT,
-        "files": [
-            [os.path.abspath(path), stat.st_size, stat.st_mtime_ns] for path, stat in zip(files, stats, strict=True)
-        ],
+        "files": [_file_entry(source) for source in files],
         "tokenizer": tokenizer_digest(tokenizer),
         **settings,
     }
+
+
+def _file_entry(source: Source) -> list[Any]:
+    """A file's path, size and modification time; a dataset's fingerprint (in its name) and rows."""
+    if isinstance(source, DatasetSource):
+        return [source.name, len(source.dataset), None]
+    stat = os.stat(source)
+    return [os.path.abspath(source), stat.st_size, stat.st_mtime_ns]
 
 
 def tokenizer_digest(tokenizer: Any) -> str:

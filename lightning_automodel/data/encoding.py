@@ -1,8 +1,8 @@
 """Text made token ids, batch by batch, over worker processes: documents for pre-training, records for fine-tuning.
 
-The files are read in this process (reading is cheap) and cut into batches of pieces of one file; workers parse and
-tokenize them (the costly part) and hand back flat arrays, in order. A bad record raises in the worker, naming its
-file and line, and the error reaches the caller as it was.
+The sources are read in this process (reading is cheap) and cut into batches of pieces of one source; workers parse
+and tokenize them (the costly part) and hand back flat arrays, in order. A bad record raises in the worker, naming
+its source and line (or row), and the error reaches the caller as it was.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from lightning_automodel.data.chat import encode_record
-from lightning_automodel.data.files import file_pieces, is_jsonl, json_record, text_of
+from lightning_automodel.data.sources.expand import Source, source_kind
+from lightning_automodel.data.sources.tables import Table, open_table, table_rows
+from lightning_automodel.data.sources.text_files import file_pieces, json_record, text_of
 
 BATCH_PIECES = 512  # pieces a worker tokenizes at a time, at most
 BATCH_CHARACTERS = 4 << 20  # and characters: a batch of long documents stays a few MB
@@ -28,13 +30,14 @@ IN_FLIGHT = 2  # batches queued a worker: the reading stays this far ahead, what
 
 @dataclass(frozen=True)
 class PieceBatch:
-    """Consecutive pieces of one source: (where, text) pairs, JSON lines unparsed when ``json``; where is a line
-    number, or a byte offset (``position="byte"``: a stream's pieces, read from a byte range)."""
+    """Consecutive pieces of one source, each with where it is: a text file's paragraphs (``kind="text"``), a JSONL
+    file's lines unparsed (``"json"``), a table's rows as dicts of their columns (``"row"``). Where is a line
+    number, a byte offset (``position="byte"``: a stream's pieces, read from a byte range) or a row number."""
 
     source: str
-    json: bool
-    pieces: list[tuple[int, str]]
-    position: str = "line"
+    kind: Literal["text", "json", "row"]
+    pieces: list[tuple[int, Any]]
+    position: Literal["line", "byte", "row"] = "line"
 
     def where(self, number: int) -> str:
         return f"{self.source}, {self.position} {number}"
@@ -42,8 +45,8 @@ class PieceBatch:
 
 @dataclass(frozen=True)
 class Encoded:
-    """A batch's documents: their ids end to end, each one's length and line, and (fine-tuning) the 0/1 mask of the
-    tokens trained on."""
+    """A batch's documents: their ids end to end, each one's length and line (or row), and (fine-tuning) the 0/1
+    mask of the tokens trained on."""
 
     source: str
     tokens: np.ndarray
@@ -52,26 +55,48 @@ class Encoded:
     trained: np.ndarray | None
 
 
-def file_batches(files: Iterable[str]) -> Iterator[PieceBatch]:
-    for path in files:
-        yield from _batches(file_pieces(path), path, json=is_jsonl(path))
+def source_batches(sources: Iterable[Source], encoder: Any) -> Iterator[PieceBatch]:
+    """Every piece of ``sources``, in order, in batches; a table's rows hold the columns ``encoder`` reads."""
+    for source in sources:
+        if (kind := source_kind(source)) == "table":
+            yield from table_batches(open_table(source), encoder)
+        else:
+            yield from _batches(file_pieces(source), source, kind=kind, position="line")
+
+
+def table_batches(table: Table, encoder: Any, *, start: int = 0, stop: int | None = None) -> Iterator[PieceBatch]:
+    """Rows ``[start, stop)`` of ``table`` in batches; a table without rows is an error, as an empty file is."""
+    if not sum(table.group_rows):
+        raise ValueError(f"{table.name} is empty: it has no rows. Fill it, or leave it out of the files.")
+    rows = table_rows(table, encoder.columns(table), start=start, stop=stop)
+    return _batches(rows, table.name, kind="row", position="row")
 
 
 def document_batches(documents: Iterable[str], source: str) -> Iterator[PieceBatch]:
     """Documents given in code (a subclass's, the demo's), numbered from 1."""
-    return _batches(enumerate(documents, start=1), source, json=False)
+    return _batches(enumerate(documents, start=1), source, kind="text", position="line")
 
 
-def _batches(pieces: Iterable[tuple[int, str]], source: str, *, json: bool) -> Iterator[PieceBatch]:
+def _batches(pieces: Iterable[tuple[int, Any]], source: str, *, kind: str, position: str) -> Iterator[PieceBatch]:
     batch, characters = [], 0
     for piece in pieces:
         batch.append(piece)
-        characters += len(piece[1])
+        characters += _characters(piece[1])
         if len(batch) == BATCH_PIECES or characters >= BATCH_CHARACTERS:
-            yield PieceBatch(source, json, batch)
+            yield PieceBatch(source, kind, batch, position)
             batch, characters = [], 0
     if batch:
-        yield PieceBatch(source, json, batch)
+        yield PieceBatch(source, kind, batch, position)
+
+
+def _characters(piece: Any) -> int:
+    if isinstance(piece, str):
+        return len(piece)
+    return sum(len(value) for value in piece.values() if isinstance(value, str)) if isinstance(piece, dict) else 0
+
+
+def missing_columns(table: Table, wanted: str, fix: str) -> ValueError:
+    return ValueError(f"{table.name}: no column {wanted} (it has {', '.join(map(repr, table.column_names))}). {fix}")
 
 
 class DocumentEncoder:
@@ -98,30 +123,55 @@ class DocumentEncoder:
         numbered = [(number, self._text(batch, number, piece)) for number, piece in batch.pieces]
         return [(number, text) for number, text in numbered if text.strip()]
 
-    def _text(self, batch: PieceBatch, number: int, piece: str) -> str:
-        if not batch.json:
+    def columns(self, table: Table) -> list[str]:
+        """The column a table's documents are read from."""
+        if self.text_field not in table.column_names:
+            raise missing_columns(table, repr(self.text_field), "Set text_field to the column with the text.")
+        return [self.text_field]
+
+    def _text(self, batch: PieceBatch, number: int, piece: Any) -> str:
+        if batch.kind == "text":
             return piece
-        return text_of(json_record(batch.where(number), piece), self.text_field, batch.where(number))
+        record = json_record(batch.where(number), piece) if batch.kind == "json" else piece
+        return text_of(record, self.text_field, batch.where(number))
 
 
 class RecordEncoder:
-    """Fine-tuning records (see :mod:`lightning_automodel.data.chat`), JSONL only."""
+    """Fine-tuning records (see :mod:`lightning_automodel.data.chat`): JSONL lines, or a table's ``messages`` column
+    (else its ``prompt`` and ``completion`` columns)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     def __call__(self, batch: PieceBatch) -> Encoded:
-        if not batch.json:
-            raise ValueError(f"{batch.source}: fine-tuning records are read from .jsonl files, one record a line.")
+        if batch.kind == "text":
+            raise ValueError(
+                f"{batch.source}: fine-tuning records are read from .jsonl files (one record a line), Parquet or Arrow"
+                " tables."
+            )
         encoded = [
-            encode_record(self.tokenizer, json_record(batch.where(number), line), batch.where(number))
-            for number, line in batch.pieces
+            encode_record(self.tokenizer, self._record(batch, number, piece), batch.where(number))
+            for number, piece in batch.pieces
         ]
         tokens = np.fromiter((t for ids, _ in encoded for t in ids), dtype=np.int64)
         trained = np.concatenate([mask for _, mask in encoded]).astype(np.uint8)
         lengths = np.array([len(ids) for ids, _ in encoded], dtype=np.int64)
         lines = np.array([number for number, _ in batch.pieces], dtype=np.int64)
         return Encoded(batch.source, tokens, lengths, lines, trained)
+
+    @staticmethod
+    def columns(table: Table) -> list[str]:
+        """A conversation's column, else a prompt's and its completion's."""
+        for columns in (["messages"], ["prompt", "completion"]):
+            if set(columns) <= set(table.column_names):
+                return columns
+        raise missing_columns(
+            table, "'messages', nor 'prompt' and 'completion'", "Rename the columns, e.g. with pyarrow or datasets."
+        )
+
+    @staticmethod
+    def _record(batch: PieceBatch, number: int, piece: Any) -> object:
+        return json_record(batch.where(number), piece) if batch.kind == "json" else piece
 
 
 def encode(batches: Iterable[PieceBatch], encoder: Any, *, workers: int) -> Iterator[Encoded]:

@@ -24,18 +24,20 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampl
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_automodel.data.cache import cache_key, cached_store, default_directory
-from lightning_automodel.data.encoding import DocumentEncoder, RecordEncoder, document_batches, encode, file_batches
-from lightning_automodel.data.files import expand_files
+from lightning_automodel.data.encoding import DocumentEncoder, RecordEncoder, document_batches, encode, source_batches
 from lightning_automodel.data.loaders import QuietStatefulDataLoader, data_parallel_place
 from lightning_automodel.data.rows import ConversationRows, PackedRows, PaddedRows
 from lightning_automodel.data.sampler import ResumableShuffle
+from lightning_automodel.data.sources.expand import Source, expand_sources, source_name
 from lightning_automodel.data.store import TokenStore, memory_store, read_meta, write_store
-from lightning_automodel.data.streaming import StreamedRows, check_enough_documents
+from lightning_automodel.data.streaming.shares import check_enough_documents
+from lightning_automodel.data.streaming.stream import StreamedRows
 from lightning_automodel.data.tokenizer import byte_tokenizer
 
 # The splits each Trainer stage reads.
 _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
 _MAX_WORKERS = 8
+DEFAULT_SHUFFLE_BUFFER = 1000  # documents, as datasets' IterableDataset.shuffle
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -45,7 +47,8 @@ class TokenDataModule(L.LightningDataModule):
     rank per step. ``cache_dir``: where the tokenized files are kept (a directory per file set: ``train``, ``val``,
     ``test``); by default under ``~/.cache/lightning-automodel/tokens``, one per key. ``tokenize_workers``: processes
     tokenizing a cache (default: the CPUs, at most 8). The local rank 0 of each machine builds a missing cache; the
-    other ranks wait for it at most ``cache_timeout_s``.
+    other ranks wait for it at most ``cache_timeout_s``. ``shuffle``: the training rows in an order drawn from
+    ``seed`` and the epoch (False: in the files' order).
     """
 
     fine_tuning = False
@@ -65,6 +68,7 @@ class TokenDataModule(L.LightningDataModule):
         cache_timeout_s: float = 4 * 3600.0,
         num_workers: int = 0,
         seed: int = 0,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -88,6 +92,7 @@ class TokenDataModule(L.LightningDataModule):
         self.cache_timeout_s = cache_timeout_s
         self.num_workers = num_workers
         self.seed = seed
+        self.shuffle = shuffle
         self.datasets: dict[str, Dataset] = {}  # the splits set up that hold rows: one without is absent
 
     @functools.cached_property
@@ -136,12 +141,12 @@ class TokenDataModule(L.LightningDataModule):
         return ("train", None) if split == "train" else (None, None)
 
     def _store(self, role: str) -> TokenStore:
-        files = expand_files(self.files[role])
+        files = expand_sources(self.files[role], role)
         key = cache_key(files=files, tokenizer=self.tokenizer, settings=self._settings())
         directory = Path(self.cache_dir).expanduser() / role if self.cache_dir else default_directory(key)
 
         def build(staging: Path) -> None:
-            batches = file_batches(files)
+            batches = source_batches(files, self._encoder())
             encoded = encode(batches, self._encoder(), workers=self.tokenize_workers)
             write_store(staging, encoded, key=key, **self._store_options())
             self._check_sources(files, staging)
@@ -151,10 +156,10 @@ class TokenDataModule(L.LightningDataModule):
         return cached_store(directory, key=key, build=build, builder=builder, timeout_s=self.cache_timeout_s)
 
     @staticmethod
-    def _check_sources(files: list[str], staging: Path) -> None:
-        """Refuse a file that gave no document (only a JSONL file whose every text is blank gets here)."""
-        given = {path for path, documents in read_meta(staging)["sources"] if documents}
-        if empty := [path for path in files if path not in given]:
+    def _check_sources(files: list[Source], staging: Path) -> None:
+        """Refuse a source that gave no document (only one whose every text is blank gets here)."""
+        given = {name for name, documents in read_meta(staging)["sources"] if documents}
+        if empty := [name for name in map(source_name, files) if name not in given]:
             raise ValueError(
                 f"{empty[0]} has no text: the text of every line is blank. Set text_field to the field with the text,"
                 " or leave the file out."
@@ -177,7 +182,9 @@ class TokenDataModule(L.LightningDataModule):
         rows = self.datasets["train"]
         if isinstance(rows, IterableDataset):  # streamed: each rank's share is its own stream
             return self._loader(rows)
-        return self._loader(rows, sampler=ResumableShuffle(rows, self.seed, **data_parallel_place(self.trainer)))
+        return self._loader(
+            rows, sampler=ResumableShuffle(rows, self.seed, shuffle=self.shuffle, **data_parallel_place(self.trainer))
+        )
 
     def val_dataloader(self) -> QuietStatefulDataLoader | list:
         rows = self.datasets.get("val")
@@ -214,8 +221,9 @@ class TextDataModule(TokenDataModule):
     ``separate_documents`` (the default) position ids restart at each document, so attention keeps them apart, and
     without it attention crosses from one into the next. ``pack=False`` gives each document its own padded rows,
     with an attention mask. ``streaming=True`` reads and tokenizes the training files as training goes, each rank
-    its share of their bytes, with no cache (see :mod:`lightning_automodel.data.streaming`); validation and test
-    data are cached.
+    its share of their bytes, with no cache (see :mod:`lightning_automodel.data.streaming`), the order of its units
+    drawn anew each pass and its documents mixed in a buffer of ``shuffle_buffer`` (default 1,000) when
+    ``shuffle``; validation and test data are cached.
     See :class:`TokenDataModule` for the splits and the cache.
     """
 
@@ -226,9 +234,15 @@ class TextDataModule(TokenDataModule):
         separate_documents: bool = True,
         text_field: str = "text",
         streaming: bool = False,
+        shuffle_buffer: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(train_files, **kwargs)
+        if shuffle_buffer is not None and (shuffle_buffer < 0 or not streaming or not self.shuffle):
+            raise ValueError(
+                f"shuffle_buffer={shuffle_buffer}: it is the documents a stream mixes (streaming=True, shuffle=True),"
+                " 0 or more; cached rows are shuffled whole."
+            )
         if streaming and (not self.pack or self.val_fraction > 0 or self.num_workers > 0):
             raise ValueError(
                 "streaming=True reads the training files as training goes: it packs (pack=True), holds nothing out"
@@ -238,6 +252,9 @@ class TextDataModule(TokenDataModule):
         self.separate_documents = separate_documents
         self.text_field = text_field
         self.streaming = streaming
+        self.shuffle_buffer = (
+            (DEFAULT_SHUFFLE_BUFFER if streaming and self.shuffle else 0) if shuffle_buffer is None else shuffle_buffer
+        )
 
     def _split_rows(self, split: str) -> Dataset | None:
         if not (self.streaming and split == "train" and self.documents(split) is None):
@@ -253,14 +270,18 @@ class TextDataModule(TokenDataModule):
                 "streaming=True makes an endless epoch, whose fraction never comes: set Trainer(val_check_interval=...)"
                 " to a number of steps."
             )
-        files, place = expand_files(self.files["train"]), data_parallel_place(self.trainer)
-        check_enough_documents(files, self._encoder(), place.get("num_replicas", 1))
+        files, place = expand_sources(self.files["train"], "train"), data_parallel_place(self.trainer)
+        by_rank = check_enough_documents(files, self._encoder(), place.get("num_replicas", 1))
         return StreamedRows(
             files,
             self._encoder(),
             seq_len=self.seq_len,
             pad_id=self.tokenizer.pad_token_id,
             separate=self.separate_documents,
+            units=by_rank[place.get("rank", 0)],
+            shuffle=self.shuffle,
+            shuffle_buffer=self.shuffle_buffer,
+            seed=self.seed,
             **place,
         )
 

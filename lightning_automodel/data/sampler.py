@@ -19,15 +19,20 @@ class ResumableShuffle(DistributedSampler):
     and position and the StatefulDataLoader restores them.
     """
 
-    def __init__(self, data_source: Dataset, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
-        super().__init__(data_source, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+    def __init__(
+        self, data_source: Dataset, seed: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True
+    ) -> None:
+        super().__init__(data_source, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
 
     def __iter__(self) -> _ShuffleIterator:
         return _ShuffleIterator(self, self.epoch)
 
     def order(self, epoch: int) -> torch.Tensor:
         """The indices this rank reads in ``epoch`` (a tensor: 8 bytes a row, where a list would take 36)."""
-        permutation = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        permutation = (
+            torch.randperm(len(self.dataset), generator=generator) if self.shuffle else torch.arange(len(self.dataset))
+        )
         padded = permutation.repeat(math.ceil(self.total_size / len(permutation)))
         return padded[self.rank : self.total_size : self.num_replicas].clone()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lightning_automodel.data.encoding import Encoded
+from lightning_automodel.data.sources.expand import position_word
 
 TOKENS, OFFSETS, LINES, TRAINED, META = "tokens.bin", "offsets.bin", "lines.bin", "trained.bin", "meta.json"
 STORE_FILES = (TOKENS, OFFSETS, LINES, TRAINED, META)
@@ -42,10 +43,11 @@ class TokenStore:
         return np.diff(self.offsets)
 
     def where(self, document: int) -> str:
-        """The file and line document ``document`` comes from."""
+        """The file and line (a table's row) document ``document`` comes from."""
         ends = np.cumsum([count for _, count in self.sources])
         source = int(np.searchsorted(ends, document, side="right"))
-        return f"{self.sources[source][0]}, line {int(self.lines[document])}"
+        name = self.sources[source][0]
+        return f"{name}, {position_word(name)} {int(self.lines[document])}"
 
     def first_targets(self, documents: np.ndarray) -> np.ndarray:
         """Each of ``documents``' first trained token, counted from its start (its length if none); read a document

@@ -6,46 +6,16 @@ UTF-8, not JSON or lacks its field is an error naming the file and the line.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import BinaryIO
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".json")
 _BLANK = re.compile(r"[ \t]*")
 MAX_PARAGRAPH = 1 << 26  # characters: a text file without blank lines would otherwise be one document, read whole
-
-
-def expand_files(patterns: Sequence[str] | str) -> list[str]:
-    """Expand paths and glob patterns (``**`` included) into files: pattern by pattern, sorted, without duplicates.
-
-    Each pattern must match something: a typo should fail loudly rather than train on less data.
-    """
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    if not patterns:
-        raise ValueError("No files given (an empty list): pass paths or glob patterns of .txt/.jsonl files.")
-    files: dict[str, None] = {}
-    for pattern in patterns:
-        matches = sorted(
-            path for path in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(path)
-        )
-        if not matches:
-            raise ValueError(f"No file matches {pattern!r}: {_unmatched_hint(pattern)}")
-        files.update(dict.fromkeys(matches))
-    for path in files:
-        if not path.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES):
-            supported = ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES)
-            raise ValueError(f"Cannot read {path!r}: supported file types are {supported}. Rename or convert it.")
-    return list(files)
-
-
-def _unmatched_hint(pattern: str) -> str:
-    if os.path.isdir(os.path.expanduser(pattern)):
-        return f"it is a directory; name its files, e.g. {os.path.join(pattern, '*.jsonl')!r}."
-    return "check the path, or quote the glob pattern in the shell."
 
 
 def is_jsonl(path: str) -> bool:
@@ -142,6 +112,8 @@ def text_of(record: object, text_field: str, where: str) -> str:
         raise ValueError(
             f"{where}: no field {text_field!r} (found {found}). Set text_field to the field with the text."
         )
+    if record[text_field] is None:
+        raise ValueError(f"{where}: field {text_field!r} is null. Fill it, or leave the record out.")
     if not isinstance(record[text_field], str):
         raise ValueError(f"{where}: field {text_field!r} is a {type(record[text_field]).__name__}, not a string.")
     return record[text_field]

@@ -123,6 +123,16 @@ def test_conversations_and_completions_from_tables_are_their_jsonl_rows(tmp_path
             assert rows(ChatDataModule(train_files=source, seq_len=64, shuffle=False)) == expected, name
 
 
+def test_the_chat_examples_parquet_holds_the_chat_sets_records():
+    """examples/data/chat.parquet (conversations and pairs in one table, null where a row is the other kind) gives
+    the rows of examples/data/chat.jsonl."""
+    parquet_rows, jsonl_rows = (
+        rows(ChatDataModule(train_files=f"examples/data/chat.{suffix}", seq_len=256, shuffle=False))
+        for suffix in ("parquet", "jsonl")
+    )
+    assert len(jsonl_rows) > 10 and parquet_rows == jsonl_rows
+
+
 def test_table_errors_name_the_file_and_row(tmp_path):
     def setup(module_class, records, **options):
         module_class(train_files=parquet(tmp_path / "bad.parquet", records), seq_len=64, **options).setup("fit")

@@ -161,17 +161,20 @@ class RecordEncoder:
 
     @staticmethod
     def columns(table: Table) -> list[str]:
-        """A conversation's column, else a prompt's and its completion's."""
-        for columns in (["messages"], ["prompt", "completion"]):
-            if set(columns) <= set(table.column_names):
-                return columns
-        raise missing_columns(
-            table, "'messages', nor 'prompt' and 'completion'", "Rename the columns, e.g. with pyarrow or datasets."
-        )
+        """A conversation's column and a prompt's and its completion's, those the table has: a row is the record its
+        non-null columns make, so a table may hold both kinds."""
+        columns = [name for name in ("messages", "prompt", "completion") if name in table.column_names]
+        if "messages" not in columns and len(columns) < 2:
+            raise missing_columns(
+                table, "'messages', nor 'prompt' and 'completion'", "Rename the columns, e.g. with pyarrow or datasets."
+            )
+        return columns
 
     @staticmethod
     def _record(batch: PieceBatch, number: int, piece: Any) -> object:
-        return json_record(batch.where(number), piece) if batch.kind == "json" else piece
+        if batch.kind == "json":
+            return json_record(batch.where(number), piece)
+        return {name: value for name, value in piece.items() if value is not None}
 
 
 def encode(batches: Iterable[PieceBatch], encoder: Any, *, workers: int) -> Iterator[Encoded]:

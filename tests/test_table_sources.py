@@ -69,7 +69,7 @@ def text_rows(train_files, **options):
 def test_tables_give_the_rows_of_the_same_documents_in_jsonl(tmp_path):
     """Parquet (several row groups), Arrow (stream and file formats), a save_to_disk directory, a Dataset and a
     DatasetDict given in Python, and all of them mixed with text and JSONL files: the rows of the same documents in
-    JSONL, token for token, extra columns left alone."""
+    JSONL, token for token, extra columns left alone; cached, and streamed at one rank."""
     records = [{"text": text, "id": i} for i, text in enumerate(DOCUMENTS)]
     expected = text_rows(jsonl(tmp_path / "all.jsonl", records))
     saved = datasets.Dataset.from_list(records)
@@ -85,6 +85,8 @@ def test_tables_give_the_rows_of_the_same_documents_in_jsonl(tmp_path):
     }
     for kind, source in sources.items():
         assert text_rows(source) == expected, kind
+        streamed = iter(stream_of(source))
+        assert [{k: v.tolist() for k, v in next(streamed).items()} for _ in expected[1:]] == expected[:-1], kind
     mixed = [
         parquet(tmp_path / "a.parquet", records[:20]),
         jsonl(tmp_path / "b.jsonl", records[20:35]),

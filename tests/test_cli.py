@@ -494,7 +494,7 @@ def test_the_fine_tuning_example_trains_on_the_answers_and_stops(tmp_path):
         "--trainer.devices=1",
         "--trainer.strategy.init_args.tp=1",
         "--trainer.strategy.init_args.sp=false",
-        f"--data.init_args.train_files={EXAMPLES / 'data' / 'chat.jsonl'}",
+        f"--data.init_args.train_files={EXAMPLES / 'data' / 'chat.parquet'}",
         f"--data.init_args.cache_dir={tmp_path / 'tokens'}",
         cwd=tmp_path,
     )

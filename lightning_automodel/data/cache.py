@@ -26,7 +26,7 @@ from typing import Any
 
 from lightning_automodel.data.store import STORE_FILES, TokenStore, open_store, read_meta
 
-FORMAT = 1  # the layout of a cache directory; a change of it rebuilds every cache
+FORMAT = 2  # the layout of a cache directory; a change of it rebuilds every cache (2: a digest per source)
 DEFAULT_ROOT = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "lightning-automodel" / "tokens"
 _POLL_S = 0.2
 _STARTED = time.time()  # about when this process started: notes beside a cache from before it are an earlier run's

@@ -28,7 +28,7 @@ from lightning_automodel.data.sources.expand import Source
 from lightning_automodel.data.sources.tables import DatasetSource
 from lightning_automodel.data.store import STORE_FILES, TokenStore, open_store, read_meta
 
-FORMAT = 1  # the layout of a cache directory; a change of it rebuilds every cache
+FORMAT = 2  # the layout of a cache directory; a change of it rebuilds every cache (2: a digest per source)
 DEFAULT_ROOT = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "lightning-automodel" / "tokens"
 _POLL_S = 0.2
 _STARTED = time.time()  # about when this process started: notes beside a cache from before it are an earlier run's

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampl
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_automodel.data.cache import cache_key, cached_store, default_directory
+from lightning_automodel.data.copies import refuse_other_copies
 from lightning_automodel.data.encoding import DocumentEncoder, RecordEncoder, document_batches, encode, source_batches
 from lightning_automodel.data.loaders import QuietStatefulDataLoader, data_parallel_place
 from lightning_automodel.data.rows import ConversationRows, PackedRows, PaddedRows
@@ -103,9 +104,11 @@ class TokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         stage = TrainerFn(stage).value  # "test": Lightning passes its enum, TrainerFn.TESTING
+        set_up = {}
         for split in _STAGE_SPLITS[stage]:
             if split not in self.datasets and (rows := self._split_rows(split)) is not None and len(rows):
-                self.datasets[split] = rows
+                self.datasets[split] = set_up[split] = rows
+        refuse_other_copies(set_up, node_rank=self.trainer.node_rank if self.trainer is not None else 0)
         if stage == "fit" and "train" not in self.datasets:
             raise ValueError(f"No training text in {self.files['train']!r}: every document is empty.")
         if stage != "fit" and _STAGE_SPLITS[stage][0] not in self.datasets:
@@ -158,7 +161,7 @@ class TokenDataModule(L.LightningDataModule):
     @staticmethod
     def _check_sources(files: list[Source], staging: Path) -> None:
         """Refuse a source that gave no document (only one whose every text is blank gets here)."""
-        given = {name for name, documents in read_meta(staging)["sources"] if documents}
+        given = {name for name, documents, *_ in read_meta(staging)["sources"] if documents}
         if empty := [name for name in map(source_name, files) if name not in given]:
             raise ValueError(
                 f"{empty[0]} has no text: the text of every line is blank. Set text_field to the field with the text,"

@@ -43,6 +43,8 @@ def write_copy(case: str, *, other: bool) -> None:
         if other and name == "b":
             text = _edited(text, case)
         Path(f"data/{name}.txt").write_text(text)
+    if case == "fails on one" and not other:
+        Path("data/extra.txt").write_text("Only on node 0.\n")
     if other:  # a copy made without keeping the times (cp without -p): never a difference
         for path in Path("data").iterdir():
             os.utime(path, ns=(1_000_000_000, 1_000_000_000))
@@ -63,7 +65,8 @@ def check_copies(directory: str, case: str) -> dict:
     with own_node(Path(directory) / case / f"node{dist.get_rank()}"):
         write_copy(case, other=dist.get_rank() > 0)
         streamed = case == "streamed"
-        data = TextDataModule("data/*.txt", streaming=streamed, seq_len=16, batch_size=2, cache_dir="cache")
+        files = ["data/*.txt", "data/extra.txt"] if case == "fails on one" else "data/*.txt"
+        data = TextDataModule(files, streaming=streamed, seq_len=16, batch_size=2, cache_dir="cache")
         run = trainer(AutoModelParallelStrategy(), devices=1, num_nodes=dist.get_world_size(), max_steps=1)
         try:
             run.fit(RecordRows(), data)

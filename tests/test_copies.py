@@ -3,6 +3,7 @@
 
 import os
 import re
+import socket
 import threading
 from functools import partial
 
@@ -138,7 +139,7 @@ def test_a_stream_compares_sizes_and_the_ends_only(tmp_path):
     assert digest(10) != original and digest(3 * ENDS - 10) != original
 
 
-CASES = ("identical", "edited", "same size", "missing", "streamed")
+CASES = ("identical", "edited", "same size", "missing", "streamed", "fails on one")
 
 
 def test_nodes_with_different_copies_are_refused_before_the_first_step(tmp_path):
@@ -164,3 +165,6 @@ def test_nodes_with_different_copies_are_refused_before_the_first_step(tmp_path)
         assert re.search(r"\S+ \(node 1; rank 1\) against \S+ \(node 0; rank 0\):", first), first
         assert re.search(pattern, first), f"{case}: {first}"
         assert len(first.splitlines()) == 4, first
+    node0, node1 = (rank["error"] for rank in results["fails on one"])
+    assert node1 is not None and node1.startswith("No file matches 'data/extra.txt'"), node1
+    assert node0 == f"Rank 1 on {socket.gethostname()} (node 1) could not set up the data: {node1}", node0

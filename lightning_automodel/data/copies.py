@@ -109,16 +109,27 @@ def _file_entry(source: Source) -> Entry:
     return Entry(source, os.path.getsize(source), _ends_digest(source))
 
 
-def refuse_other_copies(rows: dict[str, Dataset], *, node_rank: int) -> None:
+def refuse_other_copies(rows: dict[str, Dataset], *, node_rank: int, failure: Exception | None = None) -> None:
     """Refuse, on every rank alike, machines whose copies of the splits' files differ (see the module's docstring).
 
-    Called on every rank with the splits it set up, whose node is ``node_rank``; a no-op outside a distributed run.
+    Called on every rank with the splits it set up, whose node is ``node_rank``, and the error its set-up raised, if
+    any (a file missing on one machine): that rank raises it, and every other rank an error naming it, rather than
+    waiting in the gather for a rank that is gone. A no-op outside a distributed run, but for raising ``failure``.
     One all-gather of a digest a split (about 110 bytes a rank); only where the digests differ, a second one of the
     descriptions, one for each distinct copy."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if failure is not None:
+            raise failure
         return
-    described = {split: describe(split_rows) for split, split_rows in rows.items()}
-    digests = _all_gather((socket.gethostname(), node_rank, {split: d.digest() for split, d in described.items()}))
+    described = {split: describe(split_rows) for split, split_rows in rows.items()} if failure is None else {}
+    own = {split: d.digest() for split, d in described.items()}
+    digests = _all_gather((socket.gethostname(), node_rank, own, None if failure is None else str(failure)))
+    if failure is not None:
+        raise failure
+    if failed := [(rank, entry) for rank, entry in enumerate(digests) if entry[3] is not None]:
+        rank, (host, node, _, message) = failed[0]
+        raise ValueError(f"Rank {rank} on {host} (node {node}) could not set up the data: {message}")
+    digests = [(host, node, splits) for host, node, splits, _ in digests]
     senders = _senders(digests)
     if not senders:
         return

@@ -104,11 +104,15 @@ class TokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         stage = TrainerFn(stage).value  # "test": Lightning passes its enum, TrainerFn.TESTING
-        set_up = {}
-        for split in _STAGE_SPLITS[stage]:
-            if split not in self.datasets and (rows := self._split_rows(split)) is not None and len(rows):
-                self.datasets[split] = set_up[split] = rows
-        refuse_other_copies(set_up, node_rank=self.trainer.node_rank if self.trainer is not None else 0)
+        set_up, failure = {}, None
+        try:
+            for split in _STAGE_SPLITS[stage]:
+                if split not in self.datasets and (rows := self._split_rows(split)) is not None and len(rows):
+                    self.datasets[split] = set_up[split] = rows
+        except Exception as error:  # raised below on this rank, and named on the others, which would wait for it
+            failure = error
+        node_rank = self.trainer.node_rank if self.trainer is not None else 0
+        refuse_other_copies(set_up, node_rank=node_rank, failure=failure)
         if stage == "fit" and "train" not in self.datasets:
             raise ValueError(f"No training text in {self.files['train']!r}: every document is empty.")
         if stage != "fit" and _STAGE_SPLITS[stage][0] not in self.datasets:

@@ -53,6 +53,27 @@ def _has_document(path: str, encoder: DocumentEncoder, *, rank: int, num_replica
     return any(encoder.documents(PieceBatch(path, is_jsonl(path), [piece], position="byte")) for piece in pieces)
 
 
+def gather_states(own: Any, *, rank: int, num_replicas: int) -> dict[str, Any]:
+    """Every data-parallel rank's ``own`` state, gathered on every rank (tensor-parallel peers send the same)."""
+    gathered: list[Any] = [(rank, own)]
+    if num_replicas > 1 and dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (rank, own))
+    by_rank = dict(gathered)
+    return {"num_replicas": num_replicas, "ranks": [by_rank.get(index) for index in range(num_replicas)]}
+
+
+def rank_state(state: dict[str, Any], *, rank: int, num_replicas: int) -> Any:
+    """This rank's own state in what :func:`gather_states` gathered, at the same data-parallel size only."""
+    if state["num_replicas"] != num_replicas:
+        raise ValueError(
+            f"The streamed data was saved at {state['num_replicas']} data-parallel ranks and resumes at"
+            f" {num_replicas}: each rank's share of the stream would differ. Resume at the same size, or use"
+            " the token cache (streaming=False), which resumes at any size."
+        )
+    return state["ranks"][rank]
+
+
 class StreamedRows(IterableDataset):
     """This rank's endless stream of rows of ``seq_len`` tokens from ``files`` (see the module's docstring);
     ``separate``: position ids restart at each document."""
@@ -87,23 +108,17 @@ class StreamedRows(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Every data-parallel rank's state, gathered from all ranks: Lightning saves rank 0's loader state alone,
         and a rank's place in its share is its own. Called on every rank when Lightning saves a checkpoint."""
-        pending = [(tokens.tolist(), document_start) for tokens, _, document_start in self.pending]
-        own = {"passes": self.passes, "file": self.file, "offset": self.offset, "pending": pending}
-        gathered: list[Any] = [(self.rank, own)]
-        if self.num_replicas > 1 and dist.is_initialized():
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (self.rank, own))  # tensor-parallel peers send the same state
-        by_rank = dict(gathered)
-        return {"num_replicas": self.num_replicas, "ranks": [by_rank.get(rank) for rank in range(self.num_replicas)]}
+        return gather_states(self.own_state(), rank=self.rank, num_replicas=self.num_replicas)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["num_replicas"] != self.num_replicas:
-            raise ValueError(
-                f"The streamed data was saved at {state['num_replicas']} data-parallel ranks and resumes at"
-                f" {self.num_replicas}: each rank's share of the stream would differ. Resume at the same size, or use"
-                " the token cache (streaming=False), which resumes at any size."
-            )
-        own = state["ranks"][self.rank]
+        self.load_own_state(rank_state(state, rank=self.rank, num_replicas=self.num_replicas))
+
+    def own_state(self) -> dict[str, Any]:
+        """This rank's place in its share: a mixture gathers its sources' together, in one collective."""
+        pending = [(tokens.tolist(), document_start) for tokens, _, document_start in self.pending]
+        return {"passes": self.passes, "file": self.file, "offset": self.offset, "pending": pending}
+
+    def load_own_state(self, own: dict[str, Any]) -> None:
         self.passes, self.file, self.offset = own["passes"], own["file"], own["offset"]
         self.pending = [(np.array(tokens, dtype=np.int64), None, start) for tokens, start in own["pending"]]
 

@@ -25,6 +25,7 @@ from lightning_automodel.cli import cli, expand_home, main
 from lightning_automodel.cli.config import configured
 from lightning_automodel.cli.plan import plan_for_config
 from lightning_automodel.data import ChatDataModule, DemoDataModule
+from lightning_automodel.data.mixture import Source
 from lightning_automodel.strategy.argument_docs import argument_description
 from lightning_automodel.strategy.module_hints import loss_chunks_of
 
@@ -421,6 +422,24 @@ def test_any_data_module(no_pytest_argv):
             ]
         )
     assert exit.value.code == 0
+
+
+def test_a_weighted_mixture_in_yaml(tmp_path, capsys, no_pytest_argv):
+    """train_files as weighted sources: parsed from YAML, printed back, and the data module's sources."""
+    config = tmp_path / "mixture.yaml"
+    config.write_text(
+        "data:\n  class_path: lightning_automodel.data.TextDataModule\n  init_args:\n    train_files:\n"
+        "      - {path: web/*.jsonl, weight: 0.7}\n      - {path: [code/a.jsonl, code/b.jsonl], weight: 0.3}\n"
+        "    stopping_strategy: first_exhausted\n"
+    )
+    arguments = [f"--config={EXAMPLES / 'demo.yaml'}", f"--config={config}", "--trainer.devices=1"]
+    with pytest.raises(SystemExit) as exit:
+        cli(["fit", *arguments, "--print_config"])
+    assert exit.value.code == 0
+    printed = capsys.readouterr().out
+    assert "  - path: web/*.jsonl\n      weight: 0.7\n" in printed and "stopping_strategy: first_exhausted" in printed
+    data = cli(arguments, run=False).datamodule
+    assert data.sources == [Source("web/*.jsonl", 0.7), Source(["code/a.jsonl", "code/b.jsonl"], 0.3)]
 
 
 def commonest_byte_share() -> float:

@@ -8,7 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from data_checks import DEMO, check_resume_across_epochs, check_streamed_resume
+from data_checks import DEMO, check_mixture_resume, check_resume_across_epochs, check_streamed_resume
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DistributedSampler
@@ -464,29 +464,58 @@ def test_distributed_resume_across_epochs_reads_the_uninterrupted_rows(tmp_path)
     """World 4 at tp=2 x dp_shard=2, two epochs: tensor-parallel peers read the same rows, the two data-parallel
     ranks share out every row once per epoch, in an order that changes with the epoch; resumed from the end of
     epoch 0 or from mid-way through epoch 1, every rank reads the rows it read uninterrupted. Streamed: tp peers
-    read the same rows, the dp ranks others, and a resume from step 3 the rows that followed."""
+    read the same rows, the dp ranks others, and a resume from step 3 the rows that followed. A weighted mixture of
+    two sources, cached and streamed, alike (its cached epoch reads every row of both sources)."""
     check = partial(check_resume_across_epochs, str(tmp_path), 2)
     streamed = partial(check_streamed_resume, str(tmp_path), 2)
-    results = run_checks(4, [check, streamed])
+    mixture = partial(check_mixture_resume, str(tmp_path), 2)
+    results = run_checks(4, [check, streamed, mixture])
     ranks = results[check_name(check)]
-    by_dp_rank = {}
-    for rank in ranks:
-        by_dp_rank.setdefault(rank["dp_rank"], []).append(rank["whole"])
-    assert sorted(by_dp_rank) == [0, 1], "the strategy's data-parallel ranks are not the expected ones"
-    assert all(rows == peers[0] for peers in by_dp_rank.values() for rows in peers), "tp peers read other rows"
     data = DemoDataModule(**DEMO)
     data.setup("fit")
-    every_row = sorted(map(tuple, tokens_of(data.datasets["train"])))
-    per_epoch = ranks[0]["per_epoch"]
-    epochs = [[peers[0][start : start + per_epoch] for peers in by_dp_rank.values()] for start in (0, per_epoch)]
+    epochs = epoch_rows(ranks)
     for epoch in epochs:
-        read = [tuple(row) for steps in epoch for step in steps for row in step]
-        assert sorted(read) == every_row, "the dp ranks do not share out the epoch's rows, each row once"
+        assert sorted(epoch) == sorted(map(tuple, tokens_of(data.datasets["train"]))), "not every row once an epoch"
     assert epochs[0] != epochs[1], "the order does not change with the epoch: a replayed epoch would go unseen"
-    differ = sorted({step for rank in ranks for step, rows in rank["resumed"].items() if rows != rank["whole"][step:]})
+    assert_resumed_across_epochs(ranks)
+    assert_resumed_stream(results[check_name(streamed)])
+    mixed = results[check_name(mixture)]
+    sources = TextDataModule(
+        [{"path": str(tmp_path / f"mixture-{name}.txt"), "weight": 1} for name in "ab"], seq_len=16
+    )
+    sources.setup("fit")
+    for epoch in epoch_rows([rank["cached"] for rank in mixed]):
+        assert set(epoch) == set(map(tuple, tokens_of(sources.datasets["train"]))), "a mixture's epoch misses rows"
+    assert_resumed_across_epochs([rank["cached"] for rank in mixed])
+    assert_resumed_stream([rank["streamed"] for rank in mixed])
+
+
+def dp_rows(runs):
+    """Each data-parallel rank's uninterrupted rows, once its tensor-parallel peers are found to read the same."""
+    by_dp_rank = {}
+    for run in runs:
+        by_dp_rank.setdefault(run["dp_rank"], []).append(run["whole"])
+    assert sorted(by_dp_rank) == [0, 1], "the strategy's data-parallel ranks are not the expected ones"
+    assert all(rows == peers[0] for peers in by_dp_rank.values() for rows in peers), "tp peers read other rows"
+    assert by_dp_rank[0][0] != by_dp_rank[1][0], "the dp ranks read the same rows"
+    return [by_dp_rank[dp][0] for dp in (0, 1)]
+
+
+def epoch_rows(runs):
+    """The rows both data-parallel ranks read in each of the two epochs."""
+    per_epoch = runs[0]["per_epoch"]
+    whole = dp_rows(runs)
+    return [
+        [tuple(row) for rows in whole for step in rows[at : at + per_epoch] for row in step] for at in (0, per_epoch)
+    ]
+
+
+def assert_resumed_across_epochs(runs):
+    differ = sorted({step for run in runs for step, rows in run["resumed"].items() if rows != run["whole"][step:]})
     assert not differ, f"resumed from steps {differ}: other rows than the uninterrupted run"
-    peers = [[rank["whole"] for rank in results[check_name(streamed)] if rank["dp_rank"] == dp] for dp in (0, 1)]
-    assert all(rows == group[0] for group in peers for rows in group), "tp peers stream other rows"
-    assert peers[0][0] != peers[1][0], "the dp ranks stream the same rows"
-    resumed = [rank["resumed"] == rank["whole"][3:] for rank in results[check_name(streamed)]]
+
+
+def assert_resumed_stream(runs):
+    dp_rows(runs)
+    resumed = [run["resumed"] == run["whole"][3:] for run in runs]
     assert all(resumed), f"a resumed stream reads other rows (False) than uninterrupted: {resumed}"

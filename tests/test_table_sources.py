@@ -11,9 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from lightning_automodel.data import ChatDataModule, TextDataModule, cache
+from lightning_automodel.data.copies import describe
 from lightning_automodel.data.encoding import DocumentEncoder
 from lightning_automodel.data.sources.expand import expand_sources
-from lightning_automodel.data.sources.tables import open_table, table_rows
+from lightning_automodel.data.sources.tables import DatasetSource, open_table, table_rows
 from lightning_automodel.data.streaming.shares import shares
 from lightning_automodel.data.streaming.stream import StreamedRows
 from lightning_automodel.data.tokenizer import PAD_ID, byte_tokenizer
@@ -210,3 +211,26 @@ def test_a_stream_deals_row_groups_over_the_ranks_each_row_once(tmp_path):
         assert [len(units) for units in by_rank] == [
             7 // num_replicas + (rank < 7 % num_replicas) for rank in range(num_replicas)
         ]
+
+
+def test_a_mixture_of_tables_and_datasets_cached_and_streamed(tmp_path):
+    """A Parquet file and a DatasetDict weighed 3:1: every row of an epoch comes from one of them, in about those
+    shares, cached and streamed; the machines' comparison describes both sources."""
+    first = [{"text": "a" * 20} for _ in range(40)]
+    second = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "b" * 20} for _ in range(40)])})
+    sources = [{"path": parquet(tmp_path / "a.parquet", first), "weight": 3}, {"path": second, "weight": 1}]
+    cached = TextDataModule(train_files=sources, seq_len=21)
+    cached.setup("fit")
+    streamed = TextDataModule(train_files=sources, seq_len=21, streaming=True, shuffle_buffer=4)
+    streamed.setup("fit")
+    for name, rows_read in (
+        ("cached", [row["input_ids"] for row in cached.train_dataloader()]),
+        ("streamed", [next(iter(streamed.train_dataloader()))["input_ids"]]),
+    ):
+        letters = [chr(int(row[0])) for batch in rows_read for row in batch]
+        assert set(letters) <= {"a", "b"} and 0.6 < letters.count("a") / len(letters) <= 0.9, (name, letters)
+    described = describe(cached.datasets["train"])
+    assert [entry.name for entry in described.entries] == [
+        str(tmp_path / "a.parquet"),
+        DatasetSource.of(second["train"]).name,
+    ]

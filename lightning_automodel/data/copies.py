@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from lightning_automodel.data.cache import tokenizer_digest
+from lightning_automodel.data.mixture import MixedStream
 from lightning_automodel.data.sources.expand import Source
 from lightning_automodel.data.sources.tables import DatasetSource
 from lightning_automodel.data.store import TokenStore
@@ -79,7 +80,11 @@ class Machine:
 
 
 def describe(rows: Dataset) -> Description:
-    """The description of a split's rows: a stream's files, or the store its rows are cut from."""
+    """The description of a split's rows: a stream's files, or the store its rows are cut from; a mixture's, each
+    source's in turn."""
+    if isinstance(rows, ConcatDataset | MixedStream):
+        parts = [describe(part) for part in (rows.datasets if isinstance(rows, ConcatDataset) else rows.streams)]
+        return Description({"sources": [part.made_by for part in parts]}, tuple(e for p in parts for e in p.entries))
     if isinstance(rows, StreamedRows):
         made_by = {"tokenizer": tokenizer_digest(rows.encoder.tokenizer), "text_field": rows.encoder.text_field}
         return describe_files(rows.sources, made_by=made_by)

@@ -13,22 +13,29 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import ConcatDataset, Dataset, DistributedSampler, IterableDataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_automodel.data.cache import cache_key, cached_store, default_directory
 from lightning_automodel.data.copies import refuse_other_copies
 from lightning_automodel.data.encoding import DocumentEncoder, RecordEncoder, document_batches, encode, source_batches
 from lightning_automodel.data.loaders import QuietStatefulDataLoader, data_parallel_place
+from lightning_automodel.data.mixture import (
+    STOPPING_STRATEGIES,
+    MixedRows,
+    MixedStream,
+    parse_sources,
+    refuse_weights,
+)
 from lightning_automodel.data.rows import ConversationRows, PackedRows, PaddedRows
-from lightning_automodel.data.sampler import ResumableShuffle
+from lightning_automodel.data.sampler import MixtureShuffle, ResumableShuffle
 from lightning_automodel.data.sources.expand import Source, expand_sources, source_name
 from lightning_automodel.data.store import TokenStore, memory_store, read_meta, write_store
 from lightning_automodel.data.streaming.shares import check_enough_documents
@@ -50,13 +57,18 @@ class TokenDataModule(L.LightningDataModule):
     tokenizing a cache (default: the CPUs, at most 8). The local rank 0 of each machine builds a missing cache; the
     other ranks wait for it at most ``cache_timeout_s``. ``shuffle``: the training rows in an order drawn from
     ``seed`` and the epoch (False: in the files' order).
+
+    ``train_files`` as ``[{"path": ..., "weight": ...}, ...]`` is a weighted mixture (see
+    :mod:`lightning_automodel.data.mixture`), each source cached on its own (``train-0``, ``train-1``, ...);
+    ``stopping_strategy`` ends its epoch when the last source has given every row (``"all_exhausted"``, a source
+    that runs out starting over) or when the first runs out (``"first_exhausted"``, no row repeated).
     """
 
     fine_tuning = False
 
     def __init__(
         self,
-        train_files: list[str] | str,
+        train_files: list[str | dict[str, Any]] | str,
         val_files: list[str] | str | None = None,
         test_files: list[str] | str | None = None,
         tokenizer: str | None = None,
@@ -70,6 +82,7 @@ class TokenDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         shuffle: bool = True,
+        stopping_strategy: Literal["all_exhausted", "first_exhausted"] = "all_exhausted",
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -82,6 +95,12 @@ class TokenDataModule(L.LightningDataModule):
             raise ValueError("Both val_files and val_fraction are set: choose one source of validation data.")
         if tokenize_workers is not None and tokenize_workers < 0:
             raise ValueError(f"tokenize_workers={tokenize_workers}: 0 tokenizes in the rank's own process.")
+        if stopping_strategy not in STOPPING_STRATEGIES:
+            raise ValueError(f"stopping_strategy={stopping_strategy!r}: it is one of {', '.join(STOPPING_STRATEGIES)}.")
+        refuse_weights(val_files, "val_files")
+        refuse_weights(test_files, "test_files")
+        self.sources = parse_sources(train_files)  # None: not a mixture
+        self.stopping_strategy = stopping_strategy
         self.files = {"train": train_files, "val": val_files, "test": test_files}
         self.tokenizer_path = tokenizer
         self.seq_len = seq_len
@@ -133,9 +152,20 @@ class TokenDataModule(L.LightningDataModule):
         role, part = self._file_set(split)
         if role is None:
             return None
+        if role == "train" and self.sources is not None:
+            return self._mixed_rows(part)
         store = self._store(role)
         chosen = None if part is None else held_out_split(store.documents, self.val_fraction, self.seed)[part]
         return self._rows(store, chosen=chosen)
+
+    def _mixed_rows(self, part: int | None) -> Dataset:
+        """A mixture's rows: weighted for training; the held-out part (``part`` 1) of every source, unweighted."""
+        parts = []
+        for index in range(len(self.sources)):
+            store = self._store("train", source=index)
+            chosen = None if part is None else held_out_split(store.documents, self.val_fraction, self.seed)[part]
+            parts.append(self._rows(store, chosen=chosen))
+        return ConcatDataset(parts) if part == 1 else MixedRows(parts, [source.weight for source in self.sources])
 
     def _file_set(self, split: str) -> tuple[str | None, int | None]:
         """Which file set ``split`` reads, and which part of it (0: kept for training, 1: held out; None: all)."""
@@ -147,10 +177,12 @@ class TokenDataModule(L.LightningDataModule):
             return "train", 0 if split == "train" else 1
         return ("train", None) if split == "train" else (None, None)
 
-    def _store(self, role: str) -> TokenStore:
-        files = expand_sources(self.files[role], role)
+    def _store(self, role: str, source: int | None = None) -> TokenStore:
+        """The cache of ``role``'s files, or of the mixture's ``source``."""
+        files = expand_sources(self.files[role] if source is None else self.sources[source].path, role)
         key = cache_key(files=files, tokenizer=self.tokenizer, settings=self._settings())
-        directory = Path(self.cache_dir).expanduser() / role if self.cache_dir else default_directory(key)
+        name = role if source is None else f"{role}-{source}"
+        directory = Path(self.cache_dir).expanduser() / name if self.cache_dir else default_directory(key)
 
         def build(staging: Path) -> None:
             batches = source_batches(files, self._encoder())
@@ -189,9 +221,13 @@ class TokenDataModule(L.LightningDataModule):
         rows = self.datasets["train"]
         if isinstance(rows, IterableDataset):  # streamed: each rank's share is its own stream
             return self._loader(rows)
-        return self._loader(
-            rows, sampler=ResumableShuffle(rows, self.seed, shuffle=self.shuffle, **data_parallel_place(self.trainer))
-        )
+        return self._loader(rows, sampler=self._train_sampler(rows))
+
+    def _train_sampler(self, rows: Dataset) -> ResumableShuffle:
+        place = data_parallel_place(self.trainer)
+        if isinstance(rows, MixedRows):
+            return MixtureShuffle(rows, self.seed, stopping_strategy=self.stopping_strategy, **place)
+        return ResumableShuffle(rows, self.seed, shuffle=self.shuffle, **place)
 
     def val_dataloader(self) -> QuietStatefulDataLoader | list:
         rows = self.datasets.get("val")
@@ -236,7 +272,7 @@ class TextDataModule(TokenDataModule):
 
     def __init__(
         self,
-        train_files: list[str] | str,
+        train_files: list[str | dict[str, Any]] | str,
         *,
         separate_documents: bool = True,
         text_field: str = "text",
@@ -255,6 +291,11 @@ class TextDataModule(TokenDataModule):
                 "streaming=True reads the training files as training goes: it packs (pack=True), holds nothing out"
                 " (give val_files instead of val_fraction) and reads in the rank's own process (num_workers=0: its"
                 " state is gathered from every rank when a checkpoint is saved)."
+            )
+        if streaming and self.sources is not None and self.stopping_strategy == "first_exhausted":
+            raise ValueError(
+                "streaming=True repeats a mixture's source that runs out (a stream is endless):"
+                " stopping_strategy='first_exhausted' is for cached rows. Leave it at 'all_exhausted'."
             )
         self.separate_documents = separate_documents
         self.text_field = text_field
@@ -277,7 +318,18 @@ class TextDataModule(TokenDataModule):
                 "streaming=True makes an endless epoch, whose fraction never comes: set Trainer(val_check_interval=...)"
                 " to a number of steps."
             )
-        files, place = expand_sources(self.files["train"], "train"), data_parallel_place(self.trainer)
+        place = data_parallel_place(self.trainer)
+        if self.sources is None:
+            return self._stream(self.files["train"], place, seed=self.seed)
+        streams = [
+            self._stream(source.path, place, seed=self.seed + index) for index, source in enumerate(self.sources)
+        ]
+        return MixedStream(streams, [source.weight for source in self.sources], seed=self.seed, **place)
+
+    def _stream(self, patterns: Any, place: dict[str, int], *, seed: int) -> StreamedRows:
+        """This rank's stream of the files of ``patterns`` (all training files, or a mixture's source), its shuffle
+        drawn from ``seed``."""
+        files = expand_sources(patterns, "train")
         by_rank = check_enough_documents(files, self._encoder(), place.get("num_replicas", 1))
         return StreamedRows(
             files,
@@ -288,7 +340,7 @@ class TextDataModule(TokenDataModule):
             units=by_rank[place.get("rank", 0)],
             shuffle=self.shuffle,
             shuffle_buffer=self.shuffle_buffer,
-            seed=self.seed,
+            seed=seed,
             **place,
         )
 

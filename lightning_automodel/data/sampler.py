@@ -1,12 +1,16 @@
-"""The training order: a seeded shuffle dealt over the data-parallel ranks that a checkpoint resumes exactly."""
+"""The training order: a seeded shuffle (or a mixture's) dealt over the data-parallel ranks that a checkpoint resumes
+exactly."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
+
+from lightning_automodel.data.mixture import MixedRows, epoch_length, source_rows, source_schedule
 
 
 class ResumableShuffle(DistributedSampler):
@@ -29,12 +33,41 @@ class ResumableShuffle(DistributedSampler):
 
     def order(self, epoch: int) -> torch.Tensor:
         """The indices this rank reads in ``epoch`` (a tensor: 8 bytes a row, where a list would take 36)."""
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        permutation = (
-            torch.randperm(len(self.dataset), generator=generator) if self.shuffle else torch.arange(len(self.dataset))
-        )
+        permutation = self.epoch_order(epoch)
         padded = permutation.repeat(math.ceil(self.total_size / len(permutation)))
         return padded[self.rank : self.total_size : self.num_replicas].clone()
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """Every rank's indices of ``epoch`` together, before they are dealt."""
+        if not self.shuffle:
+            return torch.arange(len(self.dataset))
+        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+
+
+class MixtureShuffle(ResumableShuffle):
+    """This rank's share of a mixture's epoch (:mod:`lightning_automodel.data.mixture`), resumed as
+    ``ResumableShuffle`` is: the schedule names each row's source, and a source's rows come in a seeded permutation
+    of their own, a new one each epoch and each pass over the source. The schedule is the same every epoch, so an
+    epoch's length is too (Lightning counts an epoch's batches once); its rows are not."""
+
+    def __init__(
+        self, data_source: MixedRows, seed: int, *, stopping_strategy: str, num_replicas: int = 1, rank: int = 0
+    ) -> None:
+        super().__init__(data_source, seed, num_replicas=num_replicas, rank=rank)
+        self.sizes = [len(part) for part in data_source.datasets]
+        self.offsets = [0, *data_source.cumulative_sizes[:-1]]  # where each source's rows start
+        self.weights = data_source.weights
+        self.length = epoch_length(self.weights, self.sizes, seed=seed, stopping_strategy=stopping_strategy)
+        self.num_samples = math.ceil(self.length / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        sources = source_schedule(self.weights, seed=self.seed, stop=self.length)
+        order = np.empty(self.length, dtype=np.int64)
+        for source, (size, offset) in enumerate(zip(self.sizes, self.offsets, strict=True)):
+            at = np.flatnonzero(sources == source)
+            order[at] = offset + source_rows(size, len(at), seed=self.seed, epoch=epoch, source=source)
+        return torch.from_numpy(order)
 
 
 class _ShuffleIterator(Iterator[int]):

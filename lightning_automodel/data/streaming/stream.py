@@ -30,6 +30,27 @@ BATCH_DOCUMENTS = 16  # documents a rank tokenizes at a time
 ENDLESS = 2**62  # the rows a stream claims: sized, so that Lightning fetches no batch ahead of the one it trains on
 
 
+def gather_states(own: Any, *, rank: int, num_replicas: int) -> dict[str, Any]:
+    """Every data-parallel rank's ``own`` state, gathered on every rank (tensor-parallel peers send the same)."""
+    gathered: list[Any] = [(rank, own)]
+    if num_replicas > 1 and dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (rank, own))
+    by_rank = dict(gathered)
+    return {"num_replicas": num_replicas, "ranks": [by_rank.get(index) for index in range(num_replicas)]}
+
+
+def rank_state(state: dict[str, Any], *, rank: int, num_replicas: int) -> Any:
+    """This rank's own state in what :func:`gather_states` gathered, at the same data-parallel size only."""
+    if state["num_replicas"] != num_replicas:
+        raise ValueError(
+            f"The streamed data was saved at {state['num_replicas']} data-parallel ranks and resumes at"
+            f" {num_replicas}: each rank's share of the stream would differ. Resume at the same size, or use"
+            " the token cache (streaming=False), which resumes at any size."
+        )
+    return state["ranks"][rank]
+
+
 class StreamedRows(IterableDataset):
     """This rank's endless stream of rows of ``seq_len`` tokens from ``files`` (see the module's docstring);
     ``separate``: position ids restart at each document. ``units``: this rank's share, if already computed."""
@@ -76,15 +97,15 @@ class StreamedRows(IterableDataset):
         permutation = np.random.default_rng([self.seed, self.rank, passes]).permutation(len(self.units))
         return [self.units[index] for index in permutation.tolist()]
 
-    def local_state(self) -> dict[str, Any]:
-        """This rank's place in its share."""
+    def own_state(self) -> dict[str, Any]:
+        """This rank's place in its share: a mixture gathers its sources' together, in one collective."""
         pending = [(tokens.tolist(), document_start) for tokens, _, document_start in self.pending]
         state = {"passes": self.passes, "unit": self.unit, "offset": self.offset, "pending": pending}
         state["shuffle"] = {"order": self.shuffle, "buffer": self.buffer.size if self.buffer is not None else 0}
         state["buffer"] = self.buffer.state_dict() if self.buffer is not None else None
         return state
 
-    def load_local_state(self, state: dict[str, Any]) -> None:
+    def load_own_state(self, state: dict[str, Any]) -> None:
         self._check_shuffle(state)
         self.passes, self.unit, self.offset = state["passes"], state["unit"], state["offset"]
         self.pending = [(np.array(tokens, dtype=np.int64), None, start) for tokens, start in state["pending"]]
@@ -95,22 +116,10 @@ class StreamedRows(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Every data-parallel rank's state, gathered from all ranks: Lightning saves rank 0's loader state alone,
         and a rank's place in its share is its own. Called on every rank when Lightning saves a checkpoint."""
-        own = (self.rank, self.local_state())
-        gathered: list[Any] = [own]
-        if self.num_replicas > 1 and dist.is_initialized():
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, own)  # tensor-parallel peers send the same state
-        by_rank = dict(gathered)
-        return {"num_replicas": self.num_replicas, "ranks": [by_rank.get(rank) for rank in range(self.num_replicas)]}
+        return gather_states(self.own_state(), rank=self.rank, num_replicas=self.num_replicas)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["num_replicas"] != self.num_replicas:
-            raise ValueError(
-                f"The streamed data was saved at {state['num_replicas']} data-parallel ranks and resumes at"
-                f" {self.num_replicas}: each rank's share of the stream would differ. Resume at the same size, or use"
-                " the token cache (streaming=False), which resumes at any size."
-            )
-        self.load_local_state(state["ranks"][self.rank])
+        self.load_own_state(rank_state(state, rank=self.rank, num_replicas=self.num_replicas))
 
     def _check_shuffle(self, state: dict[str, Any]) -> None:
         saved = state.get("shuffle", {"order": False, "buffer": 0})

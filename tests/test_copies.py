@@ -12,7 +12,7 @@ from copies_checks import check_copies
 from lightning_automodel.data import copies
 from lightning_automodel.data.copies import ENDS, Description, Entry, compare, describe, describe_files
 from lightning_automodel.data.demo import demo_documents
-from lightning_automodel.data.modules import TextDataModule
+from lightning_automodel.data.modules.text import TextDataModule
 from lightning_automodel.testing.harness import check_name, run_checks
 
 MADE_BY = {"format": 2, "tokenizer": "t0", "records": "documents", "text_field": "text"}

@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 from lightning_automodel.data import cache
 from lightning_automodel.data.demo import DemoDataModule, demo_documents
 from lightning_automodel.data.encoding import DocumentEncoder, encode, source_batches
-from lightning_automodel.data.modules import TextDataModule, held_out_split
+from lightning_automodel.data.modules.base import held_out_split
+from lightning_automodel.data.modules.text import TextDataModule
 from lightning_automodel.data.rows import IGNORE_INDEX, PackedRows, PaddedRows
 from lightning_automodel.data.sampler import ResumableShuffle
 from lightning_automodel.data.sources.expand import expand_sources

@@ -2,7 +2,9 @@
 with the loss on the answers, rows that keep packed documents apart, and a resumable training order."""
 
 from lightning_automodel.data.demo import DemoDataModule
-from lightning_automodel.data.modules import ChatDataModule, TextDataModule, TokenDataModule
+from lightning_automodel.data.modules.base import TokenDataModule
+from lightning_automodel.data.modules.chat import ChatDataModule
+from lightning_automodel.data.modules.text import TextDataModule
 from lightning_automodel.data.rows import IGNORE_INDEX
 from lightning_automodel.data.tokenizer import byte_tokenizer
 

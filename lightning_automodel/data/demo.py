@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from lightning_automodel.data.modules import TextDataModule
+from lightning_automodel.data.modules.text import TextDataModule
 
 
 class DemoDataModule(TextDataModule):

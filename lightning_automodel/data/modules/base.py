@@ -1,6 +1,6 @@
-"""Data modules for causal language models: pre-training text (``TextDataModule``) and fine-tuning records
-(``ChatDataModule``), from local ``.txt``/``.jsonl`` files tokenized once into a cache (see
-:mod:`lightning_automodel.data.cache`).
+"""What the data modules for causal language models share: pre-training text (``TextDataModule``) and fine-tuning
+records (``ChatDataModule``), from files, tables and ``datasets`` objects (see :mod:`lightning_automodel.data.sources`)
+tokenized once into a cache (see :mod:`lightning_automodel.data.cache`).
 
 Loaders are torchdata ``StatefulDataLoader``s: Lightning saves their ``state_dict()`` in checkpoints, so a resumed
 run continues with the very batch it would have seen next. The training order is a pure function of ``seed`` and
@@ -19,33 +19,27 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import ConcatDataset, Dataset, DistributedSampler, IterableDataset, Sampler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_automodel.data.cache import cache_key, cached_store, default_directory
 from lightning_automodel.data.copies import refuse_other_copies
-from lightning_automodel.data.encoding import DocumentEncoder, RecordEncoder, document_batches, encode, source_batches
+from lightning_automodel.data.encoding import document_batches, encode, source_batches
 from lightning_automodel.data.loaders import QuietStatefulDataLoader, data_parallel_place
 from lightning_automodel.data.mixture import (
     STOPPING_STRATEGIES,
     MixedRows,
-    MixedStream,
     parse_sources,
     refuse_weights,
 )
-from lightning_automodel.data.rows import ConversationRows, PackedRows, PaddedRows
 from lightning_automodel.data.sampler import MixtureShuffle, ResumableShuffle
 from lightning_automodel.data.sources.expand import Source, expand_sources, source_name
 from lightning_automodel.data.store import TokenStore, memory_store, read_meta, write_store
-from lightning_automodel.data.streaming.shares import check_enough_documents
-from lightning_automodel.data.streaming.stream import StreamedRows
 from lightning_automodel.data.tokenizer import byte_tokenizer
 
 # The splits each Trainer stage reads.
 _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
 _MAX_WORKERS = 8
-DEFAULT_SHUFFLE_BUFFER = 1000  # documents, as datasets' IterableDataset.shuffle
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -253,146 +247,6 @@ class TokenDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             multiprocessing_context=context,
         )
-
-
-class TextDataModule(TokenDataModule):
-    """Pre-training batches from local ``.txt`` and ``.jsonl`` files: a text file's paragraphs (separated by blank
-    lines) or a JSONL line's ``text_field`` are documents, each tokenized without special tokens and followed by the
-    tokenizer's EOS token.
-
-    ``pack=True`` lays the documents end to end and cuts rows of ``seq_len`` (no compute wasted on padding); with
-    ``separate_documents`` (the default) position ids restart at each document, so attention keeps them apart, and
-    without it attention crosses from one into the next. ``pack=False`` gives each document its own padded rows,
-    with an attention mask. ``streaming=True`` reads and tokenizes the training files as training goes, each rank
-    its share of their bytes, with no cache (see :mod:`lightning_automodel.data.streaming`), the order of its units
-    drawn anew each pass and its documents mixed in a buffer of ``shuffle_buffer`` (default 1,000) when
-    ``shuffle``; validation and test data are cached.
-    See :class:`TokenDataModule` for the splits and the cache.
-    """
-
-    def __init__(
-        self,
-        train_files: list[str | dict[str, Any]] | str,
-        *,
-        separate_documents: bool = True,
-        text_field: str = "text",
-        streaming: bool = False,
-        shuffle_buffer: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(train_files, **kwargs)
-        if shuffle_buffer is not None and (shuffle_buffer < 0 or not streaming or not self.shuffle):
-            raise ValueError(
-                f"shuffle_buffer={shuffle_buffer}: it is the documents a stream mixes (streaming=True, shuffle=True),"
-                " 0 or more; cached rows are shuffled whole."
-            )
-        if streaming and (not self.pack or self.val_fraction > 0 or self.num_workers > 0):
-            raise ValueError(
-                "streaming=True reads the training files as training goes: it packs (pack=True), holds nothing out"
-                " (give val_files instead of val_fraction) and reads in the rank's own process (num_workers=0: its"
-                " state is gathered from every rank when a checkpoint is saved)."
-            )
-        if streaming and self.sources is not None and self.stopping_strategy == "first_exhausted":
-            raise ValueError(
-                "streaming=True repeats a mixture's source that runs out (a stream is endless):"
-                " stopping_strategy='first_exhausted' is for cached rows. Leave it at 'all_exhausted'."
-            )
-        self.separate_documents = separate_documents
-        self.text_field = text_field
-        self.streaming = streaming
-        self.shuffle_buffer = (
-            (DEFAULT_SHUFFLE_BUFFER if streaming and self.shuffle else 0) if shuffle_buffer is None else shuffle_buffer
-        )
-
-    def _split_rows(self, split: str) -> Dataset | None:
-        if not (self.streaming and split == "train" and self.documents(split) is None):
-            return super()._split_rows(split)
-        if self.trainer is not None and self.trainer.max_steps < 0:
-            raise ValueError("streaming=True makes an endless stream of rows: set Trainer(max_steps=...).")
-        if (
-            self.trainer is not None
-            and self.files["val"] is not None
-            and isinstance(self.trainer.val_check_interval, float)
-        ):
-            raise ValueError(
-                "streaming=True makes an endless epoch, whose fraction never comes: set Trainer(val_check_interval=...)"
-                " to a number of steps."
-            )
-        place = data_parallel_place(self.trainer)
-        if self.sources is None:
-            return self._stream(self.files["train"], place, seed=self.seed)
-        streams = [
-            self._stream(source.path, place, seed=self.seed + index) for index, source in enumerate(self.sources)
-        ]
-        return MixedStream(streams, [source.weight for source in self.sources], seed=self.seed, **place)
-
-    def _stream(self, patterns: Any, place: dict[str, int], *, seed: int) -> StreamedRows:
-        """This rank's stream of the files of ``patterns`` (all training files, or a mixture's source), its shuffle
-        drawn from ``seed``."""
-        files = expand_sources(patterns, "train")
-        by_rank = check_enough_documents(files, self._encoder(), place.get("num_replicas", 1))
-        return StreamedRows(
-            files,
-            self._encoder(),
-            seq_len=self.seq_len,
-            pad_id=self.tokenizer.pad_token_id,
-            separate=self.separate_documents,
-            units=by_rank[place.get("rank", 0)],
-            shuffle=self.shuffle,
-            shuffle_buffer=self.shuffle_buffer,
-            seed=seed,
-            **place,
-        )
-
-    @property
-    def keeps_documents_apart(self) -> bool:
-        """Whether rows hold several documents told apart by their position ids (the model must mask by them)."""
-        return self.pack and self.separate_documents
-
-    def _settings(self) -> dict[str, Any]:
-        return {"records": "documents", "text_field": self.text_field}
-
-    def _encoder(self) -> DocumentEncoder:
-        return DocumentEncoder(self.tokenizer, self.text_field)
-
-    def _rows(self, store: TokenStore, *, chosen: np.ndarray | None) -> Dataset:
-        pad_id = self.tokenizer.pad_token_id
-        if self.pack:
-            return PackedRows(store, self.seq_len, pad_id, chosen=chosen, separate=self.separate_documents)
-        return PaddedRows(store, self.seq_len, pad_id, chosen=chosen)
-
-
-class ChatDataModule(TokenDataModule):
-    """Fine-tuning batches from ``.jsonl`` records: conversations (``{"messages": [{"role": "user", "content":
-    ...}, ...]}``) rendered by the tokenizer's chat template, or ``{"prompt": ..., "completion": ...}`` pairs (see
-    :mod:`lightning_automodel.data.chat`). Labels are -100 everywhere but the assistant's answers (the completion).
-
-    ``pack=True`` puts as many consecutive records in a row as fit, position ids restarting at each (attention keeps
-    them apart); ``pack=False`` one a row, padded. A record is never split; see
-    :class:`~lightning_automodel.data.rows.ConversationRows` for the truncation rules. See :class:`TokenDataModule`
-    for the splits and the cache.
-    """
-
-    fine_tuning = True
-
-    @property
-    def keeps_documents_apart(self) -> bool:
-        return self.pack
-
-    def _settings(self) -> dict[str, Any]:
-        return {"records": "fine-tuning"}
-
-    def _encoder(self) -> RecordEncoder:
-        return RecordEncoder(self.tokenizer)
-
-    def _rows(self, store: TokenStore, *, chosen: np.ndarray | None) -> Dataset:
-        rows = ConversationRows(store, self.seq_len, self.tokenizer.pad_token_id, chosen=chosen, pack=self.pack)
-        if rows.truncated:
-            rank_zero_warn(
-                f"{rows.truncated} of {len(rows.documents)} records are longer than seq_len={self.seq_len}: each"
-                " keeps its first seq_len tokens (the rest of its answers is not trained on)."
-            )
-        return rows
 
 
 def held_out_split(count: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -3,6 +3,7 @@ buffer, and a state that resumes the very rows that followed, buffer included, i
 
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -89,3 +90,17 @@ def test_a_stream_resumed_with_other_shuffle_settings_is_refused(tmp_path):
     for options in ({"shuffle": True}, {"shuffle": False, "shuffle_buffer": 4}, {"shuffle": True, "shuffle_buffer": 8}):
         with pytest.raises(ValueError, match=r"saved with shuffle=True, shuffle_buffer=4 and resumes with"):
             stream_of(sources, **options).load_state_dict(state)
+
+
+def test_the_buffer_holds_each_document_apart_in_2_bytes_a_token(tmp_path):
+    """The buffer's documents are kept in the smallest type of the tokenizer's ids (the byte tokenizer's: 2 bytes,
+    not the encoder's 8), each a copy of its own rather than a view keeping its whole tokenized batch alive; so too
+    resumed, the buffered documents read again from their places."""
+    sources = corpus(tmp_path)
+    stream = stream_of(sources, shuffle=True, shuffle_buffer=8)
+    next(iter(stream))
+    resumed = stream_of(sources, shuffle=True, shuffle_buffer=8)
+    resumed.load_state_dict(json.loads(json.dumps(stream.state_dict())))
+    for held in (stream, resumed):
+        kept = [tokens for tokens, _ in held.buffer.documents]
+        assert len(kept) == 8 and all(tokens.dtype == np.uint16 and tokens.base is None for tokens in kept)

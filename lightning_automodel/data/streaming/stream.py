@@ -165,7 +165,7 @@ class StreamedRows(IterableDataset):
         source, position = place
         pieces, kind, word = unit_pieces(self.sources[source], self.encoder, start=position, end=position + 1)
         encoded = self.encoder(PieceBatch(source_name(self.sources[source]), kind, list(islice(pieces, 1)), word))
-        return encoded.tokens
+        return _compact(encoded.tokens)
 
     def _cut_row(self) -> dict[str, torch.Tensor]:
         """A row from the start of the pending tokens; a document cut continues, as a piece of its own, in the next."""
@@ -186,4 +186,12 @@ def _documents(encoded: Encoded, source: int) -> list[tuple[np.ndarray, Place]]:
     if not len(encoded.lengths):
         return []
     documents = np.split(encoded.tokens, np.cumsum(encoded.lengths)[:-1])
-    return [(tokens, (source, int(line))) for tokens, line in zip(documents, encoded.lines.tolist(), strict=True)]
+    places = [(source, int(line)) for line in encoded.lines.tolist()]
+    return [(_compact(tokens), place) for tokens, place in zip(documents, places, strict=True)]
+
+
+def _compact(tokens: np.ndarray) -> np.ndarray:
+    """A copy of a document's ``tokens`` in the smallest unsigned type that holds their ids (2 bytes a token for
+    vocabularies up to 65,536, not the encoder's 8), apart from the batch it was tokenized in: a stream holds
+    documents until they are in rows, a shuffle buffer 1,000 of them drawn at random from many batches."""
+    return tokens.astype(np.min_scalar_type(int(tokens.max()))) if len(tokens) else tokens

@@ -112,9 +112,9 @@ class DocumentEncoder:
         texts = [text for _, text in numbered]
         options = dict(add_special_tokens=False, split_special_tokens=True, return_attention_mask=False)
         ids = self.tokenizer(texts, **options)["input_ids"] if texts else []
-        eos = self.tokenizer.eos_token_id
-        tokens = np.fromiter((t for document in ids for t in (*document, eos)), dtype=np.int64)
         lengths = np.array([len(document) + 1 for document in ids], dtype=np.int64)
+        tokens = joined(ids, lengths)
+        tokens[np.cumsum(lengths) - 1] = self.tokenizer.eos_token_id
         lines = np.array([number for number, _ in numbered], dtype=np.int64)
         return Encoded(batch.source, tokens, lengths, lines, trained=None)
 
@@ -153,9 +153,9 @@ class RecordEncoder:
             encode_record(self.tokenizer, self._record(batch, number, piece), batch.where(number))
             for number, piece in batch.pieces
         ]
-        tokens = np.fromiter((t for ids, _ in encoded for t in ids), dtype=np.int64)
-        trained = np.concatenate([mask for _, mask in encoded]).astype(np.uint8)
         lengths = np.array([len(ids) for ids, _ in encoded], dtype=np.int64)
+        tokens = joined([ids for ids, _ in encoded], lengths)
+        trained = np.concatenate([mask for _, mask in encoded]).astype(np.uint8)
         lines = np.array([number for number, _ in batch.pieces], dtype=np.int64)
         return Encoded(batch.source, tokens, lengths, lines, trained)
 
@@ -175,6 +175,15 @@ class RecordEncoder:
         if batch.kind == "json":
             return json_record(batch.where(number), piece)
         return {name: value for name, value in piece.items() if value is not None}
+
+
+def joined(documents: list[list[int]], lengths: np.ndarray) -> np.ndarray:
+    """The documents' ids end to end, each in a slot of its length (a document's slot may end in a token it lacks,
+    filled by the caller): slices filled from lists, twice as fast as an iterator of every id."""
+    tokens = np.zeros(int(lengths.sum()), dtype=np.int64)
+    for document, start in zip(documents, (np.cumsum(lengths) - lengths).tolist(), strict=True):
+        tokens[start : start + len(document)] = document
+    return tokens
 
 
 def encode(batches: Iterable[PieceBatch], encoder: Any, *, workers: int) -> Iterator[Encoded]:

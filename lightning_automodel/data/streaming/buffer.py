@@ -21,13 +21,13 @@ class ShuffleBuffer:
         self.generator = np.random.Generator(np.random.PCG64([seed, rank]))
         self.documents: list[tuple[np.ndarray, Place]] = []
 
-    def put(self, tokens: np.ndarray, place: Place) -> np.ndarray | None:
-        """Hold a document; once full, give back one drawn at random in its place."""
+    def put(self, tokens: np.ndarray, place: Place) -> tuple[np.ndarray, Place] | None:
+        """Hold a document; once full, give back one drawn at random (its tokens and place) in its place."""
         if len(self.documents) < self.size:
             self.documents.append((tokens, place))
             return None
         slot = int(self.generator.integers(self.size))
-        drawn, self.documents[slot] = self.documents[slot][0], (tokens, place)
+        drawn, self.documents[slot] = self.documents[slot], (tokens, place)
         return drawn
 
     def state_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from lightning_automodel.data.encoding import DocumentEncoder, Encoded, PieceBatch
-from lightning_automodel.data.rows import Piece, make_row
+from lightning_automodel.data.rows import make_row
 from lightning_automodel.data.sources.expand import Source, source_name
 from lightning_automodel.data.streaming.buffer import Place, ShuffleBuffer
 from lightning_automodel.data.streaming.shares import Unit, shares, unit_pieces
@@ -83,7 +83,8 @@ class StreamedRows(IterableDataset):
         self.buffer = ShuffleBuffer(shuffle_buffer, seed=seed, rank=rank) if shuffle_buffer else None
         self.passes = 0  # complete passes over the units
         self.unit, self.offset = 0, None  # the next unit in this pass's order, and where in it (None: at its start)
-        self.pending: list[Piece] = []  # tokens tokenized and not yet in a row
+        # Documents read and not yet all in rows: the tokens left, the document's place, the tokens of it in rows.
+        self.pending: list[tuple[np.ndarray, Place, int]] = []
 
     def __len__(self) -> int:
         """Endless, but sized: Lightning fetches an unsized loader's next batch before training on the current one,
@@ -99,7 +100,7 @@ class StreamedRows(IterableDataset):
 
     def own_state(self) -> dict[str, Any]:
         """This rank's place in its share: a mixture gathers its sources' together, in one collective."""
-        pending = [(tokens.tolist(), document_start) for tokens, _, document_start in self.pending]
+        pending = [[*place, cut] for _, place, cut in self.pending]
         state = {"passes": self.passes, "unit": self.unit, "offset": self.offset, "pending": pending}
         state["shuffle"] = {"order": self.shuffle, "buffer": self.buffer.size if self.buffer is not None else 0}
         state["buffer"] = self.buffer.state_dict() if self.buffer is not None else None
@@ -108,7 +109,9 @@ class StreamedRows(IterableDataset):
     def load_own_state(self, state: dict[str, Any]) -> None:
         self._check_shuffle(state)
         self.passes, self.unit, self.offset = state["passes"], state["unit"], state["offset"]
-        self.pending = [(np.array(tokens, dtype=np.int64), None, start) for tokens, start in state["pending"]]
+        self.pending = [
+            (self._read_again((source, at))[cut:], (source, at), cut) for source, at, cut in state["pending"]
+        ]
         if self.buffer is not None:
             places = state["buffer"]["places"]
             self.buffer.load_state_dict(state["buffer"], [self._read_again(tuple(place)) for place in places])
@@ -136,10 +139,10 @@ class StreamedRows(IterableDataset):
             for documents, resume in self._document_batches():
                 self.unit, self.offset = resume
                 for tokens, place in documents:
-                    drawn = self.buffer.put(tokens, place) if self.buffer is not None else tokens
+                    drawn = self.buffer.put(tokens, place) if self.buffer is not None else (tokens, place)
                     if drawn is not None:
-                        self.pending.append((drawn, None, True))
-                while sum(len(pending) for pending, _, _ in self.pending) >= self.seq_len:
+                        self.pending.append((*drawn, 0))
+                while sum(len(tokens) for tokens, _, _ in self.pending) >= self.seq_len:
                     yield self._cut_row()
             self.passes, self.unit, self.offset = self.passes + 1, 0, None
 
@@ -161,7 +164,7 @@ class StreamedRows(IterableDataset):
                 batch = [following, *islice(pieces, BATCH_DOCUMENTS - 1)] if following is not None else []
 
     def _read_again(self, place: Place) -> np.ndarray:
-        """The tokens of the document at ``place``, read and tokenized again (a resumed buffer's)."""
+        """The tokens of the document at ``place``, read and tokenized again (a resumed stream's)."""
         source, position = place
         pieces, kind, word = unit_pieces(self.sources[source], self.encoder, start=position, end=position + 1)
         encoded = self.encoder(PieceBatch(source_name(self.sources[source]), kind, list(islice(pieces, 1)), word))
@@ -171,11 +174,11 @@ class StreamedRows(IterableDataset):
         """A row from the start of the pending tokens; a document cut continues, as a piece of its own, in the next."""
         row, filled = [], 0
         while filled < self.seq_len:
-            tokens, trained, document_start = self.pending.pop(0)
+            tokens, place, cut = self.pending.pop(0)
             take = min(len(tokens), self.seq_len - filled)
-            row.append((tokens[:take], trained, document_start))
+            row.append((tokens[:take], None, cut == 0))
             if take < len(tokens):
-                self.pending.insert(0, (tokens[take:], trained, False))
+                self.pending.insert(0, (tokens[take:], place, cut + take))
             filled += take
         made = make_row(row, seq_len=self.seq_len, pad_id=self.pad_id, positions=self.separate)
         made.pop("attention_mask", None)  # a stream's rows are full: none has padding

@@ -36,7 +36,11 @@ WORDS = [
 ]  # a fixed vocabulary of made-up words
 # What the data module reads of a Trainer, as data-parallel rank 0 of 8 on one machine.
 RANK_0_OF_8 = SimpleNamespace(
-    distributed_sampler_kwargs={"num_replicas": 8, "rank": 0}, local_rank=0, max_steps=1, val_check_interval=1
+    distributed_sampler_kwargs={"num_replicas": 8, "rank": 0},
+    local_rank=0,
+    node_rank=0,
+    max_steps=1,
+    val_check_interval=1,
 )
 
 
@@ -126,8 +130,8 @@ def _state_bytes(rows, batches_read: Iterator[dict]) -> dict:
     sizes = []
     for _ in range(10):
         next(batches_read)
-        sizes.append(len(json.dumps(rows.local_state())))
-    return {"state_bytes": max(sizes), "buffer_state_bytes": len(json.dumps(rows.local_state()["buffer"]))}
+        sizes.append(len(json.dumps(rows.own_state())))
+    return {"state_bytes": max(sizes), "buffer_state_bytes": len(json.dumps(rows.own_state()["buffer"]))}
 
 
 def _batches_of(loader):

@@ -151,15 +151,18 @@ def check_resume_with_dropout_exactly(directory: str, tp: int) -> dict:
     """Attention dropout at 0.1 draws new masks every step on every rank. 6 uninterrupted steps, saved at step 2,
     against 4 steps resumed from it: the losses and weights are the uninterrupted run's, to the bit, because every
     rank's random states come back with the checkpoint (without them: about 5e-3 apart). Mid-epoch (epochs of 4
-    batches, where the resumed run's new loader iterator must not shift the draws) and at an epoch's end (epochs of
-    1 batch, where the uninterrupted run too begins a new epoch, and draws its iterator's seed)."""
+    batches, where the resumed run's new loader iterator must not shift the draws), at an epoch's end (epochs of
+    1 batch, where the uninterrupted run too begins a new epoch, and draws its iterator's seed) and at the last
+    batch of an epoch of 2 (which Lightning alone resumes into an empty epoch, one epoch ahead)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     tokens, labels = batch(4 * GLOBAL_BATCH)
     per_rank = GLOBAL_BATCH // (dist.get_world_size() // tp)
+    half = 2 * GLOBAL_BATCH
     loaders = {
         "mid-epoch": StatefulDataLoader(TensorDataset(tokens, labels), batch_size=per_rank),
         "epoch end": data(dist.get_world_size() // tp),
+        "last batch": StatefulDataLoader(TensorDataset(tokens[:half], labels[:half]), batch_size=per_rank),
     }
     result = {}
     for when, loader in loaders.items():

@@ -44,6 +44,7 @@ from lightning_automodel.planning.fitting import LayoutChoice
 from lightning_automodel.strategy.argument_docs import with_argument_docs
 from lightning_automodel.strategy.auto_layout import apply_accumulation, choose_for_trainer, require_memory_to_plan
 from lightning_automodel.strategy.checkpointing_strategy import CheckpointingStrategy
+from lightning_automodel.strategy.epoch_end_resume import EpochEndResume
 from lightning_automodel.strategy.faults import FaultMonitor, report_failure, stop_watching, watch_stage
 from lightning_automodel.strategy.lightning_patches import (
     clip_across_meshes,
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class AutoModelParallelStrategy(CheckpointingStrategy):
+class AutoModelParallelStrategy(EpochEndResume, CheckpointingStrategy):
     """Lightning's ModelParallelStrategy that parallelizes the LightningModule's Hugging Face models itself.
 
     Over a 5D mesh: pipeline (pp), HSDP and FSDP2 (dp_replicate, dp_shard), context (cp), tensor and sequence (tp,
@@ -365,7 +366,7 @@ class AutoModelParallelStrategy(CheckpointingStrategy):
         assert self.lightning_module is not None
         if self.lightning_module.trainer.predicting:
             require_equal_batch_counts(dataloader, world_size=self.world_size)
-        return dataloader
+        return super().process_dataloader(dataloader)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -8,7 +8,8 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
-from test_data import fit, write, write_jsonl
+from test_data import write, write_jsonl
+from test_data_resume import fit
 
 from lightning_automodel.data import ChatDataModule, TextDataModule, cache, mixture
 from lightning_automodel.data.mixture import (

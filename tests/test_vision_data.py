@@ -88,6 +88,8 @@ def test_rows_carry_ids_answer_labels_and_each_records_pixels(data, tmp_path):
     batch = collate_rows([first, second])
     assert batch["pixel_values"].shape == (3, 3, 8, 8) and batch["input_ids"].shape == (2, 96)
     assert torch.equal(batch["pixel_values"][2], second["pixel_values"][0])
+    loaded = next(iter(module.train_dataloader()))  # the module's loader collates so (shuffle=False: rows in order)
+    assert loaded.keys() == batch.keys() and all(torch.equal(loaded[name], batch[name]) for name in batch)
 
 
 def test_jsonl_files_and_parquet_bytes_give_the_same_rows(data):
@@ -105,6 +107,13 @@ def test_jsonl_files_and_parquet_bytes_give_the_same_rows(data):
     assert (from_files[0]["input_ids"] == processor.image_token_id).sum() == sum(t * h * w // 4 for t, h, w in grids)
 
 
+def late_image(one, data):
+    """An image of 16 tokens after 40 characters: it fits seq_len alone, but ends past it."""
+    Image.new("RGB", (32, 32)).save(data / "late.png")
+    one["messages"][0]["content"] = [{"type": "text", "text": "x" * 40}, {"type": "image"}]
+    one["images"] = ["late.png"]
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -113,6 +122,7 @@ def test_jsonl_files_and_parquet_bytes_give_the_same_rows(data):
         (lambda one, _: one.update(images=[]), r"vl.jsonl, line 2: 1 image placeholders .* but 0 images"),
         (lambda one, _: one.update(images=["red.png", "blue.png"]), r"vl.jsonl, line 2: 1 image placeholders .* 2"),
         (lambda one, _: one.update(images=["large.png"]), r"vl.jsonl, line 2: 64 image tokens in a run .* seq_len=48"),
+        (late_image, r"vl.jsonl, line 2: its images' tokens end at token 6\d, past seq_len=48"),
     ],
 )
 def test_bad_records_are_refused_naming_file_and_line(data, change, message):

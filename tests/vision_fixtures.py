@@ -46,7 +46,7 @@ class _ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
 
 
 def tiny_qwen2_vl_processor() -> Qwen2VLProcessor:
-    """Patches of 4, merged 2 x 2: an image's tokens follow its size (8 x 12 pixels: 6 tokens)."""
+    """Patches of 4, merged 2 x 2: an image's tokens follow its size (64 x 64 pixels: 64 tokens)."""
     tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens(
         {"additional_special_tokens": ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]}

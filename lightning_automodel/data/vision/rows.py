@@ -84,7 +84,10 @@ class VisionRows(Dataset):
         prompts = self.store.first_targets(self.documents)
         checks = (
             (runs > self.seq_len, "{run} image tokens in a run (an image's), more than seq_len={seq_len}"),
-            (ends > self.seq_len, "its images' tokens end at token {end}, past seq_len={seq_len}: a cut would split"),
+            (
+                ends > self.seq_len,
+                "its images' tokens end at token {end}, past seq_len={seq_len} (a cut would split one)",
+            ),
             (prompts >= self.seq_len, "the prompt alone takes {prompt} tokens, seq_len={seq_len} leaves no answer"),
         )
         for refused, message in checks:

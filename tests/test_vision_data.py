@@ -10,13 +10,13 @@ import pytest
 import torch
 from PIL import Image
 from transformers import LlavaConfig, LlavaForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-from vision_fixtures import tiny_llava_processor, tiny_qwen2_vl_processor
 
 from lightning_automodel.data import cache
 from lightning_automodel.data.rows import IGNORE_INDEX
 from lightning_automodel.data.tokenizer import EOS_ID
 from lightning_automodel.data.vision import VisionChatDataModule
 from lightning_automodel.data.vision.rows import collate_rows
+from lightning_automodel.testing.vision import llava_processor, qwen2_vl_processor
 
 SIZES = {"red.png": (10, 6), "blue.png": (20, 30), "green.png": (12, 8)}  # width, height: three sizes
 
@@ -74,7 +74,7 @@ def answers(tokenizer, row):
 
 
 def test_rows_carry_ids_answer_labels_and_each_records_pixels(data, tmp_path):
-    processor = tiny_llava_processor()
+    processor = llava_processor()
     processor.save_pretrained(tmp_path / "processor")  # read back by AutoProcessor, as a model's directory is
     module, rows = rows_of(write_jsonl(data / "vl.jsonl", RECORDS), str(tmp_path / "processor"))
     tokenizer, image_id = module.tokenizer, module.processor.image_token_id
@@ -88,12 +88,13 @@ def test_rows_carry_ids_answer_labels_and_each_records_pixels(data, tmp_path):
     batch = collate_rows([first, second])
     assert batch["pixel_values"].shape == (3, 3, 8, 8) and batch["input_ids"].shape == (2, 96)
     assert torch.equal(batch["pixel_values"][2], second["pixel_values"][0])
-    loaded = next(iter(module.train_dataloader()))  # the module's loader collates so (shuffle=False: rows in order)
+    module.num_workers = 1  # the module's loader collates so, pixels made in a forked worker (rows in order)
+    loaded = next(iter(module.train_dataloader()))
     assert loaded.keys() == batch.keys() and all(torch.equal(loaded[name], batch[name]) for name in batch)
 
 
 def test_jsonl_files_and_parquet_bytes_give_the_same_rows(data):
-    processor = tiny_qwen2_vl_processor()
+    processor = qwen2_vl_processor()
     _, from_files = rows_of(write_jsonl(data / "vl.jsonl", RECORDS), processor)
     _, from_bytes = rows_of(write_parquet(data / "vl.parquet", RECORDS, data), processor)
     assert len(from_files) == len(from_bytes) == 2
@@ -131,7 +132,7 @@ def test_bad_records_are_refused_naming_file_and_line(data, change, message):
     bad = json.loads(json.dumps(RECORDS[1]))
     change(bad, data)
     with pytest.raises(ValueError, match=message):
-        rows_of(write_jsonl(data / "vl.jsonl", [RECORDS[0], bad]), tiny_qwen2_vl_processor(), seq_len=48)
+        rows_of(write_jsonl(data / "vl.jsonl", [RECORDS[0], bad]), qwen2_vl_processor(), seq_len=48)
 
 
 def test_a_parquet_rows_undecodable_bytes_name_the_row(data):
@@ -140,7 +141,7 @@ def test_a_parquet_rows_undecodable_bytes_name_the_row(data):
     table[1]["images"][0]["bytes"] = b"not an image"
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(table), path)
     with pytest.raises(ValueError, match=r"vl.parquet, row 1, image 0: bytes of green.png is not an image"):
-        rows_of(path, tiny_qwen2_vl_processor())
+        rows_of(path, qwen2_vl_processor())
 
 
 def loss_on_answers(model, batch):
@@ -153,7 +154,7 @@ def loss_on_answers(model, batch):
 
 def test_a_collated_batch_runs_through_tiny_llava_and_qwen2_vl(data):
     torch.manual_seed(0)
-    for processor, model in ((tiny_llava_processor(), tiny_llava), (tiny_qwen2_vl_processor(), tiny_qwen2_vl)):
+    for processor, model in ((llava_processor(), tiny_llava), (qwen2_vl_processor(), tiny_qwen2_vl)):
         module, rows = rows_of(write_jsonl(data / "vl.jsonl", RECORDS), processor)
         batch = collate_rows([rows[0], rows[1]])
         trained = batch["labels"] != IGNORE_INDEX

@@ -1,5 +1,6 @@
-"""Tiny vision processors built in code (no download): LLaVA's and Qwen2-VL's image processors at a few pixels,
-the byte tokenizer with their image tokens, and a chat template marking the answers."""
+"""Vision processors built in code (no download), for the tests and benchmarks/vision_data.py: LLaVA's and
+Qwen2-VL's image processors (tiny by default: a few pixels; or at the models' own resolutions), the byte tokenizer
+with their image tokens, and a chat template marking the answers."""
 
 from __future__ import annotations
 
@@ -22,16 +23,17 @@ TEMPLATE = (
 )
 
 
-def tiny_llava_processor() -> LlavaProcessor:
-    """Images resized and cropped to 8 x 8, patches of 4 (and CLIP's class token, dropped): 4 image tokens an image."""
+def llava_processor(*, side: int = 8, patch: int = 4) -> LlavaProcessor:
+    """Images resized and cropped to ``side`` x ``side``, patches of ``patch`` (and CLIP's class token, dropped): by
+    default 4 image tokens an image; LLaVA-1.5's own is ``side=336, patch=14``, 576."""
     tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    images = LlavaImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+    images = LlavaImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
     template = TEMPLATE.replace("IMAGE", "'<image>'")
     return LlavaProcessor(
         images,
         tokenizer,
-        patch_size=4,
+        patch_size=patch,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
         chat_template=template,
@@ -45,14 +47,18 @@ class _ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
 
-def tiny_qwen2_vl_processor() -> Qwen2VLProcessor:
-    """Patches of 4, merged 2 x 2: an image's tokens follow its size (64 x 64 pixels: 64 tokens)."""
+def qwen2_vl_processor(*, patch: int = 4, max_side: int = 64) -> Qwen2VLProcessor:
+    """Patches of ``patch`` merged 2 x 2, images of at most ``max_side`` squared pixels: an image's tokens follow its
+    size (by default 64 x 64 pixels: 64 tokens). Qwen2-VL's own patches are 14 pixels, ``max_side`` up to 1,003."""
     tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens(
         {"additional_special_tokens": ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]}
     )
     images = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 8 * 8, "longest_edge": 64 * 64}, patch_size=4, merge_size=2, temporal_patch_size=2
+        size={"shortest_edge": (2 * patch) ** 2, "longest_edge": max_side**2},
+        patch_size=patch,
+        merge_size=2,
+        temporal_patch_size=2,
     )
     template = TEMPLATE.replace("IMAGE", "'<|vision_start|><|image_pad|><|vision_end|>'")
     return _ImagesOnlyQwen2VLProcessor(images, tokenizer, chat_template=template)

@@ -4,10 +4,10 @@ processor, once) and a row's read (its images decoded and made pixels, every tim
     .venv/bin/python benchmarks/vision_data.py [--records 200] [--workers 2]
 
 Records of one or two JPEG images (random noise at quality 90: 640 x 480 and 800 x 600, 269 and 422 KiB, more than
-photos of those sizes) as a JSONL file naming them; the processors are LLaVA-1.5's image processor (336 x 336, patches of 14: 576 tokens an
-image) and Qwen2-VL's (patches of 14 merged 2 x 2, images up to 1,003 x 1,003 pixels), built in code on the byte
-tokenizer (lightning_automodel.testing.vision). The build runs with ``--workers`` tokenizing processes; rows are
-read in this process, in order, after the build (the image files in the page cache).
+photos of those sizes) as a JSONL file naming them; the processors are LLaVA-1.5's image processor (336 x 336,
+patches of 14: 576 tokens an image) and Qwen2-VL's (patches of 14 merged 2 x 2, images up to 1,003 x 1,003 pixels),
+built in code on the byte tokenizer (lightning_automodel.testing.vision). The build runs with ``--workers``
+tokenizing processes; rows are read in this process, in order, after the build (the image files in the page cache).
 """
 
 from __future__ import annotations

@@ -115,6 +115,34 @@ def late_image(one, data):
     one["images"] = ["late.png"]
 
 
+def test_a_datasets_object_with_the_image_feature_gives_the_same_rows(data):
+    """A ``datasets.Dataset`` whose images column is ``List(Image())`` holding bytes, as the Hub's sets are."""
+    datasets = pytest.importorskip("datasets")
+    table = pyarrow.parquet.read_table(write_parquet(data / "vl.parquet", RECORDS, data))
+    dataset = datasets.Dataset(table).cast_column("images", datasets.List(datasets.Image()))
+    processor = qwen2_vl_processor()
+    _, from_files = rows_of(write_jsonl(data / "vl.jsonl", RECORDS), processor)
+    _, from_dataset = rows_of(dataset, processor)
+    for index in range(2):
+        assert all(torch.equal(from_files[index][name], from_dataset[index][name]) for name in from_files[index])
+
+
+def test_a_template_without_generation_blocks_is_rendered_turn_by_turn(data):
+    """Each answer is what its turn adds (with the turn's closing newline), each first turns rendered with the images
+    they hold: a second question brings its own image."""
+    later = record("This?", "red", ["red.png"])
+    later["messages"] += record("And this?", "green", ["green.png"])["messages"]
+    later["images"] += ["green.png"]
+    processor = llava_processor()
+    processor.chat_template = processor.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    module, rows = rows_of(write_jsonl(data / "vl.jsonl", [RECORDS[0], later]), processor)
+    _, marked = rows_of(write_jsonl(data / "marked.jsonl", [RECORDS[0], later]), llava_processor())
+    assert all(torch.equal(rows[index]["input_ids"], marked[index]["input_ids"]) for index in range(2))
+    assert answers(module.tokenizer, rows[0]) == "red, blue<eos>\n"
+    assert answers(module.tokenizer, rows[1]) == "red<eos>\ngreen<eos>\n"
+    assert (rows[1]["input_ids"] == module.processor.image_token_id).sum() == 8
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

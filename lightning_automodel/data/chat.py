@@ -45,9 +45,10 @@ def encode_record(tokenizer: Any, record: dict, where: str) -> tuple[list[int], 
     return encode_completion(tokenizer, record, where)
 
 
-def check_messages(messages: object, where: str) -> None:
+def check_messages(messages: object, where: str, *, parts: bool = False) -> None:
     """Refuse a conversation that is not a list of ``{"role", "content"}`` messages in a possible order, or that has
-    no answer to train on."""
+    no answer to train on. ``parts``: a content may also be a list of ``{"type": "text", "text": ...}`` and
+    ``{"type": "image"}`` parts (vision records)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role': ..., 'content': ...}} messages.")
     previous = None
@@ -59,8 +60,7 @@ def check_messages(messages: object, where: str) -> None:
         role = message["role"]
         if role not in ROLES:
             raise ValueError(f"{at}: role {role!r} is not one of {', '.join(ROLES)}.")
-        if not isinstance(message["content"], str):
-            raise ValueError(f"{at}: content is a {type(message['content']).__name__}, not a string.")
+        _check_content(message["content"], at, parts=parts)
         if previous not in _MAY_FOLLOW[role]:
             after = f"after a {previous!r} message" if previous else "first"
             raise ValueError(
@@ -72,8 +72,26 @@ def check_messages(messages: object, where: str) -> None:
         raise ValueError(f"{where}: no assistant answer to train on. Add one, or leave the record out.")
 
 
-def encode_conversation(tokenizer: Any, messages: list[dict], where: str) -> tuple[list[int], np.ndarray]:
-    check_messages(messages, where)
+def _check_content(content: object, at: str, *, parts: bool) -> None:
+    if isinstance(content, str):
+        return
+    if not parts or not isinstance(content, list):
+        raise ValueError(f"{at}: content is a {type(content).__name__}, not a string{' or a list of parts' * parts}.")
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image" or (kind == "text" and isinstance(part.get("text"), str)):
+            continue
+        raise ValueError(
+            f"{at}, part {index}: a part is {{'type': 'text', 'text': str}} or {{'type': 'image'}} (found {part!r})."
+        )
+
+
+def encode_conversation(
+    tokenizer: Any, messages: list[dict], where: str, *, parts: bool = False
+) -> tuple[list[int], np.ndarray]:
+    """The conversation's ids and trained mask; ``parts``: contents may be lists of parts (see
+    :func:`check_messages`), rendered by whatever ``tokenizer`` is (a processor's adapter, for images)."""
+    check_messages(messages, where, parts=parts)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"{where}: the tokenizer has no chat template to render conversations with. Use a tokenizer with one"

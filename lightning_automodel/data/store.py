@@ -25,7 +25,8 @@ from lightning_automodel.data.encoding import Encoded
 from lightning_automodel.data.sources.expand import position_word
 
 TOKENS, OFFSETS, LINES, TRAINED, META = "tokens.bin", "offsets.bin", "lines.bin", "trained.bin", "meta.json"
-STORE_FILES = (TOKENS, OFFSETS, LINES, TRAINED, META)
+IMAGES = "images.json"  # a vision store's image references (see lightning_automodel.data.vision)
+STORE_FILES = (TOKENS, OFFSETS, LINES, TRAINED, IMAGES, META)
 
 
 class StoredSource(NamedTuple):
@@ -42,7 +43,7 @@ class StoredSource(NamedTuple):
 class TokenStore:
     """``tokens[offsets[i]:offsets[i + 1]]`` is document ``i``, from line ``lines[i]`` of its source (``sources``, in
     order); ``trained`` (None: all) marks the tokens with a label; ``key``: what made a cached store (None: built in
-    memory)."""
+    memory); ``directory``: where a cached store lives (files of its own beside the tokens: a vision store's)."""
 
     tokens: np.ndarray
     offsets: np.ndarray
@@ -50,6 +51,7 @@ class TokenStore:
     sources: tuple[StoredSource, ...]
     trained: np.ndarray | None = None
     key: dict[str, Any] | None = None
+    directory: Path | None = None
 
     @property
     def documents(self) -> int:
@@ -168,7 +170,8 @@ def open_store(directory: Path, meta: dict) -> TokenStore:
         expected[TRAINED] = (np.dtype(np.uint8), tokens)
     arrays = {name: _mapped(directory, name, np.dtype(kind), count) for name, (kind, count) in expected.items()}
     sources = tuple(StoredSource(*source) for source in meta["sources"])
-    return TokenStore(arrays[TOKENS], arrays[OFFSETS], arrays[LINES], sources, arrays.get(TRAINED), meta["key"])
+    trained = arrays.get(TRAINED)
+    return TokenStore(arrays[TOKENS], arrays[OFFSETS], arrays[LINES], sources, trained, meta["key"], directory)
 
 
 def _mapped(directory: Path, name: str, dtype: np.dtype, count: int) -> np.ndarray:

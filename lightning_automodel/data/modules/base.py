@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_automodel.data.cache import cache_key, cached_store, default_directory
 from lightning_automodel.data.copies import refuse_other_copies
-from lightning_automodel.data.encoding import document_batches, encode, source_batches
+from lightning_automodel.data.encoding import Encoded, document_batches, encode, source_batches
 from lightning_automodel.data.loaders import QuietStatefulDataLoader, data_parallel_place
 from lightning_automodel.data.mixture import (
     STOPPING_STRATEGIES,
@@ -181,7 +182,7 @@ class TokenDataModule(L.LightningDataModule):
         def build(staging: Path) -> None:
             batches = source_batches(files, self._encoder())
             encoded = encode(batches, self._encoder(), workers=self.tokenize_workers)
-            write_store(staging, encoded, key=key, **self._store_options())
+            write_store(staging, self._staged(encoded, staging), key=key, **self._store_options())
             self._check_sources(files, staging)
 
         trainer = self.trainer
@@ -198,6 +199,11 @@ class TokenDataModule(L.LightningDataModule):
                 " or leave the file out."
             )
 
+    def _staged(self, encoded: Iterator[Encoded], staging: Path) -> Iterator[Encoded]:
+        """The batches written into a cache being built in ``staging``: a subclass keeping more than tokens writes
+        its own files there as they pass (the vision module's image references)."""
+        return encoded
+
     def _store_options(self) -> dict[str, Any]:
         vocabulary = max(len(self.tokenizer), max(self.tokenizer.get_vocab().values(), default=0) + 1)
         return {"vocabulary": vocabulary, "fine_tuning": self.fine_tuning}
@@ -210,6 +216,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def _rows(self, store: TokenStore, *, chosen: np.ndarray | None) -> Dataset:
         raise NotImplementedError
+
+    _collate: Callable[[list[dict]], dict] | None = None  # None: torch's default, rows of tensors of one shape
 
     def train_dataloader(self) -> QuietStatefulDataLoader:
         rows = self.datasets["train"]
@@ -246,6 +254,7 @@ class TokenDataModule(L.LightningDataModule):
             sampler=sampler,
             num_workers=self.num_workers,
             multiprocessing_context=context,
+            collate_fn=self._collate,
         )
 
 

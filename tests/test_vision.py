@@ -2,12 +2,50 @@
 
 from functools import partial
 
-from vision_checks import check_vision_layout
+import torch
+from vision_checks import check_vision_layout, check_vision_training
 
+from lightning_automodel import ParallelDims
+from lightning_automodel.hf.decoder_layers import multimodal_units, named_multimodal_parts
+from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
-from lightning_automodel.testing.vision_models import VISION_FAMILIES
+from lightning_automodel.testing.models import tiny_model
+from lightning_automodel.testing.vision_models import VISION_FAMILIES, tiny_vision_model
 
 
 def test_vision_models_at_tp_sp_and_dp_shard():
     """LLaVA, Qwen2-VL and Gemma 3 with images: loss, logits and every gradient, the tower's included."""
-    run_checks(4, [partial(check_vision_layout, family, 2, True) for family in VISION_FAMILIES], timeout=600)
+    checks = [partial(check_vision_layout, family, 2, True, ac) for family in VISION_FAMILIES for ac in (False, True)]
+    checks += [partial(check_vision_training, family, 2, True) for family in VISION_FAMILIES]
+    results = run_checks(4, checks, timeout=600)
+    for name, ranks in results.items():
+        print(name, {key: f"{max(rank[key] for rank in ranks):.1e}" for key in ranks[0]})
+
+
+def test_the_plan_report_states_what_the_tower_gets():
+    """The tower and projector, their parameters and blocks, and why tp keeps them whole; no line for a text model."""
+    with torch.device("meta"):
+        model = tiny_vision_model("llava")
+    report = str(plan_report(model, ParallelDims(tp=2).resolve(4), sp=True))
+    assert "vision tower and projector: model.vision_tower (23,552), model.multi_modal_projector (6,272)" in report
+    assert "24.8% of the parameters; FSDP2 units of their own (2 blocks" in report
+    assert "kept whole on every tp rank: the plans are checked by a text-only probe step" in report
+    with torch.device("meta"):
+        assert "vision tower" not in str(plan_report(tiny_model(), ParallelDims(tp=2).resolve(4)))
+
+
+def test_the_parts_beside_the_language_model_and_their_units():
+    """Units of a part that is a model of its own are its children (transformers records outputs by its class)."""
+    units = {family: multimodal_units(tiny_vision_model(family)) for family in VISION_FAMILIES}
+    assert [type(unit).__name__ for unit in units["llava"]] == [
+        "CLIPVisionEmbeddings",
+        "LayerNorm",
+        "LayerNorm",
+        "LlavaMultiModalProjector",
+    ]
+    assert [type(unit).__name__ for unit in units["qwen2_vl"]] == ["PatchEmbed", "PatchMerger"]
+    assert [name for name, _ in named_multimodal_parts(tiny_vision_model("gemma3_vlm"))] == [
+        "model.vision_tower",
+        "model.multi_modal_projector",
+    ]
+    assert named_multimodal_parts(tiny_model()) == []

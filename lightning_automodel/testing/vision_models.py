@@ -59,6 +59,8 @@ def tiny_vision_model(family: str, seed: int = 0) -> torch.nn.Module:
     }
     model = classes[family](config)
     model.config.get_text_config()._attn_implementation = "sdpa"
+    if family == "gemma3_vlm":  # initialised to zeros, which would leave the tower without a gradient until a step
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
     return model
 
 

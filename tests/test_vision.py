@@ -2,11 +2,13 @@
 
 from functools import partial
 
+import pytest
 import torch
 from vision_checks import check_vision_layout, check_vision_training
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_multimodal_parts
+from lightning_automodel.hf.freezing import freeze
 from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_model
@@ -17,6 +19,8 @@ def test_vision_models_at_tp_sp_and_dp_shard():
     """LLaVA, Qwen2-VL and Gemma 3 with images: loss, logits and every gradient, the tower's included."""
     checks = [partial(check_vision_layout, family, 2, True, ac) for family in VISION_FAMILIES for ac in (False, True)]
     checks += [partial(check_vision_training, family, 2, True) for family in VISION_FAMILIES]
+    checks += [partial(check_vision_training, "llava", 2, True, ("vision_tower",))]
+    checks += [partial(check_vision_training, "qwen2_vl", 2, True, ("language_model", "model.visual.merger.*"))]
     results = run_checks(4, checks, timeout=600)
     for name, ranks in results.items():
         print(name, {key: f"{max(rank[key] for rank in ranks):.1e}" for key in ranks[0]})
@@ -49,3 +53,15 @@ def test_the_parts_beside_the_language_model_and_their_units():
         "model.multi_modal_projector",
     ]
     assert named_multimodal_parts(tiny_model()) == []
+
+
+def test_freezing_names_parts_or_patterns_and_refuses_what_names_nothing():
+    model = tiny_vision_model("llava")
+    frozen = freeze(model, "vision_tower", "projector")
+    assert frozen and all(name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for name in frozen)
+    assert all(p.requires_grad != (name in frozen) for name, p in model.named_parameters())
+    language = freeze(tiny_vision_model("gemma3_vlm"), "language_model")
+    assert "lm_head.weight" not in language and "model.language_model.embed_tokens.weight" in language
+    assert not any(name.startswith("model.vision_tower.") for name in language)
+    with pytest.raises(ValueError, match=r"'projector' names no parameter of Qwen2VL.*model.visual \(vision_tower\)"):
+        freeze(tiny_vision_model("qwen2_vl"), "projector")

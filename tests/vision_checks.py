@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, StackDataset
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers
+from lightning_automodel.hf.freezing import freeze
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, gradient_limits
 from lightning_automodel.testing.parity import (
@@ -121,17 +122,27 @@ class VisionLM(CausalLM):
         return loss
 
 
-def check_vision_training(family: str, tp: int, sp: bool) -> dict[str, float]:
+def check_vision_training(family: str, tp: int, sp: bool, frozen: tuple[str, ...] = ()) -> dict[str, float]:
     """AdamW steps through a real Trainer (dp_shard takes the rest of the world) against one process: every step's
-    loss and gradients (the tower's and projector's), then the weights. Every rank starts from other weights."""
-    module = VisionLM(tiny_vision_model(family, seed=dist.get_rank()))
+    loss and gradients (the tower's and projector's), then the weights. Every rank starts from other weights.
+    ``frozen``: parts frozen in both (:func:`~lightning_automodel.hf.freezing.freeze`), which must get no gradient,
+    no optimizer state and no change."""
+    model = tiny_vision_model(family, seed=dist.get_rank())
+    names = freeze(model, *frozen)
+    module = VisionLM(model)
     strategy = AutoModelParallelStrategy(tp=tp, sp=sp)
     dp = dist.get_world_size() // tp
     rows = vision_batch(family, GLOBAL_BATCH)
-    trainer(strategy, limit_val_batches=0).fit(module, DataLoader(StackDataset(**rows), batch_size=GLOBAL_BATCH // dp))
+    fit = trainer(strategy, limit_val_batches=0)
+    fit.fit(module, DataLoader(StackDataset(**rows), batch_size=GLOBAL_BATCH // dp))
     reference = tiny_vision_model(family)
+    freeze(reference, *frozen)
     steps = reference_run(
         reference, loss=lambda model, rows, _: vision_loss_and_logits(model, rows)[0], data=(rows, None)
     )
     limits = gradient_limits(_fp32_rounding(tiny_vision_model(family), rows))
-    return compare_training(module, reference, steps, zero_gradient=ZERO_GRADIENT, rounding_limits=limits)
+    result = compare_training(module, reference, steps, zero_gradient=ZERO_GRADIENT, rounding_limits=limits)
+    params = dict(module.model.named_parameters())
+    stateful = [name for name in names if params[name] in fit.optimizers[0].state]
+    assert not stateful and not any(params[name].requires_grad for name in names), stateful
+    return {**result, "frozen": float(len(names))}

@@ -128,8 +128,8 @@ class PlanReport:
             return line
         return (
             f"{line}; kept whole on every tp rank: the plans are checked by a text-only probe step, which never runs"
-            " the tower, so no plan for its blocks is checked (every tp rank computes their whole gradient from the same"
-            " images; FSDP2 averages it over the data-parallel ranks)"
+            " the tower, so no plan for its blocks is checked (every tp rank computes their whole gradient from the"
+            " same images; FSDP2 averages it over the data-parallel ranks)"
         )
 
     def _float8_lines(self) -> list[str]:

@@ -198,7 +198,7 @@ def compare_training(
         {name: relative_error(grads[name], ref[name], floor=_zero_floor(ref, zero_gradient) or 1e-12) for name in names}
         for grads, ref in steps
     ]
-    limits = rounding_limits or {}
+    limits = {name: limit for name, limit in (rounding_limits or {}).items() if name in names}
     beyond = {name: errors_by_name[0].pop(name) for name in limits if errors_by_name[0][name] >= limits[name]}
     assert not beyond, f"first gradients beyond the single process's own rounding: {beyond} (limits {limits})"
     for name in limits:

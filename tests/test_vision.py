@@ -16,8 +16,11 @@ from lightning_automodel.testing.vision_models import VISION_FAMILIES, tiny_visi
 
 
 def test_vision_models_at_tp_sp_and_dp_shard():
-    """LLaVA, Qwen2-VL and Gemma 3 with images: loss, logits and every gradient, the tower's included."""
+    """LLaVA, Qwen2-VL and Gemma 3 with images: loss, logits and every gradient, the tower's included, with and
+    without activation checkpointing (and at tp=2 without sp, and at dp_shard=4); then AdamW steps through the
+    Trainer, with parts frozen too."""
     checks = [partial(check_vision_layout, family, 2, True, ac) for family in VISION_FAMILIES for ac in (False, True)]
+    checks += [partial(check_vision_layout, family, tp, False) for family in VISION_FAMILIES for tp in (2, 1)]
     checks += [partial(check_vision_training, family, 2, True) for family in VISION_FAMILIES]
     checks += [partial(check_vision_training, "llava", 2, True, ("vision_tower",))]
     checks += [partial(check_vision_training, "qwen2_vl", 2, True, ("language_model", "model.visual.merger.*"))]

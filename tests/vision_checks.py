@@ -7,6 +7,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable.contract import _get_registry
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, StackDataset
@@ -109,8 +110,8 @@ def _assert_units(model: torch.nn.Module, *, activation_checkpointing: bool) -> 
     not_units += [type(unit).__name__ for unit in multimodal_units(model) if not isinstance(unit, FSDPModule)]
     assert not not_units, f"not FSDP units: {not_units}"
     if activation_checkpointing:
-        hooked = [name for name, module in named_decoder_layers(model) if not module._forward_pre_hooks]
-        assert not hooked, f"blocks without activation checkpointing: {hooked}"
+        plain = [name for name, module in blocks if "checkpoint" not in (_get_registry(module) or {})]
+        assert not plain, f"blocks without activation checkpointing: {plain}"
 
 
 class VisionLM(CausalLM):

@@ -4,7 +4,7 @@ from functools import partial
 
 import pytest
 import torch
-from vision_checks import check_vision_layout, check_vision_training
+from vision_checks import check_vision_bf16, check_vision_layout, check_vision_training
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_multimodal_parts
@@ -21,6 +21,7 @@ def test_vision_models_at_tp_sp_and_dp_shard():
     Trainer, with parts frozen too."""
     checks = [partial(check_vision_layout, family, 2, True, ac) for family in VISION_FAMILIES for ac in (False, True)]
     checks += [partial(check_vision_layout, family, tp, False) for family in VISION_FAMILIES for tp in (2, 1)]
+    checks += [partial(check_vision_bf16, family) for family in VISION_FAMILIES]
     checks += [partial(check_vision_training, family, 2, True) for family in VISION_FAMILIES]
     checks += [partial(check_vision_training, "llava", 2, True, ("vision_tower",))]
     checks += [partial(check_vision_training, "qwen2_vl", 2, True, ("language_model", "model.visual.merger.*"))]

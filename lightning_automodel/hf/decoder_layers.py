@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from torch import nn
+from transformers import PreTrainedModel
 
 
 def named_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -55,3 +56,42 @@ def layers_sharing_parameters(model: nn.Module, layers: list[nn.Module]) -> list
     layers_holding = Counter(id(p) for layer in layers for p in layer.parameters())
     shared = {pid for pid, count in layers_holding.items() if count > 1 or everywhere[pid] > in_layers[pid]}
     return [layer for layer in layers if any(id(p) in shared for p in layer.parameters())]
+
+
+def named_multimodal_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The parts of a multimodal model beside its language model, with their names: the vision tower and the projector
+    (LLaVA's and Gemma 3's ``multi_modal_projector``; Qwen2-VL's merger sits in its tower ``visual``), the modules
+    holding parameters that sit next to the language model. None for a model whose language model is the base model
+    itself (a causal LM: its siblings are the lm_head and other heads)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    owners = {id(child): (name, module) for name, module in model.named_modules() for child in module.children()}
+    if decoder is None or id(decoder) not in owners:
+        return []
+    owner_name, owner = owners[id(decoder)]
+    if owner is model:
+        return []
+    prefix = f"{owner_name}." if owner_name else ""
+    return [
+        (f"{prefix}{name}", child)
+        for name, child in owner.named_children()
+        if child is not decoder and any(True for _ in child.parameters())
+    ]
+
+
+def multimodal_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units of :func:`named_multimodal_parts` beside their blocks'. A part that is a model of its own
+    (CLIP's ``CLIPVisionModel``) gives its children instead (its embeddings and norms; Qwen2-VL's patch embedding and
+    merger): transformers finds the layers whose outputs it records (LLaVA reads a tower layer's hidden states) by
+    the model's class, which a unit's class would replace."""
+    return [unit for _, part in named_multimodal_parts(model) for unit in _units(part)]
+
+
+def _units(module: nn.Module) -> list[nn.Module]:
+    """``module`` as units: none where its parameters all sit in lists of blocks (units of their own)."""
+    in_lists = {id(p) for child in module.modules() if isinstance(child, nn.ModuleList) for p in child.parameters()}
+    if all(id(p) in in_lists for p in module.parameters()):
+        return []
+    if not isinstance(module, PreTrainedModel):
+        return [module]
+    return [unit for child in module.children() for unit in _units(child)]

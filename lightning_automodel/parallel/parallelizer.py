@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers
 from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_automodel.parallel.compile import apply_compile, check_compile
@@ -255,6 +255,7 @@ def _apply_fsdp(
             fsdp_mesh(device_mesh),
             options,
             experts=experts.within(root) if experts is not None else None,
+            parts=multimodal_units(root),
             fp32_compute_module_names=fp32_pinned_names(model),
         )
 

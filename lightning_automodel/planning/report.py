@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_multimodal_parts
 from lightning_automodel.hf.layer_configs import attention_shapes
 from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.parallel.context_parallel import context_parallel_of
@@ -45,6 +45,8 @@ class PlanReport:
     unmatched_patterns: list[str] = field(default_factory=list)
     unsharded_weights: list[str] = field(default_factory=list)
     replicated: dict[str, int] = field(default_factory=dict)  # modules on sharded activations, as patterns -> count
+    multimodal: dict[str, int] = field(default_factory=dict)  # a vision tower and projector: name -> parameters
+    multimodal_blocks: int = 0  # the blocks among them
     total_parameters: int = 0
     parameters_per_rank: int = 0
     parameter_bytes_per_rank: int = 0
@@ -78,6 +80,8 @@ class PlanReport:
             lines.append(f"patterns matching no module: {', '.join(self.unmatched_patterns)}")
         if self.unsharded_weights:
             lines.append(f"large block weights left whole on every tp rank: {', '.join(self.unsharded_weights)}")
+        if self.multimodal:
+            lines.append(self._multimodal_line())
         if self.float8 is not None:
             lines += self._float8_lines()
         if self.dims.ep > 1:
@@ -112,6 +116,21 @@ class PlanReport:
         if not self.stages:
             return self.training_bytes_per_rank + self.activation_bytes[mode]
         return max(stage.training_bytes_per_rank + stage.activation_bytes[mode] for stage in self.stages)
+
+    def _multimodal_line(self) -> str:
+        held = sum(self.multimodal.values())
+        parts = ", ".join(f"{name} ({count:,})" for name, count in self.multimodal.items())
+        line = (
+            f"vision tower and projector: {parts}, {held / max(self.total_parameters, 1):.1%} of the parameters;"
+            f" FSDP2 units of their own ({self.multimodal_blocks} blocks, then the rest of each part)"
+        )
+        if self.dims.tp == 1:
+            return line
+        return (
+            f"{line}; kept whole on every tp rank: the plans are checked by a text-only probe step, which never runs"
+            " the tower, so no plan for its blocks is checked (every tp rank computes their whole gradient from the"
+            " same images; FSDP2 averages it over the data-parallel ranks)"
+        )
 
     def _float8_lines(self) -> list[str]:
         converted = sum(self.float8_converted.values())
@@ -223,6 +242,7 @@ def plan_report(
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
     report = PlanReport(type(model).__name__, dims, plan_source="", float8=float8_options(float8))
     report.total_parameters = sum(p.numel() for p in model.parameters())
+    _describe_multimodal(report, model)
     report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
     step = step if step is not None else StepOptions()
     options = dict(sp=sp, tp_plan=step.tp_plan, allow_unsharded_linears=step.allow_unsharded_linears)
@@ -329,6 +349,14 @@ def _describe_plan(report: PlanReport, planned: TensorParallelPlan | None, model
     report.unmatched_patterns = choice.unmatched
     report.unsharded_weights = choice.unsharded_weights
     report.replicated = dict(Counter(_per_block(name) for name in planned.replicated))
+
+
+def _describe_multimodal(report: PlanReport, model: nn.Module) -> None:
+    parts = named_multimodal_parts(model)
+    report.multimodal = {name: sum(p.numel() for p in part.parameters()) for name, part in parts}
+    report.multimodal_blocks = sum(
+        name.startswith(tuple(f"{n}." for n, _ in parts)) for name, _ in named_decoder_layers(model)
+    )
 
 
 def _describe_float8(report: PlanReport, planned: TensorParallelPlan | None, model: nn.Module) -> None:

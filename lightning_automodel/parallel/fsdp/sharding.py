@@ -1,4 +1,5 @@
-"""FSDP2 sharding: one unit per decoder layer, then the root, each cut by compute dtype."""
+"""FSDP2 sharding: one unit per decoder layer, then a multimodal model's vision tower and projector, then the root,
+each cut by compute dtype."""
 
 from __future__ import annotations
 
@@ -63,16 +64,21 @@ def apply_fsdp(
     options: FSDPOptions,
     *,
     experts: ExpertSharding | None = None,
+    parts: Sequence[nn.Module] = (),
     fp32_compute_module_names: Iterable[str] = (),
 ) -> None:
-    """Shard each decoder layer, then the root, with :func:`fully_shard_by_dtype`, as ``options`` say. A layer sharing
-    a parameter with another layer or the rest of the model (see :func:`~hf.decoder_layers.layers_sharing_parameters`)
-    is no unit of its own: the root holds it. ``experts`` (expert parallel) are units of their own, inside their
-    layers, over their own mesh."""
-    shared = layers_sharing_parameters(model, layers)
+    """Shard each decoder layer, then each of ``parts`` (a multimodal model's vision tower and projector, whose
+    gathers and reductions then leave the root's), then the root, with :func:`fully_shard_by_dtype`, as ``options``
+    say. A layer or part sharing a parameter with another or the rest of the model (see
+    :func:`~hf.decoder_layers.layers_sharing_parameters`) is no unit of its own: the root holds it. ``experts``
+    (expert parallel) are units of their own, inside their layers, over their own mesh."""
+    shared = [*layers_sharing_parameters(model, layers), *layers_sharing_parameters(model, parts)]
     if shared:
-        log.info("%d decoder layers share parameters with other layers: the unit around them holds them", len(shared))
+        log.info(
+            "%d decoder layers or parts share parameters with others: the unit around them holds them", len(shared)
+        )
     layers = [layer for layer in layers if not any(layer is s for s in shared)]
+    parts = [part for part in parts if not any(part is s for s in shared)]
     policies = dict(
         mp_policy=options.mp_policy,
         offload_policy=options.offload_policy,
@@ -89,6 +95,8 @@ def apply_fsdp(
             reshard_after_forward=not last if reshard_after_forward is None else reshard_after_forward,
             **policies,
         )
+    for part in parts:  # called before the language model's blocks: its weights are not needed again until backward
+        fully_shard_by_dtype(part, mesh=mesh, reshard_after_forward=reshard_after_forward is not False, **policies)
     fully_shard_by_dtype(model, mesh=mesh, reshard_after_forward=bool(reshard_after_forward), **policies)
     ahead, behind = options.forward_prefetch, options.backward_prefetch
     for index, layer in enumerate(layers):

@@ -51,6 +51,7 @@ def _decoder_plan(
     gathering_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm"),
     stream_norms: tuple[str, ...] = (),
     lm_head: bool = True,
+    merged: bool = False,
 ) -> TPPlan:
     """The Llama-architecture plan: attention and MLP Megatron-style, vocab-parallel embedding and lm_head.
 
@@ -58,6 +59,10 @@ def _decoder_plan(
     on a block's output before the residual add (Gemma's sandwich norms) and stay sequence-sharded. With ``sp``
     the residual stream between blocks stays a ``Shard(1)`` DTensor: model-level code (rotary embeddings, mask
     construction) then sees the global sequence length, which plain local shards would hide.
+
+    ``merged``: the language model (``prefix``) of a multimodal model, given its embeddings by the model around it
+    once image features are scattered into them: the embedding's output stays whole, and the stream is split where
+    the language model receives ``inputs_embeds`` (a slice of each rank's copy, no communication).
     """
     layer = f"{prefix}.layers.*"
     plan: TPPlan = {
@@ -87,6 +92,13 @@ def _decoder_plan(
         plan.update({f"{layer}.{norm}": SequenceParallel(use_local_output=False) for norm in stream_norms})
         if lm_head:
             plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        if merged:
+            plan[f"{prefix}.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+            plan[prefix] = PrepareModuleInput(
+                input_kwarg_layouts={"inputs_embeds": Replicate()},
+                desired_input_kwarg_layouts={"inputs_embeds": Shard(1)},
+                use_local_output=False,
+            )
     return plan
 
 
@@ -120,12 +132,13 @@ def qwen3_classification_plan(model: nn.Module, sp: bool) -> TPPlan:
 
 @register_tp_plan("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 def gemma3_plan(model: nn.Module, sp: bool) -> TPPlan:
-    """Sandwich norms around each block (per-head q_norm/k_norm as Qwen3); the vision tower of the multimodal model
-    is left to FSDP."""
-    prefix = "model.language_model" if type(model).__name__ == "Gemma3ForConditionalGeneration" else "model"
+    """Sandwich norms around each block (per-head q_norm/k_norm as Qwen3); the multimodal model's language model
+    receives embeddings the image features are merged into (``merged``)."""
+    merged = type(model).__name__ == "Gemma3ForConditionalGeneration"
     return _decoder_plan(
-        prefix,
+        "model.language_model" if merged else "model",
         sp=sp,
+        merged=merged,
         gathering_norms=("input_layernorm", "pre_feedforward_layernorm"),
         stream_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
     )

@@ -1,0 +1,174 @@
+"""Vision-language models (LLaVA, Qwen2-VL, Gemma 3) against one process inside gloo workers: loss, logits and every
+gradient (the vision tower's and projector's included) of ``parallelize``, then AdamW steps through a real Trainer."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed._composable.contract import _get_registry
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils.data import DataLoader, StackDataset
+
+from lightning_automodel import AutoModelParallelStrategy, parallelize
+from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers
+from lightning_automodel.hf.freezing import freeze
+from lightning_automodel.parallel.mesh import data_mesh
+from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, gradient_limits
+from lightning_automodel.testing.parity import (
+    BF16,
+    FP32_TOLERANCE,
+    Outputs,
+    assert_gradients_placed_as_parameters,
+    dims_for,
+    dp_slice,
+    full,
+    gradient_errors,
+    relative_error,
+    within_bf16_noise,
+)
+from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, CausalLM, compare_training, reference_run, trainer
+from lightning_automodel.testing.vision_models import (
+    rows_slice,
+    tiny_vision_model,
+    vision_batch,
+    vision_loss_and_logits,
+)
+
+
+def _outputs(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> Outputs:
+    loss, logits = vision_loss_and_logits(model, rows)
+    loss.backward()
+    grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    return Outputs(full(loss).detach().clone(), full(logits), grads)
+
+
+def check_vision_layout(family: str, tp: int, sp: bool, activation_checkpointing: bool = False) -> dict[str, float]:
+    """fp32 parity of one step with images; dp_shard takes the rest of the world. Every rank builds its model from
+    another seed: parallelize must make them all rank 0's."""
+    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    reference, model = tiny_vision_model(family), tiny_vision_model(family, seed=dist.get_rank())
+    parallelize(model, mesh, sp=sp, activation_checkpointing=activation_checkpointing)
+    rows = vision_batch(family)
+    expected = _outputs(reference, rows)
+    dp = data_mesh(mesh)
+    part = dp_slice(dp, len(rows["input_ids"]))
+    with loss_parallel():
+        outputs = _outputs(model, rows_slice(rows, part))
+    dist.all_reduce(outputs.loss, group=dp.get_group())
+    outputs.loss /= dp.size()
+    assert_gradients_placed_as_parameters(model)
+    _assert_units(model, activation_checkpointing=activation_checkpointing)
+    errors = _errors(outputs, expected, part, limits=gradient_limits(_fp32_rounding(reference, rows)))
+    assert max(value for key, value in errors.items() if key != "rounding_limited") < FP32_TOLERANCE, errors
+    return errors
+
+
+def check_vision_bf16(family: str) -> dict[str, float]:
+    """bf16 mixed precision at tp=2 + sp x dp_shard: as close to the fp32 result as one bf16 process is (see
+    ``parallelize_checks.check_bf16_layout``), each part's gradients apart."""
+    mesh = dims_for(dist.get_world_size(), 2).build_mesh("cpu")
+    model = tiny_vision_model(family)
+    parallelize(model, mesh, sp=True, mp_policy=BF16)
+    rows = vision_batch(family)
+    expected = _outputs(tiny_vision_model(family), rows)
+    dp = data_mesh(mesh)
+    part = dp_slice(dp, len(rows["input_ids"]))
+    with loss_parallel():
+        outputs = _outputs(model, rows_slice(rows, part))
+    dist.all_reduce(outputs.loss, group=dp.get_group())
+    outputs.loss /= dp.size()
+    limits = gradient_limits(_fp32_rounding(tiny_vision_model(family), rows))
+    single = _outputs(tiny_vision_model(family).to(torch.bfloat16), rows)
+    noise = _errors(single, expected, slice(None), limits=limits, enforced=False)
+    return within_bf16_noise(_errors(outputs, expected, part, limits=limits, enforced=False), noise)
+
+
+def _fp32_rounding(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each gradient's error in one fp32 process against fp64's (see ``replica_comparison.gradient_limits``), from
+    ``model``'s weights (it is left as it was)."""
+    runs = [_outputs(copy.deepcopy(model).to(dtype), rows) for dtype in (torch.float32, torch.float64)]
+    exact = Outputs(runs[1].loss, runs[1].logits, {name: grad.float() for name, grad in runs[1].grads.items()})
+    return gradient_errors(runs[0], exact, floor=ZERO_GRADIENT)
+
+
+def _errors(
+    outputs: Outputs, expected: Outputs, part: slice, *, limits: dict[str, float], enforced: bool = True
+) -> dict[str, float]:
+    """The loss's, this rank's logits' and the worst gradient's errors, each part's (tower, projector, language
+    model) apart. A gradient that rounds more than the tolerance allows for in one process (a key bias's, zero in
+    exact arithmetic: softmax ignores it) is held to its own fp32 limit instead (``limits``; not ``enforced`` in bf16,
+    where it is noise alone) and counted apart."""
+    grads = gradient_errors(outputs, expected, floor=ZERO_GRADIENT)
+    beyond = {name: grads[name] for name in limits if grads[name] >= limits[name] and enforced}
+    assert not beyond, f"gradients beyond the single process's own rounding: {beyond} (limits {limits})"
+    silent = {_part(name) for name in grads} - {_part(name) for name, grad in expected.grads.items() if grad.any()}
+    assert not silent, f"no gradient reaches the {silent} in one process: nothing to compare"
+    errors = {
+        "loss": relative_error(outputs.loss, expected.loss),
+        "logits": relative_error(outputs.logits, expected.logits[part]),
+    }
+    for name, error in grads.items():
+        key = f"grad_{_part(name)}"
+        errors[key] = max(errors.get(key, 0.0), error if name not in limits else 0.0)
+    return {**errors, "rounding_limited": float(len(limits))}
+
+
+def _part(name: str) -> str:
+    """Which part of the model a parameter belongs to."""
+    parts = {
+        "vision_tower": "tower",
+        "visual.merger": "projector",
+        "visual": "tower",
+        "multi_modal_projector": "projector",
+    }
+    return next((part for key, part in parts.items() if f".{key}." in f".{name}"), "language")
+
+
+def _assert_units(model: torch.nn.Module, *, activation_checkpointing: bool) -> None:
+    """Every block, the tower's too, and the tower and projector are FSDP units; checkpointing reaches every block."""
+    blocks = named_decoder_layers(model)
+    assert any("language" not in name for name, _ in blocks), blocks
+    not_units = [name for name, module in blocks if not isinstance(module, FSDPModule)]
+    not_units += [type(unit).__name__ for unit in multimodal_units(model) if not isinstance(unit, FSDPModule)]
+    assert not not_units, f"not FSDP units: {not_units}"
+    if activation_checkpointing:
+        plain = [name for name, module in blocks if "checkpoint" not in (_get_registry(module) or {})]
+        assert not plain, f"blocks without activation checkpointing: {plain}"
+
+
+class VisionLM(CausalLM):
+    """What a user writes for a vision-language model: rows of tokens and images, its own cross-entropy."""
+
+    def training_step(self, batch, batch_idx):
+        loss, _ = vision_loss_and_logits(self.model, batch)
+        self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
+        return loss
+
+
+def check_vision_training(family: str, tp: int, sp: bool, frozen: tuple[str, ...] = ()) -> dict[str, float]:
+    """AdamW steps through a real Trainer (dp_shard takes the rest of the world) against one process: every step's
+    loss and gradients (the tower's and projector's), then the weights. Every rank starts from other weights.
+    ``frozen``: parts frozen in both (:func:`~lightning_automodel.hf.freezing.freeze`), which must get no gradient,
+    no optimizer state and no change."""
+    model = tiny_vision_model(family, seed=dist.get_rank())
+    names = freeze(model, *frozen)
+    module = VisionLM(model)
+    strategy = AutoModelParallelStrategy(tp=tp, sp=sp)
+    dp = dist.get_world_size() // tp
+    rows = vision_batch(family, GLOBAL_BATCH)
+    fit = trainer(strategy, limit_val_batches=0)
+    fit.fit(module, DataLoader(StackDataset(**rows), batch_size=GLOBAL_BATCH // dp))
+    reference = tiny_vision_model(family)
+    freeze(reference, *frozen)
+    steps = reference_run(
+        reference, loss=lambda model, rows, _: vision_loss_and_logits(model, rows)[0], data=(rows, None)
+    )
+    limits = gradient_limits(_fp32_rounding(tiny_vision_model(family), rows))
+    result = compare_training(module, reference, steps, zero_gradient=ZERO_GRADIENT, rounding_limits=limits)
+    params = dict(module.model.named_parameters())
+    stateful = [name for name in names if params[name] in fit.optimizers[0].state]
+    assert not stateful and not any(params[name].requires_grad for name in names), stateful
+    return {**result, "frozen": float(len(names))}

@@ -227,14 +227,19 @@ def parse_sizes(sizes: str) -> list[int]:
     return [int(float(size[:-1]) * scale[size[-1]]) for size in sizes.split(",")]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(description: str) -> argparse.Namespace:
+    """The options both data benchmarks take."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--sizes", default="10M,100M", help="corpus sizes in tokens (K, M, B suffixes)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--batches", type=int, default=200, help="batches each rank reads")
     parser.add_argument("--workers", type=int, default=2, help="processes tokenizing the cache")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__.split("\n\n")[0])
     sizes = parse_sizes(args.sizes)
     options = dict(seq_len=args.seq_len, batch_size=args.batch_size, tokenize_workers=args.workers)
     consumed = in_fresh_process(_training_consumption, args.seq_len, args.batch_size)

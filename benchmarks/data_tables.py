@@ -16,12 +16,11 @@ the stream are their tokens/s over the corpus's tokens a row.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
 
-from data import in_fresh_process, parse_sizes, private_mib, read_as_rank, shards
+from data import arguments, in_fresh_process, parse_sizes, private_mib, read_as_rank, shards
 
 ROW_GROUP_ROWS = 32
 
@@ -125,13 +124,7 @@ def _memory_line(tokens: int, measured: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="10M,100M", help="corpus sizes in tokens (K, M, B suffixes)")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=200, help="batches each rank reads")
-    parser.add_argument("--workers", type=int, default=2, help="processes tokenizing the cache")
-    args = parser.parse_args()
+    args = arguments(__doc__.split("\n\n")[0])
     options = dict(seq_len=args.seq_len, batch_size=args.batch_size, tokenize_workers=args.workers)
     measured = {tokens: _measure(tokens, options, args.batches) for tokens in parse_sizes(args.sizes)}
     print("| corpus tokens | read | setup (s) | rows/s | tokens/s | of pyarrow's Python strings |")

@@ -14,9 +14,13 @@ def no_pytest_argv(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _no_process_group_left():
-    """A test that runs the strategy in this process (a world of 1) leaves its process group: the tests after it in
-    this worker would find one initialized (and the planning's fake process group refuses to run beside it)."""
+def _no_distributed_state_left():
+    """A test that runs the strategy in this process (a world of 1) leaves its process group and the variables
+    Lightning sets (MASTER_PORT, WORLD_SIZE, ...): the tests after it in this worker would find a process group
+    initialized (the planning's fake one refuses to run beside it), and launches would inherit a port in use."""
+    environment = dict(os.environ)
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)

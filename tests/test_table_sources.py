@@ -9,15 +9,13 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_token_cache import streamed
 
 from lightning_automodel.data import ChatDataModule, TextDataModule, cache
 from lightning_automodel.data.copies import describe
-from lightning_automodel.data.encoding import DocumentEncoder
 from lightning_automodel.data.sources.expand import expand_sources
 from lightning_automodel.data.sources.tables import DatasetSource, open_table, table_rows
 from lightning_automodel.data.streaming.shares import shares
-from lightning_automodel.data.streaming.stream import StreamedRows
-from lightning_automodel.data.tokenizer import PAD_ID, byte_tokenizer
 
 DOCUMENTS = [f"document {i}: " + "word " * (i % 11) + "é" * (i % 3) for i in range(60)]
 CHATS = [
@@ -177,17 +175,8 @@ def test_the_cache_key_follows_a_table_and_a_datasets_fingerprint(tmp_path):
     assert text_rows(half) == text_rows(path), "another dataset reused a cache keyed by a fingerprint"
 
 
-def stream_of(sources, *, rank=0, num_replicas=1, **options):
-    return StreamedRows(
-        expand_sources(sources),
-        DocumentEncoder(byte_tokenizer()),
-        seq_len=24,
-        pad_id=PAD_ID,
-        separate=True,
-        rank=rank,
-        num_replicas=num_replicas,
-        **options,
-    )
+def stream_of(sources, **options):
+    return streamed(expand_sources(sources), seq_len=24, **options)
 
 
 def test_a_stream_deals_row_groups_over_the_ranks_each_row_once(tmp_path):

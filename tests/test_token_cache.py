@@ -180,15 +180,17 @@ def test_default_directory_is_keyed(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------------- streaming
 
 
-def streamed(files, rank=0, num_replicas=1, separate=True):
+def streamed(files, rank=0, num_replicas=1, separate=True, seq_len=32, **options):
+    """A rank's stream of ``files`` (paths, or sources expanded), through the byte tokenizer."""
     return StreamedRows(
         files,
         DocumentEncoder(byte_tokenizer()),
-        seq_len=32,
+        seq_len=seq_len,
         pad_id=PAD_ID,
         separate=separate,
         num_replicas=num_replicas,
         rank=rank,
+        **options,
     )
 
 

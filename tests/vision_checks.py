@@ -4,6 +4,7 @@ gradient (the vision tower's and projector's included) of ``parallelize``, then 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,18 @@ def _outputs(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> Outputs:
     return Outputs(full(loss).detach().clone(), full(logits), grads)
 
 
+def _parallel_outputs(model: torch.nn.Module, rows: dict, mesh: Any) -> tuple[Any, slice]:
+    """The parallelized model's outputs on this data-parallel rank's rows, its loss averaged over the data-parallel
+    ranks (as the one process's over the whole batch), and the rows' slice."""
+    dp = data_mesh(mesh)
+    part = dp_slice(dp, len(rows["input_ids"]))
+    with loss_parallel():
+        outputs = _outputs(model, rows_slice(rows, part))
+    dist.all_reduce(outputs.loss, group=dp.get_group())
+    outputs.loss /= dp.size()
+    return outputs, part
+
+
 def check_vision_layout(family: str, tp: int, sp: bool, activation_checkpointing: bool = False) -> dict[str, float]:
     """fp32 parity of one step with images; dp_shard takes the rest of the world. Every rank builds its model from
     another seed: parallelize must make them all rank 0's."""
@@ -53,12 +66,7 @@ def check_vision_layout(family: str, tp: int, sp: bool, activation_checkpointing
     parallelize(model, mesh, sp=sp, activation_checkpointing=activation_checkpointing)
     rows = vision_batch(family)
     expected = _outputs(reference, rows)
-    dp = data_mesh(mesh)
-    part = dp_slice(dp, len(rows["input_ids"]))
-    with loss_parallel():
-        outputs = _outputs(model, rows_slice(rows, part))
-    dist.all_reduce(outputs.loss, group=dp.get_group())
-    outputs.loss /= dp.size()
+    outputs, part = _parallel_outputs(model, rows, mesh)
     assert_gradients_placed_as_parameters(model)
     _assert_units(model, activation_checkpointing=activation_checkpointing)
     errors = _errors(outputs, expected, part, limits=gradient_limits(_fp32_rounding(reference, rows)))
@@ -74,12 +82,7 @@ def check_vision_bf16(family: str) -> dict[str, float]:
     parallelize(model, mesh, sp=True, mp_policy=BF16)
     rows = vision_batch(family)
     expected = _outputs(tiny_vision_model(family), rows)
-    dp = data_mesh(mesh)
-    part = dp_slice(dp, len(rows["input_ids"]))
-    with loss_parallel():
-        outputs = _outputs(model, rows_slice(rows, part))
-    dist.all_reduce(outputs.loss, group=dp.get_group())
-    outputs.loss /= dp.size()
+    outputs, part = _parallel_outputs(model, rows, mesh)
     limits = gradient_limits(_fp32_rounding(tiny_vision_model(family), rows))
     single = _outputs(tiny_vision_model(family).to(torch.bfloat16), rows)
     noise = _errors(single, expected, slice(None), limits=limits, enforced=False)

@@ -10,7 +10,6 @@ pyarrow is an optional dependency, imported when a table is first read.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -139,8 +138,3 @@ def table_rows(
         for fields in zip(*values, strict=True):
             yield row, dict(zip(columns, fields, strict=True))
             row += 1
-
-
-def table_size(source: str | DatasetSource) -> int:
-    """What the cache key holds of a table's size: a file's bytes, a dataset's rows."""
-    return len(source.dataset) if isinstance(source, DatasetSource) else os.path.getsize(source)

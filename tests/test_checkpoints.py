@@ -27,7 +27,7 @@ from resume_checks import check_other_configuration_refused_or_loaded_in_part, c
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from lightning_automodel.io.atomic_directory import atomic_directory, readable_path, unowned_entries
-from lightning_automodel.io.checkpoint_contents import Held
+from lightning_automodel.io.checkpoint_contents import Held, folded_blocks
 from lightning_automodel.io.full_checkpoint import FullCheckpoint
 from lightning_automodel.io.lightning_checkpoint import load_checkpoint
 from lightning_automodel.io.random_states import gather_random_states, restore_random_states
@@ -232,3 +232,17 @@ def _saved(directory: Path, model: torch.nn.Module, optimizers: list[torch.optim
     dcp.save(state, checkpoint_id=directory)
     torch.save({}, directory / _METADATA_FILENAME)
     return directory
+
+
+def test_a_packed_weights_blocks_fold_and_a_module_named_blocks_stays():
+    """Qwen2-VL's tower keeps its layers in ``blocks``: once taken for a packed weight's blocks and dropped, which
+    made every checkpoint of it refused on resume as lacking the tower."""
+    sizes = {
+        "state_dict.visual.blocks.0.attn.qkv.weight": (6, 2),
+        "state_dict.layers.0.qkv_proj.weight.block0": (4, 2),
+        "state_dict.layers.0.qkv_proj.weight.block1": (2, 2),
+    }
+    assert folded_blocks(sizes) == {
+        "state_dict.visual.blocks.0.attn.qkv.weight": (6, 2),
+        "state_dict.layers.0.qkv_proj.weight": 12,
+    }

@@ -6,9 +6,10 @@ import pytest
 import torch
 from vision_checks import check_vision_bf16, check_vision_layout, check_vision_training
 
-from lightning_automodel import ParallelDims
+from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_multimodal_parts
 from lightning_automodel.hf.freezing import freeze
+from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_model
@@ -69,3 +70,14 @@ def test_freezing_names_parts_or_patterns_and_refuses_what_names_nothing():
     assert not any(name.startswith("model.vision_tower.") for name in language)
     with pytest.raises(ValueError, match=r"'projector' names no parameter of Qwen2VL.*model.visual \(vision_tower\)"):
         freeze(tiny_vision_model("qwen2_vl"), "projector")
+
+
+def test_freeze_is_an_option_of_parallelize_and_the_strategy():
+    """A name or a list becomes a tuple; anything but names is refused when the options are built."""
+    assert ParallelOptions.from_keywords(freeze="vision_tower").freeze == ("vision_tower",)
+    assert AutoModelParallelStrategy(tp=2, freeze=["projector", "model.lm_head.*"]).options.parallel.freeze == (
+        "projector",
+        "model.lm_head.*",
+    )
+    with pytest.raises(ValueError, match="a tuple of part names or patterns"):
+        ParallelOptions(freeze=("vision_tower", 3))

@@ -81,7 +81,8 @@ def optimizer_sizes(index: int, state: dict[str, dict[str, Any]]) -> dict[str, S
 def folded_blocks(sizes: dict[str, tuple[int, ...]]) -> dict[str, Size]:
     """``sizes`` with each packed weight's blocks (``name.block0``, ...) as one entry: its number of values."""
     blocks_of = packed_block_keys(sizes)
-    folded: dict[str, Size] = {key: size for key, size in sizes.items() if ".block" not in key}
+    in_blocks = {key for blocks in blocks_of.values() for key in blocks}  # not a module named "blocks"
+    folded: dict[str, Size] = {key: size for key, size in sizes.items() if key not in in_blocks}
     for name, blocks in blocks_of.items():
         folded[name] = sum(torch.Size(sizes[block]).numel() for block in blocks)
     return folded
@@ -145,8 +146,8 @@ def _unmatched(
         if counts != {stored.group_counts[index]}:
             found.append(f"{key}: {stored.group_counts[index]} param group(s) in the checkpoint, {max(counts)} here")
         with_state = _parameters_with_state(stored.sizes, key)
-        if trained - with_state - saved:
-            lacking = sorted(trained - with_state - saved)
+        if trained - with_state - saved - kept:  # kept: frozen, in a group but never given a gradient
+            lacking = sorted(trained - with_state - saved - kept)
             found.append(f"{key}: the checkpoint lacks the state of parameters this run trains: {_listed(lacking)}")
         if with_state - trained:
             extra = sorted(with_state - trained)

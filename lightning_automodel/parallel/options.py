@@ -64,6 +64,11 @@ class ParallelOptions:
     ``parallelize`` returns (:class:`~lightning_automodel.parallel.parallelized.Parallelized`); see
     :mod:`~lightning_automodel.parallel.pipeline`."""
 
+    freeze: tuple[str, ...] = ()
+    """Parts to train none of, frozen before anything is sharded: "vision_tower", "projector", "language_model" (of a
+    vision-language model) or patterns of parameter names (``"model.layers.0.*"``). A frozen parameter gets no
+    gradient, no reduction and no optimizer state; see :func:`~lightning_automodel.hf.freezing.freeze`."""
+
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     """How FSDP2 shards, gathers and computes (under pp, ``reshard_after_forward=None`` is False: a stage gathers its
     weights once a step)."""
@@ -76,6 +81,8 @@ class ParallelOptions:
                 f" {', '.join(AC_MODES)} (ac_mode() reads True and False; parallelize's keywords take them)."
             )
         _ = self.compile_kwargs  # parsed here: a compile= torch.compile does not take is refused when built
+        if not isinstance(self.freeze, tuple) or not all(isinstance(target, str) for target in self.freeze):
+            raise ValueError(f"freeze={self.freeze!r}: a tuple of part names or patterns (parallelize takes a list).")
         if self.float8 is not None and not isinstance(self.float8, Float8Options):
             raise ValueError(
                 f"float8={self.float8!r}: ParallelOptions holds Float8Options or None (float8_options() reads True,"
@@ -96,6 +103,9 @@ class ParallelOptions:
             keywords["activation_checkpointing"] = ac_mode(keywords["activation_checkpointing"])
         if "float8" in keywords:
             keywords["float8"] = float8_options(keywords["float8"])
+        if isinstance(keywords.get("freeze"), list | str):
+            freeze = keywords["freeze"]
+            keywords["freeze"] = (freeze,) if isinstance(freeze, str) else tuple(freeze)
         flat = {name: keywords.pop(name) for name in _FSDP_FIELDS if name in keywords}
         if flat:  # beside fsdp=FSDPOptions(...), refused as a keyword given twice
             return cls(**keywords, fsdp=FSDPOptions(**flat))

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers
+from lightning_automodel.hf.freezing import freeze
 from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_automodel.parallel.compile import apply_compile, check_compile
@@ -101,6 +102,7 @@ def parallelize(
         raise TypeError(f"parallelize takes options or their keywords, not both (got {', '.join(keywords)} too).")
     options = options if options is not None else ParallelOptions.from_keywords(**keywords)
     hf_model = unwrap_peft(model)
+    freeze(hf_model, *options.freeze)  # before any collective: a target naming nothing is refused on every rank
     parallelization_strategy_for(hf_model).parallelize(hf_model, device_mesh, options)
     return Parallelized(model)
 

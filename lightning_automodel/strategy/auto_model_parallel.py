@@ -7,23 +7,20 @@ Hugging Face models inside the LightningModule and parallelizes them before any 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Generator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
@@ -34,7 +31,7 @@ from lightning_automodel.parallel.context_parallel import CPAttention
 from lightning_automodel.parallel.float8 import Float8Spec, float8_options
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.initial_weights import is_meta
-from lightning_automodel.parallel.mesh import axis_size, data_mesh, reduction_mesh
+from lightning_automodel.parallel.mesh import axis_size, data_mesh
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelized import Parallelized
 from lightning_automodel.parallel.parallelizer import parallelize
@@ -45,7 +42,9 @@ from lightning_automodel.strategy.argument_docs import with_argument_docs
 from lightning_automodel.strategy.auto_layout import apply_accumulation, choose_for_trainer, require_memory_to_plan
 from lightning_automodel.strategy.checkpointing_strategy import CheckpointingStrategy
 from lightning_automodel.strategy.epoch_end_resume import EpochEndResume
-from lightning_automodel.strategy.faults import FaultMonitor, report_failure, stop_watching, watch_stage
+from lightning_automodel.strategy.faults.monitor import FaultMonitor, report_failure, stop_watching, watch_stage
+from lightning_automodel.strategy.faults.preemption import Preemption
+from lightning_automodel.strategy.faults.stragglers import point_flight_recorder
 from lightning_automodel.strategy.lightning_patches import (
     clip_across_meshes,
     evaluate_without_inference_mode,
@@ -62,14 +61,13 @@ from lightning_automodel.strategy.parallelized_models import (
 )
 from lightning_automodel.strategy.plan_verification import VerifiedPlans
 from lightning_automodel.strategy.predict_batches import require_equal_batch_counts
-from lightning_automodel.strategy.preemption import Preemption
-from lightning_automodel.strategy.stragglers import point_flight_recorder
+from lightning_automodel.strategy.reductions import MeshReductions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class AutoModelParallelStrategy(EpochEndResume, CheckpointingStrategy):
+class AutoModelParallelStrategy(EpochEndResume, MeshReductions, CheckpointingStrategy):
     """Lightning's ModelParallelStrategy that parallelizes the LightningModule's Hugging Face models itself.
 
     Over a 5D mesh: pipeline (pp), HSDP and FSDP2 (dp_replicate, dp_shard), context (cp), tensor and sequence (tp,
@@ -103,6 +101,7 @@ class AutoModelParallelStrategy(EpochEndResume, CheckpointingStrategy):
         layout_batch: tuple[int, int] | None = None,
         tp_plan: PlanSpec | None = None,
         allow_unsharded_linears: bool = False,
+        freeze: list[str] | None = None,
         verify_plans: bool = False,
         activation_checkpointing: bool | ACMode | None = None,
         compile: CompileSpec = False,
@@ -150,6 +149,7 @@ class AutoModelParallelStrategy(EpochEndResume, CheckpointingStrategy):
             compile=compile,
             float8=float8_options(float8),
             cp_attention=cp_attention,
+            freeze=tuple(freeze or ()),
             fsdp=FSDPOptions(
                 mp_policy=mp_policy,
                 reshard_after_forward=reshard_after_forward,
@@ -327,39 +327,6 @@ class AutoModelParallelStrategy(EpochEndResume, CheckpointingStrategy):
         return to_local(super().predict_step(*args, **kwargs))
 
     @override
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulating micro-batches: FSDP keeps the unsharded gradients and reduce-scatters them once, on the
-        last micro-batch, instead of once per micro-batch (Lightning blocks only DDP's sync itself). Not under
-        layout="auto": its memory estimate holds sharded gradients, which each micro-batch's reduction keeps."""
-        assert self.model is not None
-        if self.layout_choice is not None:
-            yield
-            return
-        units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
-        for unit in units:
-            unit.set_requires_gradient_sync(False, recurse=False)
-        try:
-            yield
-        finally:
-            for unit in units:
-                unit.set_requires_gradient_sync(True, recurse=False)
-
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor:
-        """Reduce over the data-parallel ranks (dp_replicate x dp_shard x cp) unless a group is given.
-
-        TP peers hold the same value; reducing over them too would count it tp times in a sum.
-        """
-        if not isinstance(tensor, Tensor):
-            return tensor
-        if group is None and self._device_mesh is not None:  # before setup, as the parent: the world, if any
-            group = reduction_mesh(self.device_mesh).get_group()
-        return _sync_ddp_if_available(to_local(tensor), group, reduce_op=reduce_op)
-
-    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Every rank must take part in every forward pass of a sharded model: predict batches dealt unevenly are
         refused here, before the predict loop could leave a rank without batches."""
@@ -367,13 +334,6 @@ class AutoModelParallelStrategy(EpochEndResume, CheckpointingStrategy):
         if self.lightning_module.trainer.predicting:
             require_equal_batch_counts(dataloader, world_size=self.world_size)
         return super().process_dataloader(dataloader)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Agree over every rank (Lightning compares the sum with the world size)."""
-        count = torch.tensor(int(decision), device=self.root_device)
-        count = _sync_ddp_if_available(count, _group.WORLD, reduce_op=ReduceOp.SUM)
-        return bool(count == self.world_size) if all else bool(count)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

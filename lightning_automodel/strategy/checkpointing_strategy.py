@@ -30,8 +30,8 @@ from lightning_automodel.io.lightning_checkpoint import (
     split_packed,
 )
 from lightning_automodel.io.random_states import RandomStates, gather_random_states, restore_random_states
+from lightning_automodel.strategy.faults.preemption import Preemption
 from lightning_automodel.strategy.options import StrategyOptions
-from lightning_automodel.strategy.preemption import Preemption
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

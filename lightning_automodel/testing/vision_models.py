@@ -68,6 +68,7 @@ def vision_batch(family: str, batch_size: int = 4, seed: int = 1) -> dict[str, t
     """Rows of token ids, labels and one image each: the image's placeholders replace tokens 1-4 and are never
     predicted (label -100), as a chat template and its collator lay them out."""
     tokens, labels = batch(batch_size, seed=seed)
+    tokens[tokens == IMAGE_TOKEN] = IMAGE_TOKEN - 1  # the text's own: an image's placeholders are those below
     tokens[:, 1 : 1 + IMAGE_TOKENS] = IMAGE_TOKEN
     labels[:, :IMAGE_TOKENS] = -100
     generator = torch.Generator().manual_seed(seed)

@@ -25,14 +25,14 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from lightning_automodel.strategy.collective_progress import (
+from lightning_automodel.strategy.faults.collective_progress import (
     CollectiveProgress,
     Counts,
     GroupProgress,
     Missed,
     find_missed,
 )
-from lightning_automodel.strategy.main_thread import main_thread_place
+from lightning_automodel.strategy.faults.main_thread import main_thread_place
 
 RANKS_SHOWN = 3  # ranks a list names before "and N more"
 # What a store that is gone (its host down, its process killed) raises: torch's DistError (a RuntimeError), the

@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint import CheckpointException
 
-from lightning_automodel.strategy.stragglers import Stragglers
+from lightning_automodel.strategy.faults.stragglers import Stragglers
 
 INTERVAL = 1.0  # seconds between heartbeats
 GONE_AFTER = 3.0  # once a failure is known, a rank without a heartbeat for this long is gone

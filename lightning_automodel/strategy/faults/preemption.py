@@ -30,7 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_automodel.strategy.faults import FaultMonitor
+from lightning_automodel.strategy.faults.monitor import FaultMonitor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

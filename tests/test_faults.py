@@ -31,7 +31,8 @@ from fault_checks import (
 )
 
 from lightning_automodel.io.lightning_checkpoint import check_checkpoint
-from lightning_automodel.strategy import faults, stragglers
+from lightning_automodel.strategy.faults import monitor as faults
+from lightning_automodel.strategy.faults import stragglers
 from lightning_automodel.strategy.faults.collective_progress import GroupProgress, find_missed
 from lightning_automodel.strategy.faults.stragglers import Stragglers, _as_the_waiting_say, flight_recorder_environment
 from lightning_automodel.testing.fault_launch import Fault, Outcome, launch

@@ -38,6 +38,15 @@ def redirect_output(out_dir: Path) -> None:
     sys.stderr.reconfigure(line_buffering=True)
 
 
+def as_from_a_terminal() -> None:
+    """Ctrl-C and the stop signals as a shell would hand them to a new process: a driver (a test worker) may have
+    left SIGINT ignored or signals blocked, which a child inherits (Python then installs no KeyboardInterrupt)."""
+    inherited = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    print(f"inherited: SIGINT handler {inherited[0]}, blocked {sorted(inherited[1])}", flush=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
@@ -63,6 +72,7 @@ def main() -> None:
     parser.add_argument("--save-on-exception", action="store_true", help="OnExceptionCheckpoint into OUT_DIR/ckpt")
     args = parser.parse_args()
     redirect_output(args.out_dir)
+    as_from_a_terminal()
     # Imported once the output is redirected: what importing prints (warnings, errors) lands in this rank's log.
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint

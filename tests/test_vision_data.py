@@ -9,14 +9,12 @@ import pyarrow.parquet
 import pytest
 import torch
 from PIL import Image
-from transformers import LlavaConfig, LlavaForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from lightning_automodel.data import cache
 from lightning_automodel.data.rows import IGNORE_INDEX
-from lightning_automodel.data.tokenizer import EOS_ID
 from lightning_automodel.data.vision import VisionChatDataModule
 from lightning_automodel.data.vision.rows import collate_rows
-from lightning_automodel.testing.vision import llava_processor, qwen2_vl_processor
+from lightning_automodel.testing.vision import llava_processor, qwen2_vl_processor, tiny_llava, tiny_qwen2_vl
 
 SIZES = {"red.png": (10, 6), "blue.png": (20, 30), "green.png": (12, 8)}  # width, height: three sizes
 
@@ -38,12 +36,16 @@ def _token_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(cache, "DEFAULT_ROOT", tmp_path / "token-cache")
 
 
-@pytest.fixture
-def data(tmp_path):
+def write_images(directory):
     """The images as PNG files beside the records' JSONL file."""
     for name, size in SIZES.items():
-        Image.new("RGB", size, name.split(".")[0]).save(tmp_path / name)
-    return tmp_path
+        Image.new("RGB", size, name.split(".")[0]).save(directory / name)
+    return directory
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_images(tmp_path)
 
 
 def write_jsonl(path, records):
@@ -189,37 +191,3 @@ def test_a_collated_batch_runs_through_tiny_llava_and_qwen2_vl(data):
         assert module.tokenizer.decode(batch["input_ids"][trained].tolist()) == "red, blue<eos>green<eos>"
         loss, by_hand = loss_on_answers(model(processor), batch)
         assert torch.isfinite(loss) and torch.allclose(loss, by_hand, atol=1e-5)
-
-
-def tiny_llava(processor):
-    text = dict(model_type="llama", vocab_size=len(processor.tokenizer), hidden_size=32, intermediate_size=64)
-    text |= dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, eos_token_id=EOS_ID)
-    vision = dict(model_type="clip_vision_model", image_size=8, patch_size=4, hidden_size=16, intermediate_size=32)
-    vision |= dict(num_hidden_layers=1, num_attention_heads=2)
-    config = LlavaConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=processor.image_token_id,
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
-    )
-    return LlavaForConditionalGeneration(config).eval()
-
-
-def tiny_qwen2_vl(processor):
-    tokens = processor.tokenizer.convert_tokens_to_ids
-    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
-    text = dict(vocab_size=len(processor.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1)
-    text |= dict(
-        num_attention_heads=2, num_key_value_heads=1, rope_parameters=rope, eos_token_id=EOS_ID, bos_token_id=None
-    )
-    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2)
-    vision |= dict(temporal_patch_size=2, in_channels=3, mlp_ratio=2)
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=processor.image_token_id,
-        video_token_id=tokens("<|video_pad|>"),
-        vision_start_token_id=tokens("<|vision_start|>"),
-    )
-    return Qwen2VLForConditionalGeneration(config).eval()

@@ -50,6 +50,19 @@ def make_row(pieces: list[Piece], *, seq_len: int, pad_id: int, positions: bool)
     return row
 
 
+def packed_row_starts(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """Where each row starts among records of ``lengths`` (each at most ``seq_len``) when as many consecutive ones
+    as fit share a row; the last entry is the count of records."""
+    starts, filled = [0], 0
+    for index, length in enumerate(lengths.tolist()):
+        if filled + length > seq_len:
+            starts.append(index)
+            filled = 0
+        filled += length
+    starts.append(len(lengths))
+    return np.array(starts if len(lengths) else [0], dtype=np.int64)
+
+
 class _Rows(Dataset):
     def __init__(self, store: TokenStore, seq_len: int, pad_id: int) -> None:
         self.store = store
@@ -151,17 +164,7 @@ class ConversationRows(_Rows):
         self.documents = documents
         self.kept = np.minimum(store.lengths[documents], seq_len)
         self.truncated = int((store.lengths[documents] > seq_len).sum())
-        self.row_starts = self._row_starts() if pack else np.arange(len(documents) + 1)
-
-    def _row_starts(self) -> np.ndarray:
-        starts, filled = [0], 0
-        for index, length in enumerate(self.kept.tolist()):
-            if filled + length > self.seq_len:
-                starts.append(index)
-                filled = 0
-            filled += length
-        starts.append(len(self.kept))
-        return np.array(starts if len(self.kept) else [0], dtype=np.int64)
+        self.row_starts = packed_row_starts(self.kept, seq_len) if pack else np.arange(len(documents) + 1)
 
     def __len__(self) -> int:
         return len(self.row_starts) - 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lightning_automodel.hf.mrope import is_mrope
 from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.hf.replica import replica_problem
 
@@ -31,8 +32,11 @@ def packed_documents_problem(model: nn.Module) -> str | None:
 
 
 def _packed_logits(replica: nn.Module, tokens: Tensor) -> Tensor:
-    """The replica's logits on its rows laid end to end in one row, position ids restarting at each, cut back."""
+    """The replica's logits on its rows laid end to end in one row, position ids restarting at each, cut back. An
+    M-RoPE model's come in four rows (:mod:`~lightning_automodel.hf.mrope`), text tokens' all alike."""
     rows, length = tokens.shape
     positions = torch.arange(length).repeat(rows).unsqueeze(0)
+    if is_mrope(replica.config):
+        positions = positions.expand(4, 1, -1)
     logits = replica(input_ids=tokens.reshape(1, -1), position_ids=positions, use_cache=False).logits
     return logits.reshape(rows, length, -1)

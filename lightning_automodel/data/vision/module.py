@@ -29,21 +29,20 @@ class VisionChatDataModule(ChatDataModule):
 
     The cache holds each record's ids, trained mask and image paths (a table's images stay in its rows), built and
     checked once; a row is one record, padded, with its images' pixel inputs made when it is read (in the loader's
-    workers with ``num_workers``). Batches are collated by :func:`~lightning_automodel.data.vision.rows.collate_rows`.
-    Other arguments are :class:`~lightning_automodel.data.modules.base.TokenDataModule`'s, but ``tokenizer`` (the
-    processor's) and ``pack`` (one record a row, for now).
+    workers with ``num_workers``). ``pack=True``: as many consecutive records a row as fit, each computed as if alone
+    (:mod:`~lightning_automodel.data.vision.packing`: LLaVA and the M-RoPE models; refused for others at setup).
+    Batches are collated by :func:`~lightning_automodel.data.vision.rows.collate_rows`. Other arguments are
+    :class:`~lightning_automodel.data.modules.base.TokenDataModule`'s, but ``tokenizer`` (the processor's).
     """
 
     _collate = staticmethod(collate_rows)
 
-    def __init__(self, train_files: Any, processor: str | Any, **kwargs: Any) -> None:
-        if kwargs.pop("pack", False):
-            raise ValueError("pack=True: vision records are one a row for now (packing images comes later).")
+    def __init__(self, train_files: Any, processor: str | Any, pack: bool = False, **kwargs: Any) -> None:
         if kwargs.get("tokenizer") is not None:
             raise ValueError("tokenizer: the processor's own tokenizer renders vision records; leave tokenizer unset.")
         if kwargs.get("streaming"):
             raise ValueError("streaming: vision records are cached; leave streaming unset.")
-        super().__init__(train_files, pack=False, **kwargs)
+        super().__init__(train_files, pack=pack, **kwargs)
         self.processor_path = processor
         self._sources: dict[str, Any] = {}
 
@@ -83,10 +82,10 @@ class VisionChatDataModule(ChatDataModule):
 
     def _rows(self, store: TokenStore, *, chosen: np.ndarray | None) -> Dataset:
         options = dict(seq_len=self.seq_len, pad_id=self.tokenizer.pad_token_id, chosen=chosen)
-        rows = VisionRows(store, processor=self.processor, sources=self._sources, **options)
+        rows = VisionRows(store, processor=self.processor, sources=self._sources, pack=self.pack, **options)
         if rows.truncated:
             rank_zero_warn(
-                f"{rows.truncated} of {len(rows)} records are longer than seq_len={self.seq_len}: each keeps its first"
-                " seq_len tokens (its images all fit; the rest of its answers is not trained on)."
+                f"{rows.truncated} of {len(rows.documents)} records are longer than seq_len={self.seq_len}: each keeps"
+                " its first seq_len tokens (its images all fit; the rest of its answers is not trained on)."
             )
         return rows

@@ -1,8 +1,9 @@
-"""Vision rows: one record a row, padded, its pixel inputs made when the row is read; and their collation.
+"""Vision rows: one record a row, padded, or several (``pack``), their pixel inputs made when the row is read; and
+their collation.
 
-A row keeps a record's token ids, its labels and its images' pixel inputs together (whatever the processor's image
-processor returns: ``pixel_values``, and ``image_grid_thw`` for Qwen2-VL, ...), so that packing several records a
-row can come later without another layout.
+A row keeps its records' token ids, their labels and their images' pixel inputs together (whatever the processor's
+image processor returns: ``pixel_values``, and ``image_grid_thw`` for Qwen2-VL, ...), the images in the records'
+order. Packed rows are laid out by :mod:`.packing`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_automodel.data.rows import make_row
+from lightning_automodel.data.rows import make_row, packed_row_starts
 from lightning_automodel.data.sources.expand import Source
 from lightning_automodel.data.sources.tables import open_table, table_rows
 from lightning_automodel.data.store import IMAGES, TokenStore
 from lightning_automodel.data.vision.images import load_image, record_images
+from lightning_automodel.data.vision.packing import packed_positions, packing_rope_index
 
 # Per-token inputs, stacked over a batch; every other input of a row is per image, concatenated over the batch.
 TOKEN_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")
@@ -52,7 +54,9 @@ def source_of(store: TokenStore, document: int) -> str:
 
 
 class VisionRows(Dataset):
-    """One record a row, padded to ``seq_len`` with an attention mask, and its images' pixel inputs.
+    """One record a row, padded to ``seq_len`` with an attention mask, and its images' pixel inputs; with ``pack``,
+    as many consecutive records a row as fit, kept apart by position ids that restart at each (see :mod:`.packing`),
+    and all their images' pixel inputs in order.
 
     Refused at setup (on every rank, before any collective), naming the record's file and line: an image whose
     tokens alone exceed ``seq_len``, images whose tokens end past ``seq_len`` (cutting them would leave the model
@@ -69,6 +73,7 @@ class VisionRows(Dataset):
         chosen: np.ndarray | None,
         processor: Any,
         sources: dict[str, Source],
+        pack: bool = False,
     ) -> None:
         self.store, self.seq_len, self.pad_id = store, seq_len, pad_id
         self.processor, self.sources = processor, sources
@@ -78,6 +83,9 @@ class VisionRows(Dataset):
         self.kept = np.minimum(store.lengths[self.documents], seq_len)
         self.truncated = int((store.lengths[self.documents] > seq_len).sum())
         self.paths = json.loads((store.directory / IMAGES).read_text())
+        self.pack = pack
+        self.rope_index = packing_rope_index(processor) if pack else None
+        self.row_starts = packed_row_starts(self.kept, seq_len) if pack else np.arange(len(self.documents) + 1)
 
     def _refuse_too_long(self) -> None:
         ends, runs = image_spans(self.store, self.documents, self.image_ids)
@@ -100,20 +108,26 @@ class VisionRows(Dataset):
                 )
 
     def __len__(self) -> int:
-        return len(self.documents)
+        return len(self.row_starts) - 1
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        document = int(self.documents[index])
-        start, kept = int(self.store.offsets[document]), int(self.kept[index])
-        ids = self.store.tokens[start : start + kept]
-        piece = (ids, self.store.trained[start : start + kept], True)
-        row = make_row([piece], seq_len=self.seq_len, pad_id=self.pad_id, positions=False)
-        if images := self._images(document):
-            pixels = self.processor.image_processor(images, return_tensors="pt")
+        records = range(int(self.row_starts[index]), int(self.row_starts[index + 1]))
+        lengths = [int(self.kept[record]) for record in records]
+        pieces = []
+        for record, kept in zip(records, lengths, strict=True):
+            start = int(self.store.offsets[self.documents[record]])
+            pieces.append((self.store.tokens[start : start + kept], self.store.trained[start : start + kept], True))
+        row = make_row(pieces, seq_len=self.seq_len, pad_id=self.pad_id, positions=self.pack)
+        images = [self._images(int(self.documents[record])) for record in records]
+        if any(images):
+            pixels = self.processor.image_processor([one for some in images for one in some], return_tensors="pt")
             row |= {name: torch.as_tensor(value) for name, value in pixels.items()}
         for name in ("token_type_ids", "mm_token_type_ids"):
             if name in self.processor.model_input_names:
                 row[name] = torch.from_numpy(np.isin(row["input_ids"].numpy(), self.image_ids).astype(np.int64))
+        if self.rope_index is not None:
+            counts = [len(some) for some in images]
+            row["position_ids"] = packed_positions(row, lengths=lengths, images=counts, rope_index=self.rope_index)
         return row
 
     def _images(self, document: int) -> list[Any]:
@@ -128,14 +142,15 @@ class VisionRows(Dataset):
 
 
 def collate_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per-token inputs stacked; per-image inputs (pixels, grids, sizes) concatenated over the batch's images, in
-    order: LLaVA's ``pixel_values`` become ``(images, 3, H, W)``, Qwen2-VL's patches ``(patches, dim)`` with
-    ``image_grid_thw`` ``(images, 3)``, as the models take them. A batch without images has no pixel inputs."""
+    """Per-token inputs stacked (M-RoPE's ``(4, seq)`` position ids into ``(4, batch, seq)``); per-image inputs
+    (pixels, grids, sizes) concatenated over the batch's images, in order: LLaVA's ``pixel_values`` become
+    ``(images, 3, H, W)``, Qwen2-VL's patches ``(patches, dim)`` with ``image_grid_thw`` ``(images, 3)``, as the
+    models take them. A batch without images has no pixel inputs."""
     batch = {}
     for name in dict.fromkeys(name for row in rows for name in row):
         values = [row[name] for row in rows if name in row]
         if name in TOKEN_INPUTS:
-            batch[name] = torch.stack(values)
+            batch[name] = torch.stack(values, dim=values[0].ndim - 1)
             continue
         shapes = {tuple(value.shape[1:]) for value in values}
         if len(shapes) > 1:

@@ -1,0 +1,42 @@
+"""Multimodal rotary positions (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL): three position ids a token (time, height,
+width), an image's tokens placed on its grid, found by the model class's own ``get_rope_index``.
+
+Packed rows give these models four rows of position ids, ``(4, batch, seq)``: the first the text positions, restarting
+at each record, from which transformers builds the mask that keeps the records apart (with three rows it builds no
+such mask, and records see each other); the other three the M-RoPE positions, each record's found alone.
+"""
+
+from __future__ import annotations
+
+import transformers
+from torch import Tensor, nn
+from transformers import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+# The model types whose text model takes (4, batch, seq) position ids and masks packed records by their first row.
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def is_mrope(config: transformers.PretrainedConfig) -> bool:
+    """Whether a model of ``config`` takes its packed rows' position ids in four rows."""
+    return getattr(config, "model_type", None) in MROPE_MODEL_TYPES
+
+
+class RopeIndex:
+    """The base model class's ``get_rope_index`` of ``model_type``, on an instance holding its config alone (no
+    weights: the function reads only the config's spatial merge, which is the image processor's ``merge_size``)."""
+
+    def __init__(self, model_type: str, *, merge_size: int) -> None:
+        config = CONFIG_MAPPING[model_type]()
+        config.vision_config.spatial_merge_size = merge_size
+        holder = object.__new__(getattr(transformers, MODEL_MAPPING_NAMES[model_type]))
+        nn.Module.__init__(holder)
+        holder.config = config
+        self.holder = holder
+
+    def __call__(self, input_ids: Tensor, *, image_types: Tensor, grids: Tensor | None) -> Tensor:
+        """One record's M-RoPE positions, ``(3, len)``, as the model finds them for the record alone."""
+        positions, _ = self.holder.get_rope_index(
+            input_ids.unsqueeze(0), mm_token_type_ids=image_types.unsqueeze(0), image_grid_thw=grids
+        )
+        return positions[:, 0]

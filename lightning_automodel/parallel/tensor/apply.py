@@ -111,6 +111,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, planned: TensorPar
         )
     if choice.unsharded_weights:
         log.warning("Left whole on every tp rank (allow_unsharded_linears=True): %s", choice.unsharded_weights)
+    if choice.kept_whole:
+        log.info("Beside the language model, kept whole on every tp rank: %s", choice.kept_whole)
     if planned.replicated:
         log.info(
             "Replicated parameters computing on sharded activations (gradients summed over tp): %s", planned.replicated

@@ -62,11 +62,12 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
 def _owning_configs(model: nn.Module) -> dict[str, object]:
     """Each module's config, by name: that of the innermost model holding it (a vision tower's attention reads the
     tower's head counts, the language model's its own), the model's text config where no inner model has one."""
-    configs: dict[str, object] = {}
+    configs: dict[str, object] = {"": model_config(model)}
     for name, module in model.named_modules():
-        owner = name.rpartition(".")[0] if name else None
-        inner = getattr(module, "config", None) if isinstance(module, PreTrainedModel) and name else None
-        configs[name] = model_config(module) if inner is not None else configs.get(owner, model_config(model))
+        if name and isinstance(module, PreTrainedModel) and getattr(module, "config", None) is not None:
+            configs[name] = model_config(module)
+        elif name:
+            configs[name] = configs[name.rpartition(".")[0]]
     return configs
 
 

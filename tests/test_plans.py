@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_automodel import ParallelDims
-from lightning_automodel.hf.decoder_layers import layers_sharing_parameters, named_decoder_layers
+from lightning_automodel.hf.decoder_layers import layers_sharing_parameters, named_decoder_layers, named_language_layers
 from lightning_automodel.parallel import (
     DefaultParallelizationStrategy,
     ParallelizationStrategy,
@@ -302,11 +302,13 @@ def test_a_plan_that_leaves_the_mlp_whole_is_refused_unless_allowed():
 
 
 def test_the_vision_tower_of_a_multimodal_model_is_not_flagged():
-    """The blocks a plan must shard are those a text-only step runs, as the probe finds them."""
+    """The blocks the language model's plan must shard are its own; the probe's step with images runs the tower's
+    too, which get a plan of their own (``plans/tower.py``)."""
     with torch.device("meta"):
         model = tiny_model("gemma3_vlm")
     trace = probe_unsharded(model, tp=2)
-    blocks = [(name, block) for name, block in named_decoder_layers(model) if trace.called(name)]
+    assert trace.images and trace.called("model.vision_tower.encoder.layers.0")
+    blocks = [(name, block) for name, block in named_language_layers(model) if trace.called(name)]
     assert [name for name, _ in blocks] == ["model.language_model.layers.0", "model.language_model.layers.1"]
     choice = select_tp_plan(model, sp=False, blocks=blocks)
     assert choice.source == "family plan for Gemma3ForConditionalGeneration" and choice.unsharded_weights == []
@@ -363,7 +365,7 @@ def test_the_probe_finds_the_one_length_reformer_trains_on(monkeypatch, caplog):
     for reformer, length in ((model, 16), (wider, 24)):
         trace = probe_unsharded(reformer, tp=1)
         assert trace.tokens == length and blocks_recomputed_outside_calls(reformer, trace) == layers
-    monkeypatch.setattr(preflight, "sequence_lengths", lambda model, tp: [5 * tp])
+    monkeypatch.setattr(preflight, "sequence_lengths", lambda model, tp, images: [5 * tp])
     with fake_world(2):
         mesh = ParallelDims(dp_shard=2).resolve(2).build_mesh("cpu")
         assert check_before_collectives(model, mesh).held_by_root == ()
@@ -377,7 +379,7 @@ def test_a_model_the_probe_cannot_run_is_named_once_per_class(monkeypatch, caplo
     from lightning_automodel.parallel import preflight
 
     monkeypatch.setattr(preflight, "_WARNED_UNPROBED", weakref.WeakSet())
-    monkeypatch.setattr(preflight, "sequence_lengths", lambda model, tp: [5 * tp])
+    monkeypatch.setattr(preflight, "sequence_lengths", lambda model, tp, images: [5 * tp])
     with torch.device("meta"):
         models = [coverage_model("reformer:local_64_positions") for _ in range(2)]
     with fake_world(2):

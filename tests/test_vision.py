@@ -1,15 +1,22 @@
 """Vision-language models against one process at tp=2 + sp x dp_shard=2 (one launch of four ranks)."""
 
+import re
 from functools import partial
 
 import pytest
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel
 from vision_checks import check_vision_bf16, check_vision_layout, check_vision_training
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
-from lightning_automodel.hf.decoder_layers import multimodal_units, named_multimodal_parts
+from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers, named_multimodal_parts
 from lightning_automodel.hf.freezing import freeze
+from lightning_automodel.hf.image_inputs import image_inputs, image_token_count
 from lightning_automodel.parallel.options import ParallelOptions
+from lightning_automodel.parallel.preflight import probe_unsharded
+from lightning_automodel.parallel.tensor.plans import tower
+from lightning_automodel.parallel.tensor.plans.tower import NO_PROJECTION, tower_styles
+from lightning_automodel.parallel.tensor.styles.projections import PackedColwiseParallel
 from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_model
@@ -32,15 +39,50 @@ def test_vision_models_at_tp_sp_and_dp_shard():
 
 
 def test_the_plan_report_states_what_the_tower_gets():
-    """The tower and projector, their parameters and blocks, and why tp keeps them whole; no line for a text model."""
+    """The tower and projector, their parameters and blocks, what tp splits of them and what it keeps whole and why;
+    no line for a text model."""
     with torch.device("meta"):
         model = tiny_vision_model("llava")
     report = str(plan_report(model, ParallelDims(tp=2).resolve(4), sp=True))
     assert "vision tower and projector: model.vision_tower (23,552), model.multi_modal_projector (6,272)" in report
     assert "24.8% of the parameters; FSDP2 units of their own (2 blocks" in report
-    assert "kept whole on every tp rank: the plans are checked by a text-only probe step" in report
+    assert "model.vision_tower.encoder.layers.*.self_attn.q_proj" in report
+    assert re.search(r"model\.multi_modal_projector\.linear_2 +OwnedOutputRowwiseParallel x1", report)
+    assert "tp splits 14 of their projections (entries column-, exits row-parallel" in report
+    assert (
+        "kept whole on every tp rank: model.vision_tower.embeddings, model.vision_tower.pre_layrnorm,"
+        " model.vision_tower.post_layernorm (it holds no projection" in report
+    )
+    assert "31,888 per rank (26.52%; ideal 1/4)" in report
     with torch.device("meta"):
         assert "vision tower" not in str(plan_report(tiny_model(), ParallelDims(tp=2).resolve(4)))
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_image_inputs_from_the_config_are_what_the_model_takes(family):
+    """The builder's rows run the real model (it refuses placeholders that do not match its image features), and the
+    probe's step with them runs the tower's blocks and the projector."""
+    model = tiny_vision_model(family)
+    inputs = image_inputs(model, rows=2, tokens=image_token_count(model) + 3)
+    assert model(**inputs, use_cache=False).logits.shape[:2] == inputs["input_ids"].shape
+    trace = probe_unsharded(model, tp=2)
+    assert trace.images and not trace.images_failure
+    assert all(trace.called(name) for name, _ in named_decoder_layers(model))
+    assert all(trace.called(name) for name, _ in named_multimodal_parts(model))
+    with pytest.raises(ValueError, match="cannot hold an image's"):
+        image_inputs(model, rows=2, tokens=image_token_count(model))
+    assert image_token_count(tiny_model()) is None
+
+
+def test_the_tower_plan_splits_qwen2_vl_fused_qkv_block_by_block():
+    """Qwen2-VL's vision attention views its fused qkv as (tokens, 3, heads, head width) and unbinds the 3 after a
+    permute: each rank needs its slice of q, k and v (split the plain way it would run, wrongly)."""
+    model = tiny_vision_model("qwen2_vl")
+    styles, kept = tower_styles(model, trace=probe_unsharded(model, tp=2))
+    assert isinstance(styles["model.visual.blocks.0.attn.qkv"], PackedColwiseParallel)
+    assert styles["model.visual.blocks.0.attn.qkv"].parts == 3
+    assert type(styles["model.visual.merger.mlp.0"]) is ColwiseParallel
+    assert kept == {"model.visual.patch_embed": NO_PROJECTION}
 
 
 def test_the_parts_beside_the_language_model_and_their_units():
@@ -81,3 +123,14 @@ def test_freeze_is_an_option_of_parallelize_and_the_strategy():
     )
     with pytest.raises(ValueError, match="a tuple of part names or patterns"):
         ParallelOptions(freeze=("vision_tower", 3))
+
+
+def test_a_tower_plan_the_probe_refuses_leaves_the_tower_whole(monkeypatch):
+    """The language model's plan stands alone, and the report says why the tower is whole."""
+    broken = {"model.visual.blocks.0.attn.proj": ColwiseParallel()}  # its split output met by the whole stream
+    monkeypatch.setattr(tower, "tower_styles", lambda model, trace: (broken, {}))
+    with torch.device("meta"):
+        model = tiny_vision_model("qwen2_vl")
+    report = str(plan_report(model, ParallelDims(tp=2).resolve(4), sp=True))
+    assert "kept whole on every tp rank: model.visual (the plan for them fails the probe's step (" in report
+    assert "model.visual.blocks.0.attn.proj" not in report.split("vision tower")[0]

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.data import DataLoader, StackDataset
 
 from lightning_automodel import AutoModelParallelStrategy, parallelize
@@ -69,6 +71,8 @@ def check_vision_layout(family: str, tp: int, sp: bool, activation_checkpointing
     outputs, part = _parallel_outputs(model, rows, mesh)
     assert_gradients_placed_as_parameters(model)
     _assert_units(model, activation_checkpointing=activation_checkpointing)
+    if tp > 1:
+        _assert_tower_split(model)
     errors = _errors(outputs, expected, part, limits=gradient_limits(_fp32_rounding(reference, rows)))
     assert max(value for key, value in errors.items() if key != "rounding_limited") < FP32_TOLERANCE, errors
     return errors
@@ -140,6 +144,24 @@ def _assert_units(model: torch.nn.Module, *, activation_checkpointing: bool) -> 
     if activation_checkpointing:
         plain = [name for name, module in blocks if "checkpoint" not in (_get_registry(module) or {})]
         assert not plain, f"blocks without activation checkpointing: {plain}"
+
+
+def _assert_tower_split(model: torch.nn.Module) -> None:
+    """Every Linear of the tower's blocks and of the projector holds a tp shard of its weight."""
+    blocks = [name for name, _ in named_decoder_layers(model) if _part(f"{name}.") == "tower"]
+    linears = {
+        name: module.weight
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and (name.startswith(tuple(f"{block}." for block in blocks)) or _part(name) == "projector")
+    }
+    whole = [name for name, weight in linears.items() if not _split_over_tp(weight)]
+    assert linears and not whole, f"tower and projector Linears not split over tp: {whole or 'none found'}"
+
+
+def _split_over_tp(weight: torch.Tensor) -> bool:
+    names = weight.device_mesh.mesh_dim_names or () if isinstance(weight, DTensor) else ()
+    return "tp" in names and isinstance(weight.placements[names.index("tp")], Shard | _StridedShard)
 
 
 class VisionLM(CausalLM):

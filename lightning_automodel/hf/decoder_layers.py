@@ -79,6 +79,13 @@ def named_multimodal_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def named_language_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks of :func:`named_decoder_layers` outside :func:`named_multimodal_parts`: the language model's, whose
+    residual stream sequence parallel splits (all of them, in a text model)."""
+    beside = tuple(f"{name}." for name, _ in named_multimodal_parts(model))
+    return [(name, block) for name, block in named_decoder_layers(model) if not beside or not name.startswith(beside)]
+
+
 def multimodal_units(model: nn.Module) -> list[nn.Module]:
     """The FSDP units of :func:`named_multimodal_parts` beside their blocks'. A part that is a model of its own
     (CLIP's ``CLIPVisionModel``) gives its children instead (its embeddings and norms; Qwen2-VL's patch embedding and

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.image_inputs import image_token_count
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline, context_parallel_problem
 from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
 from lightning_automodel.parallel.mesh import axis_size, tp_mesh
@@ -141,19 +142,31 @@ def check_context_parallel(model: nn.Module, *, cp: int, pipeline: PipelineOptio
 
 def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:
     """One step of a meta-device copy of the Hugging Face ``model`` (see :mod:`lightning_automodel.parallel.probe`),
-    or how it failed at every sequence length tried. Models that are not Hugging Face ones, whose inputs are
-    unknown, are not probed (None)."""
+    or how it failed at every sequence length tried. A vision-language model's step carries images
+    (:mod:`lightning_automodel.hf.image_inputs`); where that fails, a text-only step stands in (its trace says how
+    the step with images failed). Models that are not Hugging Face ones, whose inputs are unknown, are not probed
+    (None)."""
     if not isinstance(model, PreTrainedModel):
         return None
+    with_images = _probe_at_lengths(model, tp=tp, images=True) if image_token_count(model) is not None else None
+    if isinstance(with_images, Trace):
+        return with_images
+    found = _probe_at_lengths(model, tp=tp, images=False)
+    if isinstance(found, Trace) and with_images is not None:
+        found.images_failure = str(with_images)
+    return found
+
+
+def _probe_at_lengths(model: nn.Module, *, tp: int, images: bool) -> Trace | ProbeError:
     failure = None
-    for tokens in sequence_lengths(model, tp=tp):
+    for tokens in sequence_lengths(model, tp=tp, images=images):
         try:
-            return probe(meta_copy(model), tokens=tokens)
+            return probe(meta_copy(model), tokens=tokens, images=images)
         except ProbeError as error:
             failure = failure or error
             if not refuses_length(error):
                 break
-    log.debug("The meta-device probe of %s failed: %s", type(model).__name__, failure)
+    log.debug("The meta-device probe of %s (images: %s) failed: %s", type(model).__name__, images, failure)
     return failure
 
 

@@ -2,9 +2,10 @@
 
 On meta tensors kernels only propagate shapes, and so do collectives: the probe computes nothing and communicates
 nothing, so every rank can run it before any collective, whatever it finds. Run on a copy of the model before and
-after tensor parallel, it shows which modules a text-only step calls and with what, where a plan's layouts do not
-fit the model (a module that reads a global size, a style that takes the whole sequence for a shard), and which
-modules compute on activations tensor parallel shards (see :mod:`.tensor.sharded_activations`).
+after tensor parallel, it shows which modules a step calls and with what (a vision-language model's step carries
+images, so that its vision tower runs too: see :mod:`lightning_automodel.hf.image_inputs`), where a plan's layouts
+do not fit the model (a module that reads a global size, a style that takes the whole sequence for a shard), and
+which modules compute on activations tensor parallel shards (see :mod:`.tensor.sharded_activations`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental import _config as fx_config
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_automodel.hf.image_inputs import image_inputs, image_token_count
 
 # Rows and tokens of the probe's batch: small, odd and unlike any model size, so that a dimension a plan splits
 # cannot be mistaken for another one of the same size. The sequence is a multiple of tp (sequence parallel splits it).
@@ -60,6 +63,8 @@ class Trace:
     """
 
     tokens: int  # the sequence length of the probe's batch
+    images: bool = False  # whether its rows carried images (see forward_step)
+    images_failure: str = ""  # how a step with images failed, where a text-only step stands in for it
     calls: dict[str, list[Call]] = field(default_factory=dict)  # in the forward
     uses: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
     called_in_backward: set[str] = field(default_factory=set)  # modules run again in backward (checkpointing)
@@ -100,14 +105,16 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copied
 
 
-def sequence_lengths(model: nn.Module, *, tp: int) -> list[int]:
-    """The probe's sequence lengths to try, each a multiple of ``tp``: a short one, then, for a model that refuses
-    it (some take only lengths their chunks or position tables tile), the length axial position embeddings tile
-    (Reformer trains on that length alone), the model's longest, and the powers of two below it, longest first."""
+def sequence_lengths(model: nn.Module, *, tp: int, images: bool = False) -> list[int]:
+    """The probe's sequence lengths to try, each a multiple of ``tp``: a short one (with ``images``, that many text
+    tokens beside an image's placeholders), then, for a model that refuses it (some take only lengths their chunks or
+    position tables tile), the length axial position embeddings tile (Reformer trains on that length alone), the
+    model's longest, and the powers of two below it, longest first."""
     config = getattr(model, "config", None)
     longest = getattr(config, "max_position_embeddings", None)
     axial = getattr(config, "axial_pos_shape", None)
-    candidates = [PROBE_TOKENS_PER_RANK * tp, math.prod(axial) if getattr(config, "axial_pos_embds", False) else None]
+    short = PROBE_TOKENS_PER_RANK * tp + ((image_token_count(model) or 0) if images else 0)
+    candidates = [-(-short // tp) * tp, math.prod(axial) if getattr(config, "axial_pos_embds", False) else None]
     if isinstance(longest, int):
         candidates += [longest, *(2**power for power in range(longest.bit_length() - 1, 2, -1))]
     lengths: list[int] = []
@@ -123,15 +130,16 @@ def refuses_length(error: ProbeError) -> bool:
     return isinstance(error.error, ValueError)
 
 
-def probe(model: nn.Module, *, tokens: int) -> Trace:
+def probe(model: nn.Module, *, tokens: int, images: bool = False) -> Trace:
     """Run one forward and backward pass of ``model`` (on the meta device) on a batch of ``tokens`` token ids per
-    row; record every module call. Raises :class:`ProbeError` naming the module that failed.
+    row, with an image each where ``images`` (see :func:`forward_step`); record every module call. Raises
+    :class:`ProbeError` naming the module that failed.
 
     Data-dependent questions the model's code asks of its tensors (``if mask.any():``) are answered with zero: meta
     tensors hold no values.
     """
     names = {id(module): name for name, module in model.named_modules()}
-    trace, running, in_backward = Trace(tokens), [], []
+    trace, running, in_backward = Trace(tokens, images=images), [], []
     flow = _ParameterUses(model, trace)
     returned_by = WeakIdKeyDictionary()  # tensor -> the innermost module whose call returned it
 
@@ -161,7 +169,7 @@ def probe(model: nn.Module, *, tokens: int) -> Trace:
     with _hooks(model, before, after), AnswerDataQuestions():
         with flow:
             try:
-                output = forward_step(model, tokens=tokens)
+                output = forward_step(model, tokens=tokens, images=images)
             except Exception as error:  # noqa: BLE001 - any failure of the model's code is what the probe reports
                 raise ProbeError(list(running), error, trace) from error
         running.clear()
@@ -173,11 +181,16 @@ def probe(model: nn.Module, *, tokens: int) -> Trace:
     return trace
 
 
-def forward_step(model: nn.Module, *, tokens: int) -> Any:
+def forward_step(model: nn.Module, *, tokens: int, images: bool = False) -> Any:
     """The forward of a training step of ``model`` on the meta device: ``PROBE_ROWS`` rows of ``tokens`` token ids,
-    no key/value cache. Run it under :class:`AnswerDataQuestions`."""
-    token_ids = torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")
-    return model(input_ids=token_ids, **_no_cache(model))
+    no key/value cache. With ``images``, each row holds an image (its pixels on the meta device, its placeholders
+    and metadata on the CPU, where the model's code reads their values: see
+    :func:`~lightning_automodel.hf.image_inputs.image_inputs`). Run it under :class:`AnswerDataQuestions`."""
+    if images:
+        inputs = image_inputs(model, rows=PROBE_ROWS, tokens=tokens, pixels_device="meta")
+    else:
+        inputs = {"input_ids": torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")}
+    return model(**inputs, **_no_cache(model))
 
 
 @contextmanager
@@ -224,9 +237,11 @@ def _describe(tensor: torch.Tensor) -> TensorArg:
 class AnswerDataQuestions(TorchDispatchMode):
     """``tensor.item()`` and ``bool(tensor)`` of a meta tensor return zero (False) instead of raising: both runs of
     the probe take the same branch of code that asks about values (padding checks, mask shortcuts). ``nonzero`` of a
-    meta tensor takes every element as nonzero (an experts loop then visits every expert: DBRX's)."""
+    meta tensor takes every element as nonzero (an experts loop then visits every expert: DBRX's). CPU tensors an
+    operation combines with meta ones (positions computed from an image's grid) are moved to the meta device."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        args, kwargs = _cpu_beside_meta_moved((args, kwargs or {}))
         meta = bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"
         if func is torch.ops.aten._local_scalar_dense.default and meta:
             return _zero_of(args[0].dtype)
@@ -267,6 +282,23 @@ class _ParameterUses(TorchDispatchMode):
             for tensor in outputs:
                 self.from_parameters[tensor] = parameters
         return output
+
+
+def _cpu_beside_meta_moved(values: Any) -> Any:
+    leaves = tensor_leaves(values)
+    if not any(leaf.device.type == "meta" for leaf in leaves) or all(leaf.device.type == "meta" for leaf in leaves):
+        return values
+    return tree_map(_on_meta, values)
+
+
+def _on_meta(leaf: Any) -> Any:
+    """``leaf`` on the meta device where it is a tensor of one or more dimensions (a DTensor: its local tensor)."""
+    if not _is_tensor(leaf) or not leaf.ndim or leaf.device.type == "meta":
+        return leaf
+    if isinstance(leaf, DTensor):
+        local = leaf._local_tensor.to("meta")
+        return DTensor.from_local(local, leaf.device_mesh, leaf.placements, shape=leaf.shape, stride=leaf.stride())
+    return leaf.to("meta")
 
 
 def tensor_leaves(values: Any) -> list[torch.Tensor]:

@@ -47,6 +47,8 @@ class PlanReport:
     replicated: dict[str, int] = field(default_factory=dict)  # modules on sharded activations, as patterns -> count
     multimodal: dict[str, int] = field(default_factory=dict)  # a vision tower and projector: name -> parameters
     multimodal_blocks: int = 0  # the blocks among them
+    multimodal_split: int = 0  # under tp: the plan's styles for their projections
+    multimodal_kept: dict[str, str] = field(default_factory=dict)  # under tp: what stays whole on every rank, and why
     total_parameters: int = 0
     parameters_per_rank: int = 0
     parameter_bytes_per_rank: int = 0
@@ -126,10 +128,20 @@ class PlanReport:
         )
         if self.dims.tp == 1:
             return line
+        if self.multimodal_split:
+            line += (
+                f"; tp splits {self.multimodal_split} of their projections (entries column-, exits row-parallel,"
+                " checked by the probe's step with images; the tower's activations are not sequence-parallel)"
+            )
+        by_reason: dict[str, list[str]] = {}
+        for name, why in self.multimodal_kept.items():
+            by_reason.setdefault(why, []).append(_per_block(name))
+        kept = "; ".join(f"{', '.join(dict.fromkeys(names))} ({why})" for why, names in by_reason.items())
+        if not kept:
+            return line
         return (
-            f"{line}; kept whole on every tp rank: the plans are checked by a text-only probe step, which never runs"
-            " the tower, so no plan for its blocks is checked (every tp rank computes their whole gradient from the"
-            " same images; FSDP2 averages it over the data-parallel ranks)"
+            f"{line}; kept whole on every tp rank: {kept} (every tp rank computes their whole gradient from the same"
+            " images; FSDP2 averages it over the data-parallel ranks)"
         )
 
     def _float8_lines(self) -> list[str]:
@@ -348,6 +360,11 @@ def _describe_plan(report: PlanReport, planned: TensorParallelPlan | None, model
         report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
     report.unmatched_patterns = choice.unmatched
     report.unsharded_weights = choice.unsharded_weights
+    report.multimodal_kept = choice.kept_whole
+    beside = tuple(f"{name}." for name in report.multimodal)
+    report.multimodal_split = sum(
+        pattern_matches(pattern, name) for pattern in choice.plan for name in names if name.startswith(beside)
+    )
     report.replicated = dict(Counter(_per_block(name) for name in planned.replicated))
 
 

@@ -16,13 +16,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import named_language_layers
 from lightning_automodel.hf.ties import ties_kept
 from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe
 from lightning_automodel.parallel.tensor.head_counts import head_parameter_styles, localize_head_counts, splits_outputs
 from lightning_automodel.parallel.tensor.lora import lora_aware
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.parallel.tensor.plans.selection import PlanChoice, PlanSpec, select_tp_plan
+from lightning_automodel.parallel.tensor.plans.tower import kept_whole_for, with_tower_plan
 from lightning_automodel.parallel.tensor.sharded_activations import LayoutMismatch, find_sharded_activations
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,14 @@ def plan_tensor_parallel(
 ) -> TensorParallelPlan:
     """Choose and check the plan for ``model`` over the tp ``mesh``, on a meta-device copy; no collective runs.
 
-    ``unsharded``: a probe of the model as it is (see :func:`~lightning_automodel.parallel.probe.probe`): the blocks a
-    text-only step runs are those the plan must shard, and the sharded copy is probed against it. A model the probe
+    ``unsharded``: a probe of the model as it is (see :func:`~lightning_automodel.parallel.probe.probe`): the language
+    model's blocks it runs are those the plan must shard, and the sharded copy is probed against it. A vision-language
+    model's tower and projector get the derived plan's styles where its step ran their images (see
+    :mod:`.plans.tower`); a tower plan the probe refuses leaves them whole (the report says why). A model the probe
     could not run is refused once its plan is chosen (so that a plan's own shortcomings are named first); without a
     probe (a model that is not a Hugging Face one) the plan is applied to the copy, not probed.
     """
-    blocks = named_decoder_layers(model)
+    blocks = named_language_layers(model)  # a vision tower's plan is added to the language model's
     if isinstance(unsharded, Trace):
         blocks = [(name, block) for name, block in blocks if unsharded.called(name)]
     trace = unsharded if isinstance(unsharded, Trace) else None
@@ -68,6 +71,21 @@ def plan_tensor_parallel(
             f" {type(model).__name__} fails there by itself, in {unsharded.module or 'backward'} ({unsharded.detail})."
             " Use tp=1: FSDP2 alone needs no such check."
         ) from unsharded
+    tower = with_tower_plan(model, choice, trace=trace) if tp_plan is None else choice
+    if tower.plan == choice.plan:  # nothing beside the language model split (the reasons say why), or a user's plan
+        return _checked(model, mesh, tower, sp=sp, unsharded=unsharded)
+    try:
+        return _checked(model, mesh, tower, sp=sp, unsharded=unsharded)
+    except ValueError as error:  # the language model's plan alone is checked next, and refused as it would be
+        why = f"the plan for them fails the probe's step ({str(error).split('. ')[0]})"
+        return _checked(model, mesh, kept_whole_for(model, choice, reason=why), sp=sp, unsharded=unsharded)
+
+
+def _checked(
+    model: nn.Module, mesh: DeviceMesh, choice: PlanChoice, *, sp: bool, unsharded: Trace | None
+) -> TensorParallelPlan:
+    """``choice`` applied to a meta-device copy of ``model`` and, with a probe, probed there (see
+    :func:`_probe_sharded`)."""
     copy = meta_copy(model)
     styles = lora_aware(choice.plan, copy)
     split = _shard_keeping_ties(copy, mesh, styles)
@@ -93,6 +111,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, planned: TensorPar
         )
     if choice.unsharded_weights:
         log.warning("Left whole on every tp rank (allow_unsharded_linears=True): %s", choice.unsharded_weights)
+    if choice.kept_whole:
+        log.info("Beside the language model, kept whole on every tp rank: %s", choice.kept_whole)
     if planned.replicated:
         log.info(
             "Replicated parameters computing on sharded activations (gradients summed over tp): %s", planned.replicated
@@ -155,7 +175,7 @@ def _probe_sharded(copy: nn.Module, mesh: DeviceMesh, planned: TensorParallelPla
     tp, source = mesh.size(), planned.choice.source
     while True:
         try:
-            sharded, failure = probe(copy, tokens=unsharded.tokens), None
+            sharded, failure = probe(copy, tokens=unsharded.tokens, images=unsharded.images), None
         except ProbeError as error:
             sharded, failure = error.trace, error
         running = failure.running if failure is not None else ()

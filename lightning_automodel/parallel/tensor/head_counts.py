@@ -14,6 +14,7 @@ from collections.abc import Collection
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from transformers import PreTrainedModel
 
 from lightning_automodel.hf.layer_configs import attention_shapes
 from lightning_automodel.hf.packed_weights import is_packed
@@ -36,14 +37,15 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
     ``split``: the modules whose outputs the plan leaves split over tp (see :func:`splits_outputs`); attention modules
     are those with such a child. A projection whose output is gathered again leaves every head on every rank.
     """
-    config = model_config(model)
-    if not _is_int(getattr(config, "num_attention_heads", None)):
-        return []
-    shapes = attention_shapes(config)
     changed = []
+    configs = _owning_configs(model)
     for name, module in model.named_modules():
         if not any((f"{name}.{child}" if name else child) in split for child, _ in module.named_children()):
             continue
+        config = configs.get(name)
+        if not _is_int(getattr(config, "num_attention_heads", None)):
+            continue
+        shapes = attention_shapes(config)
         counts, widths = _sizes(shapes, layer=getattr(module, "layer_idx", None))
         read = _attributes_read(type(module))
         attributes = [a for a, value in vars(module).items() if _is_count(a, value, counts) and _reads(read, a)]
@@ -55,6 +57,18 @@ def localize_head_counts(model: nn.Module, tp: int, *, split: Collection[str]) -
         changed += [f"{name}.{attribute}" for attribute in attributes]
         changed += [f"{name}.config.{field}" for field in _localize_config(module, read, counts, tp)]
     return changed
+
+
+def _owning_configs(model: nn.Module) -> dict[str, object]:
+    """Each module's config, by name: that of the innermost model holding it (a vision tower's attention reads the
+    tower's head counts, the language model's its own), the model's text config where no inner model has one."""
+    configs: dict[str, object] = {"": model_config(model)}
+    for name, module in model.named_modules():
+        if name and isinstance(module, PreTrainedModel) and getattr(module, "config", None) is not None:
+            configs[name] = model_config(module)
+        elif name:
+            configs[name] = configs[name.rpartition(".")[0]]
+    return configs
 
 
 def _sizes(shapes: list[tuple[int, int, int]], *, layer: int | None) -> tuple[set[int], set[int]]:

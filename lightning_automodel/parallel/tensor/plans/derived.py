@@ -19,10 +19,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.peft import is_lora_layer
 from lightning_automodel.parallel.probe import (
-    PROBE_TOKENS_PER_RANK,
     AnswerDataQuestions,
     forward_step,
     meta_copy,
+    sequence_lengths,
     tensor_leaves,
 )
 from lightning_automodel.parallel.tensor.plans.completion import kept_whole
@@ -97,25 +97,39 @@ def derived_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = _vocabulary_parallel(model)
     for name, uses in flow.entries.items():
-        plan[name] = _entry_style(name, modules[name], uses)
-    for name in flow.exits:  # model code may add to an exit's output in place (Falcon's attention into its MLP's)
-        plan[name] = Conv1DRowwiseParallel() if is_conv1d(modules[name]) else OwnedOutputRowwiseParallel()
-    return keyed_by_position(plan, names=list(modules))
+        plan[name] = entry_style(name, modules[name], uses)
+    return keyed_by_position({**plan, **exit_styles(model, flow)}, names=list(modules))
 
 
-def follow_projections(model: nn.Module) -> ProjectionFlow:
-    """Entries and exits of the blocks' projections, followed again without the entries found unclosed until none
-    is left (each round can only make more projections whole). Those the completion keeps whole are left out."""
-    whole = kept_whole(model)
+def exit_styles(model: nn.Module, flow: ProjectionFlow) -> dict[str, ParallelStyle]:
+    """Row-parallel styles for ``flow``'s exits: model code may add to an exit's output in place (Falcon's attention
+    into its MLP's), so each owns its output."""
+    modules = dict(model.named_modules())
+    return {
+        name: Conv1DRowwiseParallel() if is_conv1d(modules[name]) else OwnedOutputRowwiseParallel()
+        for name in flow.exits
+    }
+
+
+def follow_projections(
+    model: nn.Module, *, blocks: Iterable[str] | None = None, images: bool = False, whole: Iterable[str] = ()
+) -> ProjectionFlow:
+    """Entries and exits of the projections of ``blocks`` (by name; the decoder blocks by default) in one step (with
+    ``images``: see :func:`~lightning_automodel.parallel.probe.forward_step`), followed again without the entries
+    found unclosed until none is left (each round can only make more projections whole). Those the completion keeps
+    whole, and ``whole``, are left out."""
+    whole = kept_whole(model) | set(whole)
     while True:
-        flow = _follow_once(model, whole=whole)
+        flow = _follow_once(model, whole=whole, blocks=blocks, images=images)
         unclosed = flow.unclosed()
         if not unclosed:
             return flow
         whole |= unclosed
 
 
-def _entry_style(name: str, module: nn.Module, uses: set[Any]) -> ParallelStyle:
+def entry_style(name: str, module: nn.Module, uses: set[Any]) -> ParallelStyle:
+    """The column-parallel style for an entry whose output the step took apart as ``uses``; a ValueError saying why
+    where no style fits."""
     splits = {use[1] for use in uses if isinstance(use, tuple)}
     if OTHER in uses or len(splits) > 1:
         found = ", ".join(sorted(str(use) for use in uses))
@@ -157,18 +171,20 @@ def _owned_by(model: nn.Module, module: nn.Module, *, allowed: Iterable[nn.Modul
     )
 
 
-def _follow_once(model: nn.Module, *, whole: set[str]) -> ProjectionFlow:
+def _follow_once(model: nn.Module, *, whole: set[str], blocks: Iterable[str] | None, images: bool) -> ProjectionFlow:
     copy = meta_copy(model)
     flow, tracker = ProjectionFlow(), _SplitActivations()
     handles = []
-    for block_name, block in named_decoder_layers(copy):
+    modules = dict(copy.named_modules())
+    followed = named_decoder_layers(copy) if blocks is None else [(name, modules[name]) for name in blocks]
+    for block_name, block in followed:
         handles.append(block.register_forward_hook(_escape_hook(tracker, flow)))
-        for name, module in _projections(block, prefix=block_name):
+        for name, module in projections(block, prefix=block_name):
             if name not in whole:
                 handles += _watch(module, name, tracker, flow)
     try:
         with AnswerDataQuestions(), tracker:
-            forward_step(copy, tokens=PROBE_TOKENS_PER_RANK * 2)
+            forward_step(copy, tokens=sequence_lengths(model, tp=2, images=images)[0], images=images)
     except Exception as error:  # noqa: BLE001 - any failure of the model's code: no plan can be derived
         raise ValueError(
             f"one forward step of the model on the meta device fails ({type(error).__name__}: {error}), so its data"
@@ -191,7 +207,7 @@ def _escape_hook(tracker: _SplitActivations, flow: ProjectionFlow) -> Callable:
     return hook
 
 
-def _projections(block: nn.Module, *, prefix: str) -> list[tuple[str, nn.Module]]:
+def projections(block: nn.Module, *, prefix: str) -> list[tuple[str, nn.Module]]:
     """The block's projections by full name: Linears, ``Conv1D``s and LoRA layers (not the Linears inside them), but
     those of a recurrent mixer, which a style of its own splits (the plan's completion gives it)."""
     found, skipped = [], []
@@ -261,11 +277,12 @@ class _SplitActivations(TorchDispatchMode):
             if entry is not None:
                 self._classify(entry, func, tensor, args, outputs)
             if tensor in self.units:
-                self._classify_units(func, tensor, args)
+                self._classify_units(func, tensor, args, outputs)
         return output
 
     def _classify(self, entry: str, func, tensor: torch.Tensor, args: tuple, outputs: list[torch.Tensor]) -> None:
-        use = WHOLE if self._meets_whole(tensor, args) else _use(func, tensor, args, outputs)
+        meets_whole = func.overloadpacket not in _CONTRACTIONS and self._meets_whole(tensor, args)
+        use = WHOLE if meets_whole else _use(func, tensor, args, outputs)
         if use is None:  # the same values under another shape or in place: follow them
             for result in outputs:
                 self.direct[result] = entry
@@ -276,8 +293,9 @@ class _SplitActivations(TorchDispatchMode):
         self.uses.setdefault(entry, set()).add(use)
 
     def _meets_whole(self, tensor: torch.Tensor, args: tuple) -> bool:
-        """Whether an operation combines ``tensor`` with a whole tensor along its last dimension (Gemma4's per-layer
-        input gate times the per-layer input): split, the two would no longer line up."""
+        """Whether an element-wise operation combines ``tensor`` with a whole tensor along its last dimension
+        (Gemma4's per-layer input gate times the per-layer input): split, the two would no longer line up. (A matrix
+        product's bias, as wide as its input by chance, is not: a projector's second Linear's.)"""
         width = tensor.shape[-1] if tensor.ndim else 1
         return width > 1 and any(
             isinstance(arg, torch.Tensor)
@@ -288,10 +306,14 @@ class _SplitActivations(TorchDispatchMode):
             for arg in args
         )
 
-    def _classify_units(self, func, view: torch.Tensor, args: tuple) -> None:
+    def _classify_units(self, func, view: torch.Tensor, args: tuple, outputs: list[torch.Tensor]) -> None:
         """A view (..., units, rest) taken apart along ``units``: they are blocks of different meaning ([gate; up]
-        viewed as (2, intermediate)), not heads."""
+        viewed as (2, intermediate)), not heads. A permutation of the view is followed (Qwen2-VL's vision attention
+        views its fused qkv as (tokens, 3, heads, head width), moves the 3 first and unbinds it)."""
         entry, units_dim = self.units[view]
+        if func.overloadpacket is aten.permute and outputs:
+            self.units[outputs[0]] = (entry, [dim % view.ndim for dim in args[1]].index(units_dim))
+            return
         position = _TAKING_APART.get(func.overloadpacket)
         dim = args[position] if position is not None and len(args) > position else 0
         if position is not None and dim % view.ndim == units_dim:

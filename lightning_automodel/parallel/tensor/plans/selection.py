@@ -39,6 +39,8 @@ class PlanChoice:
     reason: str
     unsharded_weights: list[str] = field(default_factory=list)  # large block weights left whole on every tp rank
     unmatched: list[str] = field(default_factory=list)  # patterns naming no module
+    # Parts of a vision-language model, or their projections, kept whole on every tp rank: name -> why.
+    kept_whole: dict[str, str] = field(default_factory=dict)
 
 
 class _Verdict(NamedTuple):

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import named_language_layers
 from lightning_automodel.parallel.probe import TensorArg, Trace
 from lightning_automodel.parallel.tensor.lora import LoraParallel
 from lightning_automodel.parallel.tensor.plans.family import TPPlan
@@ -47,7 +47,7 @@ def with_sequence_parallel(model: nn.Module, plan: Mapping[str, ParallelStyle], 
         raise ValueError("sp=True: deriving a sequence-parallel layout needs a probe step of the model")
     modules = dict(model.named_modules())
     names = list(modules)
-    blocks = [name for name, _ in named_decoder_layers(model) if trace.called(name)]
+    blocks = [name for name, _ in named_language_layers(model) if trace.called(name)]
     if not blocks:
         raise ValueError("sp=True: one step of the model calls none of its decoder blocks: no stream to split")
     styled = {name: style for pattern, style in plan.items() for name in modules if _matches(pattern, name)}

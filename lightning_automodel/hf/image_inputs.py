@@ -1,0 +1,106 @@
+"""A vision-language model's own image inputs, built from its config: rows of token ids holding one image's
+placeholders each, and the pixels (and image metadata) the model's forward takes for them. The probe steps a
+meta-device copy with them, so that the vision tower's blocks run and a tensor-parallel plan for them is checked.
+
+Config fields read (of the model's config, then of its ``vision_config``):
+
+* the placeholder: ``image_token_id`` (or ``image_token_index``);
+* placeholders per image: ``mm_tokens_per_image`` where given (Gemma 3's pooled tokens), else a grid merged by
+  ``spatial_merge_size`` (Qwen2-VL), else ``(image_size // patch_size) ** 2``, one more where
+  ``vision_feature_select_strategy`` is ``"full"`` (LLaVA keeps the class token then);
+* pixels: ``num_channels`` (or ``in_channels``), ``image_size`` and ``patch_size``: (images, channels, image_size,
+  image_size); with ``spatial_merge_size``, flattened patches of ``channels x temporal_patch_size x patch_size ** 2``
+  and ``image_grid_thw`` (one frame of ``merge x 3 merge`` patches: three tokens an image, an odd count).
+
+Token types are passed where the forward takes them (``token_type_ids``, ``mm_token_type_ids``: 1 at an image's
+placeholders).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+IMAGE_START = 1  # each row's placeholders follow one text token
+
+
+def image_token_count(model: nn.Module) -> int | None:
+    """Placeholders per image of ``model``'s builder inputs, or None for a model whose config gives no image
+    placeholder and pixel sizes (a text model, or one this builder does not know)."""
+    config = getattr(model, "config", None)
+    vision = getattr(config, "vision_config", None)
+    if _image_token(config) is None or vision is None or "pixel_values" not in _forward_arguments(model):
+        return None
+    merge = getattr(vision, "spatial_merge_size", None)
+    if isinstance(merge, int):
+        return _GRID[1] * _GRID[2]  # the merged grid's tokens
+    if isinstance(getattr(config, "mm_tokens_per_image", None), int):
+        return config.mm_tokens_per_image
+    image_size, patch_size = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    if not (isinstance(image_size, int) and isinstance(patch_size, int)):
+        return None
+    full = getattr(config, "vision_feature_select_strategy", None) == "full"
+    return (image_size // patch_size) ** 2 + full
+
+
+def image_inputs(model: nn.Module, *, rows: int, tokens: int, pixels_device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """The forward's arguments for ``rows`` rows of ``tokens`` token ids (zeros), one image each: its placeholders
+    at positions ``IMAGE_START`` on. Pixels are random (zeros on the meta device) on ``pixels_device``; the token ids
+    and image metadata stay on the CPU, where the model's code reads their values. Raises a ValueError for a model
+    :func:`image_token_count` knows no count for, or rows too short to hold an image's placeholders."""
+    count = image_token_count(model)
+    if count is None:
+        raise ValueError(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
+    if tokens < IMAGE_START + count:
+        raise ValueError(f"rows of {tokens} tokens cannot hold an image's {count} placeholders")
+    config, vision = model.config, model.config.vision_config
+    input_ids = torch.zeros(rows, tokens, dtype=torch.long)
+    input_ids[:, IMAGE_START : IMAGE_START + count] = _image_token(config)
+    inputs = {"input_ids": input_ids, **_pixels(vision, images=rows, device=pixels_device)}
+    accepted = _forward_arguments(model)
+    for name in ("token_type_ids", "mm_token_type_ids"):
+        if name in accepted:
+            inputs[name] = (input_ids == _image_token(config)).long()
+    return inputs
+
+
+# Qwen2-VL's grid of an image, in merged blocks: one temporal patch, 1 x 3 blocks (x spatial_merge_size in patches).
+_GRID = (1, 1, 3)
+
+
+def _pixels(vision: Any, *, images: int, device: Any) -> dict[str, torch.Tensor]:
+    channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
+    merge = getattr(vision, "spatial_merge_size", None)
+    if isinstance(merge, int):
+        frames, patch = getattr(vision, "temporal_patch_size", None) or 1, vision.patch_size
+        grid = torch.tensor([[_GRID[0], _GRID[1] * merge, _GRID[2] * merge]] * images)
+        patches = int(grid.prod(-1).sum())
+        return {
+            "pixel_values": _random((patches, channels * frames * patch * patch), device=device),
+            "image_grid_thw": grid,
+        }
+    return {"pixel_values": _random((images, channels, vision.image_size, vision.image_size), device=device)}
+
+
+def _random(shape: tuple[int, ...], *, device: Any) -> torch.Tensor:
+    if torch.device(device).type == "meta":
+        return torch.empty(shape, device="meta")
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def _image_token(config: Any) -> int | None:
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _forward_arguments(model: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()

@@ -6,7 +6,7 @@ from functools import partial
 import pytest
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel
-from vision_checks import check_vision_bf16, check_vision_layout, check_vision_training
+from vision_checks import check_imageless_ranks, check_vision_bf16, check_vision_layout, check_vision_training
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers, named_multimodal_parts
@@ -20,7 +20,7 @@ from lightning_automodel.parallel.tensor.styles.projections import PackedColwise
 from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_model
-from lightning_automodel.testing.vision_models import VISION_FAMILIES, tiny_vision_model
+from lightning_automodel.testing.vision_models import MOE_VISION_FAMILY, VISION_FAMILIES, tiny_vision_model
 
 
 def test_vision_models_at_tp_sp_and_dp_shard():
@@ -29,6 +29,9 @@ def test_vision_models_at_tp_sp_and_dp_shard():
     Trainer, with parts frozen too."""
     checks = [partial(check_vision_layout, family, 2, True, ac) for family in VISION_FAMILIES for ac in (False, True)]
     checks += [partial(check_vision_layout, family, tp, False) for family in VISION_FAMILIES for tp in (2, 1)]
+    checks += [partial(check_vision_layout, MOE_VISION_FAMILY, tp, False, ep=2, tower_whole=True) for tp in (2, 1)]
+    checks += [partial(check_imageless_ranks, family, 2, True, (1,)) for family in VISION_FAMILIES]
+    checks += [partial(check_imageless_ranks, "llava", 1, False, (0, 2, 3))]
     checks += [partial(check_vision_bf16, family) for family in VISION_FAMILIES]
     checks += [partial(check_vision_training, family, 2, True) for family in VISION_FAMILIES]
     checks += [partial(check_vision_training, "llava", 2, True, ("vision_tower",))]
@@ -134,3 +137,15 @@ def test_a_tower_plan_the_probe_refuses_leaves_the_tower_whole(monkeypatch):
     report = str(plan_report(model, ParallelDims(tp=2).resolve(4), sp=True))
     assert "kept whole on every tp rank: model.visual (the plan for them fails the probe's step (" in report
     assert "model.visual.blocks.0.attn.proj" not in report.split("vision tower")[0]
+
+
+def test_sequence_parallel_is_refused_where_no_probe_step_runs_the_images():
+    """Qwen3-VL-MoE's deepstack features join the stream by a mask the meta device cannot resolve: its probe runs text
+    alone, and sp, which would split the stream the features are added to, is refused before any collective."""
+    with torch.device("meta"):
+        model = tiny_vision_model(MOE_VISION_FAMILY)
+    with pytest.raises(ValueError, match=r"sp=True \(sequence parallel\): no probe step of Qwen3VLMoe.*Use sp=False"):
+        plan_report(model, ParallelDims(tp=2).resolve(4), sp=True)
+    assert "kept whole on every tp rank: model.visual (no probe step ran" in str(
+        plan_report(model, ParallelDims(tp=2).resolve(4))
+    )

@@ -19,7 +19,7 @@ from lightning_automodel import AutoModelParallelStrategy, parallelize
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers
 from lightning_automodel.hf.freezing import freeze
 from lightning_automodel.parallel.mesh import data_mesh
-from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, gradient_limits
+from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, fp64_copy, gradient_limits
 from lightning_automodel.testing.parity import (
     BF16,
     FP32_TOLERANCE,
@@ -32,8 +32,17 @@ from lightning_automodel.testing.parity import (
     relative_error,
     within_bf16_noise,
 )
-from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, CausalLM, compare_training, reference_run, trainer
+from lightning_automodel.testing.trainer_parity import (
+    GLOBAL_BATCH,
+    CausalLM,
+    assert_experts_distributed,
+    compare_training,
+    reference_run,
+    trainer,
+)
 from lightning_automodel.testing.vision_models import (
+    IMAGE_TOKEN,
+    model_inputs,
     rows_slice,
     tiny_vision_model,
     vision_batch,
@@ -60,22 +69,71 @@ def _parallel_outputs(model: torch.nn.Module, rows: dict, mesh: Any) -> tuple[An
     return outputs, part
 
 
-def check_vision_layout(family: str, tp: int, sp: bool, activation_checkpointing: bool = False) -> dict[str, float]:
-    """fp32 parity of one step with images; dp_shard takes the rest of the world. Every rank builds its model from
-    another seed: parallelize must make them all rank 0's."""
-    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+def check_vision_layout(
+    family: str, tp: int, sp: bool, activation_checkpointing: bool = False, *, ep: int = 1, tower_whole: bool = False
+) -> dict[str, float]:
+    """fp32 parity of one step with images; dp_shard takes the rest of the world (``ep`` of it holding the text
+    model's experts apart). Every rank builds its model from another seed: parallelize must make them all rank 0's.
+    At tp > 1 the tower's and projector's Linears are split, or with ``tower_whole`` (a model whose probe cannot run
+    its images) none is."""
+    mesh = dims_for(dist.get_world_size(), tp, ep=ep).build_mesh("cpu")
     reference, model = tiny_vision_model(family), tiny_vision_model(family, seed=dist.get_rank())
     parallelize(model, mesh, sp=sp, activation_checkpointing=activation_checkpointing)
+    if ep > 1:
+        assert_experts_distributed(model, ep=ep)
     rows = vision_batch(family)
     expected = _outputs(reference, rows)
     outputs, part = _parallel_outputs(model, rows, mesh)
     assert_gradients_placed_as_parameters(model)
     _assert_units(model, activation_checkpointing=activation_checkpointing)
     if tp > 1:
-        _assert_tower_split(model)
+        _assert_tower_split(model, whole=tower_whole)
     errors = _errors(outputs, expected, part, limits=gradient_limits(_fp32_rounding(reference, rows)))
     assert max(value for key, value in errors.items() if key != "rounding_limited") < FP32_TOLERANCE, errors
     return errors
+
+
+def check_imageless_ranks(family: str, tp: int, sp: bool, imageless: tuple[int, ...]) -> dict[str, float]:
+    """Data-parallel ranks ``imageless`` read rows without images, the others rows with: no rank hangs, and one step
+    matches one process whose loss is the mean of the ranks' batches' losses (an evaluation forward too)."""
+    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    dp = data_mesh(mesh)
+    rows = vision_batch(family)
+    parts = [
+        slice(r * len(rows["input_ids"]) // dp.size(), (r + 1) * len(rows["input_ids"]) // dp.size())
+        for r in range(dp.size())
+    ]
+    batches = [
+        _without_images(rows_slice(rows, p)) if r in imageless else rows_slice(rows, p) for r, p in enumerate(parts)
+    ]
+    reference = tiny_vision_model(family)
+    losses, logits = zip(*(vision_loss_and_logits(reference, batch) for batch in batches), strict=True)
+    (sum(losses) / len(losses)).backward()
+    grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    expected = Outputs((sum(losses) / len(losses)).detach(), torch.cat(logits).detach(), grads)
+    model = tiny_vision_model(family, seed=dist.get_rank())
+    parallelize(model, mesh, sp=sp)
+    mine = batches[dp.get_local_rank()]
+    with loss_parallel():
+        outputs = _outputs(model, mine)
+        with torch.no_grad():
+            model(**model_inputs(mine), use_cache=False)
+    dist.all_reduce(outputs.loss, group=dp.get_group())
+    outputs.loss /= dp.size()
+    assert set(outputs.grads) == set(expected.grads), set(outputs.grads) ^ set(expected.grads)
+    limits = gradient_limits(_fp32_rounding(tiny_vision_model(family), batches[0]))
+    errors = _errors(outputs, expected, parts[dp.get_local_rank()], limits=limits)
+    assert max(value for key, value in errors.items() if key != "rounding_limited") < FP32_TOLERANCE, errors
+    return errors
+
+
+def _without_images(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rows as text alone: each placeholder another token, no pixels, no image token types."""
+    text = {name: value for name, value in rows.items() if name not in ("pixel_values", "image_grid_thw")}
+    text["input_ids"] = torch.where(rows["input_ids"] == IMAGE_TOKEN, IMAGE_TOKEN - 1, rows["input_ids"])
+    for name in {"token_type_ids", "mm_token_type_ids"} & set(text):
+        text[name] = torch.zeros_like(text[name])
+    return text
 
 
 def check_vision_bf16(family: str) -> dict[str, float]:
@@ -96,7 +154,7 @@ def check_vision_bf16(family: str) -> dict[str, float]:
 def _fp32_rounding(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> dict[str, float]:
     """Each gradient's error in one fp32 process against fp64's (see ``replica_comparison.gradient_limits``), from
     ``model``'s weights (it is left as it was)."""
-    runs = [_outputs(copy.deepcopy(model).to(dtype), rows) for dtype in (torch.float32, torch.float64)]
+    runs = [_outputs(copy.deepcopy(model), rows), _outputs(fp64_copy(model), rows)]
     exact = Outputs(runs[1].loss, runs[1].logits, {name: grad.float() for name, grad in runs[1].grads.items()})
     return gradient_errors(runs[0], exact, floor=ZERO_GRADIENT)
 
@@ -146,8 +204,8 @@ def _assert_units(model: torch.nn.Module, *, activation_checkpointing: bool) -> 
         assert not plain, f"blocks without activation checkpointing: {plain}"
 
 
-def _assert_tower_split(model: torch.nn.Module) -> None:
-    """Every Linear of the tower's blocks and of the projector holds a tp shard of its weight."""
+def _assert_tower_split(model: torch.nn.Module, *, whole: bool = False) -> None:
+    """Every Linear of the tower's blocks and of the projector holds a tp shard of its weight (``whole``: none)."""
     blocks = [name for name, _ in named_decoder_layers(model) if _part(f"{name}.") == "tower"]
     linears = {
         name: module.weight
@@ -155,8 +213,12 @@ def _assert_tower_split(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Linear)
         and (name.startswith(tuple(f"{block}." for block in blocks)) or _part(name) == "projector")
     }
-    whole = [name for name, weight in linears.items() if not _split_over_tp(weight)]
-    assert linears and not whole, f"tower and projector Linears not split over tp: {whole or 'none found'}"
+    split = [name for name, weight in linears.items() if _split_over_tp(weight)]
+    if whole:
+        assert linears and not split, f"tower and projector Linears split over tp: {split or 'no Linear found'}"
+        return
+    kept = sorted(set(linears) - set(split))
+    assert linears and not kept, f"tower and projector Linears not split over tp: {kept or 'none found'}"
 
 
 def _split_over_tp(weight: torch.Tensor) -> bool:

@@ -48,10 +48,18 @@ from lightning_automodel.parallel.float8 import (
     float8_layers,
     float8_tp_styles,
 )
+from lightning_automodel.parallel.fsdp.imageless_ranks import run_tower_on_every_rank
 from lightning_automodel.parallel.fsdp.options import FSDPOptions
 from lightning_automodel.parallel.fsdp.sharding import ExpertSharding, apply_fsdp
 from lightning_automodel.parallel.initial_weights import broadcast_from_rank0, is_meta
-from lightning_automodel.parallel.mesh import axis_size, expert_fsdp_mesh, expert_mesh, fsdp_mesh, tp_mesh
+from lightning_automodel.parallel.mesh import (
+    axis_size,
+    expert_fsdp_mesh,
+    expert_mesh,
+    fsdp_mesh,
+    reduction_mesh,
+    tp_mesh,
+)
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelized import Parallelized
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, name_of, pipeline_model
@@ -142,6 +150,8 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
             apply_compile(model, layers, compiled)
         give_every_expert_a_gradient(model)
         _apply_fsdp(model, device_mesh, options.fsdp, stages=stages, experts=experts, findings=findings)
+        if multimodal_units(model) and reduction_mesh(device_mesh).size() > 1:
+            run_tower_on_every_rank(model, reduction_mesh(device_mesh))
         return model
 
 

@@ -69,6 +69,13 @@ def check_before_collectives(
     if cp > 1:
         check_context_parallel(model, cp=cp, pipeline=pipeline if pp > 1 else None)
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
+    if sp and isinstance(unsharded, Trace) and unsharded.images_failure:
+        raise ValueError(
+            f"sp=True (sequence parallel): no probe step of {type(model).__name__} could run its images"
+            f" ({unsharded.images_failure}), so where its image features join the sequence-split stream is unchecked"
+            " (Qwen3-VL adds them to the first layers' hidden states by a mask over the whole sequence, which a"
+            " split stream fails). Use sp=False for this model."
+        )
     if tp == 1 and isinstance(unsharded, ProbeError):
         _warn_unprobed(model, unsharded)
     recomputed = blocks_recomputed_outside_calls(model, unsharded) if isinstance(unsharded, Trace) else ()

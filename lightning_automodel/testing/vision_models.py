@@ -15,11 +15,14 @@ from transformers import (
     LlavaForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 from lightning_automodel.testing.models import SEQ, VOCAB, batch, tiny_config
 
 VISION_FAMILIES = ("llava", "qwen2_vl", "gemma3_vlm")
+MOE_VISION_FAMILY = "qwen3_vl_moe"  # Qwen3-VL's tower (deepstack features into early layers), experts in its text
 IMAGE_TOKEN = VOCAB - 1  # every tiny model's image placeholder
 IMAGE_TOKENS = 4  # placeholders per image: one image per row, its tokens at positions 1-4
 # Qwen2-VL: an image of 4 x 4 patches of 3 channels x 2 frames x 4 x 4 pixels, merged 2 x 2 into 4 tokens.
@@ -46,7 +49,24 @@ def tiny_vision_config(family: str):
         text_dict = {**text.to_dict(), "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}
         tower = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2)
         return Qwen2VLConfig(text_config=text_dict, vision_config=tower, image_token_id=IMAGE_TOKEN)
-    raise ValueError(f"no tiny vision-language model {family!r}: one of {VISION_FAMILIES}")
+    if family == MOE_VISION_FAMILY:
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+        text_dict = {**text.to_dict(), **experts, "head_dim": 16, "rope_parameters": rope}
+        tower = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=text.hidden_size,
+            deepstack_visual_indexes=[0],
+            num_position_embeddings=16,
+        )
+        return Qwen3VLMoeConfig(text_config=text_dict, vision_config=tower, image_token_id=IMAGE_TOKEN)
+    raise ValueError(f"no tiny vision-language model {family!r}: one of {(*VISION_FAMILIES, MOE_VISION_FAMILY)}")
 
 
 def tiny_vision_model(family: str, seed: int = 0) -> torch.nn.Module:
@@ -56,6 +76,7 @@ def tiny_vision_model(family: str, seed: int = 0) -> torch.nn.Module:
         "llava": LlavaForConditionalGeneration,
         "qwen2_vl": Qwen2VLForConditionalGeneration,
         "gemma3_vlm": Gemma3ForConditionalGeneration,
+        MOE_VISION_FAMILY: Qwen3VLMoeForConditionalGeneration,
     }
     model = classes[family](config)
     model.config.get_text_config()._attn_implementation = "sdpa"
@@ -73,7 +94,7 @@ def vision_batch(family: str, batch_size: int = 4, seed: int = 1) -> dict[str, t
     labels[:, :IMAGE_TOKENS] = -100
     generator = torch.Generator().manual_seed(seed)
     rows = {"input_ids": tokens, "labels": labels}
-    if family == "qwen2_vl":
+    if family in ("qwen2_vl", MOE_VISION_FAMILY):  # the same patches and grids
         patches = QWEN_GRID[0] * QWEN_GRID[1] * QWEN_GRID[2]
         rows["pixel_values"] = torch.randn(batch_size, patches, QWEN_PATCH, generator=generator)
         rows["image_grid_thw"] = torch.tensor([QWEN_GRID] * batch_size)

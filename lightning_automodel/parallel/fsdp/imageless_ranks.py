@@ -1,0 +1,73 @@
+"""A data-parallel rank whose batch holds no image runs the vision tower all the same when another rank's does.
+
+FSDP2 gathers a unit's weights when the unit runs and reduces its gradients after the unit's backward, each a
+collective of every rank that shards it. A vision-language model runs its tower only for the images in the batch, so
+a rank without images would leave the other ranks' gathers unmatched: the step fails (gloo: "Connection reset by
+peer") or hangs (NCCL). Each forward the ranks agree whether any of them has images (one flag, all-reduced); a rank
+without them then runs the tower on a stand-in image where the model would (before the language model) and adds
+its features times zero to the language model's input embeddings. Its gathers and reductions come in the others'
+order, and its share of the tower's gradient is zero, as a rank's share is for a token it does not hold.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
+
+from lightning_automodel.hf.image_inputs import image_inputs, image_token_count
+
+# The arguments that carry images (and their metadata) into a vision-language model's forward.
+PIXELS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+
+
+def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Hook ``model`` (a vision-language model, sharded by FSDP2 over ``mesh``'s ranks) so that every rank of
+    ``mesh`` runs its tower in a forward where any of them has images. A model whose stand-in image
+    :mod:`~lightning_automodel.hf.image_inputs` cannot build is refused in such a forward, on every rank."""
+    count = image_token_count(model)
+    built = image_inputs(model, rows=1, tokens=1 + count) if count is not None else {}
+    stand_in = {name: value for name, value in built.items() if name in PIXELS}
+    signature = inspect.signature(model.forward)
+    pending: list[bool] = []
+
+    def agree(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        here = _has_images({**arguments.pop("kwargs", {}), **arguments})
+        flags = torch.tensor([float(here), float(not here)], device=mesh.device_type)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        mixed = bool(flags.min().item())  # some ranks with images, some without
+        if mixed and not stand_in:
+            raise ValueError(
+                f"{type(model).__name__}: some data-parallel ranks' batches hold images and others' none, and its"
+                " config gives no image placeholder or pixel sizes to run the vision tower on a stand-in image where"
+                " a batch has none (FSDP2 needs every rank to run it). Give every batch an image, or none."
+            )
+        pending[:] = [mixed and not here]
+
+    def stand_in_image(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not (pending and pending.pop()):
+            return None
+        embeds = kwargs.get("inputs_embeds")
+        if not isinstance(embeds, torch.Tensor):
+            raise RuntimeError(
+                f"{type(model).__name__}: its language model got no inputs_embeds tensor to carry the stand-in"
+                " image of a rank whose batch holds no image."
+            )
+        features = model.get_image_features(**{name: value.to(embeds.device) for name, value in stand_in.items()})
+        zero = sum(leaf.float().sum() for leaf in tree_flatten(features)[0] if isinstance(leaf, torch.Tensor)) * 0
+        return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
+
+    model.register_forward_pre_hook(agree, with_kwargs=True)
+    # First among the language model's hooks: before tensor parallel turns its input into a DTensor.
+    model.get_decoder().register_forward_pre_hook(stand_in_image, with_kwargs=True, prepend=True)
+
+
+def _has_images(arguments: dict[str, Any]) -> bool:
+    pixels = arguments.get("pixel_values")
+    return isinstance(pixels, torch.Tensor) and pixels.numel() > 0

@@ -98,8 +98,10 @@ def configured(path: str, *overrides: str, world_size: int | None = None) -> Con
         world_size = trainer["devices"] * trainer["num_nodes"]
     module = parsed.model
     needs_tokenizer = module.hparams.model is None and "vocab_size" not in (module.hparams.config or {})
-    tokenizer = getattr(parsed.datamodule, "tokenizer", None) if needs_tokenizer else None
-    model = module.build_model(tokenizer, meta=True, seq_len=getattr(parsed.datamodule, "seq_len", None))
+    data = parsed.datamodule if needs_tokenizer else None  # a vision-language model's processor as well
+    tokenizer, processor = getattr(data, "tokenizer", None), getattr(data, "processor", None)
+    seq_len = getattr(parsed.datamodule, "seq_len", None)
+    model = module.build_model(tokenizer, meta=True, seq_len=seq_len, processor=processor)
     precision = str(trainer["precision"] or "32-true")
     if precision in _CAST_WEIGHTS:  # as the strategy casts them, what the model pins to fp32 kept so
         with keep_pinned_fp32(model, fp32_pinned_names(model)):

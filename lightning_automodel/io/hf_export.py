@@ -23,7 +23,7 @@ from lightning_automodel.io.atomic_directory import atomic_directory, unowned_en
 from lightning_automodel.parallel.full_tensor import full_tensor
 
 # Files of a Hugging Face model directory besides the weights: what save_pretrained writes for a model, its
-# generation config, a PEFT adapter (with its model card) and the common tokenizers.
+# generation config, a PEFT adapter (with its model card), the common tokenizers and processors.
 _MODEL_DIRECTORY_FILES = frozenset(
     {
         "config.json",
@@ -40,6 +40,8 @@ _MODEL_DIRECTORY_FILES = frozenset(
         "tokenizer.model",
         "chat_template.jinja",
         "chat_template.json",
+        "processor_config.json",
+        "preprocessor_config.json",
     }
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")

@@ -9,9 +9,7 @@ others than ``AutoModelParallelStrategy`` the model is built with real weights b
 
 from __future__ import annotations
 
-import tempfile
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -22,6 +20,7 @@ from torch import Tensor, nn
 from lightning_automodel.hf.document_masking import packed_documents_problem
 from lightning_automodel.hf.loading import from_pretrained
 from lightning_automodel.hf.peft import unwrap_peft, with_lora
+from lightning_automodel.lm.building import architectures, auto_model_class, new_model_config, tokenizer_files
 from lightning_automodel.lm.limits import check_batch, check_seq_len, check_tokenizer
 from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
 from lightning_automodel.lm.optimization import Schedule, adamw_with_schedule
@@ -36,18 +35,25 @@ from lightning_automodel.parallel.loss import (
     causal_lm_loss_sum,
     data_parallel_group,
     global_token_mean,
-    next_token_hits,
+    next_token_hit_mask,
 )
 from lightning_automodel.parallel.pipeline import pipeline_of
 from lightning_automodel.planning.flops import flops_per_token
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
 _STAGES = ("train", "val", "test")
-_VOCAB_MULTIPLE = 64  # a vocabulary sized from a tokenizer is rounded up so that tp = 2, 4, ..., 64 divide it
+# A vision-language model's inputs besides the tokens, passed on where a batch has them (see docs/vision.md).
+_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "mm_token_type_ids", "token_type_ids")
 
 
 class CausalLMModule(L.LightningModule):
-    """Train, evaluate and score a Hugging Face causal LM.
+    """Train, evaluate and score a Hugging Face causal LM, or a vision-language model (image-text-to-text: a config
+    with a vision tower's, e.g. LLaVA's), whose batches' image inputs (``pixel_values``, ``image_grid_thw``, ...) are
+    passed to it with the tokens.
+
+    Where the data module gives one fine-tuning record a row (``pack=False``), validation and test also log
+    ``answer_accuracy``: the share of records whose every answer token is the model's first choice, given the
+    answer's earlier tokens (for a one-answer record, whether greedy decoding gives the answer exactly).
 
     Args:
         model: a local Hugging Face model directory to start from (its weights are loaded), or None to train from
@@ -56,7 +62,9 @@ class CausalLMModule(L.LightningModule):
             config to build a new model from, with its ``model_type`` (``{"model_type": "llama", "hidden_size":
             ...}``). A missing ``vocab_size`` is taken from the data module's tokenizer (rounded up to a
             multiple of 64, so that tensor parallelism divides it), and so are missing ``bos_token_id``,
-            ``eos_token_id`` and ``pad_token_id`` (an exported model's ``generate`` stops at the tokenizer's EOS).
+            ``eos_token_id`` and ``pad_token_id`` (an exported model's ``generate`` stops at the tokenizer's EOS);
+            for a vision-language model in its ``text_config``, and a missing ``image_token_id`` is the data
+            module's processor's.
         lora: ``peft.LoraConfig`` arguments (``{"r": 16, "target_modules": ["q_proj", "v_proj"]}``): only the
             adapters train.
         dtype: the weights' dtype when loading ``model`` (``"auto"``: the checkpoint's). Training precision is
@@ -98,6 +106,8 @@ class CausalLMModule(L.LightningModule):
         self.save_hyperparameters()
         self.model: nn.Module | None = None
         self.tokenizer: Any = None
+        self.processor: Any = None  # a vision-language data module's, saved with the checkpoints
+        self._answers_scored = False
         self._batch_shape: tuple[int, int] = (0, 0)
         self._load_balancing_checked = False
         self._chunking_checked = False
@@ -107,6 +117,7 @@ class CausalLMModule(L.LightningModule):
                 "loss": TokenMean(dist_sync_on_step=sync_on_step),
                 "perplexity": TokenPerplexity(dist_sync_on_step=sync_on_step),
                 "accuracy": TokenMean(dist_sync_on_step=sync_on_step),
+                "answer_accuracy": TokenMean(dist_sync_on_step=sync_on_step),
             }
             setattr(self, f"{stage}_metrics", nn.ModuleDict(metrics))
 
@@ -116,7 +127,10 @@ class CausalLMModule(L.LightningModule):
         self.tokenizer = self._find_tokenizer()
         ours = isinstance(self.trainer.strategy, AutoModelParallelStrategy)
         datamodule = self.trainer.datamodule
-        self.model = self.build_model(self.tokenizer, meta=ours, seq_len=getattr(datamodule, "seq_len", None))
+        self.processor = getattr(datamodule, "processor", None)
+        self._answers_scored = getattr(datamodule, "fine_tuning", False) and not getattr(datamodule, "pack", True)
+        seq_len = getattr(datamodule, "seq_len", None)
+        self.model = self.build_model(self.tokenizer, meta=ours, seq_len=seq_len, processor=self.processor)
         if getattr(datamodule, "keeps_documents_apart", False) and (problem := packed_documents_problem(self.model)):
             raise ValueError(
                 f"{problem}: {type(datamodule).__name__} packs several documents in a row, told apart by their"
@@ -183,6 +197,8 @@ class CausalLMModule(L.LightningModule):
         metrics["accuracy"](hits, tokens)
         on_step = stage == "train"
         for name, metric in metrics.items():
+            if name == "answer_accuracy" and not metric.update_called:  # counted by _count_answers only
+                continue
             self.log(f"{stage}_{name}", metric, on_step=on_step, on_epoch=not on_step, prog_bar=name != "perplexity")
         return loss
 
@@ -201,8 +217,16 @@ class CausalLMModule(L.LightningModule):
         loss = global_token_mean(loss_sum, tokens, self.device_mesh)
         if getattr(outputs, "aux_loss", None) is not None:  # added to this rank's plain copy of the replicated loss
             loss = full_tensor(loss) + self._load_balancing_loss(stage, outputs, batch.get("attention_mask"))
-        hits, _ = next_token_hits(outputs.logits, labels)
-        return loss, full_tensor(loss_sum), tokens, hits
+        hit, scored = next_token_hit_mask(outputs.logits, labels)
+        if stage != "train" and self._answers_scored:
+            self._count_answers(stage, hit, scored)
+        return loss, full_tensor(loss_sum), tokens, hit.sum()
+
+    def _count_answers(self, stage: str, hit: Tensor, scored: Tensor) -> None:
+        """Each row with answer tokens is one record: right where every answer token is ranked first."""
+        answered = scored.any(dim=1)
+        right = (hit | ~scored).all(dim=1) & answered
+        getattr(self, f"{stage}_metrics")["answer_accuracy"](right.sum(), answered.sum())
 
     def _check_chunking(self) -> None:
         """Refuse loss_chunks where chunking cannot give the whole logits' loss, on every rank before any collective
@@ -286,8 +310,12 @@ class CausalLMModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # What `lightning-automodel export` needs to write a Hugging Face directory from the checkpoint alone.
-        checkpoint["hf_config"] = self.hf_config.to_dict()
-        checkpoint["tokenizer_files"] = tokenizer_files(self.tokenizer) if self.tokenizer is not None else None
+        # The model's class is recorded among the config's architectures, as save_pretrained records it; a
+        # processor's files are saved in place of its tokenizer's, which they hold.
+        recorded = self.hf_config.to_dict()
+        checkpoint["hf_config"] = recorded | {"architectures": architectures(unwrap_peft(self.model))}
+        saved = self.processor if self.processor is not None else self.tokenizer
+        checkpoint["tokenizer_files"] = tokenizer_files(saved) if saved is not None else None
 
     def _rows(self, batch: Any) -> int:
         return self._batch_shape[0]
@@ -308,8 +336,11 @@ class CausalLMModule(L.LightningModule):
                 return None
         return None
 
-    def build_model(self, tokenizer: Any = None, *, meta: bool, seq_len: int | None = None) -> nn.Module:
-        """The Hugging Face model these hyperparameters describe, with its LoRA adapters.
+    def build_model(
+        self, tokenizer: Any = None, *, meta: bool, seq_len: int | None = None, processor: Any = None
+    ) -> nn.Module:
+        """The Hugging Face model these hyperparameters describe, with its LoRA adapters: a causal LM, or an
+        image-text-to-text model where the config has a vision tower's.
 
         ``meta=True`` builds it on the meta device, for ``AutoModelParallelStrategy`` (which allocates each rank's
         shards and fills them from the checkpoint, or initialises them as transformers would the whole model) or
@@ -317,68 +348,40 @@ class CausalLMModule(L.LightningModule):
         the model's vocabulary, or rows of ``seq_len`` longer than its positions, are refused before any weight is
         read.
         """
-        from transformers import AutoModelForCausalLM
-
         hparams = self.hparams
-        config = self.model_config(tokenizer)
+        config = self.model_config(tokenizer, processor=processor)
         if tokenizer is not None:
             check_tokenizer(tokenizer, config, pretrained=hparams.model)
         if seq_len is not None:
             check_seq_len(seq_len, config)
         overrides = dict(hparams.config or {})
         dtype = hparams.dtype if hparams.dtype == "auto" else getattr(torch, hparams.dtype)
+        model_class = auto_model_class(config)
         if hparams.model is not None and meta:
-            model = from_pretrained(hparams.model, dtype=dtype, **overrides)
+            model = from_pretrained(hparams.model, dtype=dtype, model_class=model_class, **overrides)
         elif hparams.model is not None:
-            model = AutoModelForCausalLM.from_pretrained(hparams.model, dtype=dtype, **overrides)
+            model = model_class.from_pretrained(hparams.model, dtype=dtype, **overrides)
         else:
             with torch.device("meta") if meta else nullcontext():
-                model = AutoModelForCausalLM.from_config(config)
+                model = model_class.from_config(config)
         return with_lora(model, hparams.lora) if hparams.lora is not None else model
 
-    def model_config(self, tokenizer: Any = None) -> Any:
+    def model_config(self, tokenizer: Any = None, *, processor: Any = None) -> Any:
         """The Hugging Face config of the model: ``model``'s with the ``config`` overrides, or ``config`` whole,
-        whose missing ``vocab_size`` is the tokenizer's rounded up to a multiple of 64 and missing special token ids
-        the tokenizer's (:func:`special_token_ids`). No weights are read."""
+        completed from the tokenizer and processor (:func:`~lightning_automodel.lm.building.new_model_config`). No
+        weights are read."""
         from transformers import AutoConfig
 
         hparams = self.hparams
         overrides = dict(hparams.config or {})
         if hparams.model is not None:
             return AutoConfig.from_pretrained(hparams.model, **overrides)
-        if tokenizer is not None:
-            overrides = {**special_token_ids(tokenizer), **overrides}
-        if "vocab_size" not in overrides:
-            if tokenizer is None:
-                raise ValueError(
-                    "The config has no vocab_size and there is no tokenizer to take it from: set"
-                    " config.vocab_size, or use a data module with a `tokenizer` attribute."
-                )
-            overrides["vocab_size"] = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
-        return AutoConfig.for_model(**overrides)
-
-
-def special_token_ids(tokenizer: Any) -> dict[str, int | None]:
-    """The tokenizer's BOS, EOS and padding ids, for a new model's config (and so its generation config, and what
-    `export` writes): ``generate`` stops at the EOS the model was trained to end with, not at the config class's
-    default. A padding id that stands in for EOS (a tokenizer without a pad token of its own) is left out: the
-    embedding of a config's ``pad_token_id`` is kept at zero and not trained, and EOS is a token the model reads."""
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
-        ids["pad_token_id"] = tokenizer.pad_token_id
-    return ids
-
-
-def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
-    """The files ``save_pretrained`` writes for ``tokenizer`` (relative path -> bytes): plain data, kept in a
-    checkpoint's metadata and written out again beside an export."""
-    with tempfile.TemporaryDirectory() as directory:
-        tokenizer.save_pretrained(directory)
-        root = Path(directory)
-        return {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*") if path.is_file()}
+        return new_model_config(overrides, tokenizer, processor)
 
 
 def _model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor | None]:
     """What a model's call takes from a batch: position ids restarting at each document keep packed ones apart (with
-    no cache: transformers reads packed documents from position ids only then, and a cache serves no training)."""
-    return {name: batch.get(name) for name in ("input_ids", "attention_mask", "position_ids")}
+    no cache: transformers reads packed documents from position ids only then, and a cache serves no training); a
+    vision-language model's image inputs where the batch has them."""
+    inputs = {name: batch.get(name) for name in ("input_ids", "attention_mask", "position_ids")}
+    return inputs | {name: batch[name] for name in _IMAGE_INPUTS if name in batch}

@@ -14,7 +14,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_automodel.data.loaders import data_parallel_place
 
-_SHOWN = ("train_loss", "val_loss", "val_perplexity", "val_accuracy")
+_SHOWN = ("train_loss", "val_loss", "val_perplexity", "val_accuracy", "val_answer_accuracy")
+_NOTES = {"val_answer_accuracy": " (held-out records whose every answer token is the model's argmax)"}
 
 
 class TrainingSummary(Callback):
@@ -36,7 +37,7 @@ class TrainingSummary(Callback):
     @rank_zero_only
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         lines = [
-            f"{name:<16} {trainer.callback_metrics[name].item():.4f}"
+            f"{name:<16} {trainer.callback_metrics[name].item():.4f}{_NOTES.get(name, '')}"
             for name in _SHOWN
             if name in trainer.callback_metrics
         ]

@@ -94,9 +94,21 @@ def next_token_hits(logits: Tensor, labels: Tensor, *, ignore_index: int = -100)
     return token_hits(logits, next_token_targets(labels, ignore_index=ignore_index), ignore_index=ignore_index)
 
 
-@torch.no_grad()
+def next_token_hit_mask(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """Which of this rank's tokens are scored and ranked first, and which are scored (two boolean masks shaped as
+    ``labels``): :func:`next_token_hits` token by token, for measures over a row's tokens."""
+    return token_hit_mask(logits, next_token_targets(labels, ignore_index=ignore_index), ignore_index=ignore_index)
+
+
 def token_hits(logits: Tensor, targets: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     """:func:`next_token_hits` against ``targets`` aligned with the logits (labels already shifted)."""
+    hit, scored = token_hit_mask(logits, targets, ignore_index=ignore_index)
+    return hit.sum(), scored.sum()
+
+
+@torch.no_grad()
+def token_hit_mask(logits: Tensor, targets: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """:func:`next_token_hit_mask` against ``targets`` aligned with the logits (labels already shifted)."""
     scored = targets != ignore_index
     local, group, offset = _vocab_shard(logits)
     index = targets.clamp_min(0).unsqueeze(-1) - offset
@@ -107,7 +119,7 @@ def token_hits(logits: Tensor, targets: Tensor, *, ignore_index: int = -100) -> 
     if group is not None:
         dist.all_reduce(best_and_target, op=dist.ReduceOp.MAX, group=group)
     best, target_logit = best_and_target
-    return ((target_logit >= best) & scored).sum(), scored.sum()
+    return (target_logit >= best) & scored, scored
 
 
 def _vocab_shard(logits: Tensor) -> tuple[Tensor, dist.ProcessGroup | None, int]:

@@ -17,7 +17,9 @@ def flops_per_token(model: nn.Module, seq_len: int, *, training: bool = True) ->
     (no weight gradient: LoRA's base), plus attention's score and value products (12 x layers x width x seq_len).
     Evaluation: the forward alone, a third of that for every term.
 
-    Embedding lookups do no arithmetic and are left out; a tied lm_head counts once, as the output matmul.
+    Embedding lookups do no arithmetic and are left out; a tied lm_head counts once, as the output matmul. A
+    vision-language model's attention is its language model's; its tower's weights count as if each token ran them
+    (an estimate: the tower runs once an image patch).
     """
     embeddings = {id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters()}
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -30,7 +32,7 @@ def flops_per_token(model: nn.Module, seq_len: int, *, training: bool = True) ->
             trainable += parameter.numel()
         else:
             frozen += parameter.numel()
-    attention = 12 * _attention_width(model.config) * seq_len
+    attention = 12 * _attention_width(model.config.get_text_config()) * seq_len
     if not training:
         return 2 * (trainable + frozen) + attention // 3
     return 6 * trainable + 4 * frozen + attention

@@ -13,6 +13,7 @@ from PIL import Image
 from lightning_automodel.data import cache
 from lightning_automodel.data.rows import IGNORE_INDEX
 from lightning_automodel.data.vision import VisionChatDataModule
+from lightning_automodel.data.vision.records import processor_digest
 from lightning_automodel.data.vision.rows import collate_rows
 from lightning_automodel.testing.vision import llava_processor, qwen2_vl_processor, tiny_llava, tiny_qwen2_vl
 
@@ -191,3 +192,10 @@ def test_a_collated_batch_runs_through_tiny_llava_and_qwen2_vl(data):
         assert module.tokenizer.decode(batch["input_ids"][trained].tolist()) == "red, blue<eos>green<eos>"
         loss, by_hand = loss_on_answers(model(processor), batch)
         assert torch.isfinite(loss) and torch.allclose(loss, by_hand, atol=1e-5)
+
+
+def test_the_cache_key_follows_the_processors_own_settings():
+    """LLaVA's patch size is the processor's, not its image processor's: a cache of another patch size's ids would
+    be reused and fail in the model ("Image features and image tokens do not match")."""
+    assert processor_digest(llava_processor(patch=4)) != processor_digest(llava_processor(patch=2))
+    assert processor_digest(llava_processor()) == processor_digest(llava_processor())

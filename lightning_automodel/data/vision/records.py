@@ -44,9 +44,10 @@ def image_parts(messages: list[dict]) -> int:
 
 
 def processor_digest(processor: Any) -> str:
-    """What of the processor, besides its tokenizer, makes the ids: its class, its image processor's settings (the
-    tokens an image takes) and its chat template."""
-    parts = [type(processor).__name__, processor.image_processor.to_json_string(), str(processor.chat_template)]
+    """What of the processor, besides its tokenizer, makes the ids: its class, its own settings and its image
+    processor's (LLaVA's patch size is the processor's, the pixels the image processor's: the tokens an image takes)
+    and its chat template."""
+    parts = [type(processor).__name__, processor.to_json_string(), str(processor.chat_template)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 

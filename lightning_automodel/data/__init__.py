@@ -7,7 +7,7 @@ from lightning_automodel.data.modules.chat import ChatDataModule
 from lightning_automodel.data.modules.text import TextDataModule
 from lightning_automodel.data.rows import IGNORE_INDEX
 from lightning_automodel.data.tokenizer import byte_tokenizer
-from lightning_automodel.data.vision_demo import VisionDemoDataModule
+from lightning_automodel.data.vision.demo import VisionDemoDataModule
 
 __all__ = [
     "IGNORE_INDEX",

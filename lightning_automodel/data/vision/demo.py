@@ -11,12 +11,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from lightning_automodel.data import cache
-from lightning_automodel.data.byte_processors import llava_processor
+from lightning_automodel.data.sources.tables import import_pyarrow
 from lightning_automodel.data.vision import VisionChatDataModule
+from lightning_automodel.data.vision.byte_processors import llava_processor
 from lightning_automodel.data.vision.images import import_pillow
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
@@ -74,15 +72,16 @@ def write_demo_records(directory: Path, *, num_records: int, val_records: int, s
         return
     records = demo_records(num_records + val_records, seed)
     directory.mkdir(parents=True, exist_ok=True)
+    pyarrow = import_pyarrow()
     for name, part in parts.items():
         staging = directory / f".{name}.parquet.{os.getpid()}"
-        pq.write_table(pa.Table.from_pylist(records[part]), staging)
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records[part]), staging)
         os.replace(staging, directory / f"{name}.parquet")
 
 
 class VisionDemoDataModule(VisionChatDataModule):
     """The vision-language demo's records (see :func:`demo_records`), rendered by a LLaVA processor built in code
-    (:func:`~lightning_automodel.data.byte_processors.llava_processor`: 32 x 32 pixels, 16 image tokens, the byte
+    (:func:`~lightning_automodel.data.vision.byte_processors.llava_processor`: 32 x 32 pixels, 16 image tokens, the byte
     tokenizer). ``num_records`` train, ``val_records`` more are held out (other pictures, drawn after them).
 
     ``prepare_data`` writes ``train.parquet`` and ``val.parquet`` under ``data_dir`` (by default beside the token

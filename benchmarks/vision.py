@@ -165,7 +165,7 @@ def data_module(files: str, *, pack: bool, args: argparse.Namespace):
 
 
 def fit(variant: str, files: str, args: argparse.Namespace, world: int) -> dict[str, Any]:
-    """One variant's Trainer on this rank: its timed seconds, and the records and real tokens this rank stepped on."""
+    """One variant's Trainer on this rank: each timed step's seconds, and the records and real tokens of those steps."""
     import lightning as L
 
     from lightning_automodel.lm import CausalLMModule
@@ -197,7 +197,7 @@ def fit(variant: str, files: str, args: argparse.Namespace, world: int) -> dict[
     return {"seconds": count.seconds, "records": count.records / tp, "tokens": count.tokens / tp}
 
 
-def rounds(variants: list[str], files: str, args: argparse.Namespace) -> list[dict[str, list[dict]]]:
+def rounds(variants: list[str], files: str, args: argparse.Namespace) -> list[dict[str, dict]]:
     """On this rank (of a gloo launch): every round, each variant's fit, the variants in turn."""
     import torch.distributed as dist
 
@@ -234,7 +234,7 @@ def throughput(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     return {key: sum(rank[key] for rank in per_rank) / len(steps) / median for key in ("records", "tokens")}
 
 
-def table(measured: list[list[dict[str, list[dict]]]], variants: list[str]) -> list[str]:
+def table(measured: list[list[dict[str, dict]]], variants: list[str]) -> list[str]:
     """Markdown rows: each variant's best round, and its ratio to the peer's with the range over rounds."""
     by_round = [
         {v: throughput([rank[index][v] for rank in measured]) for v in variants} for index in range(len(measured[0]))

@@ -21,8 +21,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, LlavaForCon
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.data import IGNORE_INDEX, cache
-from lightning_automodel.data.vision.rows import collate_rows
 from lightning_automodel.data.vision.demo import COLOURS, QUESTIONS, VisionDemoDataModule, demo_picture, demo_records
+from lightning_automodel.data.vision.rows import collate_rows
 from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.io.checkpoint_to_hf import export_checkpoint
 from lightning_automodel.lm import CausalLMModule

@@ -14,8 +14,8 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from lightning_automodel.data.vision.byte_processors import TEMPLATE, llava_processor
 from lightning_automodel.data.tokenizer import EOS_ID, byte_tokenizer
+from lightning_automodel.data.vision.byte_processors import TEMPLATE, llava_processor
 
 __all__ = ["TEMPLATE", "llava_processor", "qwen2_vl_processor", "tiny_llava", "tiny_qwen2_vl"]
 

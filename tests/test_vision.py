@@ -5,8 +5,10 @@ from functools import partial
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from torch.distributed.tensor.parallel import ColwiseParallel
 from vision_checks import check_imageless_ranks, check_vision_bf16, check_vision_layout, check_vision_training
+from vision_lora_checks import DORA_ON_PACKED_QKV, check_vision_lora, lora_vision_model
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers, named_multimodal_parts
@@ -26,7 +28,8 @@ from lightning_automodel.testing.vision_models import MOE_VISION_FAMILY, VISION_
 def test_vision_models_at_tp_sp_and_dp_shard():
     """LLaVA, Qwen2-VL and Gemma 3 with images: loss, logits and every gradient, the tower's included, with and
     without activation checkpointing (and at tp=2 without sp, and at dp_shard=4); then AdamW steps through the
-    Trainer, with parts frozen too."""
+    Trainer, with parts frozen too. LoRA on the language model, the tower and the projector (Qwen2-VL's packed qkv
+    and patch convolution too; DoRA on the packed qkv keeps the tower whole), and AdamW steps on its adapters."""
     checks = [partial(check_vision_layout, family, 2, True, ac) for family in VISION_FAMILIES for ac in (False, True)]
     checks += [partial(check_vision_layout, family, tp, False) for family in VISION_FAMILIES for tp in (2, 1)]
     checks += [partial(check_vision_layout, MOE_VISION_FAMILY, tp, False, ep=2, tower_whole=True) for tp in (2, 1)]
@@ -36,9 +39,28 @@ def test_vision_models_at_tp_sp_and_dp_shard():
     checks += [partial(check_vision_training, family, 2, True) for family in VISION_FAMILIES]
     checks += [partial(check_vision_training, "llava", 2, True, ("vision_tower",))]
     checks += [partial(check_vision_training, "qwen2_vl", 2, True, ("language_model", "model.visual.merger.*"))]
+    checks += [partial(check_vision_lora, family, 2, True) for family in ("llava", "qwen2_vl")]
+    checks += [partial(check_vision_lora, "qwen2_vl", 2, False, tower_whole=True, **DORA_ON_PACKED_QKV)]
+    checks += [partial(check_vision_training, "qwen2_vl", 2, True, build=lora_vision_model)]
     results = run_checks(4, checks, timeout=600)
     for name, ranks in results.items():
         print(name, {key: f"{max(rank[key] for rank in ranks):.1e}" for key in ranks[0]})
+
+
+def test_lora_in_the_tower_is_split_like_its_projections_or_the_tower_kept_whole():
+    """A LoRA layer is a projection of the tower's plan when its base is a Linear; on the patch convolution it is kept
+    whole like its base, not taken for a projection (which left every block whole, said to be unclosed). DoRA on the
+    packed qkv, which no style shards, keeps the tower whole and the report names the layer and the fix."""
+    with torch.device("meta"):
+        model = get_peft_model(tiny_vision_model("qwen2_vl"), LoraConfig(target_modules=["qkv", "proj"]))
+    report = str(plan_report(model.get_base_model(), ParallelDims(tp=2).resolve(4), sp=True))
+    assert "tp splits 10 of their projections" in report
+    assert "kept whole on every tp rank: model.visual.patch_embed (it holds no projection" in report
+    with torch.device("meta"):
+        model = get_peft_model(tiny_vision_model("qwen2_vl"), LoraConfig(**DORA_ON_PACKED_QKV))
+    report = str(plan_report(model.get_base_model(), ParallelDims(tp=2).resolve(4)))
+    assert "kept whole on every tp rank: model.visual (the plan for them fails" in report
+    assert "cannot shard model.visual.blocks.0.attn.qkv (Linear): DoRA on a packed projection" in report
 
 
 def test_the_plan_report_states_what_the_tower_gets():

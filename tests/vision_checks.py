@@ -4,6 +4,7 @@ gradient (the vision tower's and projector's included) of ``parallelize``, then 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -235,25 +236,28 @@ class VisionLM(CausalLM):
         return loss
 
 
-def check_vision_training(family: str, tp: int, sp: bool, frozen: tuple[str, ...] = ()) -> dict[str, float]:
+def check_vision_training(
+    family: str, tp: int, sp: bool, frozen: tuple[str, ...] = (), *, build: Callable = tiny_vision_model
+) -> dict[str, float]:
     """AdamW steps through a real Trainer (dp_shard takes the rest of the world) against one process: every step's
     loss and gradients (the tower's and projector's), then the weights. Every rank starts from other weights.
     ``frozen``: parts frozen in both (:func:`~lightning_automodel.hf.freezing.freeze`), which must get no gradient,
-    no optimizer state and no change."""
-    model = tiny_vision_model(family, seed=dist.get_rank())
-    names = freeze(model, *frozen)
+    no optimizer state and no change; so must a PEFT model's base (``build(family, seed=...)`` makes the models)."""
+    model = build(family, seed=dist.get_rank())
+    freeze(model, *frozen)
+    names = [name for name, param in model.named_parameters() if not param.requires_grad]
     module = VisionLM(model)
     strategy = AutoModelParallelStrategy(tp=tp, sp=sp)
     dp = dist.get_world_size() // tp
     rows = vision_batch(family, GLOBAL_BATCH)
     fit = trainer(strategy, limit_val_batches=0)
     fit.fit(module, DataLoader(StackDataset(**rows), batch_size=GLOBAL_BATCH // dp))
-    reference = tiny_vision_model(family)
+    reference = build(family)
     freeze(reference, *frozen)
     steps = reference_run(
         reference, loss=lambda model, rows, _: vision_loss_and_logits(model, rows)[0], data=(rows, None)
     )
-    limits = gradient_limits(_fp32_rounding(tiny_vision_model(family), rows))
+    limits = gradient_limits(_fp32_rounding(build(family), rows))
     result = compare_training(module, reference, steps, zero_gradient=ZERO_GRADIENT, rounding_limits=limits)
     params = dict(module.model.named_parameters())
     stateful = [name for name in names if params[name] in fit.optimizers[0].state]

@@ -77,8 +77,9 @@ class LoraParallel(ParallelStyle):
         replicated, hands it a replicated DTensor, whose gradient the packed layer sums over tp."""
         if getattr(module, "lora_magnitude_vector", None):
             raise TypeError(
-                "DoRA on a packed projection (Phi3's qkv_proj, gate_up_proj) is not supported with tp > 1: use plain"
-                " LoRA there (use_dora=False), or tp=1."
+                "DoRA on a packed projection (Phi3's qkv_proj, gate_up_proj; Qwen2-VL's vision tower qkv) is not"
+                " supported with tp > 1: its magnitude is one scale per output row, split block by block. Leave it"
+                " out of target_modules, use plain LoRA there (use_dora=False), or tp=1."
             )
         for layer in (module.base_layer, *module.lora_B.values()):
             self.style._apply(layer, device_mesh)

@@ -208,8 +208,9 @@ def _escape_hook(tracker: _SplitActivations, flow: ProjectionFlow) -> Callable:
 
 
 def projections(block: nn.Module, *, prefix: str) -> list[tuple[str, nn.Module]]:
-    """The block's projections by full name: Linears, ``Conv1D``s and LoRA layers (not the Linears inside them), but
-    those of a recurrent mixer, which a style of its own splits (the plan's completion gives it)."""
+    """The block's projections by full name: Linears, ``Conv1D``s and LoRA layers on them (not the Linears inside
+    them), but those of a recurrent mixer, which a style of its own splits (the plan's completion gives it). A LoRA
+    layer on anything else (a tower's patch convolution) is no projection: it is kept whole, as its base would be."""
     found, skipped = [], []
     for name, module in block.named_modules():
         if any(name.startswith(f"{outer}.") for outer in skipped):
@@ -218,7 +219,8 @@ def projections(block: nn.Module, *, prefix: str) -> list[tuple[str, nn.Module]]
             skipped.append(name)
         if is_recurrent_mixer(module):
             continue
-        if is_lora_layer(module) or isinstance(module, nn.Linear) or is_conv1d(module):
+        base = module.base_layer if is_lora_layer(module) else module
+        if isinstance(base, nn.Linear) or is_conv1d(base):
             found.append((f"{prefix}.{name}", module))
     return found
 

@@ -155,9 +155,9 @@ def counter(warmup: int, pad_id: int):
 
 
 def data_module(files: str, *, pack: bool, args: argparse.Namespace):
-    from lightning_automodel.data.byte_processors import llava_processor
+    from lightning_automodel.data.vision.byte_processors import llava_processor
     from lightning_automodel.data.vision import VisionChatDataModule
-    from lightning_automodel.data.vision_demo import PATCH, SIDE
+    from lightning_automodel.data.vision.demo import PATCH, SIDE
 
     processor = llava_processor(side=SIDE, patch=PATCH)
     options = dict(seq_len=args.seq_len, batch_size=args.batch_size, seed=0)
@@ -215,7 +215,7 @@ def rounds(variants: list[str], files: str, args: argparse.Namespace) -> list[di
 def prepare(directory: Path, args: argparse.Namespace, world: int) -> str:
     """The demo's records, enough for every variant's steps packed, written and cached once."""
     from lightning_automodel.data import cache
-    from lightning_automodel.data.vision_demo import write_demo_records
+    from lightning_automodel.data.vision.demo import write_demo_records
 
     cache.DEFAULT_ROOT = directory / "tokens"
     records = args.steps * args.batch_size * world * max(args.seq_len // 60, 1)

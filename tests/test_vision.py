@@ -26,23 +26,39 @@ from lightning_automodel.testing.vision_models import MOE_VISION_FAMILY, VISION_
 
 
 def test_vision_models_at_tp_sp_and_dp_shard():
-    """LLaVA, Qwen2-VL and Gemma 3 with images: loss, logits and every gradient, the tower's included, with and
-    without activation checkpointing (and at tp=2 without sp, and at dp_shard=4); then AdamW steps through the
-    Trainer, with parts frozen too. LoRA on the language model, the tower and the projector (Qwen2-VL's packed qkv
-    and patch convolution too; DoRA on the packed qkv keeps the tower whole), and AdamW steps on its adapters."""
-    checks = [partial(check_vision_layout, family, 2, True, ac) for family in VISION_FAMILIES for ac in (False, True)]
-    checks += [partial(check_vision_layout, family, tp, False) for family in VISION_FAMILIES for tp in (2, 1)]
+    """LLaVA, Qwen2-VL and Gemma 3 with images at tp=2 + sp x dp_shard=2: loss, logits and every gradient, the
+    tower's included (LLaVA with activation checkpointing and at dp_shard=4 and in bf16 too); Qwen3-VL-MoE at ep=2;
+    ranks without images; AdamW steps through the Trainer, with parts frozen; LoRA on the language model, the tower
+    and the projector (Qwen2-VL's packed qkv and patch convolution too), and AdamW steps on its adapters. The other
+    families' variants: ``-m sweep``."""
+    checks = [partial(check_vision_layout, family, 2, True) for family in VISION_FAMILIES]
+    checks += [partial(check_vision_layout, "llava", 2, True, True), partial(check_vision_layout, "llava", 1, False)]
     checks += [partial(check_vision_layout, MOE_VISION_FAMILY, tp, False, ep=2, tower_whole=True) for tp in (2, 1)]
     checks += [partial(check_imageless_ranks, family, 2, True, (1,)) for family in VISION_FAMILIES]
     checks += [partial(check_imageless_ranks, "llava", 1, False, (0, 2, 3))]
-    checks += [partial(check_vision_bf16, family) for family in VISION_FAMILIES]
+    checks += [partial(check_vision_bf16, "llava")]
     checks += [partial(check_vision_training, family, 2, True) for family in VISION_FAMILIES]
     checks += [partial(check_vision_training, "llava", 2, True, ("vision_tower",))]
     checks += [partial(check_vision_training, "qwen2_vl", 2, True, ("language_model", "model.visual.merger.*"))]
     checks += [partial(check_vision_lora, family, 2, True) for family in ("llava", "qwen2_vl")]
-    checks += [partial(check_vision_lora, "qwen2_vl", 2, False, tower_whole=True, **DORA_ON_PACKED_QKV)]
     checks += [partial(check_vision_training, "qwen2_vl", 2, True, build=lora_vision_model)]
-    results = run_checks(4, checks, timeout=600)
+    _print(run_checks(4, checks, timeout=600))
+
+
+@pytest.mark.sweep
+def test_vision_variants():
+    """The other families with activation checkpointing, at tp=2 without sp, at dp_shard=4 and in bf16; DoRA on
+    Qwen2-VL's packed qkv, which keeps the tower whole."""
+    others = [family for family in VISION_FAMILIES if family != "llava"]
+    checks = [partial(check_vision_layout, family, 2, True, True) for family in others]
+    checks += [partial(check_vision_layout, family, 2, False) for family in VISION_FAMILIES]
+    checks += [partial(check_vision_layout, family, 1, False) for family in others]
+    checks += [partial(check_vision_bf16, family) for family in others]
+    checks += [partial(check_vision_lora, "qwen2_vl", 2, False, tower_whole=True, **DORA_ON_PACKED_QKV)]
+    _print(run_checks(4, checks, timeout=600))
+
+
+def _print(results: dict) -> None:
     for name, ranks in results.items():
         print(name, {key: f"{max(rank[key] for rank in ranks):.1e}" for key in ranks[0]})
 

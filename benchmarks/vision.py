@@ -155,8 +155,8 @@ def counter(warmup: int, pad_id: int):
 
 
 def data_module(files: str, *, pack: bool, args: argparse.Namespace):
-    from lightning_automodel.data.vision.byte_processors import llava_processor
     from lightning_automodel.data.vision import VisionChatDataModule
+    from lightning_automodel.data.vision.byte_processors import llava_processor
     from lightning_automodel.data.vision.demo import PATCH, SIDE
 
     processor = llava_processor(side=SIDE, patch=PATCH)

@@ -34,6 +34,8 @@ from lightning_automodel.io.lightning_checkpoint import check_checkpoint
 from lightning_automodel.strategy.faults import monitor as faults
 from lightning_automodel.strategy.faults import stragglers
 from lightning_automodel.strategy.faults.collective_progress import GroupProgress, find_missed
+from lightning_automodel.strategy.faults.processes import FROZEN, state_of
+from lightning_automodel.strategy.faults.processes import GONE as PROCESS_GONE
 from lightning_automodel.strategy.faults.stragglers import Stragglers, _as_the_waiting_say, flight_recorder_environment
 from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
 from lightning_automodel.testing.harness import run_checks
@@ -349,3 +351,15 @@ def test_torchrun_node_loses_a_rank(tmp_path):
     agent watches, exits on its own, naming rank 1 (benchmarks/faults.py runs 2 nodes of 2)."""
     outcome = launch(tmp_path, Fault(signal.SIGKILL, 1), launcher="torchrun", world=2, nodes=2, timeout=TIMEOUT)
     assert_named(outcome, 1, GONE)
+
+
+def test_a_process_tearing_itself_down_is_gone():
+    """A SIGKILLed rank closes its sockets (its peers' collectives fail) before it becomes a zombie: while the kernel
+    tears it down (PF_EXITING in its flags) it is gone, not running, or the roll call names no cause."""
+    line = "1234 (python) {state} 1 1234 1234 0 -1 {flags} 0 0"
+    assert state_of(line.format(state="R", flags=0x400000)) == "running"
+    assert state_of(line.format(state="R", flags=0x400004)) == PROCESS_GONE
+    assert state_of(line.format(state="D", flags=0x4)) == PROCESS_GONE
+    assert state_of(line.format(state="Z", flags=0)) == PROCESS_GONE
+    assert state_of(line.format(state="T", flags=0)) == FROZEN
+    assert state_of("1 (a) b) R 1 1 1 0 -1 0 0 0") == "running"  # a name holding ")": the last one ends it

@@ -33,6 +33,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint import CheckpointException
 
+from lightning_automodel.strategy.faults.processes import FROZEN, GONE, machine, process_state
 from lightning_automodel.strategy.faults.stragglers import Stragglers
 
 INTERVAL = 1.0  # seconds between heartbeats
@@ -43,7 +44,7 @@ EXIT_CODE = 1
 
 # How a rank leaves a stage, and the order in which a report names them: a rank's own error explains the others'
 # failures, a rank that vanished explains the collectives that broke, and signals explain why ranks left.
-ERROR, GONE, FROZEN, SIGNAL, COLLECTIVE, DONE = "error", "gone", "frozen", "signal", "collective", "done"
+ERROR, SIGNAL, COLLECTIVE, DONE = "error", "signal", "collective", "done"
 _ORDER = (ERROR, GONE, FROZEN, SIGNAL, COLLECTIVE)
 _STOPS = (ERROR, GONE, FROZEN, COLLECTIVE)  # notes that stop the stage for all at once
 
@@ -138,7 +139,7 @@ class FaultMonitor:
             self._end_if_blocked()
 
     def _introduce(self) -> None:
-        self._store.set(f"who/{self.rank}", f"{socket.gethostname()}|{_machine()}|{os.getpid()}")
+        self._store.set(f"who/{self.rank}", f"{socket.gethostname()}|{machine()}|{os.getpid()}")
         self._store.append("notes", "")
         self.stragglers.introduce(self._store, time.monotonic())
 
@@ -292,9 +293,9 @@ class FaultMonitor:
         """GONE, FROZEN (stopped by a signal) or "running", where this process can see ``rank``'s (same machine and
         pid namespace); None elsewhere."""
         who = self._identity(rank)
-        if who is None or who["machine"] != _machine():
+        if who is None or who["machine"] != machine():
             return None
-        return _process_state(int(who["pid"]))
+        return process_state(int(who["pid"]))
 
     def _identity(self, rank: int) -> dict[str, str] | None:
         if rank not in self._who and self._store.check([f"who/{rank}"]):
@@ -310,32 +311,6 @@ class FaultMonitor:
 
 def _silent(rank: int, quiet: float) -> Note:
     return Note(rank, FROZEN, f"no heartbeat for {quiet:.0f} s")
-
-
-def _machine() -> str:
-    """This boot of this machine and this pid namespace: processes sharing it see each other's process ids."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            return boot.read().strip() + ":" + os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return socket.gethostname()
-
-
-def _process_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            letter = stat.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return GONE
-    except OSError:  # no /proc: whether the process exists is all that can be seen
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return GONE
-        except PermissionError:
-            pass
-        return "running"
-    return GONE if letter in "ZX" else FROZEN if letter in "Tt" else "running"  # Z: exited, not yet reaped
 
 
 def _store_owner(rank_zero: str) -> str:

@@ -13,7 +13,7 @@ from vision_lora_checks import DORA_ON_PACKED_QKV, check_vision_lora, lora_visio
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers, named_multimodal_parts
 from lightning_automodel.hf.freezing import freeze
-from lightning_automodel.hf.image_inputs import image_inputs, image_token_count
+from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.preflight import probe_unsharded
 from lightning_automodel.parallel.tensor.plans import tower

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_automodel.hf.mrope import is_mrope
 from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.hf.replica import replica_problem
+from lightning_automodel.hf.vision.mrope import is_mrope
 
 
 def packed_documents_problem(model: nn.Module) -> str | None:
@@ -33,7 +33,7 @@ def packed_documents_problem(model: nn.Module) -> str | None:
 
 def _packed_logits(replica: nn.Module, tokens: Tensor) -> Tensor:
     """The replica's logits on its rows laid end to end in one row, position ids restarting at each, cut back. An
-    M-RoPE model's come in four rows (:mod:`~lightning_automodel.hf.mrope`), text tokens' all alike."""
+    M-RoPE model's come in four rows (:mod:`~lightning_automodel.hf.vision.mrope`), text tokens' all alike."""
     rows, length = tokens.shape
     positions = torch.arange(length).repeat(rows).unsqueeze(0)
     if is_mrope(replica.config):

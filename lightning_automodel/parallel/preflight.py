@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
-from lightning_automodel.hf.image_inputs import image_token_count
+from lightning_automodel.hf.vision.image_inputs import image_token_count
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline, context_parallel_problem
 from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
 from lightning_automodel.parallel.mesh import axis_size, tp_mesh
@@ -150,8 +150,8 @@ def check_context_parallel(model: nn.Module, *, cp: int, pipeline: PipelineOptio
 def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:
     """One step of a meta-device copy of the Hugging Face ``model`` (see :mod:`lightning_automodel.parallel.probe`),
     or how it failed at every sequence length tried. A vision-language model's step carries images
-    (:mod:`lightning_automodel.hf.image_inputs`); where that fails, a text-only step stands in (its trace says how
-    the step with images failed). Models that are not Hugging Face ones, whose inputs are unknown, are not probed
+    (:mod:`lightning_automodel.hf.vision.image_inputs`); where that fails, a text-only step stands in (its trace says
+    how the step with images failed). Models that are not Hugging Face ones, whose inputs are unknown, are not probed
     (None)."""
     if not isinstance(model, PreTrainedModel):
         return None

@@ -3,8 +3,8 @@
 On meta tensors kernels only propagate shapes, and so do collectives: the probe computes nothing and communicates
 nothing, so every rank can run it before any collective, whatever it finds. Run on a copy of the model before and
 after tensor parallel, it shows which modules a step calls and with what (a vision-language model's step carries
-images, so that its vision tower runs too: see :mod:`lightning_automodel.hf.image_inputs`), where a plan's layouts
-do not fit the model (a module that reads a global size, a style that takes the whole sequence for a shard), and
+images, so that its vision tower runs too: see :mod:`lightning_automodel.hf.vision.image_inputs`), where a plan's
+layouts do not fit the model (a module that reads a global size, a style that takes the whole sequence for a shard), and
 which modules compute on activations tensor parallel shards (see :mod:`.tensor.sharded_activations`).
 """
 
@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_automodel.hf.image_inputs import image_inputs, image_token_count
+from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count
 
 # Rows and tokens of the probe's batch: small, odd and unlike any model size, so that a dimension a plan splits
 # cannot be mistaken for another one of the same size. The sequence is a multiple of tp (sequence parallel splits it).
@@ -185,7 +185,7 @@ def forward_step(model: nn.Module, *, tokens: int, images: bool = False) -> Any:
     """The forward of a training step of ``model`` on the meta device: ``PROBE_ROWS`` rows of ``tokens`` token ids,
     no key/value cache. With ``images``, each row holds an image (its pixels on the meta device, its placeholders
     and metadata on the CPU, where the model's code reads their values: see
-    :func:`~lightning_automodel.hf.image_inputs.image_inputs`). Run it under :class:`AnswerDataQuestions`."""
+    :func:`~lightning_automodel.hf.vision.image_inputs.image_inputs`). Run it under :class:`AnswerDataQuestions`."""
     if images:
         inputs = image_inputs(model, rows=PROBE_ROWS, tokens=tokens, pixels_device="meta")
     else:

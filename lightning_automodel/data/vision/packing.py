@@ -6,7 +6,7 @@ records apart (its own attention functions build it from the position ids; Flash
 variable-length path). The row's images are the records' images in order, as the model scatters their features
 into its image tokens in order. An M-RoPE model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) gets ``(4, seq)`` position ids a
 row: the restarting text positions, which its text model masks by, and each record's own M-RoPE positions
-(:mod:`lightning_automodel.hf.mrope`). Packing is refused for a model whose records cannot be kept apart so.
+(:mod:`lightning_automodel.hf.vision.mrope`). Packing is refused for a model whose records cannot be kept apart so.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-from lightning_automodel.hf.mrope import MROPE_MODEL_TYPES, RopeIndex
+from lightning_automodel.hf.vision.mrope import MROPE_MODEL_TYPES, RopeIndex
 
 # Models whose attention keeps packed records apart by the restarting position ids, images included.
 PLAIN_POSITIONS = ("llava",)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from lightning_automodel.hf.image_inputs import image_inputs, image_token_count
+from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count
 
 # The arguments that carry images (and their metadata) into a vision-language model's forward.
 PIXELS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
@@ -29,7 +29,7 @@ PIXELS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask
 def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
     """Hook ``model`` (a vision-language model, sharded by FSDP2 over ``mesh``'s ranks) so that every rank of
     ``mesh`` runs its tower in a forward where any of them has images. A model whose stand-in image
-    :mod:`~lightning_automodel.hf.image_inputs` cannot build is refused in such a forward, on every rank."""
+    :mod:`~lightning_automodel.hf.vision.image_inputs` cannot build is refused in such a forward, on every rank."""
     count = image_token_count(model)
     built = image_inputs(model, rows=1, tokens=1 + count) if count is not None else {}
     stand_in = {name: value for name, value in built.items() if name in PIXELS}

@@ -59,7 +59,7 @@ def image_inputs(model: nn.Module, *, rows: int, tokens: int, pixels_device: Any
     config, vision = model.config, model.config.vision_config
     input_ids = torch.zeros(rows, tokens, dtype=torch.long)
     input_ids[:, IMAGE_START : IMAGE_START + count] = _image_token(config)
-    inputs = {"input_ids": input_ids, **_pixels(vision, images=rows, device=pixels_device)}
+    inputs = {"input_ids": input_ids, **pixel_inputs(vision, images=rows, device=pixels_device)}
     accepted = _forward_arguments(model)
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in accepted:
@@ -71,7 +71,8 @@ def image_inputs(model: nn.Module, *, rows: int, tokens: int, pixels_device: Any
 _GRID = (1, 1, 3)
 
 
-def _pixels(vision: Any, *, images: int, device: Any) -> dict[str, torch.Tensor]:
+def pixel_inputs(vision: Any, *, images: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """The pixels (and image grids) of ``images`` images for a tower of config ``vision``, as the forward takes them."""
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
     merge = getattr(vision, "spatial_merge_size", None)
     if isinstance(merge, int):

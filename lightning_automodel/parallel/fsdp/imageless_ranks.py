@@ -20,19 +20,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count
-
-# The arguments that carry images (and their metadata) into a vision-language model's forward.
-PIXELS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+from lightning_automodel.hf.vision.image_inputs import image_token_count, pixel_inputs
 
 
 def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
     """Hook ``model`` (a vision-language model, sharded by FSDP2 over ``mesh``'s ranks) so that every rank of
     ``mesh`` runs its tower in a forward where any of them has images. A model whose stand-in image
     :mod:`~lightning_automodel.hf.vision.image_inputs` cannot build is refused in such a forward, on every rank."""
-    count = image_token_count(model)
-    built = image_inputs(model, rows=1, tokens=1 + count) if count is not None else {}
-    stand_in = {name: value for name, value in built.items() if name in PIXELS}
+    known = image_token_count(model) is not None
+    stand_in = pixel_inputs(model.config.vision_config, images=1) if known else {}
     signature = inspect.signature(model.forward)
     pending: list[bool] = []
 

@@ -8,12 +8,15 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch.distributed.tensor.parallel import ColwiseParallel
 from vision_checks import check_imageless_ranks, check_vision_bf16, check_vision_layout, check_vision_training
+from vision_cp_checks import check_vision_cp_training, check_vision_rows_split_over_cp
 from vision_lora_checks import DORA_ON_PACKED_QKV, check_vision_lora, lora_vision_model
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers, named_multimodal_parts
 from lightning_automodel.hf.freezing import freeze
 from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count
+from lightning_automodel.parallel.context_parallel import context_parallel_problem
+from lightning_automodel.parallel.context_parallel import problems as cp_problems
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.preflight import probe_unsharded
 from lightning_automodel.parallel.tensor.plans import tower
@@ -27,35 +30,48 @@ from lightning_automodel.testing.vision_models import MOE_VISION_FAMILY, VISION_
 
 def test_vision_models_at_tp_sp_and_dp_shard():
     """LLaVA, Qwen2-VL and Gemma 3 with images at tp=2 + sp x dp_shard=2: loss, logits and every gradient, the
-    tower's included (LLaVA with activation checkpointing and at dp_shard=4 and in bf16 too); Qwen3-VL-MoE at ep=2;
-    ranks without images; AdamW steps through the Trainer, with parts frozen; LoRA on the language model, the tower
-    and the projector (Qwen2-VL's packed qkv and patch convolution too), and AdamW steps on its adapters. The other
-    families' variants: ``-m sweep``."""
+    tower's included (LLaVA with activation checkpointing too); Qwen3-VL-MoE at ep=2; ranks without images; AdamW
+    steps through the Trainer, with the tower frozen; LoRA on Qwen2-VL's language model, tower (its packed qkv and
+    patch convolution) and projector, and AdamW steps on its adapters. The variants: ``-m sweep``."""
     checks = [partial(check_vision_layout, family, 2, True) for family in VISION_FAMILIES]
-    checks += [partial(check_vision_layout, "llava", 2, True, True), partial(check_vision_layout, "llava", 1, False)]
+    checks += [partial(check_vision_layout, "llava", 2, True, True)]
     checks += [partial(check_vision_layout, MOE_VISION_FAMILY, tp, False, ep=2, tower_whole=True) for tp in (2, 1)]
     checks += [partial(check_imageless_ranks, family, 2, True, (1,)) for family in VISION_FAMILIES]
-    checks += [partial(check_imageless_ranks, "llava", 1, False, (0, 2, 3))]
-    checks += [partial(check_vision_bf16, "llava")]
     checks += [partial(check_vision_training, family, 2, True) for family in VISION_FAMILIES]
     checks += [partial(check_vision_training, "llava", 2, True, ("vision_tower",))]
-    checks += [partial(check_vision_training, "qwen2_vl", 2, True, ("language_model", "model.visual.merger.*"))]
-    checks += [partial(check_vision_lora, family, 2, True) for family in ("llava", "qwen2_vl")]
+    checks += [partial(check_vision_lora, "qwen2_vl", 2, True)]
     checks += [partial(check_vision_training, "qwen2_vl", 2, True, build=lora_vision_model)]
     _print(run_checks(4, checks, timeout=600))
 
 
+def test_vision_models_under_context_parallel():
+    """cp=2: LLaVA, Qwen2-VL and Gemma 3 on rows holding 2, 0, 1 and 1 images whose placeholders straddle the ranks'
+    shares (Gemma 3's image tokens seeing each other both ways across them), against one process, each rank's tower
+    encoding its share of the images; under parallelize (FSDP2 over cp) with one image, the rank without one
+    encoding a stand-in; AdamW steps through the Trainer. tp=2 + sp x cp=2 and cp=2 x dp_shard=2: ``-m sweep``."""
+    checks = [partial(check_vision_rows_split_over_cp, family) for family in VISION_FAMILIES]
+    checks += [partial(check_vision_rows_split_over_cp, family, (0, 0, 1, 0), fsdp=True) for family in VISION_FAMILIES]
+    checks += [partial(check_vision_cp_training, family, 2) for family in VISION_FAMILIES]
+    _print(run_checks(2, checks, timeout=600))
+
+
 @pytest.mark.sweep
 def test_vision_variants():
-    """The other families with activation checkpointing, at tp=2 without sp, at dp_shard=4 and in bf16; DoRA on
-    Qwen2-VL's packed qkv, which keeps the tower whole."""
+    """The families with activation checkpointing, at tp=2 without sp, at dp_shard=4 and in bf16; ranks without
+    images at dp_shard=4; parts frozen in Qwen2-VL; LoRA on LLaVA; DoRA on Qwen2-VL's packed qkv, which keeps the
+    tower whole. Under context parallel: tp=2 + sp x cp=2 and cp=2 x dp_shard=2."""
     others = [family for family in VISION_FAMILIES if family != "llava"]
     checks = [partial(check_vision_layout, family, 2, True, True) for family in others]
     checks += [partial(check_vision_layout, family, 2, False) for family in VISION_FAMILIES]
-    checks += [partial(check_vision_layout, family, 1, False) for family in others]
-    checks += [partial(check_vision_bf16, family) for family in others]
+    checks += [partial(check_vision_layout, family, 1, False) for family in VISION_FAMILIES]
+    checks += [partial(check_vision_bf16, family) for family in VISION_FAMILIES]
+    checks += [partial(check_imageless_ranks, "llava", 1, False, (0, 2, 3))]
+    checks += [partial(check_vision_training, "qwen2_vl", 2, True, ("language_model", "model.visual.merger.*"))]
+    checks += [partial(check_vision_lora, "llava", 2, True)]
     checks += [partial(check_vision_lora, "qwen2_vl", 2, False, tower_whole=True, **DORA_ON_PACKED_QKV)]
-    _print(run_checks(4, checks, timeout=600))
+    checks += [partial(check_vision_rows_split_over_cp, family, fsdp=True, tp=2) for family in VISION_FAMILIES]
+    checks += [partial(check_vision_cp_training, family, 2) for family in VISION_FAMILIES]
+    _print(run_checks(4, checks, timeout=900))
 
 
 def _print(results: dict) -> None:
@@ -187,3 +203,16 @@ def test_sequence_parallel_is_refused_where_no_probe_step_runs_the_images():
     assert "kept whole on every tp rank: model.visual (no probe step ran" in str(
         plan_report(model, ParallelDims(tp=2).resolve(4))
     )
+
+
+def test_context_parallel_checks_the_split_around_images_on_a_replica(monkeypatch):
+    """cp splits LLaVA, Qwen2-VL (its tower's output width kept the language model's in the shrunk replica) and
+    Gemma 3 around their images; Gemma 3 without its image blocks (each image's tokens seeing each other both ways) is
+    refused, as is Qwen3-VL-MoE, whose deepstack features the split cannot hand its language model."""
+    for family in VISION_FAMILIES:
+        assert context_parallel_problem(tiny_vision_model(family)) is None, family
+    refusal = context_parallel_problem(tiny_vision_model(MOE_VISION_FAMILY))
+    assert "fails with its sequences split around images" in refusal and "deepstack" in refusal, refusal
+    monkeypatch.setattr(cp_problems, "image_blocks", lambda types: torch.full_like(types, -1))
+    refusal = context_parallel_problem(tiny_vision_model("gemma3_vlm"))
+    assert "other logits with its sequences split around images" in refusal, refusal

@@ -8,10 +8,13 @@ such mask, and records see each other); the other three the M-RoPE positions, ea
 
 from __future__ import annotations
 
+import torch
 import transformers
 from torch import Tensor, nn
 from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+from lightning_automodel.hf.vision.image_inputs import image_token
 
 # The model types whose text model takes (4, batch, seq) position ids and masks packed records by their first row.
 MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -40,3 +43,29 @@ class RopeIndex:
             input_ids.unsqueeze(0), mm_token_type_ids=image_types.unsqueeze(0), image_grid_thw=grids
         )
         return positions[:, 0]
+
+
+def whole_row_positions(
+    model: nn.Module, input_ids: Tensor, *, images: dict[str, Tensor], tokens: dict[str, Tensor]
+) -> Tensor:
+    """The M-RoPE positions, ``(3, batch, seq)``, a multimodal rotary ``model`` finds for whole rows of
+    ``input_ids`` with their images: found before a split of the rows (context parallel), where the model's own
+    forward would see a rank's share of each row."""
+    types = tokens.get("mm_token_type_ids")
+    if types is None:
+        types = (input_ids == image_token(model.config)).long()
+    positions, _ = model.base_model.get_rope_index(
+        input_ids, mm_token_type_ids=types, image_grid_thw=images.get("image_grid_thw")
+    )
+    return positions
+
+
+def text_positions(position_ids: Tensor) -> Tensor:
+    """The text positions, ``(batch, seq)``, in position ids of one row or of several a token: the first of four
+    (see above); three give none (each row one record, as transformers reads them)."""
+    if position_ids.dim() == 2:
+        return position_ids
+    if position_ids.size(0) == 4:
+        return position_ids[0]
+    batch, length = position_ids.shape[1:]
+    return torch.arange(length, device=position_ids.device).expand(batch, -1)

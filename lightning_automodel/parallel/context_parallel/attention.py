@@ -171,3 +171,14 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 AttentionInterface.register(ATTENTION, context_parallel_attention)
 AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+def text_model_only(model: nn.Module, implementation: str) -> str | dict[str, str]:
+    """transformers' attention setting that gives ``implementation`` to ``model``'s text model alone: a multimodal
+    model's vision tower encodes whole images and keeps its own attention."""
+    config = model.config
+    text = config.get_text_config()
+    for key in getattr(config, "sub_configs", {}):
+        if getattr(config, key, None) is text:
+            return {key: implementation}
+    return implementation

@@ -17,7 +17,20 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.parallel.context_parallel.attention import ATTENTION, CPAttention, attention_kernel
+from lightning_automodel.hf.vision.mrope import is_mrope, text_positions, whole_row_positions
+from lightning_automodel.parallel.context_parallel.attention import (
+    ATTENTION,
+    CPAttention,
+    attention_kernel,
+    text_model_only,
+)
+from lightning_automodel.parallel.context_parallel.images import (
+    IMAGE_INPUTS,
+    TOKEN_INPUTS,
+    has_images,
+    image_arguments,
+    image_blocks,
+)
 from lightning_automodel.parallel.context_parallel.sequence_split import SequenceSplit, documents, token_indices
 from lightning_automodel.parallel.experts.load_balancing_loss import balancing_of, load_balancing_loss
 from lightning_automodel.parallel.loss import (
@@ -68,12 +81,20 @@ class ContextParallel:
             why="Under context parallel (cp > 1) each rank computes the logits of its share of every sequence only",
         )
         self._check_same_rows(input_ids)
-        split, held, targets = self._split_rows(input_ids, labels, attention_mask, position_ids)
+        images = {name: inputs.pop(name) for name in IMAGE_INPUTS if inputs.get(name) is not None}
+        tokens = {name: inputs.pop(name) for name in TOKEN_INPUTS if inputs.get(name) is not None}
+        if has_images(images) and position_ids is None and is_mrope(self.model.config):
+            position_ids = whole_row_positions(self.model, input_ids, images=images, tokens=tokens)
+        split, held, targets = self._split_rows(input_ids, labels, attention_mask, position_ids, tokens)
         token_mask = split.query_visible
         if (pipeline := pipeline_of(self.model)) is not None:
-            refuse_unknown_inputs(inputs)
+            refuse_unknown_inputs({**inputs, **images, **tokens})
             rows_split = lambda rows: {"sequence_split": split.rows(rows)}  # noqa: E731 - a micro-batch's rows
             return pipeline.run(**held, targets=targets, token_mask=token_mask, row_inputs=rows_split)
+        if has_images(images):
+            whole = F.pad(input_ids, (0, self.padded_length(input_ids.size(1)) - input_ids.size(1)))
+            where = dict(input_ids=whole, index=split.query_index, group=self.group, rank=self.rank, cp=self.cp)
+            inputs |= image_arguments(self.model, images, **where)
         outputs = own_forward(self.model, ContextParallelModel)(
             **held,
             sequence_split=split,
@@ -92,10 +113,15 @@ class ContextParallel:
         return result
 
     def _split_rows(
-        self, input_ids: Tensor, labels: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        tokens: dict[str, Tensor],
     ) -> tuple[SequenceSplit, dict[str, Tensor], Tensor | None]:
-        """The split of the rows (padded to :meth:`padded_length`), this rank's token ids and global positions, and
-        its shifted labels."""
+        """The split of the rows (padded to :meth:`padded_length`), this rank's token ids, global positions (a
+        multimodal rotary model's several rows of them too) and values of ``tokens``, and its shifted labels."""
         length = input_ids.size(1)
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(input_ids.size(0), -1)
@@ -104,11 +130,14 @@ class ContextParallel:
         extra = self.padded_length(length) - length
         if extra:  # padding on the right, at the last position: nothing attends to it, and the loss ignores it
             input_ids, visible = F.pad(input_ids, (0, extra)), F.pad(visible, (0, extra), value=False)
-            position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(-1, extra)], dim=1)
+            position_ids = torch.cat([position_ids, position_ids[..., -1:].expand(*position_ids.shape[:-1], extra)], -1)
             targets = F.pad(targets, (0, extra), value=-100) if targets is not None else None
-        split = self.split(position_ids, visible, length + extra)
+            tokens = {name: F.pad(value, (0, extra)) for name, value in tokens.items()}
+        blocks = image_blocks(tokens["token_type_ids"]) if "token_type_ids" in tokens else None
+        split = self.split(text_positions(position_ids), visible, length + extra, blocks=blocks)
         index = split.query_index
-        held = dict(input_ids=input_ids[:, index], position_ids=position_ids[:, index])
+        held = dict(input_ids=input_ids[:, index], position_ids=position_ids[..., index])
+        held |= {name: value[:, index] for name, value in tokens.items()}
         return split, held, targets[:, index] if targets is not None else None
 
     def padded_length(self, length: int) -> int:
@@ -133,8 +162,9 @@ class ContextParallel:
                 " data-parallel rank. A sampler or data module of your own must deal by dp rank, not by global rank."
             )
 
-    def split(self, position_ids: Tensor, visible: Tensor, length: int) -> SequenceSplit:
-        """The split of a batch of ``length`` tokens a row (a multiple of 2 cp)."""
+    def split(self, position_ids: Tensor, visible: Tensor, length: int, *, blocks: Tensor | None) -> SequenceSplit:
+        """The split of a batch of ``length`` tokens a row (a multiple of 2 cp); ``blocks``: the image each token
+        belongs to, where an image's tokens see each other both ways (see :func:`.images.image_blocks`)."""
         held = [token_indices(length, self.cp, rank, position_ids.device) for rank in range(self.cp)]
         query_index, key_index = held[self.rank], torch.cat(held)
         document = documents(position_ids)
@@ -147,6 +177,8 @@ class ContextParallel:
             key_visible=visible[:, key_index],
             group=self.group,
             kernel=self.kernel,
+            query_block=blocks[:, query_index] if blocks is not None else None,
+            key_block=blocks[:, key_index] if blocks is not None else None,
         )
 
     def _with_loss(self, logits: Tensor, targets: Tensor) -> ParallelCausalLMOutput:
@@ -217,7 +249,7 @@ def check_cp_with_pipeline(*, cp: int, pipeline: PipelineOptions | None) -> None
 def context_parallel_model(model: nn.Module, mesh: DeviceMesh, *, attention: CPAttention = "auto") -> ContextParallel:
     """Make ``model``'s calls split their batch over the cp ranks of ``mesh``, its attention gather the rest (with the
     kernel ``attention`` names)."""
-    model.set_attn_implementation(ATTENTION)
+    model.set_attn_implementation(text_model_only(model, ATTENTION))
     context = ContextParallel(model, mesh, attention=attention)
     take_over_calls(model, ContextParallelModel, prefix="ContextParallel", context=context)
     return context

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 # The name torch 2.13 gives it (its old name warns that it is deprecated); older torch has the old name only
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
 def token_indices(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
@@ -47,6 +47,8 @@ class SequenceSplit:
         key_visible: Tensor,
         group: dist.ProcessGroup | None,
         kernel: str = "sdpa",
+        query_block: Tensor | None = None,
+        key_block: Tensor | None = None,
     ) -> None:
         self.query_index = query_index  # [S / cp] positions of this rank's tokens in the sequence
         self.key_index = key_index  # [S] positions of the gathered keys
@@ -56,6 +58,9 @@ class SequenceSplit:
         self.key_visible = key_visible  # [B, S] False where the attention mask hides a key (padding)
         self.group = group
         self.kernel = kernel
+        # [B, S / cp] and [B, S]: the image each token belongs to where an image's tokens see each other both ways
+        # (Gemma 3), -1 for text; None where attention is causal throughout
+        self.query_block, self.key_block = query_block, key_block
         self._masks: dict[tuple, Tensor | BlockMask] = {}
 
     def rows(self, rows: Tensor) -> SequenceSplit:
@@ -69,6 +74,8 @@ class SequenceSplit:
             key_visible=self.key_visible[rows],
             group=self.group,
             kernel=self.kernel,
+            query_block=self.query_block[rows] if self.query_block is not None else None,
+            key_block=self.key_block[rows] if self.key_block is not None else None,
         )
 
     def bias(self, sliding_window: int | None, like: Tensor) -> Tensor:
@@ -109,9 +116,13 @@ class SequenceSplit:
     def allows(self, batch: Tensor, query: Tensor, key: Tensor, sliding_window: int | None) -> Tensor:
         """Whether the query at ``query`` (of this rank's) of row ``batch`` attends to the gathered key at ``key``
         (indices, broadcast together), Hugging Face's conventions: causal, a sliding window of ``sliding_window``
-        tokens including the query's own, within one document, visible keys."""
+        tokens including the query's own, within one document, visible keys; an image's tokens see each other where
+        the split has image blocks."""
         query_position, key_position = self.query_index[query], self.key_index[key]
         allowed = key_position <= query_position
+        if self.query_block is not None:
+            block = self.query_block[batch, query]
+            allowed = allowed | ((block >= 0) & (block == self.key_block[batch, key]))
         if sliding_window is not None:
             allowed = allowed & (key_position > query_position - sliding_window)
         allowed = allowed & (self.query_document[batch, query] == self.key_document[batch, key])
@@ -121,5 +132,5 @@ class SequenceSplit:
         """Keys or values [B, heads, S / cp, D] of every cp rank, concatenated in rank order along the sequence."""
         if self.group is None:
             return tensor
-        gathered = _all_gather_autograd(tensor.contiguous(), 2, self.group)
+        gathered = all_gather_autograd(tensor.contiguous(), 2, self.group)
         return funcol.wait_tensor(gathered)

@@ -33,6 +33,7 @@ from lightning_automodel.testing.parity import (
     relative_error,
     within_bf16_noise,
 )
+from lightning_automodel.testing.trainer_checks import fresh_dynamo
 from lightning_automodel.testing.trainer_parity import (
     GLOBAL_BATCH,
     CausalLM,
@@ -71,15 +72,25 @@ def _parallel_outputs(model: torch.nn.Module, rows: dict, mesh: Any) -> tuple[An
 
 
 def check_vision_layout(
-    family: str, tp: int, sp: bool, activation_checkpointing: bool = False, *, ep: int = 1, tower_whole: bool = False
+    family: str,
+    tp: int,
+    sp: bool,
+    activation_checkpointing: bool = False,
+    *,
+    ep: int = 1,
+    dp_replicate: int = 1,
+    tower_whole: bool = False,
+    **options: Any,
 ) -> dict[str, float]:
-    """fp32 parity of one step with images; dp_shard takes the rest of the world (``ep`` of it holding the text
-    model's experts apart). Every rank builds its model from another seed: parallelize must make them all rank 0's.
-    At tp > 1 the tower's and projector's Linears are split, or with ``tower_whole`` (a model whose probe cannot run
-    its images) none is."""
-    mesh = dims_for(dist.get_world_size(), tp, ep=ep).build_mesh("cpu")
+    """fp32 parity of one step with images; dp_shard takes the rest of the world after ``dp_replicate`` (``ep`` of it
+    holding the text model's experts apart); ``options``: more of parallelize's (``compile``). Every rank builds its
+    model from another seed: parallelize must make them all rank 0's. At tp > 1 the tower's and projector's Linears
+    are split, or with ``tower_whole`` (a model whose probe cannot run its images) none is."""
+    mesh = dims_for(dist.get_world_size(), tp, dp_replicate=dp_replicate, ep=ep).build_mesh("cpu")
+    if options.get("compile"):
+        fresh_dynamo()  # graphs another check's mesh guarded
     reference, model = tiny_vision_model(family), tiny_vision_model(family, seed=dist.get_rank())
-    parallelize(model, mesh, sp=sp, activation_checkpointing=activation_checkpointing)
+    parallelize(model, mesh, sp=sp, activation_checkpointing=activation_checkpointing, **options)
     if ep > 1:
         assert_experts_distributed(model, ep=ep)
     rows = vision_batch(family)

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, StackDataset
 from lightning_automodel import AutoModelParallelStrategy, parallelize
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers
 from lightning_automodel.hf.freezing import freeze
+from lightning_automodel.parallel.float8 import Float8Layers, convert_to_float8, float8_options
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, fp64_copy, gradient_limits
 from lightning_automodel.testing.parity import (
@@ -111,10 +112,7 @@ def check_imageless_ranks(family: str, tp: int, sp: bool, imageless: tuple[int, 
     mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
     dp = data_mesh(mesh)
     rows = vision_batch(family)
-    parts = [
-        slice(r * len(rows["input_ids"]) // dp.size(), (r + 1) * len(rows["input_ids"]) // dp.size())
-        for r in range(dp.size())
-    ]
+    parts = [dp_slice_of(rank, dp.size(), len(rows["input_ids"])) for rank in range(dp.size())]
     batches = [
         _without_images(rows_slice(rows, p)) if r in imageless else rows_slice(rows, p) for r, p in enumerate(parts)
     ]
@@ -274,3 +272,37 @@ def check_vision_training(
     stateful = [name for name in names if params[name] in fit.optimizers[0].state]
     assert not stateful and not any(params[name].requires_grad for name in names), stateful
     return {**result, "frozen": float(len(names))}
+
+
+def check_vision_float8(family: str, tp: int, sp: bool, recipe: str) -> dict[str, float]:
+    """float8 (torchao's emulation) on the language model's blocks, the tower's in high precision, dp_shard taking the
+    rest of the world: one step against one process whose same layers are converted, each data-parallel rank's rows
+    forwarded apart (float8's scales are those of what one matmul sees); and farther from the unconverted model."""
+    options = float8_options({"recipe": recipe, "emulate": True})
+    mesh = dims_for(dist.get_world_size(), tp).build_mesh("cpu")
+    model = tiny_vision_model(family, seed=dist.get_rank())
+    parallelize(model, mesh, sp=sp, float8=options)
+    converted = [name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"]
+    assert converted and not any(_part(name) != "language" for name in converted), converted
+    rows, dp = vision_batch(family), data_mesh(mesh)
+    parts = [dp_slice_of(rank, dp.size(), len(rows["input_ids"])) for rank in range(dp.size())]
+    outputs, part = _parallel_outputs(model, rows, mesh)
+    limits = gradient_limits(_fp32_rounding(tiny_vision_model(family), rows))
+    errors = {}
+    for convert in (True, False):
+        reference = tiny_vision_model(family)
+        if convert:
+            convert_to_float8(reference, Float8Layers(converted, {}), options, fsdp_sharded=False)
+        losses, logits = zip(*(vision_loss_and_logits(reference, rows_slice(rows, p)) for p in parts), strict=True)
+        (sum(losses) / len(losses)).backward()
+        grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+        expected = Outputs((sum(losses) / len(losses)).detach(), torch.cat(logits).detach(), grads)
+        errors[convert] = _errors(outputs, expected, part, limits=limits, enforced=convert)
+    worst = max(value for key, value in errors[True].items() if key != "rounding_limited")
+    assert worst < FP32_TOLERANCE, errors[True]
+    assert errors[False]["grad_language"] > 5 * errors[True]["grad_language"], errors  # float8 made a difference
+    return {**errors[True], "unconverted_grad_language": errors[False]["grad_language"], "converted": len(converted)}
+
+
+def dp_slice_of(rank: int, ranks: int, rows: int) -> slice:
+    return slice(rank * rows // ranks, (rank + 1) * rows // ranks)

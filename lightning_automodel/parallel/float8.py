@@ -9,16 +9,17 @@ not with CPU offload) and tensor parallel's column- and row-wise styles cast bef
 float8 styles; sequence parallel's norms still gather the stream in high precision). Converted after the pipeline
 split and context parallel, before tensor parallel, activation checkpointing, compile and FSDP2.
 
-Plain ``nn.Linear`` layers only: transformers' fused experts and most routers are modules of their own, and LoRA's
-layers keep theirs, so they stay in high precision (a router that is a plain ``nn.Linear``, as AFMoE's, is converted
-unless ``skip`` names it). Layers also stay there where the kernels cannot take their shapes (``torch._scaled_mm``
-needs both dims of a weight, as this rank holds it under tp, to be multiples of 16), where a tensor-parallel style
-other than the plain column- and row-wise ones computes with the weight itself (packed projections) or the plan leaves
-the weight whole at tp > 1 (on another mesh than the others, whose scales one all-reduce computes), and where
-``skip`` names them: each is logged with its reason (and listed in the plan report), and a model with nothing to
-convert is refused. A device without float8 matmuls (compute capability below 8.9, or a CPU) is refused;
-``emulate=True`` runs torchao's emulation there (float8 casts, matmuls in high precision): float8's numerics without
-its speed, for tests.
+The language model's blocks only: a vision-language model's tower stays in high precision (its blocks are listed as
+kept, with that reason). Plain ``nn.Linear`` layers only: transformers' fused experts and most routers are modules of
+their own, and LoRA's layers keep theirs, so they stay in high precision (a router that is a plain ``nn.Linear``, as
+AFMoE's, is converted unless ``skip`` names it). Layers also stay there where the kernels cannot take their shapes
+(``torch._scaled_mm`` needs both dims of a weight, as this rank holds it under tp, to be multiples of 16), where a
+tensor-parallel style other than the plain column- and row-wise ones computes with the weight itself (packed
+projections) or the plan leaves the weight whole at tp > 1 (on another mesh than the others, whose scales one
+all-reduce computes), and where ``skip`` names them: each is logged with its reason (and listed in the plan report),
+and a model with nothing to convert is refused. A device without float8 matmuls (compute capability below 8.9, or a
+CPU) is refused; ``emulate=True`` runs torchao's emulation there (float8 casts, matmuls in high precision): float8's
+numerics without its speed, for tests.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_automodel.hf.decoder_layers import named_multimodal_parts
 from lightning_automodel.hf.peft import is_lora_layer
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 
@@ -129,14 +131,19 @@ def float8_layers(
     tp_styles: Mapping[str, ParallelStyle],
     tp: int,
 ) -> Float8Layers:
-    """The linear layers of ``layers`` (decoder blocks, by name) to convert; refused when none qualifies."""
+    """The linear layers of ``layers`` (decoder blocks, by name) to convert; refused when none qualifies. A
+    vision-language model's tower blocks stay in high precision: float8 converts the language model."""
     converted, kept = [], {}
+    towers = tuple(f"{name}." for name, _ in named_multimodal_parts(model))
     for block_name, block in layers:
         adapted = [f"{child}." for child, module in block.named_modules() if is_lora_layer(module)]
         for child, module in block.named_modules():
             if type(module) is not nn.Linear or child.startswith(tuple(adapted)):  # LoRA's layers keep their own
                 continue
             name = f"{block_name}.{child}"
+            if name.startswith(towers):
+                kept[name] = "in the vision tower (float8 converts the language model)"
+                continue
             why = _kept_because(name, module, options, tp_styles=tp_styles, tp=tp)
             if why is None:
                 converted.append(name)

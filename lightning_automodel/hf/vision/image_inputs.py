@@ -32,7 +32,7 @@ def image_token_count(model: nn.Module) -> int | None:
     placeholder and pixel sizes (a text model, or one this builder does not know)."""
     config = getattr(model, "config", None)
     vision = getattr(config, "vision_config", None)
-    if _image_token(config) is None or vision is None or "pixel_values" not in _forward_arguments(model):
+    if image_token(config) is None or vision is None or "pixel_values" not in _forward_arguments(model):
         return None
     merge = getattr(vision, "spatial_merge_size", None)
     if isinstance(merge, int):
@@ -58,12 +58,12 @@ def image_inputs(model: nn.Module, *, rows: int, tokens: int, pixels_device: Any
         raise ValueError(f"rows of {tokens} tokens cannot hold an image's {count} placeholders")
     config, vision = model.config, model.config.vision_config
     input_ids = torch.zeros(rows, tokens, dtype=torch.long)
-    input_ids[:, IMAGE_START : IMAGE_START + count] = _image_token(config)
+    input_ids[:, IMAGE_START : IMAGE_START + count] = image_token(config)
     inputs = {"input_ids": input_ids, **pixel_inputs(vision, images=rows, device=pixels_device)}
     accepted = _forward_arguments(model)
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in accepted:
-            inputs[name] = (input_ids == _image_token(config)).long()
+            inputs[name] = (input_ids == image_token(config)).long()
     return inputs
 
 
@@ -92,7 +92,8 @@ def _random(shape: tuple[int, ...], *, device: Any) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def _image_token(config: Any) -> int | None:
+def image_token(config: Any) -> int | None:
+    """The placeholder token id of an image, from the config (None where it names none)."""
     for name in ("image_token_id", "image_token_index"):
         value = getattr(config, name, None)
         if isinstance(value, int):

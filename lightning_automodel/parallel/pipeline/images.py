@@ -1,0 +1,122 @@
+"""A vision-language model's images under pipeline parallel: the vision tower and projector run on the first stage,
+each micro-batch on its own rows' images; later stages receive the hidden states the features were scattered into,
+and every stage the token-level inputs its layers' masks and positions read.
+
+A call's image inputs are split by row before the schedule (:mod:`~lightning_automodel.hf.vision.image_rows`: a row
+may hold any number of images, Qwen2-VL's flattened patches go with their image), and each micro-batch's stages take
+their rows' share (the pipeline's ``row_inputs``). M-RoPE positions (Qwen2-VL), which the model would find from the
+token ids and grids that only the first stage has, are found once for the whole batch, as the model finds them, and
+split by row too. Under data parallelism the first stage's ranks agree, micro-batch by micro-batch, whether some have
+images and others none: those without run the tower on a stand-in image
+(:class:`~lightning_automodel.parallel.fsdp.imageless_ranks.TowerStandIn`), so that FSDP2's gathers and reductions of
+the tower's units come in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_automodel.hf.decoder_layers import named_multimodal_parts
+from lightning_automodel.hf.vision.image_inputs import image_token, image_token_count
+from lightning_automodel.hf.vision.image_rows import BY_IMAGE, BY_ROW, image_rows
+from lightning_automodel.parallel.fsdp.imageless_ranks import TowerStandIn
+
+IMAGE_INPUTS = (*BY_IMAGE, *BY_ROW)  # what a pipelined vision-language model's call takes beside a text model's
+# What a language model's forward may take: anything more (Qwen3-VL's deepstack features, Mllama's cross-attention
+# states) carries the vision tower's output into its layers, which stages after the first never receive.
+LANGUAGE_INPUTS = frozenset(
+    ("input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "cache_position", "inputs_embeds")
+    + ("use_cache", "output_attentions", "output_hidden_states", "return_dict", "kwargs", "args")
+)
+
+
+def images_problem(model: nn.Module) -> str | None:
+    """Why the first stage cannot carry ``model``'s vision tower and projector (None if it can, or if the model has
+    none), found without any collective."""
+    if not named_multimodal_parts(model):
+        return None
+    name = type(model).__name__
+    beside = sorted(set(inspect.signature(model.get_decoder().forward).parameters) - LANGUAGE_INPUTS)
+    if beside:
+        return (
+            f"{name}'s language model takes {', '.join(beside)} from the vision side, which feed its layers beyond"
+            " the first stage's (a later stage receives the hidden states alone)"
+        )
+    if image_token(model.config) is None or image_token_count(model) is None:
+        return (
+            f"{name}'s config gives no image placeholder token and image size (image_token_id, vision_config's"
+            " image_size and patch_size, mm_tokens_per_image or spatial_merge_size), from which each micro-batch's"
+            " images are found by its rows' placeholders"
+        )
+    return None
+
+
+class StageImages:
+    """The images of a pipelined vision-language model's calls, split into its micro-batches (see the module)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        """``model``: the whole model, before its stage is kept (the M-RoPE positions are found by its base model's
+        code, which reads no weight)."""
+        self.model = model
+        self.stand_in: TowerStandIn | None = None
+        self._positions = getattr(model.base_model, "compute_3d_position_ids", None)
+        self._tokens_per_image = image_token_count(model)  # read from the forward's signature, before pp takes it
+
+    def share_tower(self, stage: nn.Module, mesh: DeviceMesh) -> None:
+        """On the first ``stage`` (the model, or its first stage's view), whose tower FSDP2 shards over ``mesh``: a
+        micro-batch without images runs the tower on a stand-in image where another rank's has images."""
+        self.stand_in = TowerStandIn(stage, mesh, known=self._tokens_per_image is not None)
+
+    def split(
+        self, input_ids: Tensor, inputs: dict[str, Any], *, microbatches: int
+    ) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
+        """The call's ``inputs`` less its image inputs, and ``row_inputs(rows, first=...)``: the image inputs of a
+        micro-batch's rows, for its first stage (pixels, grids, token types, positions) or a later one (token types,
+        positions)."""
+        images = {name: inputs.pop(name) for name in IMAGE_INPUTS if inputs.get(name) is not None}
+        by_row = {name: images.pop(name) for name in BY_ROW if name in images}
+        positions = inputs.get("position_ids")
+        if positions is None and self._positions is not None and "image_grid_thw" in images:
+            positions = self._positions(
+                input_ids=input_ids,
+                inputs_embeds=None,
+                image_grid_thw=images["image_grid_thw"],
+                attention_mask=inputs.get("attention_mask"),
+                mm_token_type_ids=by_row.get("mm_token_type_ids"),
+            )
+        if positions is not None and positions.dim() == 3:  # M-RoPE's (3 or 4, rows, tokens): rows on dim 1
+            inputs.pop("position_ids", None)
+            by_row["position_ids"] = positions.transpose(0, 1)
+        found = None
+        if "pixel_values" in images:
+            pixels, grids = images["pixel_values"], images.get("image_grid_thw")
+            found = image_rows(
+                self.model, input_ids, pixel_values=pixels, grids=grids, tokens_per_image=self._tokens_per_image
+            )
+        rows_per_microbatch = input_ids.size(0) // microbatches
+        needed = [False] * microbatches
+        if self.stand_in is not None:
+            chunks = torch.arange(input_ids.size(0)).chunk(microbatches)
+            needed = self.stand_in.needed([found is not None and found.count(rows) > 0 for rows in chunks])
+
+        def row_inputs(rows: Tensor, *, first: bool) -> dict[str, Any]:
+            given = {name: _rows_of(name, value, rows) for name, value in by_row.items()}
+            if first:
+                given.update(found.of_rows(rows) if found is not None else {})
+                if self.stand_in is not None:
+                    self.stand_in.pending = needed[int(rows[0]) // rows_per_microbatch]
+            return given
+
+        return inputs, row_inputs
+
+
+def _rows_of(name: str, value: Tensor, rows: Tensor) -> Tensor:
+    """``rows`` of a by-row input: M-RoPE positions (held rows first) back in the model's layout."""
+    held = value[rows.to(value.device)]
+    return held.transpose(0, 1) if name == "position_ids" else held

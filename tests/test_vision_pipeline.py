@@ -21,3 +21,10 @@ def _print(results: dict) -> None:
     for name, ranks in results.items():
         keys = dict.fromkeys(key for rank in ranks for key in rank)
         print(name, {key: f"{max(rank[key] for rank in ranks if key in rank):.1e}" for key in keys})
+
+
+def test_vision_models_at_pp2_dp_shard2():
+    """LLaVA at pp=2 x dp_shard=2: in a micro-batch where one data-parallel rank's rows hold images and the other's
+    none, the other runs the tower on a stand-in image (FSDP2's gathers of the tower otherwise go unmatched)."""
+    checks = [partial(check_vision_pipeline, "llava"), partial(check_vision_pipeline_training, "llava")]
+    _print(run_checks(4, checks, timeout=600))

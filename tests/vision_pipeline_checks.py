@@ -72,14 +72,16 @@ def check_vision_pipeline(family: str, microbatches: int = 4, schedule: str = "1
     loss = _loss(model, mine)
     loss.backward()
     parallelized.after_backward()  # a tied embedding's two copies (Gemma 3) sum their gradients
-    dist.all_reduce(loss, group=dp.get_group())  # each dp rank's share of the global token mean
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=dp.get_group())  # each dp rank's: dp x its share of the global token mean
+    loss /= dp.size()
     model.eval()
     with torch.no_grad():
         logits = model(**{name: value for name, value in mine.items() if name != "labels"}).logits
     model.train()
     grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     assert (logits is not None) == pipeline.last
-    outputs = Outputs(loss.detach(), logits if pipeline.last else expected.logits[part], grads)
+    outputs = Outputs(loss, logits if pipeline.last else expected.logits[part], grads)
     held = Outputs(expected.loss, expected.logits, {name: expected.grads[name] for name in grads})
     limits = {name: limit for name, limit in _rounding_limits(family, rows).items() if name in grads}
     errors = _errors(outputs, held, part, limits=limits)
@@ -103,9 +105,7 @@ def check_vision_pipeline_training(family: str, microbatches: int = 2) -> dict[s
     reference = tiny_vision_model(family)
     steps = reference_run(reference, loss=_loss, data=(rows, None))
     limits = _rounding_limits(family, rows)
-    return compare_training(
-        module, reference, steps, stages=True, zero_gradient=ZERO_GRADIENT, rounding_limits=limits
-    )
+    return compare_training(module, reference, steps, stages=True, zero_gradient=ZERO_GRADIENT, rounding_limits=limits)
 
 
 def _step(module: VisionLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -8,7 +8,7 @@ import copy
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers, named_multimodal_parts
+from lightning_automodel.hf.decoder_layers import named_language_layers, named_multimodal_parts
 from lightning_automodel.hf.replica import replica_problem
 from lightning_automodel.parallel.experts.load_balancing_loss import balancing_problem
 from lightning_automodel.parallel.pipeline.images import images_problem

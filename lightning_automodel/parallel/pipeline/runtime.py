@@ -23,13 +23,13 @@ from lightning_automodel.parallel.loss import next_token_targets
 from lightning_automodel.parallel.mesh import axis_size, reduction_mesh
 from lightning_automodel.parallel.model_calls import ParallelCausalLMOutput, own_forward, training_call
 from lightning_automodel.parallel.pipeline.calls import PipelinedModel
-from lightning_automodel.parallel.pipeline.images import StageImages
 from lightning_automodel.parallel.pipeline.gradients import (
     backward_adds_gradients,
     gradients_held_back,
     param_groups,
     sharded_parameters,
 )
+from lightning_automodel.parallel.pipeline.images import StageImages
 from lightning_automodel.parallel.pipeline.load_balancing import PipelineBalancing
 from lightning_automodel.parallel.pipeline.options import PipelineOptions
 from lightning_automodel.parallel.pipeline.stage_split import path_to_blocks, stage_view

@@ -2,10 +2,24 @@
 
 from functools import partial
 
+import pytest
+import torch
 from vision_pipeline_checks import check_vision_pipeline, check_vision_pipeline_training
 
+from lightning_automodel.hf.vision.image_rows import image_rows
+from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem
+from lightning_automodel.parallel.pipeline.calls import MODEL_INPUTS, refuse_unknown_inputs
+from lightning_automodel.parallel.pipeline.images import IMAGE_INPUTS
+from lightning_automodel.parallel.preflight import check_pipeline
 from lightning_automodel.testing.harness import run_checks
-from lightning_automodel.testing.vision_models import VISION_FAMILIES
+from lightning_automodel.testing.vision_models import (
+    IMAGE_TOKEN,
+    MOE_VISION_FAMILY,
+    VISION_FAMILIES,
+    collate_images,
+    image_records,
+    tiny_vision_model,
+)
 
 
 def test_vision_models_at_pp2():
@@ -28,3 +42,51 @@ def test_vision_models_at_pp2_dp_shard2():
     none, the other runs the tower on a stand-in image (FSDP2's gathers of the tower otherwise go unmatched)."""
     checks = [partial(check_vision_pipeline, "llava"), partial(check_vision_pipeline_training, "llava")]
     _print(run_checks(4, checks, timeout=600))
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_a_micro_batch_gets_its_own_rows_images(family):
+    """Rows holding two, none and one image: any set of rows gets exactly its images (Qwen2-VL: each image's patches
+    and grid); a row ending inside an image's placeholders, and images that do not add up, are refused naming
+    them."""
+    model = tiny_vision_model(family)
+    records = image_records(family, counts=(2, 0, 1, 0))
+    rows = collate_images(records)
+    found = image_rows(
+        model,
+        rows["input_ids"],
+        pixel_values=rows["pixel_values"],
+        grids=rows.get("image_grid_thw"),
+        tokens_per_image=4,
+    )
+    for chosen in ([0], [1], [2, 3], [1, 2], [0, 1, 2, 3]):
+        expected = collate_images([records[row] for row in chosen])
+        given = found.of_rows(torch.tensor(chosen))
+        assert given.keys() == {"pixel_values", "image_grid_thw"} & expected.keys()
+        assert all(torch.equal(given[name], expected[name]) for name in given), chosen
+    cut = rows["input_ids"].clone()
+    cut[0, 8] = 1  # row 0's second image loses a placeholder, row 2 takes one more
+    cut[2, 11] = IMAGE_TOKEN
+    with pytest.raises(ValueError, match="row 0 of the batch ends inside an image's placeholders"):
+        image_rows(model, cut, pixel_values=rows["pixel_values"], grids=rows.get("image_grid_thw"), tokens_per_image=4)
+    with pytest.raises(ValueError, match="hold 12 image placeholders and its 2 images stand for 8"):
+        pixels, grids = rows["pixel_values"][: len(rows["pixel_values"]) * 2 // 3], rows.get("image_grid_thw")
+        image_rows(
+            model,
+            rows["input_ids"],
+            pixel_values=pixels,
+            grids=grids[:2] if grids is not None else None,
+            tokens_per_image=4,
+        )
+
+
+def test_what_pipeline_parallel_refuses_of_vision_language_models():
+    """Refused before any collective, with the reason: a language model fed by the tower beyond its input embeddings
+    (Qwen3-VL's deepstack features), pp with cp, and image inputs the split does not know."""
+    problem = pipeline_problem(tiny_vision_model(MOE_VISION_FAMILY), pp=2)
+    assert "takes deepstack_visual_embeds, visual_pos_masks from the vision side" in problem
+    assert pipeline_problem(tiny_vision_model("llava"), pp=2) is None
+    with pytest.raises(ValueError, match="pp=2 .*reads images.*with cp=2"):
+        check_pipeline(tiny_vision_model("llava"), PipelineOptions(), pp=2, ep=1, cp=2)
+    with pytest.raises(ValueError, match=r"got 0 more positional arguments and \['image_sizes'\] keywords"):
+        refuse_unknown_inputs({"image_sizes": torch.ones(1)}, accepted=MODEL_INPUTS + IMAGE_INPUTS)

@@ -4,8 +4,12 @@ whole micro-batch), then AdamW steps through a real Trainer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 from vision_checks import VisionLM, _errors, _part
 
@@ -33,44 +37,47 @@ def _outputs(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> Outputs:
     return Outputs(loss.detach(), logits, grads)
 
 
-def _rounding_limits(family: str, rows: dict[str, torch.Tensor]) -> dict[str, float]:
+def _rounding_limits(build: Callable[..., torch.nn.Module], rows: dict[str, torch.Tensor]) -> dict[str, float]:
     """The gradients one fp32 process rounds beyond the tolerance (against fp64), with their limits."""
-    model = tiny_vision_model(family)
-    runs = [_outputs(tiny_vision_model(family), rows), _outputs(fp64_copy(model), rows)]
+    runs = [_outputs(build(), rows), _outputs(fp64_copy(build()), rows)]
     exact = Outputs(runs[1].loss, runs[1].logits, {name: grad.float() for name, grad in runs[1].grads.items()})
     return gradient_limits(gradient_errors(runs[0], exact, floor=ZERO_GRADIENT))
 
 
-def _assert_first_stage_holds_the_tower(model: torch.nn.Module, *, first: bool) -> None:
-    """The tower's and projector's parameters on the first stage, every one of them; on no other."""
-    held = [name for name, _ in model.named_parameters() if _part(name) != "language"]
-    whole = [name for name, _ in tiny_vision_model_names(model) if _part(name) != "language"]
-    assert held == (whole if first else []), f"first stage: {first}; vision parameters held: {held}"
+def _vision_parameters(model: torch.nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters() if _part(name) != "language"]
 
 
-def tiny_vision_model_names(model: torch.nn.Module) -> list[tuple[str, None]]:
-    with torch.device("meta"):
-        whole = type(model)(model.config)
-    return [(name, None) for name, _ in whole.named_parameters()]
-
-
-def check_vision_pipeline(family: str, microbatches: int = 4, schedule: str = "1F1B") -> dict[str, float]:
+def check_vision_pipeline(
+    family: str,
+    microbatches: int = 4,
+    schedule: str = "1F1B",
+    *,
+    tp: int = 1,
+    sp: bool = False,
+    stages_per_rank: int = 1,
+) -> dict[str, float]:
     """One training call at pp=2 (dp_shard takes the rest of the world; each dp rank a contiguous half of the rows)
     against one process over every rank's rows: the loss, this stage's every gradient (the tower's and projector's on
-    the first), and the logits of an evaluation call (last stage). Every rank starts from other weights."""
-    mesh = ParallelDims(pp=2).resolve(dist.get_world_size()).build_mesh("cpu")
-    model = tiny_vision_model(family, seed=dist.get_rank())
-    parallelized = parallelize(model, mesh, pipeline=PipelineOptions(schedule, microbatches=microbatches))
+    the first), and the logits of an evaluation call (last stage). Every rank starts from other weights. With
+    ``stages_per_rank`` > 1, a language model of one layer a stage."""
+    build = partial(tiny_vision_model, family, text_layers=max(2, 2 * stages_per_rank))
+    mesh = ParallelDims(pp=2, tp=tp).resolve(dist.get_world_size()).build_mesh("cpu")
+    model = build(seed=dist.get_rank())
+    options = PipelineOptions(schedule, microbatches=microbatches, stages_per_rank=stages_per_rank)
+    parallelized = parallelize(model, mesh, pipeline=options, sp=sp)
     pipeline = pipeline_of(model)
-    _assert_first_stage_holds_the_tower(model, first=pipeline.first)
+    expected_names = _vision_parameters(build()) if pipeline.first else []
+    assert _vision_parameters(model) == expected_names, f"the tower's and projector's parameters held: {model}"
     records = image_records(family)
     dp = data_mesh(mesh)
     share = len(records) // dp.size()
     part = slice(dp.get_local_rank() * share, (dp.get_local_rank() + 1) * share)
     rows, mine = collate_images(records), collate_images(records[part])
-    expected = _outputs(tiny_vision_model(family), rows)
-    loss = _loss(model, mine)
-    loss.backward()
+    expected = _outputs(build(), rows)
+    with loss_parallel():  # under tp: the vocabulary-sharded logits' cross-entropy, as the strategy runs it
+        loss = _loss(model, mine)
+        loss.backward()
     parallelized.after_backward()  # a tied embedding's two copies (Gemma 3) sum their gradients
     loss = loss.detach().clone()
     dist.all_reduce(loss, group=dp.get_group())  # each dp rank's: dp x its share of the global token mean
@@ -83,7 +90,7 @@ def check_vision_pipeline(family: str, microbatches: int = 4, schedule: str = "1
     assert (logits is not None) == pipeline.last
     outputs = Outputs(loss, logits if pipeline.last else expected.logits[part], grads)
     held = Outputs(expected.loss, expected.logits, {name: expected.grads[name] for name in grads})
-    limits = {name: limit for name, limit in _rounding_limits(family, rows).items() if name in grads}
+    limits = {name: limit for name, limit in _rounding_limits(build, rows).items() if name in grads}
     errors = _errors(outputs, held, part, limits=limits)
     assert max(value for key, value in errors.items() if key != "rounding_limited") < FP32_TOLERANCE, errors
     return errors
@@ -104,7 +111,7 @@ def check_vision_pipeline_training(family: str, microbatches: int = 2) -> dict[s
     rows = collate_images(records)
     reference = tiny_vision_model(family)
     steps = reference_run(reference, loss=_loss, data=(rows, None))
-    limits = _rounding_limits(family, rows)
+    limits = _rounding_limits(partial(tiny_vision_model, family), rows)
     return compare_training(module, reference, steps, stages=True, zero_gradient=ZERO_GRADIENT, rounding_limits=limits)
 
 

@@ -62,7 +62,7 @@ from lightning_automodel.parallel.mesh import (
 )
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelized import Parallelized
-from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, name_of, pipeline_model
+from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, blocks_owner, name_of, pipeline_model
 from lightning_automodel.parallel.preflight import PreflightFindings, check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, apply_tensor_parallel
 from lightning_automodel.parallel.tensor.plans.sequence_parallel import stage_stream_boundaries, stream_placements
@@ -238,7 +238,8 @@ def _split_into_stages(
     blocks_list = named_language_layers(model)[0][0].rsplit(".", 1)[0]
     blocks = [[f"{blocks_list}.{index}" for index in layers] for layers in stages.layers.values()]
     styles = stage_stream_boundaries(tensor_parallel.styles, blocks)
-    stages.receive_stream_as(tp_mesh(device_mesh), stream_placements(styles, embedding))
+    owner = name_of(model, blocks_owner(model)[0])
+    stages.receive_stream_as(tp_mesh(device_mesh), stream_placements(styles, embedding, language_model=owner))
     return stages, dataclasses.replace(tensor_parallel, styles=styles)
 
 

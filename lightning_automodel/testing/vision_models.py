@@ -29,8 +29,8 @@ IMAGE_TOKENS = 4  # placeholders per image: one image per row, its tokens at pos
 QWEN_GRID, QWEN_PATCH = (1, 4, 4), 3 * 2 * 4 * 4
 
 
-def tiny_vision_config(family: str):
-    text = tiny_config("gemma3_vlm" if family == "gemma3_vlm" else "llama")
+def tiny_vision_config(family: str, text_layers: int = 2):
+    text = tiny_config("gemma3_vlm" if family == "gemma3_vlm" else "llama", num_hidden_layers=text_layers)
     if family == "gemma3_vlm":
         text.image_token_index = IMAGE_TOKEN
         return text
@@ -69,9 +69,9 @@ def tiny_vision_config(family: str):
     raise ValueError(f"no tiny vision-language model {family!r}: one of {(*VISION_FAMILIES, MOE_VISION_FAMILY)}")
 
 
-def tiny_vision_model(family: str, seed: int = 0) -> torch.nn.Module:
+def tiny_vision_model(family: str, seed: int = 0, text_layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = tiny_vision_config(family)
+    config = tiny_vision_config(family, text_layers)
     classes = {
         "llava": LlavaForConditionalGeneration,
         "qwen2_vl": Qwen2VLForConditionalGeneration,

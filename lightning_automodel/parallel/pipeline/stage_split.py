@@ -99,8 +99,17 @@ def name_of(model: nn.Module, module: nn.Module) -> str:
 
 def is_tied(model: nn.Module) -> bool:
     """Whether the model's head is its input embedding (one weight)."""
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    return head is not None and embedding is not None and head.weight is embedding.weight
+    head = model.get_output_embeddings()
+    return head is not None and (embedding := _input_embedding(model)) is not None and head.weight is embedding.weight
+
+
+def _input_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's input embedding; None where its stage dropped it (transformers' lookup raises then through a
+    vision-language model's language model)."""
+    try:
+        return model.get_input_embeddings()
+    except NotImplementedError:
+        return None
 
 
 def blocks_owner(model: nn.Module) -> tuple[nn.Module, str]:

@@ -52,13 +52,8 @@ def test_a_micro_batch_gets_its_own_rows_images(family):
     model = tiny_vision_model(family)
     records = image_records(family, counts=(2, 0, 1, 0))
     rows = collate_images(records)
-    found = image_rows(
-        model,
-        rows["input_ids"],
-        pixel_values=rows["pixel_values"],
-        grids=rows.get("image_grid_thw"),
-        tokens_per_image=4,
-    )
+    split = partial(image_rows, model, tokens_per_image=4)
+    found = split(rows["input_ids"], pixel_values=rows["pixel_values"], grids=rows.get("image_grid_thw"))
     for chosen in ([0], [1], [2, 3], [1, 2], [0, 1, 2, 3]):
         expected = collate_images([records[row] for row in chosen])
         given = found.of_rows(torch.tensor(chosen))
@@ -68,16 +63,10 @@ def test_a_micro_batch_gets_its_own_rows_images(family):
     cut[0, 8] = 1  # row 0's second image loses a placeholder, row 2 takes one more
     cut[2, 11] = IMAGE_TOKEN
     with pytest.raises(ValueError, match="row 0 of the batch ends inside an image's placeholders"):
-        image_rows(model, cut, pixel_values=rows["pixel_values"], grids=rows.get("image_grid_thw"), tokens_per_image=4)
+        split(cut, pixel_values=rows["pixel_values"], grids=rows.get("image_grid_thw"))
+    two_images = collate_images(records[:1])  # the pixels (and grids) of row 0's two images, for three
     with pytest.raises(ValueError, match="hold 12 image placeholders and its 2 images stand for 8"):
-        pixels, grids = rows["pixel_values"][: len(rows["pixel_values"]) * 2 // 3], rows.get("image_grid_thw")
-        image_rows(
-            model,
-            rows["input_ids"],
-            pixel_values=pixels,
-            grids=grids[:2] if grids is not None else None,
-            tokens_per_image=4,
-        )
+        split(rows["input_ids"], pixel_values=two_images["pixel_values"], grids=two_images.get("image_grid_thw"))
 
 
 def test_what_pipeline_parallel_refuses_of_vision_language_models():

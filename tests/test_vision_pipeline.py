@@ -23,11 +23,38 @@ from lightning_automodel.testing.vision_models import (
 
 
 def test_vision_models_at_pp2():
-    """LLaVA, Qwen2-VL and Gemma 3 at pp=2 over 4 micro-batches of rows holding two, one or no images (one
-    micro-batch none): loss, logits and every gradient; AdamW steps through the Trainer."""
+    """LLaVA, Qwen2-VL and Gemma 3 at pp=2 over 4 micro-batches of rows holding two, one or no images (one whole
+    micro-batch none): the tower and projector on the first stage only, the loss, the logits and every gradient; then
+    AdamW steps through the Trainer (rows dealt by Lightning's sampler, GPipe over 4 micro-batches)."""
     checks = [partial(check_vision_pipeline, family) for family in VISION_FAMILIES]
     checks += [partial(check_vision_pipeline_training, family) for family in VISION_FAMILIES]
     _print(run_checks(2, checks, timeout=600))
+
+
+def test_vision_models_at_pp2_with_dp_shard_and_tp():
+    """At pp=2 x dp_shard=2, where one data-parallel rank's micro-batch holds images and the other's none, the other
+    runs the tower on a stand-in image (FSDP2's gathers of the tower otherwise go unmatched): LLaVA, and through the
+    Trainer; Qwen2-VL with two stages a rank (Interleaved1F1B); Gemma 3 at pp=2 x tp=2 + sp (its stream received
+    split as its language model splits it)."""
+    checks = [partial(check_vision_pipeline, "llava"), partial(check_vision_pipeline_training, "llava")]
+    checks += [partial(check_vision_pipeline, "qwen2_vl", schedule="Interleaved1F1B", stages_per_rank=2)]
+    checks += [partial(check_vision_pipeline, "gemma3_vlm", tp=2, sp=True)]
+    _print(run_checks(4, checks, timeout=600))
+
+
+@pytest.mark.sweep
+def test_vision_pipeline_variants():
+    """The other families at pp=2 x dp_shard=2 and through the Trainer there; each at pp=2 x tp=2 with and without
+    sp; LLaVA and Gemma 3 (tied) with two stages a rank under Interleaved1F1B, LoopedBFS and InterleavedZeroBubble."""
+    others = [family for family in VISION_FAMILIES if family != "llava"]
+    checks = [partial(check_vision_pipeline, family) for family in others]
+    checks += [partial(check_vision_pipeline_training, family) for family in others]
+    tensor_parallel = [partial(check_vision_pipeline, tp=2, sp=sp) for sp in (False, True)]
+    checks += [partial(check, family) for check in tensor_parallel for family in VISION_FAMILIES]
+    schedules = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+    virtual = [partial(check_vision_pipeline, schedule=name, stages_per_rank=2) for name in schedules]
+    checks += [partial(check, family) for check in virtual for family in ("llava", "gemma3_vlm")]
+    _print(run_checks(4, checks, timeout=900))
 
 
 def _print(results: dict) -> None:
@@ -35,13 +62,6 @@ def _print(results: dict) -> None:
     for name, ranks in results.items():
         keys = dict.fromkeys(key for rank in ranks for key in rank)
         print(name, {key: f"{max(rank[key] for rank in ranks if key in rank):.1e}" for key in keys})
-
-
-def test_vision_models_at_pp2_dp_shard2():
-    """LLaVA at pp=2 x dp_shard=2: in a micro-batch where one data-parallel rank's rows hold images and the other's
-    none, the other runs the tower on a stand-in image (FSDP2's gathers of the tower otherwise go unmatched)."""
-    checks = [partial(check_vision_pipeline, "llava"), partial(check_vision_pipeline_training, "llava")]
-    _print(run_checks(4, checks, timeout=600))
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])

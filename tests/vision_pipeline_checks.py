@@ -96,7 +96,7 @@ def check_vision_pipeline(
     return errors
 
 
-def check_vision_pipeline_training(family: str, microbatches: int = 2) -> dict[str, float]:
+def check_vision_pipeline_training(family: str, microbatches: int = 4) -> dict[str, float]:
     """AdamW steps through a real Trainer at pp=2 (dp_shard takes the rest of the world) against one process: every
     step's loss and this stage's gradients, then its weights. Batches are made of per-row records with their own
     images (Lightning's sampler deals the rows to the dp ranks)."""

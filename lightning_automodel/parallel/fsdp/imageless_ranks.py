@@ -32,7 +32,7 @@ def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
 
     def agree(module: nn.Module, args: tuple, kwargs: dict) -> None:
         arguments = signature.bind_partial(*args, **kwargs).arguments
-        stand_in.pending = stand_in.needed([has_images({**arguments.pop("kwargs", {}), **arguments})])[0]
+        stand_in.pending = stand_in.needed([_has_images({**arguments.pop("kwargs", {}), **arguments})])[0]
 
     model.register_forward_pre_hook(agree, with_kwargs=True)
 
@@ -84,6 +84,6 @@ class TowerStandIn:
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
 
 
-def has_images(arguments: dict[str, Any]) -> bool:
+def _has_images(arguments: dict[str, Any]) -> bool:
     pixels = arguments.get("pixel_values")
     return isinstance(pixels, torch.Tensor) and pixels.numel() > 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_automodel.hf.decoder_layers import named_multimodal_parts
 from lightning_automodel.hf.vision.image_inputs import image_token, image_token_count
-from lightning_automodel.hf.vision.image_rows import BY_IMAGE, BY_ROW, image_rows
+from lightning_automodel.hf.vision.image_rows import BY_IMAGE, BY_ROW, ImageRows, image_rows
 from lightning_automodel.parallel.fsdp.imageless_ranks import TowerStandIn
 
 IMAGE_INPUTS = (*BY_IMAGE, *BY_ROW)  # what a pipelined vision-language model's call takes beside a text model's
@@ -49,10 +50,12 @@ def images_problem(model: nn.Module) -> str | None:
             " the first stage's (a later stage receives the hidden states alone)"
         )
     if image_token(model.config) is None or image_token_count(model) is None:
+        parts = ", ".join(part for part, _ in named_multimodal_parts(model))
         return (
-            f"{name}'s config gives no image placeholder token and image size (image_token_id, vision_config's"
-            " image_size and patch_size, mm_tokens_per_image or spatial_merge_size), from which each micro-batch's"
-            " images are found by its rows' placeholders"
+            f"{name} holds {parts} beside its language model, which the first stage runs on each micro-batch's own"
+            " images, found by its rows' image placeholders; its config gives no image placeholder token and image"
+            " size (image_token_id; vision_config's image_size and patch_size, mm_tokens_per_image or"
+            " spatial_merge_size) to find them by"
         )
     return None
 
@@ -78,19 +81,11 @@ class StageImages:
     ) -> tuple[dict[str, Any], Callable[..., dict[str, Any]]]:
         """The call's ``inputs`` less its image inputs, and ``row_inputs(rows, first=...)``: the image inputs of a
         micro-batch's rows, for its first stage (pixels, grids, token types, positions) or a later one (token types,
-        positions)."""
+        positions). On a first stage sharing its tower over data-parallel ranks, one all-reduce of its group."""
         images = {name: inputs.pop(name) for name in IMAGE_INPUTS if inputs.get(name) is not None}
         by_row = {name: images.pop(name) for name in BY_ROW if name in images}
-        positions = inputs.get("position_ids")
-        if positions is None and self._positions is not None and "image_grid_thw" in images:
-            positions = self._positions(
-                input_ids=input_ids,
-                inputs_embeds=None,
-                image_grid_thw=images["image_grid_thw"],
-                attention_mask=inputs.get("attention_mask"),
-                mm_token_type_ids=by_row.get("mm_token_type_ids"),
-            )
-        if positions is not None and positions.dim() == 3:  # M-RoPE's (3 or 4, rows, tokens): rows on dim 1
+        positions = self._mrope_positions(input_ids, inputs, images=images, by_row=by_row)
+        if positions is not None:  # M-RoPE's (3 or 4, rows, tokens): held rows first
             inputs.pop("position_ids", None)
             by_row["position_ids"] = positions.transpose(0, 1)
         found = None
@@ -99,21 +94,48 @@ class StageImages:
             found = image_rows(
                 self.model, input_ids, pixel_values=pixels, grids=grids, tokens_per_image=self._tokens_per_image
             )
-        rows_per_microbatch = input_ids.size(0) // microbatches
-        needed = [False] * microbatches
+        chunks = torch.arange(input_ids.size(0)).chunk(microbatches)
+        stand_ins = {int(rows[0]): False for rows in chunks}
         if self.stand_in is not None:
-            chunks = torch.arange(input_ids.size(0)).chunk(microbatches)
             needed = self.stand_in.needed([found is not None and found.count(rows) > 0 for rows in chunks])
+            stand_ins = dict(zip(stand_ins, needed, strict=True))
+        return inputs, partial(self._row_inputs, by_row=by_row, found=found, stand_ins=stand_ins)
 
-        def row_inputs(rows: Tensor, *, first: bool) -> dict[str, Any]:
-            given = {name: _rows_of(name, value, rows) for name, value in by_row.items()}
-            if first:
-                given.update(found.of_rows(rows) if found is not None else {})
-                if self.stand_in is not None:
-                    self.stand_in.pending = needed[int(rows[0]) // rows_per_microbatch]
-            return given
+    def _mrope_positions(
+        self, input_ids: Tensor, inputs: dict[str, Any], *, images: dict[str, Tensor], by_row: dict[str, Tensor]
+    ) -> Tensor | None:
+        """The call's M-RoPE positions: those given (3 or 4 rows), else the model's own from its image grids (None
+        for other models, or a batch without grids: its layers count positions as text)."""
+        given = inputs.get("position_ids")
+        if given is not None:
+            return given if given.dim() == 3 else None
+        if self._positions is None or "image_grid_thw" not in images:
+            return None
+        return self._positions(
+            input_ids=input_ids,
+            inputs_embeds=None,
+            image_grid_thw=images["image_grid_thw"],
+            attention_mask=inputs.get("attention_mask"),
+            mm_token_type_ids=by_row.get("mm_token_type_ids"),
+        )
 
-        return inputs, row_inputs
+    def _row_inputs(
+        self,
+        rows: Tensor,
+        *,
+        first: bool,
+        by_row: dict[str, Tensor],
+        found: ImageRows | None,
+        stand_ins: dict[int, bool],
+    ) -> dict[str, Tensor]:
+        """A micro-batch's share of the image inputs; on the first stage, its images, and whether its forward runs
+        the tower on a stand-in."""
+        given = {name: _rows_of(name, value, rows) for name, value in by_row.items()}
+        if first:
+            given.update(found.of_rows(rows) if found is not None else {})
+            if self.stand_in is not None:
+                self.stand_in.pending = stand_ins[int(rows[0])]
+        return given
 
 
 def _rows_of(name: str, value: Tensor, rows: Tensor) -> Tensor:

@@ -9,12 +9,14 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 from vision_checks import VisionLM, _errors, _part
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims, parallelize
 from lightning_automodel.parallel.mesh import data_mesh
+from lightning_automodel.parallel.parallelized import Parallelized
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
 from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, fp64_copy, gradient_limits
 from lightning_automodel.testing.parity import FP32_TOLERANCE, Outputs, full, gradient_errors
@@ -73,35 +75,52 @@ def check_vision_pipeline(
     dp = data_mesh(mesh)
     share = len(records) // dp.size()
     part = slice(dp.get_local_rank() * share, (dp.get_local_rank() + 1) * share)
-    rows, mine = collate_images(records), collate_images(records[part])
+    rows = collate_images(records)
     expected = _outputs(build(), rows)
+    outputs = _pipelined_outputs(parallelized, collate_images(records[part]), dp=dp)
+    if not pipeline.last:  # the logits exist on the last stage only
+        outputs.logits = expected.logits[part]
+    held = Outputs(expected.loss, expected.logits, {name: expected.grads[name] for name in outputs.grads})
+    limits = {name: limit for name, limit in _rounding_limits(build, rows).items() if name in outputs.grads}
+    errors = _errors(outputs, held, part, limits=limits)
+    assert max(value for key, value in errors.items() if key != "rounding_limited") < FP32_TOLERANCE, errors
+    return errors
+
+
+def _pipelined_outputs(parallelized: Parallelized, rows: dict[str, torch.Tensor], *, dp: DeviceMesh) -> Outputs:
+    """One training call of the pipelined model on this dp rank's ``rows`` (its loss averaged over the dp ranks, as
+    one process's over the whole batch), this rank's gradients, and an evaluation call's logits (None but on the last
+    stage)."""
+    model = parallelized.model
     with loss_parallel():  # under tp: the vocabulary-sharded logits' cross-entropy, as the strategy runs it
-        loss = _loss(model, mine)
+        loss = _loss(model, rows)
         loss.backward()
     parallelized.after_backward()  # a tied embedding's two copies (Gemma 3) sum their gradients
     loss = loss.detach().clone()
     dist.all_reduce(loss, group=dp.get_group())  # each dp rank's: dp x its share of the global token mean
-    loss /= dp.size()
     model.eval()
     with torch.no_grad():
-        logits = model(**{name: value for name, value in mine.items() if name != "labels"}).logits
+        logits = model(**{name: value for name, value in rows.items() if name != "labels"}).logits
     model.train()
+    assert (logits is not None) == pipeline_of(model).last
     grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
-    assert (logits is not None) == pipeline.last
-    outputs = Outputs(loss, logits if pipeline.last else expected.logits[part], grads)
-    held = Outputs(expected.loss, expected.logits, {name: expected.grads[name] for name in grads})
-    limits = {name: limit for name, limit in _rounding_limits(build, rows).items() if name in grads}
-    errors = _errors(outputs, held, part, limits=limits)
-    assert max(value for key, value in errors.items() if key != "rounding_limited") < FP32_TOLERANCE, errors
-    return errors
+    return Outputs(loss / dp.size(), logits, grads)
+
+
+class PipelinedVisionLM(VisionLM):
+    """What a user writes under pp: the model's own loss from labels (the last stage computes it)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = _loss(self.model, batch)
+        self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
+        return loss
 
 
 def check_vision_pipeline_training(family: str, microbatches: int = 4) -> dict[str, float]:
     """AdamW steps through a real Trainer at pp=2 (dp_shard takes the rest of the world) against one process: every
     step's loss and this stage's gradients, then its weights. Batches are made of per-row records with their own
     images (Lightning's sampler deals the rows to the dp ranks)."""
-    module = VisionLM(tiny_vision_model(family, seed=dist.get_rank()))
-    module.training_step = lambda batch, batch_idx: _step(module, batch)
+    module = PipelinedVisionLM(tiny_vision_model(family, seed=dist.get_rank()))
     strategy = AutoModelParallelStrategy(pp=2, pp_schedule="GPipe", pp_microbatches=microbatches)
     dp = dist.get_world_size() // 2
     records = image_records(family)
@@ -113,9 +132,3 @@ def check_vision_pipeline_training(family: str, microbatches: int = 4) -> dict[s
     steps = reference_run(reference, loss=_loss, data=(rows, None))
     limits = _rounding_limits(partial(tiny_vision_model, family), rows)
     return compare_training(module, reference, steps, stages=True, zero_gradient=ZERO_GRADIENT, rounding_limits=limits)
-
-
-def _step(module: VisionLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    loss = _loss(module.model, batch)
-    module.losses.append(module.trainer.strategy.reduce(loss.detach()).item())
-    return loss

@@ -6,11 +6,13 @@ import pytest
 import torch
 from vision_pipeline_checks import check_vision_pipeline, check_vision_pipeline_training
 
+from lightning_automodel import ParallelDims
 from lightning_automodel.hf.vision.image_rows import image_rows
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem
 from lightning_automodel.parallel.pipeline.calls import MODEL_INPUTS, refuse_unknown_inputs
 from lightning_automodel.parallel.pipeline.images import IMAGE_INPUTS
 from lightning_automodel.parallel.preflight import check_pipeline
+from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.vision_models import (
     IMAGE_TOKEN,
@@ -99,3 +101,13 @@ def test_what_pipeline_parallel_refuses_of_vision_language_models():
         check_pipeline(tiny_vision_model("llava"), PipelineOptions(), pp=2, ep=1, cp=2)
     with pytest.raises(ValueError, match=r"got 0 more positional arguments and \['image_sizes'\] keywords"):
         refuse_unknown_inputs({"image_sizes": torch.ones(1)}, accepted=MODEL_INPUTS + IMAGE_INPUTS)
+
+
+def test_the_plan_report_puts_the_tower_on_the_first_stage():
+    """The language model's layers split over the stages, the tower and projector with the embedding (their
+    parameters counted on the first stage's ranks alone)."""
+    with torch.device("meta"):
+        model = tiny_vision_model("llava")
+    report = str(plan_report(model, ParallelDims(pp=2).resolve(4)))
+    assert "stage 0 (ranks 0-1): embedding, vision tower and projector, layer 0; 37,520 parameters per rank" in report
+    assert "stage 1 (ranks 2-3): layer 1, norm, head; 22,624 parameters per rank" in report

@@ -47,7 +47,8 @@ def test_vision_models_at_pp2_with_dp_shard_and_tp():
 @pytest.mark.sweep
 def test_vision_pipeline_variants():
     """The other families at pp=2 x dp_shard=2 and through the Trainer there; each at pp=2 x tp=2 with and without
-    sp; LLaVA and Gemma 3 (tied) with two stages a rank under Interleaved1F1B, LoopedBFS and InterleavedZeroBubble."""
+    sp; LLaVA and Gemma 3 (tied) with two stages a rank under Interleaved1F1B, LoopedBFS and InterleavedZeroBubble;
+    Qwen2-VL at pp=2 x dp_replicate=2 (HSDP: the stand-ins agreed over the replicas)."""
     others = [family for family in VISION_FAMILIES if family != "llava"]
     checks = [partial(check_vision_pipeline, family) for family in others]
     checks += [partial(check_vision_pipeline_training, family) for family in others]
@@ -56,6 +57,7 @@ def test_vision_pipeline_variants():
     schedules = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
     virtual = [partial(check_vision_pipeline, schedule=name, stages_per_rank=2) for name in schedules]
     checks += [partial(check, family) for check in virtual for family in ("llava", "gemma3_vlm")]
+    checks += [partial(check_vision_pipeline, "qwen2_vl", dp_replicate=2)]
     _print(run_checks(4, checks, timeout=900))
 
 

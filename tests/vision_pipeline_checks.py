@@ -58,13 +58,14 @@ def check_vision_pipeline(
     tp: int = 1,
     sp: bool = False,
     stages_per_rank: int = 1,
+    dp_replicate: int = 1,
 ) -> dict[str, float]:
     """One training call at pp=2 (dp_shard takes the rest of the world; each dp rank a contiguous half of the rows)
     against one process over every rank's rows: the loss, this stage's every gradient (the tower's and projector's on
     the first), and the logits of an evaluation call (last stage). Every rank starts from other weights. With
-    ``stages_per_rank`` > 1, a language model of one layer a stage."""
+    ``stages_per_rank`` > 1, a language model of one layer a stage; ``dp_replicate``: HSDP's replicas."""
     build = partial(tiny_vision_model, family, text_layers=max(2, 2 * stages_per_rank))
-    mesh = ParallelDims(pp=2, tp=tp).resolve(dist.get_world_size()).build_mesh("cpu")
+    mesh = ParallelDims(pp=2, tp=tp, dp_replicate=dp_replicate).resolve(dist.get_world_size()).build_mesh("cpu")
     model = build(seed=dist.get_rank())
     options = PipelineOptions(schedule, microbatches=microbatches, stages_per_rank=stages_per_rank)
     parallelized = parallelize(model, mesh, pipeline=options, sp=sp)

@@ -97,7 +97,7 @@ def test_what_pipeline_parallel_refuses_of_vision_language_models():
     """Refused before any collective, with the reason: a language model fed by the tower beyond its input embeddings
     (Qwen3-VL's deepstack features), pp with cp, and image inputs the split does not know."""
     problem = pipeline_problem(tiny_vision_model(MOE_VISION_FAMILY), pp=2)
-    assert "takes deepstack_visual_embeds, visual_pos_masks from the vision side" in problem
+    assert "takes deepstack_visual_embeds, visual_pos_masks from the parts beside it (model.visual)" in problem
     assert pipeline_problem(tiny_vision_model("llava"), pp=2) is None
     with pytest.raises(ValueError, match="pp=2 .*reads images.*with cp=2"):
         check_pipeline(tiny_vision_model("llava"), PipelineOptions(), pp=2, ep=1, cp=2)

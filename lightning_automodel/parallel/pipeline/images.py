@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_automodel.hf.decoder_layers import named_multimodal_parts
-from lightning_automodel.hf.vision.image_inputs import image_token, image_token_count
+from lightning_automodel.hf.vision.image_inputs import image_token_count
 from lightning_automodel.hf.vision.image_rows import BY_IMAGE, BY_ROW, ImageRows, image_rows
 from lightning_automodel.parallel.fsdp.imageless_ranks import TowerStandIn
 
@@ -38,26 +38,17 @@ LANGUAGE_INPUTS = frozenset(
 
 
 def images_problem(model: nn.Module) -> str | None:
-    """Why the first stage cannot carry ``model``'s vision tower and projector (None if it can, or if the model has
-    none), found without any collective."""
-    if not named_multimodal_parts(model):
+    """Why the first stage cannot carry the parts of ``model`` beside its language model (a vision tower and
+    projector; None if it can, or if the model has none), found without any collective."""
+    parts = [name for name, _ in named_multimodal_parts(model)]
+    beside = sorted(set(inspect.signature(model.get_decoder().forward).parameters) - LANGUAGE_INPUTS) if parts else []
+    if not beside:
         return None
-    name = type(model).__name__
-    beside = sorted(set(inspect.signature(model.get_decoder().forward).parameters) - LANGUAGE_INPUTS)
-    if beside:
-        return (
-            f"{name}'s language model takes {', '.join(beside)} from the vision side, which feed its layers beyond"
-            " the first stage's (a later stage receives the hidden states alone)"
-        )
-    if image_token(model.config) is None or image_token_count(model) is None:
-        parts = ", ".join(part for part, _ in named_multimodal_parts(model))
-        return (
-            f"{name} holds {parts} beside its language model, which the first stage runs on each micro-batch's own"
-            " images, found by its rows' image placeholders; its config gives no image placeholder token and image"
-            " size (image_token_id; vision_config's image_size and patch_size, mm_tokens_per_image or"
-            " spatial_merge_size) to find them by"
-        )
-    return None
+    return (
+        f"{type(model).__name__}'s language model takes {', '.join(beside)} from the parts beside it"
+        f" ({', '.join(parts)}), which feed its layers beyond the first stage's (a later stage receives the hidden"
+        " states alone)"
+    )
 
 
 class StageImages:
@@ -90,16 +81,24 @@ class StageImages:
             by_row["position_ids"] = positions.transpose(0, 1)
         found = None
         if "pixel_values" in images:
-            pixels, grids = images["pixel_values"], images.get("image_grid_thw")
-            found = image_rows(
-                self.model, input_ids, pixel_values=pixels, grids=grids, tokens_per_image=self._tokens_per_image
-            )
+            found = self._image_rows(input_ids, pixels=images["pixel_values"], grids=images.get("image_grid_thw"))
         chunks = torch.arange(input_ids.size(0)).chunk(microbatches)
         stand_ins = {int(rows[0]): False for rows in chunks}
         if self.stand_in is not None:
             needed = self.stand_in.needed([found is not None and found.count(rows) > 0 for rows in chunks])
             stand_ins = dict(zip(stand_ins, needed, strict=True))
         return inputs, partial(self._row_inputs, by_row=by_row, found=found, stand_ins=stand_ins)
+
+    def _image_rows(self, input_ids: Tensor, *, pixels: Tensor, grids: Tensor | None) -> ImageRows:
+        if grids is None and self._tokens_per_image is None:
+            raise ValueError(
+                f"{type(self.model).__name__} under pipeline parallel (pp > 1): each micro-batch's first stage takes"
+                " its rows' images, found by their image placeholders, and the model's config gives no image"
+                " placeholder token and size (image_token_id; vision_config's image_size and patch_size,"
+                " mm_tokens_per_image or spatial_merge_size) to count them by. Use pp=1 for this model's images."
+            )
+        tokens_per_image = self._tokens_per_image or 0
+        return image_rows(self.model, input_ids, pixel_values=pixels, grids=grids, tokens_per_image=tokens_per_image)
 
     def _mrope_positions(
         self, input_ids: Tensor, inputs: dict[str, Any], *, images: dict[str, Tensor], by_row: dict[str, Tensor]

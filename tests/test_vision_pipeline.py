@@ -10,7 +10,7 @@ from lightning_automodel import ParallelDims
 from lightning_automodel.hf.vision.image_rows import image_rows
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem
 from lightning_automodel.parallel.pipeline.calls import MODEL_INPUTS, refuse_unknown_inputs
-from lightning_automodel.parallel.pipeline.images import IMAGE_INPUTS
+from lightning_automodel.parallel.pipeline.images import IMAGE_INPUTS, StageImages
 from lightning_automodel.parallel.preflight import check_pipeline
 from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
@@ -95,7 +95,8 @@ def test_a_micro_batch_gets_its_own_rows_images(family):
 
 def test_what_pipeline_parallel_refuses_of_vision_language_models():
     """Refused before any collective, with the reason: a language model fed by the tower beyond its input embeddings
-    (Qwen3-VL's deepstack features), pp with cp, and image inputs the split does not know."""
+    (Qwen3-VL's deepstack features), pp with cp; at the call, image inputs the split does not know, and pixels of a
+    model whose config does not count a row's images."""
     problem = pipeline_problem(tiny_vision_model(MOE_VISION_FAMILY), pp=2)
     assert "takes deepstack_visual_embeds, visual_pos_masks from the parts beside it (model.visual)" in problem
     assert pipeline_problem(tiny_vision_model("llava"), pp=2) is None
@@ -103,6 +104,11 @@ def test_what_pipeline_parallel_refuses_of_vision_language_models():
         check_pipeline(tiny_vision_model("llava"), PipelineOptions(), pp=2, ep=1, cp=2)
     with pytest.raises(ValueError, match=r"got 0 more positional arguments and \['image_sizes'\] keywords"):
         refuse_unknown_inputs({"image_sizes": torch.ones(1)}, accepted=MODEL_INPUTS + IMAGE_INPUTS)
+    images = StageImages(tiny_vision_model("llava"))
+    images._tokens_per_image = None  # as for a model whose config the row split cannot count images by
+    rows = collate_images(image_records("llava", counts=(1, 0)))
+    with pytest.raises(ValueError, match="gives no image placeholder token and size .* Use pp=1 for this model's"):
+        images.split(rows["input_ids"], {"pixel_values": rows["pixel_values"]}, microbatches=2)
 
 
 def test_the_plan_report_puts_the_tower_on_the_first_stage():

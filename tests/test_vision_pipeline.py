@@ -4,7 +4,7 @@ from functools import partial
 
 import pytest
 import torch
-from vision_pipeline_checks import check_vision_pipeline, check_vision_pipeline_training
+from vision_pipeline_checks import check_vision_demo_pipeline, check_vision_pipeline, check_vision_pipeline_training
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.hf.vision.image_rows import image_rows
@@ -59,6 +59,13 @@ def test_vision_pipeline_variants():
     checks += [partial(check, family) for check in virtual for family in ("llava", "gemma3_vlm")]
     checks += [partial(check_vision_pipeline, "qwen2_vl", dp_replicate=2)]
     _print(run_checks(4, checks, timeout=900))
+
+
+@pytest.mark.sweep
+def test_the_vision_demo_at_pp2(tmp_path):
+    """The demo's CausalLMModule and data module (a processor's batches) at pp=2 through the Trainer: the first
+    stage's tower moves."""
+    _print(run_checks(2, [partial(check_vision_demo_pipeline, str(tmp_path))], timeout=600))
 
 
 def _print(results: dict) -> None:

@@ -6,15 +6,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
+from test_vision_demo import DEMO, TowerAtStart, tower_parameters
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 from vision_checks import VisionLM, _errors, _part
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims, parallelize
+from lightning_automodel.data import cache
+from lightning_automodel.data.vision.demo import VisionDemoDataModule
+from lightning_automodel.lm import CausalLMModule
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.parallel.parallelized import Parallelized
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
@@ -133,3 +139,18 @@ def check_vision_pipeline_training(family: str, microbatches: int = 4) -> dict[s
     steps = reference_run(reference, loss=_loss, data=(rows, None))
     limits = _rounding_limits(partial(tiny_vision_model, family), rows)
     return compare_training(module, reference, steps, stages=True, zero_gradient=ZERO_GRADIENT, rounding_limits=limits)
+
+
+def check_vision_demo_pipeline(directory: str) -> dict[str, float]:
+    """The demo's CausalLMModule and VisionDemoDataModule (a processor's batches, records under ``directory``) at
+    pp=2 through the Trainer: each step's loss is the pipelined call's, and the first stage's vision tower moves
+    (its images reached it through the micro-batches)."""
+    cache.DEFAULT_ROOT = Path(directory) / "tokens"
+    data = VisionDemoDataModule(num_records=32, val_records=8, batch_size=4, data_dir=Path(directory) / "records")
+    module = CausalLMModule(config=yaml.safe_load(DEMO.read_text())["model"]["config"], learning_rate=3e-3)
+    tower = TowerAtStart()
+    fit = trainer(AutoModelParallelStrategy(pp=2, pp_microbatches=4), limit_val_batches=0, callbacks=[tower])
+    fit.fit(module, data)
+    moved = [name for name, p in tower_parameters(module) if not torch.equal(full(p), tower.weights[name])]
+    assert pipeline_of(module.model).first == bool(tower.weights) and len(moved) == len(tower.weights), moved
+    return {"train_loss": fit.callback_metrics["train_loss"].item(), "tower_weights_moved": float(len(moved))}

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers
+from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers, named_language_layers
 from lightning_automodel.hf.freezing import freeze
 from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -62,7 +62,7 @@ from lightning_automodel.parallel.mesh import (
 )
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.parallelized import Parallelized
-from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, name_of, pipeline_model
+from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, blocks_owner, name_of, pipeline_model
 from lightning_automodel.parallel.preflight import PreflightFindings, check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, apply_tensor_parallel
 from lightning_automodel.parallel.tensor.plans.sequence_parallel import stage_stream_boundaries, stream_placements
@@ -151,7 +151,10 @@ class DefaultParallelizationStrategy(ParallelizationStrategy):
         give_every_expert_a_gradient(model)
         _apply_fsdp(model, device_mesh, options.fsdp, stages=stages, experts=experts, findings=findings)
         if multimodal_units(model) and reduction_mesh(device_mesh).size() > 1:
-            run_tower_on_every_rank(model, reduction_mesh(device_mesh))
+            if stages is not None:
+                stages.share_tower(reduction_mesh(device_mesh))
+            else:
+                run_tower_on_every_rank(model, reduction_mesh(device_mesh))
         return model
 
 
@@ -232,10 +235,11 @@ def _split_into_stages(
     stages = pipeline_model(model, device_mesh, pipeline)
     if tensor_parallel is None:
         return stages, None
-    blocks_list = named_decoder_layers(model)[0][0].rsplit(".", 1)[0]
+    blocks_list = named_language_layers(model)[0][0].rsplit(".", 1)[0]
     blocks = [[f"{blocks_list}.{index}" for index in layers] for layers in stages.layers.values()]
     styles = stage_stream_boundaries(tensor_parallel.styles, blocks)
-    stages.receive_stream_as(tp_mesh(device_mesh), stream_placements(styles, embedding))
+    owner = name_of(model, blocks_owner(model)[0])
+    stages.receive_stream_as(tp_mesh(device_mesh), stream_placements(styles, embedding, language_model=owner))
     return stages, dataclasses.replace(tensor_parallel, styles=styles)
 
 

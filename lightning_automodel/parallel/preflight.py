@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers, named_multimodal_parts
 from lightning_automodel.hf.vision.image_inputs import image_token_count
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline, context_parallel_problem
 from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
@@ -60,12 +60,11 @@ def check_before_collectives(
     problem = expert_parallel_problem(model, ep=ep) if ep > 1 else None
     if problem is not None:
         raise ValueError(f"ep={ep} (expert parallel): {problem}. Use ep=1 for this model.")
-    pp = axis_size(device_mesh, "pp")
+    pp, cp = axis_size(device_mesh, "pp"), axis_size(device_mesh, "cp")
     if pp > 1:
         check_pipeline(
-            model, pipeline or PipelineOptions(), pp=pp, ep=ep, activation_checkpointing=activation_checkpointing
+            model, pipeline or PipelineOptions(), pp=pp, ep=ep, cp=cp, activation_checkpointing=activation_checkpointing
         )
-    cp = axis_size(device_mesh, "cp")
     if cp > 1:
         check_context_parallel(model, cp=cp, pipeline=pipeline if pp > 1 else None)
     unsharded = probe_unsharded(model, tp=tp)  # at tp = 1 it only adds a check: a model it cannot run goes on
@@ -122,11 +121,17 @@ def _warn_unprobed(model: nn.Module, failure: ProbeError) -> None:
 
 
 def check_pipeline(
-    model: nn.Module, pipeline: PipelineOptions, *, pp: int, ep: int, activation_checkpointing: bool = False
+    model: nn.Module,
+    pipeline: PipelineOptions,
+    *,
+    pp: int,
+    ep: int,
+    cp: int = 1,
+    activation_checkpointing: bool = False,
 ) -> None:
     """At pp > 1: the options suit the model, which splits into stages that compute what it computes whole (see
     :mod:`lightning_automodel.parallel.pipeline`)."""
-    pipeline.validate(pp, num_layers=len(named_decoder_layers(model)))
+    pipeline.validate(pp, num_layers=len(named_language_layers(model)))
     if activation_checkpointing and pipeline.splits_backward():
         raise ValueError(
             f"pp_schedule={pipeline.schedule!r} computes the weights' gradients apart from the inputs' (zero bubble),"
@@ -134,6 +139,11 @@ def check_pipeline(
             " pp_schedule='Interleaved1F1B', or activation_checkpointing=False."
         )
     problem = pipeline_problem(model, pp=pp, stages_per_rank=pipeline.stages_per_rank) or stage_split_problem(model)
+    if problem is None and cp > 1 and named_multimodal_parts(model):
+        problem = (
+            f"{type(model).__name__} reads images, which a micro-batch's first stage takes by its rows; with cp={cp}"
+            " each rank holds a share of every row, and splitting images with the sequence under pp is not built"
+        )
     if problem is not None:
         raise ValueError(f"pp={pp} (pipeline parallel): {problem}. Use pp=1 for this model.")
 

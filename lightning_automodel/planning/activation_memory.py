@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers
 from lightning_automodel.hf.ties import to_empty_tied
 from lightning_automodel.parallel.chunked_loss import SPLIT_CALLS, chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
@@ -175,7 +175,7 @@ def _over_stage_layers(
     pipeline = pipeline or PipelineOptions()
     if alike_layers(model) is None:
         return step(model, pipeline=pipeline)
-    num_layers = len(named_decoder_layers(model))
+    num_layers = len(named_language_layers(model))  # the layers pp splits
     stages = stage_layers(num_layers, dims.pp * pipeline.stages_per_rank, pipeline.layers_per_stage)
     counts = [len(layers) for layers in stages]
     mine = pipeline.stages_of_rank(rank // dims.ranks_per_stage, dims.pp)

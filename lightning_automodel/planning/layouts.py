@@ -23,7 +23,7 @@ from functools import partial
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers
 from lightning_automodel.parallel.activation_checkpointing import AC_MODES, ACMode
 from lightning_automodel.parallel.compile import CompileSpec, check_compile
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
@@ -168,7 +168,8 @@ def kept_layer_inputs(
         return 0
     rows, tokens = batch_shape
     if pipeline is not None:
-        spans = stage_layers(layers, dims.pp * pipeline.stages_per_rank, pipeline.layers_per_stage)
+        language = len(named_language_layers(model))  # the layers pp splits (a vision tower's go to stage 0)
+        spans = stage_layers(language, dims.pp * pipeline.stages_per_rank, pipeline.layers_per_stage)
         held = [sum(len(spans[stage]) for stage in pipeline.stages_of_rank(rank, dims.pp)) for rank in range(dims.pp)]
         layers, rows = max(held), rows // pipeline.microbatches_for(dims.pp)
     tokens //= dims.cp * (dims.tp if sp else 1)

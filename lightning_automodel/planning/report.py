@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_multimodal_parts
+from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers, named_multimodal_parts
 from lightning_automodel.hf.layer_configs import attention_shapes
 from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.parallel.context_parallel import context_parallel_of
@@ -182,9 +182,11 @@ class PlanReport:
             f" per step; idle (bubble) fraction (p-1)/({'vm' if per_rank > 1 else 'm'}+p-1) = {bubble:.1%}"
         ]
         last = self.dims.pp * per_rank - 1
+        first = "embedding, vision tower and projector" if self.multimodal else "embedding"
         for stage in self.stages:
             held = [
-                _stage_parts(index, layers, last=last, numbered=per_rank > 1) for index, layers in stage.layers.items()
+                _stage_parts(index, layers, last=last, numbered=per_rank > 1, first=first)
+                for index, layers in stage.layers.items()
             ]
             lines.append(
                 f"  {'pp rank' if per_rank > 1 else 'stage'} {stage.pp_rank} (ranks {stage.ranks}): {'; '.join(held)};"
@@ -213,8 +215,8 @@ class StageReport:
         return _TRAINING_COPIES * self.parameter_bytes_per_rank
 
 
-def _stage_parts(index: int, layers: range, *, last: int, numbered: bool) -> str:
-    parts = ["embedding"] * (index == 0) + [_layer_span(layers)] + ["norm, head"] * (index == last)
+def _stage_parts(index: int, layers: range, *, last: int, numbered: bool, first: str = "embedding") -> str:
+    parts = [first] * (index == 0) + [_layer_span(layers)] + ["norm, head"] * (index == last)
     return f"{f'stage {index}: ' if numbered else ''}{', '.join(parts)}"
 
 
@@ -269,7 +271,7 @@ def plan_report(
         return report
     report.pipeline = pipeline = pipeline or PipelineOptions()
     stages = dims.pp * pipeline.stages_per_rank
-    layers = stage_layers(len(named_decoder_layers(model)), stages, pipeline.layers_per_stage)
+    layers = stage_layers(len(named_language_layers(model)), stages, pipeline.layers_per_stage)
     ranks_per_stage = dims.ranks_per_stage
     copies = [copy.deepcopy(model) for _ in range(dims.pp)]
     for pp_rank, stage_copy in enumerate(copies):

@@ -29,8 +29,8 @@ IMAGE_TOKENS = 4  # placeholders per image: one image per row, its tokens at pos
 QWEN_GRID, QWEN_PATCH = (1, 4, 4), 3 * 2 * 4 * 4
 
 
-def tiny_vision_config(family: str):
-    text = tiny_config("gemma3_vlm" if family == "gemma3_vlm" else "llama")
+def tiny_vision_config(family: str, text_layers: int = 2):
+    text = tiny_config("gemma3_vlm" if family == "gemma3_vlm" else "llama", num_hidden_layers=text_layers)
     if family == "gemma3_vlm":
         text.image_token_index = IMAGE_TOKEN
         return text
@@ -69,9 +69,9 @@ def tiny_vision_config(family: str):
     raise ValueError(f"no tiny vision-language model {family!r}: one of {(*VISION_FAMILIES, MOE_VISION_FAMILY)}")
 
 
-def tiny_vision_model(family: str, seed: int = 0) -> torch.nn.Module:
+def tiny_vision_model(family: str, seed: int = 0, text_layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = tiny_vision_config(family)
+    config = tiny_vision_config(family, text_layers)
     classes = {
         "llava": LlavaForConditionalGeneration,
         "qwen2_vl": Qwen2VLForConditionalGeneration,
@@ -122,8 +122,61 @@ def vision_loss_and_logits(model: torch.nn.Module, rows: dict[str, torch.Tensor]
     return F.cross_entropy(logits.flatten(0, 1), rows["labels"].flatten()), logits
 
 
+# Images a row of :func:`image_records`: two in a row, rows without, one; micro-batches of one or two rows without any.
+IMAGES_PER_ROW = (2, 0, 1, 0, 0, 0, 1, 2)
+
+
+def image_records(family: str, counts: tuple[int, ...] = IMAGES_PER_ROW, seed: int = 1) -> list[dict]:
+    """One record a row, its own images (``counts[r]`` of them, at most two: placeholders at tokens 1-4 and 6-9),
+    as a processor renders a sample: token ids, labels (-100 on placeholders), token types, and the images' pixels
+    (Qwen2-VL: flattened patches and a grid each). :func:`collate_images` makes a batch of them."""
+    tokens, labels = batch(len(counts), seed=seed)
+    tokens[tokens == IMAGE_TOKEN] = IMAGE_TOKEN - 1
+    generator = torch.Generator().manual_seed(seed)
+    records = []
+    for row, count in enumerate(counts):
+        for image in range(count):
+            start = 1 + image * (IMAGE_TOKENS + 1)
+            tokens[row, start : start + IMAGE_TOKENS] = IMAGE_TOKEN
+            labels[row, max(start - 1, 0) : start + IMAGE_TOKENS - 1] = -100
+        record = {"input_ids": tokens[row], "labels": labels[row]}
+        types = (tokens[row] == IMAGE_TOKEN).long()
+        if family in ("qwen2_vl", MOE_VISION_FAMILY):
+            patches = QWEN_GRID[0] * QWEN_GRID[1] * QWEN_GRID[2]
+            record["pixel_values"] = torch.randn(count * patches, QWEN_PATCH, generator=generator)
+            record["image_grid_thw"] = torch.tensor([QWEN_GRID] * count, dtype=torch.long).reshape(count, 3)
+            record["mm_token_type_ids"] = types
+        else:
+            record["pixel_values"] = torch.randn(count, 3, 16, 16, generator=generator)
+        if family == "gemma3_vlm":
+            record["token_type_ids"] = types
+        records.append(record)
+    return records
+
+
+def collate_images(records: list[dict]) -> dict[str, torch.Tensor]:
+    """The model's arguments and labels for ``records`` (of :func:`image_records`): rows stacked, every image's pixels
+    (and grid) one after another in the order of their placeholders, none given where no row holds an image."""
+    images = ("pixel_values", "image_grid_thw")
+    rows = {name: torch.stack([record[name] for record in records]) for name in records[0] if name not in images}
+    rows["attention_mask"] = (rows["input_ids"] != 0).long()
+    for name in images:
+        if name in records[0] and sum(len(record[name]) for record in records):
+            rows[name] = torch.cat([record[name] for record in records])
+    return rows
+
+
 def rows_slice(rows: dict[str, torch.Tensor], part: slice) -> dict[str, torch.Tensor]:
     return {name: value[part] for name, value in rows.items()}
 
 
-__all__ = ["SEQ", "VISION_FAMILIES", "model_inputs", "tiny_vision_model", "vision_batch", "vision_loss_and_logits"]
+__all__ = [
+    "SEQ",
+    "VISION_FAMILIES",
+    "collate_images",
+    "image_records",
+    "model_inputs",
+    "tiny_vision_model",
+    "vision_batch",
+    "vision_loss_and_logits",
+]

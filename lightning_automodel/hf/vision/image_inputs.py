@@ -93,6 +93,7 @@ def _random(shape: tuple[int, ...], *, device: Any) -> torch.Tensor:
 
 
 def image_token(config: Any) -> int | None:
+    """The placeholder token id of an image, from the config (None where it names none)."""
     for name in ("image_token_id", "image_token_index"):
         value = getattr(config, name, None)
         if isinstance(value, int):

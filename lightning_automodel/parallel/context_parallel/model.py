@@ -89,7 +89,7 @@ class ContextParallel:
         token_mask = split.query_visible
         if (pipeline := pipeline_of(self.model)) is not None:
             refuse_unknown_inputs({**inputs, **images, **tokens})
-            rows_split = lambda rows: {"sequence_split": split.rows(rows)}  # noqa: E731 - a micro-batch's rows
+            rows_split = lambda rows, first: {"sequence_split": split.rows(rows)}  # noqa: E731 - a micro-batch's rows
             return pipeline.run(**held, targets=targets, token_mask=token_mask, row_inputs=rows_split)
         if has_images(images):
             whole = F.pad(input_ids, (0, self.padded_length(input_ids.size(1)) - input_ids.size(1)))

@@ -27,41 +27,61 @@ def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
     """Hook ``model`` (a vision-language model, sharded by FSDP2 over ``mesh``'s ranks) so that every rank of
     ``mesh`` runs its tower in a forward where any of them has images. A model whose stand-in image
     :mod:`~lightning_automodel.hf.vision.image_inputs` cannot build is refused in such a forward, on every rank."""
-    known = image_token_count(model) is not None
-    stand_in = pixel_inputs(model.config.vision_config, images=1) if known else {}
+    stand_in = TowerStandIn(model, mesh)
     signature = inspect.signature(model.forward)
-    pending: list[bool] = []
 
     def agree(module: nn.Module, args: tuple, kwargs: dict) -> None:
         arguments = signature.bind_partial(*args, **kwargs).arguments
-        here = _has_images({**arguments.pop("kwargs", {}), **arguments})
-        flags = torch.tensor([float(here), float(not here)], device=mesh.device_type)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        mixed = bool(flags.min().item())  # some ranks with images, some without
-        if mixed and not stand_in:
-            raise ValueError(
-                f"{type(model).__name__}: some data-parallel ranks' batches hold images and others' none, and its"
-                " config gives no image placeholder or pixel sizes to run the vision tower on a stand-in image where"
-                " a batch has none (FSDP2 needs every rank to run it). Give every batch an image, or none."
-            )
-        pending[:] = [mixed and not here]
+        stand_in.pending = stand_in.needed([_has_images({**arguments.pop("kwargs", {}), **arguments})])[0]
 
-    def stand_in_image(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not (pending and pending.pop()):
+    model.register_forward_pre_hook(agree, with_kwargs=True)
+
+
+class TowerStandIn:
+    """The vision tower of ``model`` run on a stand-in image, its features times zero added to the language model's
+    input embeddings, in a forward where :attr:`pending` (reset there). Under pipeline parallel each micro-batch of
+    the first stage sets it (see :mod:`lightning_automodel.parallel.pipeline.images`)."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, *, known: bool | None = None) -> None:
+        """``known``: whether the stand-in's builder knows the model's image inputs (default: found from its config
+        and forward, which pipeline parallel replaces)."""
+        self.model = model
+        self.group = mesh.get_group()
+        self.device_type = mesh.device_type
+        known = image_token_count(model) is not None if known is None else known
+        self.pixels = pixel_inputs(model.config.vision_config, images=1) if known else {}
+        self.pending = False
+        # First among the language model's hooks: before tensor parallel turns its input into a DTensor.
+        model.get_decoder().register_forward_pre_hook(self._add_features, with_kwargs=True, prepend=True)
+
+    def needed(self, here: list[bool]) -> list[bool]:
+        """Whether this rank runs the stand-in in each of ``here``'s forwards (whether it has images in each): where
+        some ranks of the group have images and it has none. One all-reduce of the group."""
+        flags = torch.tensor([[float(has), float(not has)] for has in here], device=self.device_type)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        mixed = flags.min(-1).values.bool().tolist()  # some ranks with images, some without
+        if any(mixed) and not self.pixels:
+            raise ValueError(
+                f"{type(self.model).__name__}: some data-parallel ranks' batches hold images and others' none, and"
+                " its config gives no image placeholder or pixel sizes to run the vision tower on a stand-in image"
+                " where a batch has none (FSDP2 needs every rank to run it). Give every batch an image, or none."
+            )
+        return [some and not has for some, has in zip(mixed, here, strict=True)]
+
+    def _add_features(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not self.pending:
             return None
+        self.pending = False
         embeds = kwargs.get("inputs_embeds")
         if not isinstance(embeds, torch.Tensor):
             raise RuntimeError(
-                f"{type(model).__name__}: its language model got no inputs_embeds tensor to carry the stand-in"
+                f"{type(self.model).__name__}: its language model got no inputs_embeds tensor to carry the stand-in"
                 " image of a rank whose batch holds no image."
             )
-        features = model.get_image_features(**{name: value.to(embeds.device) for name, value in stand_in.items()})
+        pixels = {name: value.to(embeds.device) for name, value in self.pixels.items()}
+        features = self.model.get_image_features(**pixels)
         zero = sum(leaf.float().sum() for leaf in tree_flatten(features)[0] if isinstance(leaf, torch.Tensor)) * 0
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
-
-    model.register_forward_pre_hook(agree, with_kwargs=True)
-    # First among the language model's hooks: before tensor parallel turns its input into a DTensor.
-    model.get_decoder().register_forward_pre_hook(stand_in_image, with_kwargs=True, prepend=True)
 
 
 def _has_images(arguments: dict[str, Any]) -> bool:

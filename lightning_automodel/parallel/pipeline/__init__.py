@@ -9,12 +9,13 @@ from lightning_automodel.parallel.pipeline.model import pipeline_model, pipeline
 from lightning_automodel.parallel.pipeline.options import PipelineOptions, bubble_fraction, stage_layers
 from lightning_automodel.parallel.pipeline.problems import pipeline_problem, stage_split_problem
 from lightning_automodel.parallel.pipeline.runtime import Pipeline
-from lightning_automodel.parallel.pipeline.stage_split import name_of, split_into_stage, stage_view
+from lightning_automodel.parallel.pipeline.stage_split import blocks_owner, name_of, split_into_stage, stage_view
 
 __all__ = [
     "Pipeline",
     "PipelineOptions",
     "PipelinedModel",
+    "blocks_owner",
     "bubble_fraction",
     "name_of",
     "pipeline_model",

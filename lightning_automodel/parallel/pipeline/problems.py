@@ -8,9 +8,10 @@ import copy
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import named_language_layers, named_multimodal_parts
 from lightning_automodel.hf.replica import replica_problem
 from lightning_automodel.parallel.experts.load_balancing_loss import balancing_problem
+from lightning_automodel.parallel.pipeline.images import images_problem
 from lightning_automodel.parallel.pipeline.options import stage_layers
 from lightning_automodel.parallel.pipeline.stage_split import (
     FINAL_NORM_NAMES,
@@ -29,7 +30,7 @@ def pipeline_problem(model: nn.Module, *, pp: int, stages_per_rank: int = 1) -> 
         return f"{type(model).__name__} is an encoder-decoder model; pipeline parallel splits decoder-only models"
     if model.get_output_embeddings() is None or model.base_model is model:
         return f"{type(model).__name__} has no language-model head over a base model to split"
-    lists = {name.rsplit(".", 1)[0] for name, _ in named_decoder_layers(model)}
+    lists = {name.rsplit(".", 1)[0] for name, _ in named_language_layers(model)}
     if len(lists) != 1:
         return (
             f"{type(model).__name__} has {len(lists)} lists of blocks ({sorted(lists)}); pipeline parallel splits one"
@@ -40,9 +41,9 @@ def pipeline_problem(model: nn.Module, *, pp: int, stages_per_rank: int = 1) -> 
             f"{type(model).__name__} has no final norm beside its blocks (one named one of {FINAL_NORM_NAMES}, or the"
             " one child whose class is a norm)"
         )
-    if (problem := balancing_problem(model)) is not None:
+    if (problem := balancing_problem(model) or images_problem(model)) is not None:
         return problem
-    layers, stages = len(named_decoder_layers(model)), pp * stages_per_rank
+    layers, stages = len(named_language_layers(model)), pp * stages_per_rank
     if layers < stages:
         return (
             f"{type(model).__name__} has {layers} decoder layers, fewer than the {stages} stages (pp={pp} x"
@@ -57,10 +58,11 @@ def pipeline_problem(model: nn.Module, *, pp: int, stages_per_rank: int = 1) -> 
 
 
 def _parameters_beside_blocks(model: nn.Module) -> list[str]:
-    """Parameters of the model outside its blocks, input embedding, final norm and head, by name: every stage view
-    of a rank would hold them."""
+    """Parameters of the model outside its blocks, input embedding, final norm, head and vision parts (the first
+    stage's alone), by name: every stage view of a rank would hold them."""
     owner, attribute = blocks_owner(model)
     parts = [getattr(owner, attribute), model.get_input_embeddings(), model.get_output_embeddings()]
+    parts += [part for _, part in named_multimodal_parts(model)]
     parts.append(getattr(owner, final_norm_name(owner)))
     placed = {id(param) for part in parts if part is not None for param in part.parameters()}
     return [name for name, param in model.named_parameters() if id(param) not in placed]
@@ -85,7 +87,7 @@ def stage_split_problem(model: nn.Module) -> str | None:
 def _two_stage_logits(replica: nn.Module, tokens: Tensor) -> Tensor:
     """The logits of two copies of ``replica``, one its first stage and one its last, one after the other."""
     first, last = copy.deepcopy(replica), copy.deepcopy(replica)
-    layers = stage_layers(len(named_decoder_layers(replica)), 2)
+    layers = stage_layers(len(named_language_layers(replica)), 2)
     split_into_stage(first, layers=layers[0], first=True, last=False)
     split_into_stage(last, layers=layers[1], first=False, last=True)
     hidden = first.base_model(input_ids=tokens, use_cache=False).last_hidden_state

@@ -29,6 +29,7 @@ from lightning_automodel.parallel.pipeline.gradients import (
     param_groups,
     sharded_parameters,
 )
+from lightning_automodel.parallel.pipeline.images import StageImages
 from lightning_automodel.parallel.pipeline.load_balancing import PipelineBalancing
 from lightning_automodel.parallel.pipeline.options import PipelineOptions
 from lightning_automodel.parallel.pipeline.stage_split import path_to_blocks, stage_view
@@ -36,7 +37,7 @@ from lightning_automodel.parallel.pipeline.step_loss import StepLoss
 from lightning_automodel.parallel.pipeline.tied_embedding import TiedEmbedding
 
 ROWS = "micro_batch_rows"  # the rows of the whole batch a stage's micro-batch holds (see Pipeline.run's row_inputs)
-RowInputs = Callable[[Tensor], dict[str, Any]]
+RowInputs = Callable[..., dict[str, Any]]  # row_inputs(rows, first=...): see Pipeline.run
 
 
 class Pipeline:
@@ -55,10 +56,12 @@ class Pipeline:
         tied: bool,
         blocks_config: Any,
         balancing: PipelineBalancing | None = None,
+        images: StageImages | None = None,
     ) -> None:
         """``layers``: the decoder layers of each stage this rank holds, by stage index; ``blocks_config``: the whole
         model's config of the module looping over them (its stage views cut theirs from it); ``balancing``: a
-        mixture-of-experts model's load-balancing loss (see :mod:`.load_balancing`)."""
+        mixture-of-experts model's load-balancing loss (see :mod:`.load_balancing`); ``images``: a vision-language
+        model's (see :mod:`.images`)."""
         self.model = model
         self.mesh = mesh
         self.options = options
@@ -86,6 +89,7 @@ class Pipeline:
         self._token_mask: Tensor | None = None
         self._balancing_pass: str | None = None  # "counting", "training" or "evaluating" a load-balancing loss
         self.balancing = balancing
+        self.images = images
 
     def stage_modules(self) -> list[nn.Module]:
         """The module each of this rank's stages runs, in stage order: the model itself when it holds one stage, else
@@ -187,7 +191,7 @@ class Pipeline:
         stage = self._stage_of_view[id(module)]
         rows = inputs.pop(ROWS)
         if self._row_inputs is not None:
-            inputs.update(self._row_inputs(rows))
+            inputs.update(self._row_inputs(rows, first=stage == 0))
         if stage > 0 and self._stream_layout is not None:
             stream = DTensor.from_local(stream, *self._stream_layout, run_check=False)
         given = {"input_ids": stream} if stage == 0 else {"inputs_embeds": stream}
@@ -220,7 +224,8 @@ class Pipeline:
         gives a rank's share of a sequence), the loss and its totals reach every rank; the logits exist on the last
         stage only (None elsewhere), and only when not training. ``token_mask``: the tokens a mixture-of-experts
         model's load-balancing loss counts (default: the attention mask's); ``row_inputs(rows)``: more keywords for
-        every stage, made from the rows of the batch a micro-batch holds (context parallel's sequence split)."""
+        every stage, made from the rows of the batch a micro-batch holds and whether the stage is the first (context
+        parallel's sequence split; a vision-language model's images, split here from ``inputs``)."""
         microbatches = self.options.microbatches_for(self.pp)
         if input_ids.size(0) % microbatches:
             raise ValueError(
@@ -237,6 +242,8 @@ class Pipeline:
             " micro-batch's loss summed over its tokens: the last stage applies it.",
         )
         self._check_sequence_split(input_ids)
+        if self.images is not None:
+            inputs, row_inputs = self.images.split(input_ids, inputs, microbatches=microbatches)
         if labels is not None:
             targets = next_token_targets(labels)
         if scored:
@@ -312,6 +319,12 @@ class Pipeline:
                 yield
         finally:
             self.in_schedule = False
+
+    def share_tower(self, mesh: DeviceMesh) -> None:
+        """The first stage's vision tower, sharded by FSDP2 over ``mesh``: each micro-batch without images runs it
+        on a stand-in image where another rank's has images (see :mod:`.images`)."""
+        if self.first and self.images is not None:
+            self.images.share_tower(self.stage_modules()[0], mesh)
 
     def _sharded_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters that hold the gradients, by name (see :func:`sharded_parameters`), found once."""

@@ -1,5 +1,6 @@
 """A model cut down to its stage in place: the decoder layers it holds under their Hugging Face names, the embedding
-first, the final norm and head last; with several stages per rank, each stage a view of the model."""
+(and a vision-language model's vision tower and projector) first, the final norm and head last; with several stages
+per rank, each stage a view of the model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import named_language_layers, named_multimodal_parts
 from lightning_automodel.hf.shrink import layers_kept
 
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "final_norm", "ln_f", "norm_f", "ln_final")
@@ -18,9 +19,12 @@ FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "final_norm",
 def split_into_stage(
     model: nn.Module, *, layers: Sequence[int], first: bool, last: bool, config: Any | None = None
 ) -> None:
-    """Keep this stage of ``model`` in place: its decoder ``layers`` under their names, the embedding on the first
-    stage (and on the last when the head is tied to it), the final norm and the head on the last. ``config``: the
-    whole model's config of the module looping over the layers (default: that module's own)."""
+    """Keep this stage of ``model`` in place: its decoder ``layers`` (the language model's) under their names, the
+    embedding on the first stage (and on the last when the head is tied to it), a vision tower and projector on the
+    first, the final norm and the head on the last. ``config``: the whole model's config of the module looping over
+    the layers (default: that module's own)."""
+    if not first:
+        drop_multimodal_parts(model)
     owner, attribute = blocks_owner(model)
     blocks = getattr(owner, attribute)
     kept = nn.ModuleList()
@@ -33,6 +37,14 @@ def split_into_stage(
     if not last:
         setattr(owner, final_norm_name(owner), nn.Identity())
         model.set_output_embeddings(None)
+
+
+def drop_multimodal_parts(model: nn.Module) -> None:
+    """Remove a vision-language model's parts beside its language model (vision tower, projector): a stage after the
+    first receives the hidden states their features were scattered into, and never runs them."""
+    for name, _ in named_multimodal_parts(model):
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, attribute, None)
 
 
 def stage_view(model: nn.Module, *, layers: Sequence[int], first: bool, last: bool, config: Any) -> nn.Module:
@@ -87,13 +99,22 @@ def name_of(model: nn.Module, module: nn.Module) -> str:
 
 def is_tied(model: nn.Module) -> bool:
     """Whether the model's head is its input embedding (one weight)."""
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    return head is not None and embedding is not None and head.weight is embedding.weight
+    head = model.get_output_embeddings()
+    return head is not None and (embedding := _input_embedding(model)) is not None and head.weight is embedding.weight
+
+
+def _input_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's input embedding; None where its stage dropped it (transformers' lookup raises then through a
+    vision-language model's language model)."""
+    try:
+        return model.get_input_embeddings()
+    except NotImplementedError:
+        return None
 
 
 def blocks_owner(model: nn.Module) -> tuple[nn.Module, str]:
-    """The module holding the model's list of decoder blocks, and the list's attribute name."""
-    list_path = named_decoder_layers(model)[0][0].rsplit(".", 1)[0]
+    """The module holding the model's list of decoder blocks (the language model's), and the list's attribute name."""
+    list_path = named_language_layers(model)[0][0].rsplit(".", 1)[0]
     owner, _, attribute = list_path.rpartition(".")
     return (model.get_submodule(owner) if owner else model), attribute
 

@@ -143,10 +143,17 @@ def stage_stream_boundaries(styles: Mapping[str, ParallelStyle], stages: list[li
     return staged
 
 
-def stream_placements(styles: Mapping[str, ParallelStyle], embedding: str) -> tuple[Placement, ...] | None:
+def stream_placements(
+    styles: Mapping[str, ParallelStyle], embedding: str, *, language_model: str = ""
+) -> tuple[Placement, ...] | None:
     """How the stream leaves the input embedding, when a plan keeps it a DTensor from there (the family plans' sequence
-    parallel: ``Shard(1)``); None when it leaves as a whole tensor. A pipeline stage that receives the stream instead
-    of embedding it receives it so."""
+    parallel: ``Shard(1)``), or how the ``language_model`` module splits the ``inputs_embeds`` it is given (Gemma 3's
+    plan, whose image features join the embeddings whole); None when it stays a whole tensor. A pipeline stage that
+    receives the stream instead of embedding it receives it so."""
+    entry = styles.get(language_model)
+    split = getattr(entry, "desired_input_kwarg_layouts", None) or {}
+    if "inputs_embeds" in split and split["inputs_embeds"].is_shard() and not entry.use_local_output:
+        return (split["inputs_embeds"],)
     style = next((style for pattern, style in styles.items() if pattern_matches(pattern, embedding)), None)
     style = style.style if isinstance(style, LoraParallel) else style  # a PEFT model's: the style it wraps
     layouts = getattr(style, "output_layouts", None)

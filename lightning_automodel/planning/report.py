@@ -8,14 +8,13 @@ drift from the code. An 8B-parameter config takes seconds.
 from __future__ import annotations
 
 import copy
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_multimodal_parts
+from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.layer_configs import attention_shapes
 from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.parallel.context_parallel import context_parallel_of
@@ -28,7 +27,9 @@ from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_n
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.planning.simulation import fake_world
+from lightning_automodel.planning.step_images import step_images
 from lightning_automodel.planning.step_options import StepOptions
+from lightning_automodel.planning.tower_report import TowerReport, per_block
 
 # Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and
 # exp_avg_sq (all in the parameter's dtype). Activations come on top and depend on the batch.
@@ -45,10 +46,7 @@ class PlanReport:
     unmatched_patterns: list[str] = field(default_factory=list)
     unsharded_weights: list[str] = field(default_factory=list)
     replicated: dict[str, int] = field(default_factory=dict)  # modules on sharded activations, as patterns -> count
-    multimodal: dict[str, int] = field(default_factory=dict)  # a vision tower and projector: name -> parameters
-    multimodal_blocks: int = 0  # the blocks among them
-    multimodal_split: int = 0  # under tp: the plan's styles for their projections
-    multimodal_kept: dict[str, str] = field(default_factory=dict)  # under tp: what stays whole on every rank, and why
+    tower: TowerReport | None = None  # a vision-language model's vision tower and projector
     total_parameters: int = 0
     parameters_per_rank: int = 0
     parameter_bytes_per_rank: int = 0
@@ -82,8 +80,11 @@ class PlanReport:
             lines.append(f"patterns matching no module: {', '.join(self.unmatched_patterns)}")
         if self.unsharded_weights:
             lines.append(f"large block weights left whole on every tp rank: {', '.join(self.unsharded_weights)}")
-        if self.multimodal:
-            lines.append(self._multimodal_line())
+        if self.tower is not None:
+            tower = self.tower.line(
+                self.dims, total_parameters=self.total_parameters, parameters_per_rank=self.parameters_per_rank
+            )
+            lines.append(tower)
         if self.float8 is not None:
             lines += self._float8_lines()
         if self.dims.ep > 1:
@@ -119,31 +120,6 @@ class PlanReport:
             return self.training_bytes_per_rank + self.activation_bytes[mode]
         return max(stage.training_bytes_per_rank + stage.activation_bytes[mode] for stage in self.stages)
 
-    def _multimodal_line(self) -> str:
-        held = sum(self.multimodal.values())
-        parts = ", ".join(f"{name} ({count:,})" for name, count in self.multimodal.items())
-        line = (
-            f"vision tower and projector: {parts}, {held / max(self.total_parameters, 1):.1%} of the parameters;"
-            f" FSDP2 units of their own ({self.multimodal_blocks} blocks, then the rest of each part)"
-        )
-        if self.dims.tp == 1:
-            return line
-        if self.multimodal_split:
-            line += (
-                f"; tp splits {self.multimodal_split} of their projections (entries column-, exits row-parallel,"
-                " checked by the probe's step with images; the tower's activations are not sequence-parallel)"
-            )
-        by_reason: dict[str, list[str]] = {}
-        for name, why in self.multimodal_kept.items():
-            by_reason.setdefault(why, []).append(_per_block(name))
-        kept = "; ".join(f"{', '.join(dict.fromkeys(names))} ({why})" for why, names in by_reason.items())
-        if not kept:
-            return line
-        return (
-            f"{line}; kept whole on every tp rank: {kept} (every tp rank computes their whole gradient from the same"
-            " images; FSDP2 averages it over the data-parallel ranks)"
-        )
-
     def _float8_lines(self) -> list[str]:
         converted = sum(self.float8_converted.values())
         lines = [
@@ -164,11 +140,17 @@ class PlanReport:
             " gradients; the total adds them and AdamW's state"
             f"{'; under pp, of the stage where it is the largest' if self.stages else ''}):"
         ]
+        if self.tower is not None:
+            lines.append(f"  {self.tower.step_line()}")
         width = max(len(mode) for mode in self.activation_bytes)
+        images = self.tower.activation_bytes if self.tower is not None else {}
         for mode, size in self.activation_bytes.items():
             stages = ", ".join(f"{_gib(stage.activation_bytes[mode])}" for stage in self.stages)
             each = f" (pp ranks: {stages})" if self.stages else ""
-            lines.append(f"  checkpointing {mode:<{width}}  {_gib(size)}  total {_gib(self.total_bytes(mode))}{each}")
+            of_images = f" (images {_gib(images[mode])})" if mode in images else ""
+            lines.append(
+                f"  checkpointing {mode:<{width}}  {_gib(size)}{of_images}  total {_gib(self.total_bytes(mode))}{each}"
+            )
         return lines
 
     def _pipeline_lines(self) -> list[str]:
@@ -254,7 +236,7 @@ def plan_report(
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
     report = PlanReport(type(model).__name__, dims, plan_source="", float8=float8_options(float8))
     report.total_parameters = sum(p.numel() for p in model.parameters())
-    _describe_multimodal(report, model)
+    report.tower = TowerReport.of(model)
     report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
     step = step if step is not None else StepOptions()
     options = dict(sp=sp, tp_plan=step.tp_plan, allow_unsharded_linears=step.allow_unsharded_linears)
@@ -266,6 +248,7 @@ def plan_report(
         report.parameters_per_rank, report.parameter_bytes_per_rank = held
         if pristine is not None:
             report.activation_bytes = _activations(pristine, dims, batch_shape, rank=rank, **estimate)
+            _image_share(report, pristine, batch_shape=batch_shape, rank=rank, step=step, **estimate)
         return report
     report.pipeline = pipeline = pipeline or PipelineOptions()
     stages = dims.pp * pipeline.stages_per_rank
@@ -315,6 +298,22 @@ def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, i
         }
 
 
+def _image_share(
+    report: PlanReport, model: nn.Module, *, batch_shape: tuple[int, int], step: StepOptions, **estimate
+) -> None:
+    """A vision-language model's images in the estimate's step, and what they add to its peak under each mode: the
+    estimate less that of the same rows as text alone (the tower's activations, the image features scattered into
+    the stream)."""
+    tower = report.tower
+    if tower is None:
+        return
+    tower.images = step_images(model, images_per_row=step.images_per_row, image_tokens=step.image_tokens)
+    if tower.images is None:
+        return
+    text = _activations(model, report.dims, batch_shape, **{**estimate, "images_per_row": 0, "image_tokens": None})
+    tower.activation_bytes = {mode: size - text[mode] for mode, size in report.activation_bytes.items()}
+
+
 def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:
     """The key and value bytes a rank receives per token of a row and per layer under cp: the other ranks' share
     ((cp - 1) / cp) of the tokens' keys and values for the rank's tp share of the KV heads, in the weights' dtype."""
@@ -344,6 +343,8 @@ def _parallelized(
             _describe_plan(report, planned, model)
             _describe_float8(report, planned, model)
         parallelize(model, mesh, pipeline=pipeline, **options)
+        if report is not None and report.tower is not None:
+            report.tower.count_per_rank(model)
         if report is not None and (context := context_parallel_of(model)) is not None:
             report.padded_to = context.padded_length(1)
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
@@ -360,20 +361,13 @@ def _describe_plan(report: PlanReport, planned: TensorParallelPlan | None, model
         report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
     report.unmatched_patterns = choice.unmatched
     report.unsharded_weights = choice.unsharded_weights
-    report.multimodal_kept = choice.kept_whole
-    beside = tuple(f"{name}." for name in report.multimodal)
-    report.multimodal_split = sum(
-        pattern_matches(pattern, name) for pattern in choice.plan for name in names if name.startswith(beside)
-    )
-    report.replicated = dict(Counter(_per_block(name) for name in planned.replicated))
-
-
-def _describe_multimodal(report: PlanReport, model: nn.Module) -> None:
-    parts = named_multimodal_parts(model)
-    report.multimodal = {name: sum(p.numel() for p in part.parameters()) for name, part in parts}
-    report.multimodal_blocks = sum(
-        name.startswith(tuple(f"{n}." for n, _ in parts)) for name, _ in named_decoder_layers(model)
-    )
+    if report.tower is not None:
+        report.tower.kept = choice.kept_whole
+        beside = tuple(f"{name}." for name in report.tower.parts)
+        report.tower.split = sum(
+            pattern_matches(pattern, name) for pattern in choice.plan for name in names if name.startswith(beside)
+        )
+    report.replicated = dict(Counter(per_block(name) for name in planned.replicated))
 
 
 def _describe_float8(report: PlanReport, planned: TensorParallelPlan | None, model: nn.Module) -> None:
@@ -381,12 +375,8 @@ def _describe_float8(report: PlanReport, planned: TensorParallelPlan | None, mod
         return
     styles = planned.styles if planned is not None else {}
     found = float8_layers(model, named_decoder_layers(model), report.float8, tp_styles=styles, tp=report.dims.tp)
-    report.float8_converted = dict(Counter(_per_block(name) for name in found.converted))
-    report.float8_kept = dict(Counter((_per_block(name), why) for name, why in found.kept.items()))
-
-
-def _per_block(name: str) -> str:
-    return re.sub(r"\.\d+\.", ".*.", name)
+    report.float8_converted = dict(Counter(per_block(name) for name in found.converted))
+    report.float8_kept = dict(Counter((per_block(name), why) for name, why in found.kept.items()))
 
 
 def _gib(size: int) -> str:

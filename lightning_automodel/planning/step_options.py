@@ -35,19 +35,41 @@ class StepOptions:
     loss_chunks: int = 1
     """The sequence chunks the LightningModule computes its head and loss in (1: the logits whole)."""
 
+    images_per_row: int | None = None
+    """A vision-language model's images a row (None: one; 0: a text-only step), whose pixels the step runs through the
+    tower (see :mod:`~lightning_automodel.planning.step_images`). Refused for a model that takes none."""
+
+    image_tokens: int | None = None
+    """The tokens an image, for a tower that takes images of any size (Qwen2-VL's; None: 256); others' are their
+    config's."""
+
     def __post_init__(self) -> None:
         check_loss_chunks(self.loss_chunks)
+        for name, least in (("images_per_row", 0), ("image_tokens", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{name}={value!r}: an integer of at least {least} (or None).")
 
     @classmethod
-    def of(cls, parallel: ParallelOptions, *, mp_policy: MixedPrecisionPolicy | None, loss_chunks: int) -> StepOptions:
+    def of(
+        cls,
+        parallel: ParallelOptions,
+        *,
+        mp_policy: MixedPrecisionPolicy | None,
+        loss_chunks: int,
+        images: tuple[int | None, int | None] = (None, None),
+    ) -> StepOptions:
         """The step options of the strategy's ``parallel`` options, with FSDP2's ``mp_policy`` resolved for the
-        Trainer's precision and the LightningModule's ``loss_chunks``."""
+        Trainer's precision, the LightningModule's ``loss_chunks`` and the ``images`` (a row's, tokens each) planned
+        for."""
         return cls(
             tp_plan=parallel.tp_plan,
             allow_unsharded_linears=parallel.allow_unsharded_linears,
             mp_policy=mp_policy,
             cp_attention=parallel.cp_attention,
             loss_chunks=loss_chunks,
+            images_per_row=images[0],
+            image_tokens=images[1],
         )
 
     def keywords(self) -> dict[str, Any]:

@@ -1,0 +1,60 @@
+"""The activation estimate of a vision-language model's step (planning.activation_memory), its rows holding images,
+against the peak a real CPU step reaches (torch's count of live tensors): LLaVA and Qwen2-VL in one process and at
+tp=2 + sp x dp_shard=2; and the estimate without the images, which misses the tower's activations, off by more than
+the tolerance."""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import pytest
+import torch.distributed as dist
+from vision_memory_checks import IMAGES, ROWS, TOKENS, measured_vision_activation_bytes, memory_vision_model
+
+from lightning_automodel import ParallelDims
+from lightning_automodel.planning.activation_memory import activation_bytes
+from lightning_automodel.testing.harness import free_port, run_checks
+
+TOLERANCE = 0.05  # the issue's; the estimate runs the step's own code (measured: see docs/planning.md)
+ONE_PROCESS = [("llava", dict(activation_checkpointing=False)), ("qwen2_vl", dict(activation_checkpointing="full"))]
+DISTRIBUTED = [("llava", dict(sp=True)), ("qwen2_vl", dict(sp=True, activation_checkpointing="selective"))]
+TP_SP_FSDP = ParallelDims(tp=2, dp_shard=2)
+
+
+def _estimate(family: str, dims: ParallelDims, **options) -> int:
+    model = memory_vision_model(family, meta=True)
+    return activation_bytes(model, dims, micro_batch=ROWS, seq_len=TOKENS, **{**IMAGES[family], **options})
+
+
+@contextlib.contextmanager
+def _one_process_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family, options", ONE_PROCESS)
+def test_the_estimate_counts_the_tower_and_the_image_tokens_in_one_process(family, options):
+    dims = ParallelDims().resolve(1)
+    estimate = _estimate(family, dims, **options)
+    text_alone = _estimate(family, dims, **options, images_per_row=0)
+    with _one_process_group():
+        measured = measured_vision_activation_bytes(family, ParallelDims(), **options)
+    assert estimate == pytest.approx(measured, rel=TOLERANCE), (estimate, measured)
+    assert abs(text_alone / measured - 1) > TOLERANCE, (text_alone, measured)  # the images are what it counts
+
+
+def test_the_estimate_counts_the_tower_and_the_image_tokens_at_tp_sp_and_fsdp():
+    checks = [
+        partial(measured_vision_activation_bytes, family, TP_SP_FSDP, **options) for family, options in DISTRIBUTED
+    ]
+    measured = run_checks(4, checks, timeout=600)
+    for (family, options), per_rank in zip(DISTRIBUTED, measured.values(), strict=True):
+        estimate = _estimate(family, TP_SP_FSDP.resolve(4), **options)
+        text_alone = _estimate(family, TP_SP_FSDP.resolve(4), **options, images_per_row=0)
+        for rank, peak in enumerate(per_rank):
+            assert estimate == pytest.approx(peak, rel=TOLERANCE), (family, rank, estimate, peak)
+            assert abs(text_alone / peak - 1) > TOLERANCE, (family, rank, text_alone, peak)

@@ -1,7 +1,7 @@
 """The activation estimate of a vision-language model's step (planning.activation_memory), its rows holding images,
 against the peak a real CPU step reaches (torch's count of live tensors): LLaVA and Qwen2-VL in one process and at
-tp=2 + sp x dp_shard=2; and the estimate without the images, which misses the tower's activations, off by more than
-the tolerance."""
+tp=2 + sp x dp_shard=2; the estimate without the images, which misses the tower's activations, off by more than the
+tolerance; and a frozen tower's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch.distributed as dist
 from vision_memory_checks import IMAGES, ROWS, TOKENS, measured_vision_activation_bytes, memory_vision_model
 
-from lightning_automodel import ParallelDims
+from lightning_automodel import ParallelDims, plan_report
+from lightning_automodel.planning import StepOptions
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.testing.harness import free_port, run_checks
 
@@ -58,3 +59,20 @@ def test_the_estimate_counts_the_tower_and_the_image_tokens_at_tp_sp_and_fsdp():
         for rank, peak in enumerate(per_rank):
             assert estimate == pytest.approx(peak, rel=TOLERANCE), (family, rank, estimate, peak)
             assert abs(text_alone / peak - 1) > TOLERANCE, (family, rank, text_alone, peak)
+
+
+def test_a_frozen_tower_holds_no_gradient_optimizer_state_or_saved_activations():
+    """``freeze=["vision_tower"]`` (the strategy's, a step option of the planner): the report's state per rank counts
+    no gradient or AdamW state for the tower, and the step keeps none of its activations for backward, as a real
+    step does."""
+    dims, frozen = ParallelDims().resolve(1), dict(freeze=("vision_tower",))
+    report = plan_report(memory_vision_model("llava", meta=True), dims, step=StepOptions(**frozen))
+    tower_bytes = 4 * report.tower.parts["model.vision_tower"]  # fp32, one process
+    assert report.trainable_bytes_per_rank == report.parameter_bytes_per_rank - tower_bytes
+    assert report.training_bytes_per_rank == 4 * report.parameter_bytes_per_rank - 3 * tower_bytes
+    assert "frozen, without either" in str(report)
+    estimate = _estimate("llava", dims, **frozen)
+    with _one_process_group():
+        measured = measured_vision_activation_bytes("llava", ParallelDims(), **frozen)
+    assert estimate == pytest.approx(measured, rel=TOLERANCE), (estimate, measured)
+    assert estimate < 0.9 * _estimate("llava", dims)

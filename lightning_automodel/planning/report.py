@@ -31,9 +31,10 @@ from lightning_automodel.planning.step_images import step_images
 from lightning_automodel.planning.step_options import StepOptions
 from lightning_automodel.planning.tower_report import TowerReport, per_block
 
-# Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and
-# exp_avg_sq (all in the parameter's dtype). Activations come on top and depend on the batch.
-_TRAINING_COPIES = 4
+# Bytes per trainable parameter byte kept per rank while training with AdamW besides the parameter: its gradient,
+# exp_avg and exp_avg_sq (all in the parameter's dtype); a frozen parameter has none. Activations come on top and
+# depend on the batch.
+_TRAINABLE_COPIES = 3
 
 
 @dataclass
@@ -61,10 +62,13 @@ class PlanReport:
     activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
     # (under pp: the stage whose ranks' total is the largest; each stage's are its StageReport's)
 
+    trainable_bytes_per_rank: int = 0  # of the parameters a rank holds, those trained (not frozen)
+
     @property
     def training_bytes_per_rank(self) -> int:
-        """Parameters + gradients + AdamW state on one rank (activations not included)."""
-        return _TRAINING_COPIES * self.parameter_bytes_per_rank
+        """Parameters + gradients + AdamW state on one rank (activations not included): frozen parameters (the
+        strategy's ``freeze``) hold neither."""
+        return self.parameter_bytes_per_rank + _TRAINABLE_COPIES * self.trainable_bytes_per_rank
 
     def __str__(self) -> str:
         lines = [
@@ -108,10 +112,14 @@ class PlanReport:
             f"parameters: {self.total_parameters:,} in all, {self.parameters_per_rank:,} per rank"
             f" ({share:.2%}; ideal 1/{ideal}){' on the largest stage' if self.stages else ''}",
             f"memory per rank: {_gib(self.parameter_bytes_per_rank)} parameters,"
-            f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state"
+            f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state{self._frozen_note()}"
             f"{'' if self.activation_bytes else ' (activations not included)'}",
         ]
         return "\n".join(lines + self._activation_lines())
+
+    def _frozen_note(self) -> str:
+        frozen = self.parameter_bytes_per_rank - self.trainable_bytes_per_rank
+        return f" (of which {_gib(frozen)} frozen, without either)" if frozen else ""
 
     def total_bytes(self, mode: str) -> int:
         """The largest memory of a rank in a training step under checkpointing ``mode``: parameters, gradients,
@@ -185,6 +193,7 @@ class StageReport:
     ranks: str
     parameters_per_rank: int
     parameter_bytes_per_rank: int
+    trainable_bytes_per_rank: int
     float8: Float8Options | None = None
     float8_converted: dict[str, int] = field(default_factory=dict)  # converted layers, as patterns -> count
     float8_kept: dict[tuple[str, str], int] = field(default_factory=dict)  # (pattern, why) -> count
@@ -192,7 +201,7 @@ class StageReport:
 
     @property
     def training_bytes_per_rank(self) -> int:
-        return _TRAINING_COPIES * self.parameter_bytes_per_rank
+        return self.parameter_bytes_per_rank + _TRAINABLE_COPIES * self.trainable_bytes_per_rank
 
 
 def _stage_parts(index: int, layers: range, *, last: int, numbered: bool) -> str:
@@ -239,13 +248,15 @@ def plan_report(
     report.tower = TowerReport.of(model)
     report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
     step = step if step is not None else StepOptions()
-    options = dict(sp=sp, tp_plan=step.tp_plan, allow_unsharded_linears=step.allow_unsharded_linears)
+    options = dict(
+        sp=sp, tp_plan=step.tp_plan, allow_unsharded_linears=step.allow_unsharded_linears, freeze=step.freeze
+    )
     report.batch_shape = batch_shape
     pristine = copy.deepcopy(model) if batch_shape is not None else None
     estimate = dict(sp=sp, **step.keywords())
     if dims.pp == 1:
         held = _parallelized(model, dims, rank=rank, report=report, options=options)  # the plan's refusals first
-        report.parameters_per_rank, report.parameter_bytes_per_rank = held
+        report.parameters_per_rank, report.parameter_bytes_per_rank, report.trainable_bytes_per_rank = held
         if pristine is not None:
             report.activation_bytes = _activations(pristine, dims, batch_shape, rank=rank, **estimate)
             _image_share(report, pristine, batch_shape=batch_shape, rank=rank, step=step, **estimate)
@@ -268,6 +279,7 @@ def plan_report(
     largest = max(report.stages, key=lambda stage: stage.parameter_bytes_per_rank)
     report.parameters_per_rank = largest.parameters_per_rank
     report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank
+    report.trainable_bytes_per_rank = largest.trainable_bytes_per_rank
     if pristine is not None:
         report.activation_bytes = {
             mode: max(
@@ -307,7 +319,7 @@ def _image_share(
     tower = report.tower
     if tower is None:
         return
-    tower.images = step_images(model, images_per_row=step.images_per_row, image_tokens=step.image_tokens)
+    tower.images = step_images(model, **step.images())
     if tower.images is None:
         return
     text = _activations(model, report.dims, batch_shape, **{**estimate, "images_per_row": 0, "image_tokens": None})
@@ -333,13 +345,15 @@ def _parallelized(
     report: PlanReport | None,
     options: dict,
     pipeline: PipelineOptions | None = None,
-) -> tuple[int, int]:
-    """Parallelize ``model`` as ``rank``, describing its plan in ``report`` first (unless None); the parameters and
-    parameter bytes the rank then holds. What the report says of the plan is not logged too."""
+) -> tuple[int, int, int]:
+    """Parallelize ``model`` as ``rank``, describing its plan in ``report`` first (unless None); the parameters,
+    parameter bytes and trainable parameter bytes the rank then holds. What the report says of the plan is not logged
+    too."""
     with fake_world(dims.world_size, rank=rank), plan_not_logged():
         mesh = dims.build_mesh("cpu")
         if report is not None:
-            planned = check_before_collectives(model, mesh, **options).planned
+            checked = {name: value for name, value in options.items() if name != "freeze"}
+            planned = check_before_collectives(model, mesh, **checked).planned
             _describe_plan(report, planned, model)
             _describe_float8(report, planned, model)
         parallelize(model, mesh, pipeline=pipeline, **options)
@@ -347,8 +361,9 @@ def _parallelized(
             report.tower.count_per_rank(model)
         if report is not None and (context := context_parallel_of(model)) is not None:
             report.padded_to = context.padded_length(1)
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    return sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local)
+        local = [(p.to_local() if isinstance(p, DTensor) else p, p.requires_grad) for p in model.parameters()]
+    trainable = sum(t.numel() * t.element_size() for t, trained in local if trained)
+    return sum(t.numel() for t, _ in local), sum(t.numel() * t.element_size() for t, _ in local), trainable
 
 
 def _describe_plan(report: PlanReport, planned: TensorParallelPlan | None, model: nn.Module) -> None:

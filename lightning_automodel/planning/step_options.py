@@ -35,6 +35,10 @@ class StepOptions:
     loss_chunks: int = 1
     """The sequence chunks the LightningModule computes its head and loss in (1: the logits whole)."""
 
+    freeze: tuple[str, ...] = ()
+    """The strategy's ``freeze``: frozen parameters hold no gradient and no AdamW state, and a frozen vision tower
+    saves no activation for backward (see :func:`~lightning_automodel.hf.freezing.freeze`)."""
+
     images_per_row: int | None = None
     """A vision-language model's images a row (None: one; 0: a text-only step), whose pixels the step runs through the
     tower (see :mod:`~lightning_automodel.planning.step_images`). Refused for a model that takes none."""
@@ -45,10 +49,7 @@ class StepOptions:
 
     def __post_init__(self) -> None:
         check_loss_chunks(self.loss_chunks)
-        for name, least in (("images_per_row", 0), ("image_tokens", 1)):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                raise ValueError(f"{name}={value!r}: an integer of at least {least} (or None).")
+        check_images(images_per_row=self.images_per_row, image_tokens=self.image_tokens)
 
     @classmethod
     def of(
@@ -68,11 +69,24 @@ class StepOptions:
             mp_policy=mp_policy,
             cp_attention=parallel.cp_attention,
             loss_chunks=loss_chunks,
+            freeze=parallel.freeze,
             images_per_row=images[0],
             image_tokens=images[1],
         )
+
+    def images(self) -> dict[str, int | None]:
+        """The images a row and tokens an image, as keyword arguments of
+        :func:`~lightning_automodel.planning.step_images.step_images`."""
+        return {"images_per_row": self.images_per_row, "image_tokens": self.image_tokens}
 
     def keywords(self) -> dict[str, Any]:
         """These options as keyword arguments of
         :func:`~lightning_automodel.planning.activation_memory.activation_bytes`."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+def check_images(*, images_per_row: int | None, image_tokens: int | None, prefix: str = "") -> None:
+    """Refuse images a row and tokens an image that are not counts (``prefix``: the option's, as the user gave it)."""
+    for name, value, least in (("images_per_row", images_per_row, 0), ("image_tokens", image_tokens, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{prefix}{name}={value!r}: an integer of at least {least} (or None).")

@@ -44,7 +44,8 @@ def choose_for_trainer(options: StrategyOptions, trainer: pl.Trainer, *, devices
     space = _with_accumulation(options.search, trainer)
     hardware = _hardware(options, trainer.strategy.root_device, gpus_per_node=devices_per_node)
     policy = options.parallel.fsdp.mp_policy  # set at setup: the one given, else the Trainer's precision's
-    step = StepOptions.of(options.parallel, mp_policy=policy, loss_chunks=loss_chunks_of(module))
+    images = (options.layout_images_per_row, options.layout_image_tokens)
+    step = StepOptions.of(options.parallel, mp_policy=policy, loss_chunks=loss_chunks_of(module), images=images)
     world_size = trainer.world_size
     planned = model if is_meta(model) else meta_copy(model)
     with _RankWorkers(planned, batch_shape=batch_shape, hardware=hardware, step=step) as workers:

@@ -9,13 +9,16 @@ import contextlib
 from functools import partial
 
 import pytest
+import torch
 import torch.distributed as dist
 from vision_memory_checks import IMAGES, ROWS, TOKENS, measured_vision_activation_bytes, memory_vision_model
 
 from lightning_automodel import ParallelDims, plan_report
-from lightning_automodel.planning import StepOptions
+from lightning_automodel.planning import Hardware, SearchSpace, StepOptions, choose_layout
 from lightning_automodel.planning.activation_memory import activation_bytes
+from lightning_automodel.planning.layouts import tensor_budget
 from lightning_automodel.testing.harness import free_port, run_checks
+from lightning_automodel.testing.models import tiny_model
 
 TOLERANCE = 0.05  # the issue's; the estimate runs the step's own code (measured: see docs/planning.md)
 ONE_PROCESS = [("llava", dict(activation_checkpointing=False)), ("qwen2_vl", dict(activation_checkpointing="full"))]
@@ -76,3 +79,37 @@ def test_a_frozen_tower_holds_no_gradient_optimizer_state_or_saved_activations()
         measured = measured_vision_activation_bytes("llava", ParallelDims(), **frozen)
     assert estimate == pytest.approx(measured, rel=TOLERANCE), (estimate, measured)
     assert estimate < 0.9 * _estimate("llava", dims)
+
+
+def test_layout_auto_chooses_with_the_images_counted():
+    """At a GPU memory that two data-parallel ranks' step without checkpointing fits as text alone and not with its
+    images, the search picks no checkpointing for the text and recomputes for the images, naming them."""
+    model, space = memory_vision_model("llava", meta=True), SearchSpace(tp=1, pp=1)
+    search = dict(batch_shape=(ROWS, TOKENS), space=space)
+    as_text = dict(step=StepOptions(images_per_row=0), **search)
+    roomy = choose_layout(model, 2, hardware=Hardware(64, gpus_per_node=2), **as_text)
+    assert roomy.candidate.checkpointing == "off" and roomy.candidate.dims.dp_shard == 2
+    hardware = Hardware(1.01 * roomy.outcome.memory_bytes / tensor_budget(1), gpus_per_node=2)  # just fits
+    text = choose_layout(model, 2, hardware=hardware, **as_text)
+    images = choose_layout(model, 2, hardware=hardware, step=StepOptions(**IMAGES["llava"]), **search)
+    assert (text.candidate.name, text.candidate.checkpointing) == ("tp=1 cp=1 dp_shard=2", "off")
+    assert images.candidate.name == "tp=1 cp=1 dp_shard=2" and images.candidate.checkpointing != "off"
+    assert "2 images a row of 64 tokens each" in str(images)
+
+
+def test_what_a_step_with_images_cannot_run_is_refused_before_any_step():
+    """Rows too short for their images, images for a text model or of another size than the config fixes, context
+    parallel (the tower's attention would get the split sequence's mask) and the chunked loss (no image inputs)."""
+    step = dict(micro_batch=ROWS, seq_len=TOKENS)
+    refusals = [
+        ("llava", ParallelDims(), dict(seq_len=2 * 64 + 1, images_per_row=2), "cannot hold 2 images a row of 64"),
+        ("llava", ParallelDims(), dict(image_tokens=16), "images are 64 tokens each"),
+        ("llava", ParallelDims(cp=2), {}, "cp=2 \\(context parallel\\) with images"),
+        ("llava", ParallelDims(), dict(loss_chunks=2), "the chunked loss takes no image inputs"),
+    ]
+    for family, dims, options, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            activation_bytes(memory_vision_model(family, meta=True), dims.resolve(2), **{**step, **options})
+    with pytest.raises(ValueError, match="takes no images the planner can build"):
+        with torch.device("meta"):
+            activation_bytes(tiny_model(), ParallelDims().resolve(1), images_per_row=1, **step)

@@ -20,7 +20,7 @@ from lightning_automodel.planning.layouts import tensor_budget
 from lightning_automodel.testing.harness import free_port, run_checks
 from lightning_automodel.testing.models import tiny_model
 
-TOLERANCE = 0.05  # the issue's; the estimate runs the step's own code (measured: see docs/planning.md)
+TOLERANCE = 0.02  # the issue asks for 5%; measured: to the byte on every layout here (docs/planning.md)
 ONE_PROCESS = [("llava", dict(activation_checkpointing=False)), ("qwen2_vl", dict(activation_checkpointing="full"))]
 DISTRIBUTED = [("llava", dict(sp=True)), ("qwen2_vl", dict(sp=True, activation_checkpointing="selective"))]
 TP_SP_FSDP = ParallelDims(tp=2, dp_shard=2)

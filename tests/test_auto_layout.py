@@ -190,6 +190,8 @@ def test_strategy_options_of_the_search():
         (dict(gpu_memory=80), 'sizes the search of layout="auto"'),
         (dict(layout="auto", gpu_memory=0), "a positive number"),
         (dict(layout="auto", layout_batch=(2,)), "two positive integers"),
+        (dict(layout_images_per_row=2), 'sizes the search of layout="auto"'),
+        (dict(layout="auto", layout_image_tokens=0), "layout_image_tokens=0: an integer of at least 1"),
         (dict(layout="auto", pp_layers_per_stage=[2, 2]), "give pp too"),
     ]:
         with pytest.raises(ValueError, match=re.escape(match)):

@@ -3,11 +3,13 @@
 The model is parallelized for real in a fake process group (as for the plan report), its weights made fake CPU
 tensors (shapes and dtypes, no data), as are the buffers the step makes empty (FSDP2's gathered layers), and one
 forward and backward of a micro-batch runs through the code training runs: tensor parallel, sequence parallel,
-FSDP2's gathers, activation checkpointing and its recomputation, context parallel's split, the loss. torch's
-``MemTracker`` follows every tensor the step allocates and frees; the estimate is its peak above what the rank held
-before the step (parameters, and gradients already allocated: a step after the first, or an upper bound for a first
-whose gradients appear as it goes). Nothing is re-derived by hand, so the estimate cannot drift from the code, and an
-8B model at a long sequence is counted in seconds, in under half a GiB of host memory.
+FSDP2's gathers, activation checkpointing and its recomputation, context parallel's split, the loss (a
+vision-language model's rows hold images, whose pixels the step runs through the vision tower:
+:mod:`~lightning_automodel.planning.step_images`). torch's ``MemTracker`` follows every tensor the step allocates and
+frees; the estimate is its peak above what the rank held before the step (parameters, and gradients already
+allocated: a step after the first, or an upper bound for a first whose gradients appear as it goes). Nothing is
+re-derived by hand, so the estimate cannot drift from the code, and an 8B model at a long sequence is counted in
+seconds, in under half a GiB of host memory.
 
 Fake CPU tensors, not the meta device: the attention kernel is chosen by device, and on meta tensors SDPA falls back
 to its math path, which keeps the [heads, S, S] scores a fused kernel (CPU's flash attention, as on a GPU) never

@@ -74,7 +74,10 @@ class TowerReport:
     def step_line(self) -> str:
         """What the activation estimate's step holds of images."""
         if self.images is None:
-            return "no images in the step (images_per_row=0): the tower's activations are not counted"
+            return (
+                "no images in the step (images_per_row=0, or a config without the image placeholder and pixel sizes"
+                " to build images from): the tower's activations are not counted"
+            )
         return (
             f"{self.images} (images_per_row=, image_tokens=): the tower's activations and the image tokens counted;"
             " 'images' is what they add to the peak of rows of text alone"

@@ -23,7 +23,7 @@ from lightning_automodel.planning.fitting import NoLayoutFits
 from lightning_automodel.planning.layout_search import first_fit, search_layout
 from lightning_automodel.planning.layouts import Candidate, Outcome, SearchSpace, candidates, tensor_budget
 from lightning_automodel.planning.throughput import Hardware
-from lightning_automodel.strategy.auto_layout import _with_accumulation
+from lightning_automodel.strategy.auto_layout import _with_accumulation, step_options
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_config
 
@@ -183,6 +183,9 @@ def test_strategy_options_of_the_search():
     )
     assert AutoModelParallelStrategy(layout="auto", sp=False).options.search.sp is False
     assert AutoModelParallelStrategy(tp=2).options.search is None
+    vision = dict(layout_images_per_row=2, layout_image_tokens=64, freeze=["vision_tower"])
+    step = step_options(AutoModelParallelStrategy(layout="auto", **vision).options, torch.nn.Module())
+    assert (step.images_per_row, step.image_tokens, step.freeze) == (2, 64, ("vision_tower",))
     for options, match in [
         (dict(layout="auto", cpu_offload=True), "CPU offload keeps none"),
         (dict(layout="auto", float8=True), "float8 changes"),
@@ -190,6 +193,8 @@ def test_strategy_options_of_the_search():
         (dict(gpu_memory=80), 'sizes the search of layout="auto"'),
         (dict(layout="auto", gpu_memory=0), "a positive number"),
         (dict(layout="auto", layout_batch=(2,)), "two positive integers"),
+        (dict(layout_images_per_row=2), 'sizes the search of layout="auto"'),
+        (dict(layout="auto", layout_image_tokens=0), "layout_image_tokens=0: an integer of at least 1"),
         (dict(layout="auto", pp_layers_per_stage=[2, 2]), "give pp too"),
     ]:
         with pytest.raises(ValueError, match=re.escape(match)):

@@ -543,3 +543,15 @@ def test_the_fine_tuning_example_trains_on_the_answers_and_stops(tmp_path):
     answer = tokenizer.decode(generated)
     assert generated[-1] == tokenizer.eos_token_id and len(generated) < 40, answer
     assert answer.endswith("= 12.<eos>"), answer
+
+
+def test_plan_command_counts_the_images_of_a_vision_language_model(capsys, no_pytest_argv):
+    """The vision demo's LLaVA: the tower's parameters per rank, the images of the estimated step and what they add
+    to each mode's peak."""
+    config = str(EXAMPLES / "vision_demo.yaml")
+    main(["plan", "--config", config, "--batch_size", "2", "--images_per_row", "2"])
+    out = capsys.readouterr().out
+    assert re.search(r"vision tower and projector: .* per rank \(\d+\.\d% of the rank's\)", out), out
+    assert "activations per rank, 2 rows x 80 tokens a step" in out
+    assert "2 images a row of 16 tokens each (images_per_row=, image_tokens=)" in out
+    assert re.search(r"checkpointing full +\d+\.\d\d GiB \(images \d+\.\d\d GiB\)", out), out

@@ -20,7 +20,7 @@ from vision_lora_checks import DORA_ON_PACKED_QKV, check_vision_lora, lora_visio
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers, named_multimodal_parts
 from lightning_automodel.hf.freezing import freeze
-from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count
+from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, takes_any_image_size
 from lightning_automodel.parallel.context_parallel import context_parallel_problem
 from lightning_automodel.parallel.context_parallel import problems as cp_problems
 from lightning_automodel.parallel.options import ParallelOptions
@@ -122,7 +122,7 @@ def test_the_plan_report_states_what_the_tower_gets():
         model = tiny_vision_model("llava")
     report = str(plan_report(model, ParallelDims(tp=2).resolve(4), sp=True))
     assert "vision tower and projector: model.vision_tower (23,552), model.multi_modal_projector (6,272)" in report
-    assert "24.8% of the parameters; FSDP2 units of their own (2 blocks" in report
+    assert "24.8% of the parameters; 9,200 per rank (28.9% of the rank's); FSDP2 units of their own (2 blocks" in report
     assert "model.vision_tower.encoder.layers.*.self_attn.q_proj" in report
     assert re.search(r"model\.multi_modal_projector\.linear_2 +OwnedOutputRowwiseParallel x1", report)
     assert "tp splits 14 of their projections (entries column-, exits row-parallel" in report
@@ -137,16 +137,24 @@ def test_the_plan_report_states_what_the_tower_gets():
 
 @pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_image_inputs_from_the_config_are_what_the_model_takes(family):
-    """The builder's rows run the real model (it refuses placeholders that do not match its image features), and the
-    probe's step with them runs the tower's blocks and the projector."""
+    """The builder's rows run the real model (it refuses placeholders that do not match its image features), one
+    image a row or several (the planner's), of the size a tower taking any size is given; and the probe's step with
+    them runs the tower's blocks and the projector."""
     model = tiny_vision_model(family)
-    inputs = image_inputs(model, rows=2, tokens=image_token_count(model) + 3)
-    assert model(**inputs, use_cache=False).logits.shape[:2] == inputs["input_ids"].shape
+    count = image_token_count(model)
+    several = [
+        image_inputs(model, rows=2, tokens=count + 3),
+        image_inputs(model, rows=2, tokens=3 * (count + 1) + 2, images_per_row=3),
+    ]
+    if takes_any_image_size(model):  # Qwen2-VL: images of 2 x 3 merged blocks
+        several.append(image_inputs(model, rows=2, tokens=14, images_per_row=2, image_tokens=6))
+    for inputs in several:
+        assert model(**inputs, use_cache=False).logits.shape[:2] == inputs["input_ids"].shape
     trace = probe_unsharded(model, tp=2)
     assert trace.images and not trace.images_failure
     assert all(trace.called(name) for name, _ in named_decoder_layers(model))
     assert all(trace.called(name) for name, _ in named_multimodal_parts(model))
-    with pytest.raises(ValueError, match="cannot hold an image's"):
+    with pytest.raises(ValueError, match="cannot hold 1 image"):
         image_inputs(model, rows=2, tokens=image_token_count(model))
     assert image_token_count(tiny_model()) is None
 

@@ -57,11 +57,20 @@ class Configured:
         devices = self.devices if isinstance(self.devices, int) else Hardware.gpus_per_node
         return Hardware(memory_gib, gpus_per_node=devices)
 
-    def step_options(self) -> StepOptions:
-        """The options that shape a training step's memory, as the strategy and the module set them."""
+    def step_options(self, *, images_per_row: int | None = None, image_tokens: int | None = None) -> StepOptions:
+        """The options that shape a training step's memory, as the strategy and the module set them; a
+        vision-language model's images those given, else the strategy's ``layout_images_per_row`` and
+        ``layout_image_tokens``."""
         options = self.strategy.options
+        images = (
+            images_per_row if images_per_row is not None else options.layout_images_per_row,
+            image_tokens if image_tokens is not None else options.layout_image_tokens,
+        )
         return StepOptions.of(
-            options.parallel, mp_policy=options.mp_policy_for(self.precision), loss_chunks=self.loss_chunks
+            options.parallel,
+            mp_policy=options.mp_policy_for(self.precision),
+            loss_chunks=self.loss_chunks,
+            images=images,
         )
 
     def batch_shape(self, *, batch_size: int | None = None, seq_len: int | None = None) -> tuple[int, int]:

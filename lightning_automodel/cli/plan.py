@@ -10,6 +10,7 @@ from lightning_automodel.cli.config import Configured, configured
 from lightning_automodel.planning.fitting import Fitting, LayoutChoice, NoLayoutFits, choose_layout, fitting_layouts
 from lightning_automodel.planning.layouts import SearchSpace
 from lightning_automodel.planning.report import PlanReport, plan_report
+from lightning_automodel.planning.step_options import StepOptions
 from lightning_automodel.planning.verify import verify_plan
 
 
@@ -56,6 +57,18 @@ def plan_command(argv: list[str]) -> None:
     )
     parser.add_argument("--batch_size", type=int, help="rows per data-parallel rank and step (implies --activations)")
     parser.add_argument("--seq_len", type=int, help="tokens a row (implies --activations)")
+    parser.add_argument(
+        "--images_per_row",
+        type=int,
+        help="a vision-language model's images in each row of the estimated step, whose pixels it runs through the"
+        " vision tower (default: the strategy's layout_images_per_row, else 1; 0: text alone)",
+    )
+    parser.add_argument(
+        "--image_tokens",
+        type=int,
+        help="the tokens an image, for a tower taking images of any size (Qwen2-VL's; default: the strategy's"
+        " layout_image_tokens, else 256); other towers' are their config's",
+    )
     args, overrides = parser.parse_known_args(argv)
     if args.fit is not None and args.verify:
         parser.error("--fit lists other layouts than the config's: verify the one you pick, without --fit")
@@ -65,20 +78,21 @@ def plan_command(argv: list[str]) -> None:
         parser.error("the config's layout is auto: verify the layout it chooses, pinned (plan prints it)")
     estimate = args.activations or args.fit is not None or args.batch_size is not None or args.seq_len is not None
     batch_shape = config.batch_shape(batch_size=args.batch_size, seq_len=args.seq_len) if estimate or search else None
+    step = config.step_options(images_per_row=args.images_per_row, image_tokens=args.image_tokens)
     if args.fit is not None:
-        print(_fitting_of(config, memory_gib=args.fit, batch_shape=batch_shape, workers=args.workers))
+        print(_fitting_of(config, memory_gib=args.fit, batch_shape=batch_shape, workers=args.workers, step=step))
         return
     if search is not None:
         memory_gib = args.gpu_memory if args.gpu_memory is not None else config.strategy.options.gpu_memory
         if memory_gib is None:
             parser.error("the config's layout is auto: pass --gpu_memory GIB (or give the strategy gpu_memory)")
         try:
-            print(_choice_of(config, memory_gib=memory_gib, batch_shape=batch_shape, workers=args.workers))
+            print(_choice_of(config, memory_gib=memory_gib, batch_shape=batch_shape, workers=args.workers, step=step))
         except NoLayoutFits as refusal:
             print(refusal)
             sys.exit(1)
         return
-    print(_report_of(config, batch_shape=batch_shape))
+    print(_report_of(config, batch_shape=batch_shape, step=step))
     model, strategy, dims = config.model, config.strategy, config.dims
     if args.verify and dims.tp == 1:
         print("--verify: tp=1, no tensor-parallel plan to verify (FSDP2 alone needs none)")
@@ -104,8 +118,11 @@ def plan_for_config(
     return _report_of(configured(path, *overrides, world_size=world_size), batch_shape=batch_shape)
 
 
-def _report_of(config: Configured, *, batch_shape: tuple[int, int] | None = None) -> PlanReport:
-    """The plan report of the config's layout: its model on its strategy's mesh, parallelized with its options."""
+def _report_of(
+    config: Configured, *, batch_shape: tuple[int, int] | None = None, step: StepOptions | None = None
+) -> PlanReport:
+    """The plan report of the config's layout: its model on its strategy's mesh, parallelized with its options
+    (``step``: the config's step options unless given)."""
     parallel = config.strategy.options.parallel
     return plan_report(
         config.model,
@@ -114,27 +131,20 @@ def _report_of(config: Configured, *, batch_shape: tuple[int, int] | None = None
         pipeline=parallel.pipeline,
         float8=parallel.float8,
         batch_shape=batch_shape,
-        step=config.step_options(),
+        step=step if step is not None else config.step_options(),
     )
 
 
-def _fitting_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int, int], workers: int) -> Fitting:
+def _fitting_of(config: Configured, *, memory_gib: float, **search) -> Fitting:
     """Every layout of the config's world and whether it fits (those with the sizes a ``layout: auto`` config fixes)."""
     space = config.strategy.options.search or SearchSpace()
-    return fitting_layouts(
-        config.model, config.world_size, space=space, **_search(config, memory_gib, batch_shape, workers)
-    )
-
-
-def _choice_of(config: Configured, *, memory_gib: float, batch_shape: tuple[int, int], workers: int) -> LayoutChoice:
-    """What layout="auto" chooses for the config, as the strategy would choose it at setup."""
-    space = config.strategy.options.search
-    return choose_layout(
-        config.model, config.world_size, space=space, **_search(config, memory_gib, batch_shape, workers)
-    )
-
-
-def _search(config: Configured, memory_gib: float, batch_shape: tuple[int, int], workers: int) -> dict:
-    """The search's arguments but the model, world and space: the config's GPUs, batch and step options."""
     hardware = config.hardware(memory_gib)
-    return dict(hardware=hardware, batch_shape=batch_shape, workers=workers, step=config.step_options())
+    return fitting_layouts(config.model, config.world_size, space=space, hardware=hardware, **search)
+
+
+def _choice_of(config: Configured, *, memory_gib: float, **search) -> LayoutChoice:
+    """What layout="auto" chooses for the config, as the strategy would choose it at setup (``search``: the batch,
+    the workers and the step options)."""
+    space = config.strategy.options.search
+    hardware = config.hardware(memory_gib)
+    return choose_layout(config.model, config.world_size, space=space, hardware=hardware, **search)

@@ -3,11 +3,13 @@
 The model is parallelized for real in a fake process group (as for the plan report), its weights made fake CPU
 tensors (shapes and dtypes, no data), as are the buffers the step makes empty (FSDP2's gathered layers), and one
 forward and backward of a micro-batch runs through the code training runs: tensor parallel, sequence parallel,
-FSDP2's gathers, activation checkpointing and its recomputation, context parallel's split, the loss. torch's
-``MemTracker`` follows every tensor the step allocates and frees; the estimate is its peak above what the rank held
-before the step (parameters, and gradients already allocated: a step after the first, or an upper bound for a first
-whose gradients appear as it goes). Nothing is re-derived by hand, so the estimate cannot drift from the code, and an
-8B model at a long sequence is counted in seconds, in under half a GiB of host memory.
+FSDP2's gathers, activation checkpointing and its recomputation, context parallel's split, the loss (a
+vision-language model's rows hold images, whose pixels the step runs through the vision tower:
+:mod:`~lightning_automodel.planning.step_images`). torch's ``MemTracker`` follows every tensor the step allocates and
+frees; the estimate is its peak above what the rank held before the step (parameters, and gradients already
+allocated: a step after the first, or an upper bound for a first whose gradients appear as it goes). Nothing is
+re-derived by hand, so the estimate cannot drift from the code, and an 8B model at a long sequence is counted in
+seconds, in under half a GiB of host memory.
 
 Fake CPU tensors, not the meta device: the attention kernel is chosen by device, and on meta tensors SDPA falls back
 to its math path, which keeps the [heads, S, S] scores a fused kernel (CPU's flash attention, as on a GPU) never
@@ -63,6 +65,7 @@ from lightning_automodel.planning.layer_extrapolation import (
     with_layers,
 )
 from lightning_automodel.planning.simulation import fake_world
+from lightning_automodel.planning.step_images import StepImages, step_images
 
 _CPU = torch.device("cpu")
 
@@ -127,6 +130,8 @@ def activation_bytes(
     seq_len: int,
     rank: int = 0,
     loss_chunks: int = 1,
+    images_per_row: int | None = None,
+    image_tokens: int | None = None,
     **options,
 ) -> int:
     """The bytes a training step of ``micro_batch`` rows of ``seq_len`` tokens allocates on ``rank`` at its peak,
@@ -134,7 +139,9 @@ def activation_bytes(
     recomputed, gathered FSDP2 layers, the logits and the loss.
 
     ``model`` is on the meta device and is consumed here (pass a copy to keep it); ``loss_chunks``: CausalLMModule's
-    (see :mod:`~lightning_automodel.parallel.chunked_loss`); ``options`` are
+    (see :mod:`~lightning_automodel.parallel.chunked_loss`); a vision-language model's rows hold ``images_per_row``
+    images of ``image_tokens`` tokens (:func:`~lightning_automodel.planning.step_images.step_images`: by default one
+    a row), whose pixels the step runs through the vision tower; ``options`` are
     :func:`~lightning_automodel.parallel.parallelizer.parallelize`'s (``cp_attention`` is SDPA's: see the module's
     docstring). Must run outside any process group.
 
@@ -150,7 +157,11 @@ def activation_bytes(
         problem = SPLIT_CALLS if dims.cp > 1 or dims.pp > 1 else chunking_problem(model)
         if problem is not None:
             raise ValueError(f"loss_chunks={loss_chunks}: {problem}.")
-    shape = dict(micro_batch=micro_batch, seq_len=seq_len, loss_chunks=loss_chunks)
+    images = step_images(model, images_per_row=images_per_row, image_tokens=image_tokens)
+    if images is not None:
+        images.check_fits(seq_len)
+        images.check_layout(cp=dims.cp, loss_chunks=loss_chunks)
+    shape = dict(micro_batch=micro_batch, seq_len=seq_len, loss_chunks=loss_chunks, images=images)
     step = partial(_step_peak, dims=dims, rank=rank, **shape, **options)
     # layers within FSDP2's prefetch window each add a gathered layer too: the few measured lie beyond it
     window = max(options.get("forward_prefetch", 0), options.get("backward_prefetch", 1))
@@ -190,9 +201,18 @@ def _over_stage_layers(
 
 
 def _step_peak(
-    model: nn.Module, *, dims: ParallelDims, micro_batch: int, seq_len: int, rank: int, loss_chunks: int = 1, **options
+    model: nn.Module,
+    *,
+    dims: ParallelDims,
+    micro_batch: int,
+    seq_len: int,
+    rank: int,
+    loss_chunks: int = 1,
+    images: StepImages | None = None,
+    **options,
 ) -> int:
     """The peak of one step of ``model`` as it is (see :func:`activation_bytes`)."""
+    inputs = images.inputs(model, rows=micro_batch, tokens=seq_len) if images is not None else {}
     with fake_world(dims.world_size, rank=rank, sends_hold_tensors=True):
         mesh = dims.build_mesh("cpu")
         parallelize(model, mesh, **{**options, "cp_attention": "sdpa"})
@@ -203,7 +223,11 @@ def _step_peak(
                 for parameter in model.parameters():
                     if parameter.requires_grad:
                         parameter.grad = torch.zeros_like(parameter)
-            input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+            input_ids = inputs.pop("input_ids", None)
+            if input_ids is None:
+                input_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+            if "pixel_values" in inputs:  # shapes alone, a fake CPU tensor
+                inputs["pixel_values"] = torch.empty(inputs["pixel_values"].shape)
         if pipeline is not None:
             context = context_parallel_of(model)  # a pipeline under cp receives a rank's share of the rows
             pipeline.adopt_view_weights()
@@ -218,7 +242,7 @@ def _step_peak(
             with _EmptyTensorsFake(fake_mode), TotalsTracker() as tracker:
                 tracker.track_external(model)
                 held = tracker.get_tracker_snapshot()[_CPU]["Total"]
-                training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)
+                training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks, images=inputs)
                 peak = tracker.get_tracker_snapshot("peak")[_CPU]["Total"]
         finally:
             fake_mode.cache_clear()  # its dispatch cache is the class's, and would keep this model's entries
@@ -248,11 +272,20 @@ def _stream_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> t
     return weights.most_common(1)[0][0]
 
 
-def training_step(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh, loss_chunks: int = 1) -> None:
+def training_step(
+    model: nn.Module,
+    *,
+    input_ids: torch.Tensor,
+    mesh: DeviceMesh,
+    loss_chunks: int = 1,
+    images: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Forward and backward of the loss CausalLMModule trains on (its ``_step``, without its accuracy metric): under
     cp and pp the model's own, which splits the batch in its call (pp runs its schedule there); otherwise the token
     mean over the data-parallel ranks, from the logits (vocabulary-sharded under tp, hence ``loss_parallel``),
-    ``loss_chunks`` sequence chunks at a time where more than one. Also what the tests measure real steps with."""
+    ``loss_chunks`` sequence chunks at a time where more than one. ``images``: a vision-language model's image inputs
+    (``pixel_values``, ...), passed with the token ids. Also what the tests measure real steps with."""
+    images = images or {}
     with loss_parallel() if axis_size(mesh, "tp") > 1 else contextlib.nullcontext():
         if loss_chunks > 1:
             loss_sum, tokens, _ = chunked_causal_lm_loss_sum(
@@ -260,8 +293,8 @@ def training_step(model: nn.Module, *, input_ids: torch.Tensor, mesh: DeviceMesh
             )
             loss = global_token_mean(loss_sum, tokens, mesh)
         elif context_parallel_of(model) is not None or pipeline_of(model) is not None:
-            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss = model(input_ids=input_ids, labels=input_ids, **images).loss
         else:
-            loss_sum, tokens = causal_lm_loss_sum(model(input_ids=input_ids).logits, input_ids)
+            loss_sum, tokens = causal_lm_loss_sum(model(input_ids=input_ids, **images).logits, input_ids)
             loss = global_token_mean(loss_sum, tokens, mesh)
         loss.backward()

@@ -34,6 +34,7 @@ from lightning_automodel.planning.layouts import (
     tensor_budget,
 )
 from lightning_automodel.planning.search_workers import ChildWorkers, Measurements
+from lightning_automodel.planning.step_images import StepImages, step_images
 from lightning_automodel.planning.step_options import StepOptions
 from lightning_automodel.planning.throughput import Hardware
 
@@ -74,14 +75,14 @@ class Fitting:
     fits: list[LayoutFit] = field(default_factory=list)  # best estimated throughput first
     too_large: list[LayoutFit] = field(default_factory=list)  # with full checkpointing, the least they need
     refused: dict[str, str] = field(default_factory=dict)  # layout -> why the plan refuses it
+    images: StepImages | None = None  # a vision-language model's, in each row of the steps estimated
 
     def __str__(self) -> str:
-        rows, tokens = self.batch_shape
         lines = [
             f"layouts that fit {self.hardware.memory_gib:g} GiB per GPU"
-            f" ({tensor_budget(self.hardware.memory_gib) / 2**30:.1f} GiB for tensors), {rows} rows x {tokens:,}"
-            " tokens a batch (each data-parallel rank's; the global batch kept by accumulating batches; pp: 1F1B over"
-            " micro-batches of the rows); best estimated throughput first:",
+            f" ({tensor_budget(self.hardware.memory_gib) / 2**30:.1f} GiB for tensors),"
+            f" {_batch(self.batch_shape, self.images)} (each data-parallel rank's; the global batch kept by"
+            " accumulating batches; pp: 1F1B over micro-batches of the rows); best estimated throughput first:",
             _HEADER,
         ]
         lines += [_row(layout.candidate, layout.outcome) for layout in self.fits] or ["  (none)"]
@@ -112,7 +113,7 @@ def fitting_layouts(
     is parallelized and computed beside its sizes; ``workers``: child processes measuring layouts side by side (1:
     this process). A layout the plan or the step refuses is listed with the refusal's first line."""
     step = step if step is not None else StepOptions()
-    fitting = Fitting(hardware, batch_shape)
+    fitting = Fitting(hardware, batch_shape, images=_planned_images(model, step=step, batch_shape=batch_shape))
     ranked, fitting.refused = candidates(
         model,
         world_size,
@@ -143,6 +144,7 @@ class LayoutChoice:
     refused: dict[str, str]
     seconds: float = 0.0  # the search's wall time
     workers: int = 1
+    images: StepImages | None = None  # a vision-language model's, in each row of the steps estimated
 
     @property
     def candidate(self) -> Candidate:
@@ -153,13 +155,13 @@ class LayoutChoice:
         return self.record.outcomes[self.index]
 
     def __str__(self) -> str:
-        candidate, (rows, tokens) = self.candidate, self.batch_shape
+        candidate = self.candidate
         measured = len(self.record.outcomes)
         lines = [
             f'layout="auto" chose {candidate.name} with {candidate.checkpointing} checkpointing on'
             f" {candidate.dims.world_size} GPUs of {self.hardware.memory_gib:g} GiB: {_size(self.outcome.memory_bytes)}"
             f" of {_size(self.record.budget)} for tensors, est."
-            f" {candidate.tokens_per_second:,.0f} tokens/s/GPU at {rows} rows x {tokens:,} tokens a batch"
+            f" {candidate.tokens_per_second:,.0f} tokens/s/GPU at {_batch(self.batch_shape, self.images)}"
             f"{_accumulation_note(candidate)}",
             f"the candidates measured, best estimated throughput first ({measured} of {len(self.record.ranked)}, in"
             f" {_count(len(self.record.waves), 'wave')} over {_count(self.workers, 'worker')},"
@@ -188,14 +190,14 @@ class NoLayoutFits(ValueError):
         hardware: Hardware,
         batch_shape: tuple[int, int],
         world_size: int,
+        images: StepImages | None = None,
     ) -> NoLayoutFits:
         """Why nothing fits: the smallest shortfall, and what would make that layout fit, scaled from its
         estimate."""
-        rows, tokens = batch_shape
         budget = record.budget
         lines = [
             f'layout="auto": no layout of {world_size} GPUs fits {hardware.memory_gib:g} GiB per GPU'
-            f" ({_size(budget)} for tensors) at {rows} rows x {tokens:,} tokens a batch."
+            f" ({_size(budget)} for tensors) at {_batch(batch_shape, images)}."
         ]
         measured = [(c, o) for c, o in record.measured() if isinstance(o, Outcome)]
         if measured:
@@ -222,6 +224,7 @@ def choose_layout(
     candidates (default: ``workers`` child processes, or this process where 1, with ``step``). Raises
     :class:`NoLayoutFits` where none fits, naming the smallest shortfall and what would make it fit."""
     step = step if step is not None else StepOptions()
+    images = _planned_images(model, step=step, batch_shape=batch_shape)
     ranked, refused = candidates(
         model, world_size, space=space, hardware=hardware, batch_shape=batch_shape, mp_policy=step.mp_policy
     )
@@ -235,9 +238,24 @@ def choose_layout(
     refused.update({record.ranked[i].name: why for i, why in record.outcomes.items() if isinstance(why, str)})
     index = first_fit(record)
     if index is None:
-        raise NoLayoutFits.of(record, refused, hardware=hardware, batch_shape=batch_shape, world_size=world_size)
+        raise NoLayoutFits.of(
+            record, refused, hardware=hardware, batch_shape=batch_shape, world_size=world_size, images=images
+        )
     seconds = time.monotonic() - started
-    return LayoutChoice(hardware, batch_shape, record, index, refused, seconds=seconds, workers=workers)
+    return LayoutChoice(hardware, batch_shape, record, index, refused, seconds=seconds, workers=workers, images=images)
+
+
+def _planned_images(model: nn.Module, *, step: StepOptions, batch_shape: tuple[int, int]) -> StepImages | None:
+    """The images each row of every layout's step holds, refused before any layout where the rows cannot hold them."""
+    images = step_images(model, **step.images())
+    if images is not None:
+        images.check_fits(batch_shape[1])
+    return images
+
+
+def _batch(batch_shape: tuple[int, int], images: StepImages | None) -> str:
+    rows, tokens = batch_shape
+    return f"{rows} rows x {tokens:,} tokens a batch{f' ({images})' if images is not None else ''}"
 
 
 def _workers(measurements: Measurements, count: int):

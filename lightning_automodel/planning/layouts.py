@@ -23,7 +23,7 @@ from functools import partial
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers
+from lightning_automodel.hf.decoder_layers import named_language_layers
 from lightning_automodel.parallel.activation_checkpointing import AC_MODES, ACMode
 from lightning_automodel.parallel.compile import CompileSpec, check_compile
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
@@ -161,9 +161,10 @@ def kept_layer_inputs(
     """A lower bound of a layout's activation memory under any checkpointing setting, known without a step: every
     decoder layer keeps its input for backward (full checkpointing keeps that alone), a micro-batch's rows x the
     rank's tokens (1/cp of a row, 1/tp of that under sp) x the hidden size, in the compute dtype; under pp, on the rank
-    whose stages hold the most layers, for one micro-batch in flight."""
+    whose stages hold the most layers, for one micro-batch in flight. A vision tower's blocks, which hold images'
+    patches rather than the rows' tokens, are left out."""
     config = model.config.get_text_config()
-    hidden, layers = getattr(config, "hidden_size", None), len(named_decoder_layers(model))
+    hidden, layers = getattr(config, "hidden_size", None), len(named_language_layers(model))
     if not isinstance(hidden, int) or not layers:
         return 0
     rows, tokens = batch_shape

@@ -8,14 +8,13 @@ drift from the code. An 8B-parameter config takes seconds.
 from __future__ import annotations
 
 import copy
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers, named_multimodal_parts
+from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers
 from lightning_automodel.hf.layer_configs import attention_shapes
 from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.parallel.context_parallel import context_parallel_of
@@ -28,11 +27,14 @@ from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_n
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.planning.activation_memory import activation_bytes
 from lightning_automodel.planning.simulation import fake_world
+from lightning_automodel.planning.step_images import step_images
 from lightning_automodel.planning.step_options import StepOptions
+from lightning_automodel.planning.tower_report import TowerReport, per_block
 
-# Bytes per parameter byte kept per rank while training with AdamW: the parameter, its gradient, exp_avg and
-# exp_avg_sq (all in the parameter's dtype). Activations come on top and depend on the batch.
-_TRAINING_COPIES = 4
+# Bytes per trainable parameter byte kept per rank while training with AdamW besides the parameter: its gradient,
+# exp_avg and exp_avg_sq (all in the parameter's dtype); a frozen parameter has none. Activations come on top and
+# depend on the batch.
+_TRAINABLE_COPIES = 3
 
 
 @dataclass
@@ -45,10 +47,7 @@ class PlanReport:
     unmatched_patterns: list[str] = field(default_factory=list)
     unsharded_weights: list[str] = field(default_factory=list)
     replicated: dict[str, int] = field(default_factory=dict)  # modules on sharded activations, as patterns -> count
-    multimodal: dict[str, int] = field(default_factory=dict)  # a vision tower and projector: name -> parameters
-    multimodal_blocks: int = 0  # the blocks among them
-    multimodal_split: int = 0  # under tp: the plan's styles for their projections
-    multimodal_kept: dict[str, str] = field(default_factory=dict)  # under tp: what stays whole on every rank, and why
+    tower: TowerReport | None = None  # a vision-language model's vision tower and projector
     total_parameters: int = 0
     parameters_per_rank: int = 0
     parameter_bytes_per_rank: int = 0
@@ -63,10 +62,13 @@ class PlanReport:
     activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
     # (under pp: the stage whose ranks' total is the largest; each stage's are its StageReport's)
 
+    trainable_bytes_per_rank: int = 0  # of the parameters a rank holds, those trained (not frozen)
+
     @property
     def training_bytes_per_rank(self) -> int:
-        """Parameters + gradients + AdamW state on one rank (activations not included)."""
-        return _TRAINING_COPIES * self.parameter_bytes_per_rank
+        """Parameters + gradients + AdamW state on one rank (activations not included): frozen parameters (the
+        strategy's ``freeze``) hold neither."""
+        return self.parameter_bytes_per_rank + _TRAINABLE_COPIES * self.trainable_bytes_per_rank
 
     def __str__(self) -> str:
         lines = [
@@ -82,8 +84,11 @@ class PlanReport:
             lines.append(f"patterns matching no module: {', '.join(self.unmatched_patterns)}")
         if self.unsharded_weights:
             lines.append(f"large block weights left whole on every tp rank: {', '.join(self.unsharded_weights)}")
-        if self.multimodal:
-            lines.append(self._multimodal_line())
+        if self.tower is not None:
+            tower = self.tower.line(
+                self.dims, total_parameters=self.total_parameters, parameters_per_rank=self.parameters_per_rank
+            )
+            lines.append(tower)
         if self.float8 is not None:
             lines += self._float8_lines()
         if self.dims.ep > 1:
@@ -107,10 +112,14 @@ class PlanReport:
             f"parameters: {self.total_parameters:,} in all, {self.parameters_per_rank:,} per rank"
             f" ({share:.2%}; ideal 1/{ideal}){' on the largest stage' if self.stages else ''}",
             f"memory per rank: {_gib(self.parameter_bytes_per_rank)} parameters,"
-            f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state"
+            f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state{self._frozen_note()}"
             f"{'' if self.activation_bytes else ' (activations not included)'}",
         ]
         return "\n".join(lines + self._activation_lines())
+
+    def _frozen_note(self) -> str:
+        frozen = self.parameter_bytes_per_rank - self.trainable_bytes_per_rank
+        return f" (of which {_gib(frozen)} frozen, without either)" if frozen else ""
 
     def total_bytes(self, mode: str) -> int:
         """The largest memory of a rank in a training step under checkpointing ``mode``: parameters, gradients,
@@ -118,31 +127,6 @@ class PlanReport:
         if not self.stages:
             return self.training_bytes_per_rank + self.activation_bytes[mode]
         return max(stage.training_bytes_per_rank + stage.activation_bytes[mode] for stage in self.stages)
-
-    def _multimodal_line(self) -> str:
-        held = sum(self.multimodal.values())
-        parts = ", ".join(f"{name} ({count:,})" for name, count in self.multimodal.items())
-        line = (
-            f"vision tower and projector: {parts}, {held / max(self.total_parameters, 1):.1%} of the parameters;"
-            f" FSDP2 units of their own ({self.multimodal_blocks} blocks, then the rest of each part)"
-        )
-        if self.dims.tp == 1:
-            return line
-        if self.multimodal_split:
-            line += (
-                f"; tp splits {self.multimodal_split} of their projections (entries column-, exits row-parallel,"
-                " checked by the probe's step with images; the tower's activations are not sequence-parallel)"
-            )
-        by_reason: dict[str, list[str]] = {}
-        for name, why in self.multimodal_kept.items():
-            by_reason.setdefault(why, []).append(_per_block(name))
-        kept = "; ".join(f"{', '.join(dict.fromkeys(names))} ({why})" for why, names in by_reason.items())
-        if not kept:
-            return line
-        return (
-            f"{line}; kept whole on every tp rank: {kept} (every tp rank computes their whole gradient from the same"
-            " images; FSDP2 averages it over the data-parallel ranks)"
-        )
 
     def _float8_lines(self) -> list[str]:
         converted = sum(self.float8_converted.values())
@@ -164,11 +148,17 @@ class PlanReport:
             " gradients; the total adds them and AdamW's state"
             f"{'; under pp, of the stage where it is the largest' if self.stages else ''}):"
         ]
+        if self.tower is not None:
+            lines.append(f"  {self.tower.step_line()}")
         width = max(len(mode) for mode in self.activation_bytes)
+        images = self.tower.activation_bytes if self.tower is not None else {}
         for mode, size in self.activation_bytes.items():
             stages = ", ".join(f"{_gib(stage.activation_bytes[mode])}" for stage in self.stages)
             each = f" (pp ranks: {stages})" if self.stages else ""
-            lines.append(f"  checkpointing {mode:<{width}}  {_gib(size)}  total {_gib(self.total_bytes(mode))}{each}")
+            of_images = f" (images {_gib(images[mode])})" if mode in images else ""
+            lines.append(
+                f"  checkpointing {mode:<{width}}  {_gib(size)}{of_images}  total {_gib(self.total_bytes(mode))}{each}"
+            )
         return lines
 
     def _pipeline_lines(self) -> list[str]:
@@ -205,6 +195,7 @@ class StageReport:
     ranks: str
     parameters_per_rank: int
     parameter_bytes_per_rank: int
+    trainable_bytes_per_rank: int
     float8: Float8Options | None = None
     float8_converted: dict[str, int] = field(default_factory=dict)  # converted layers, as patterns -> count
     float8_kept: dict[tuple[str, str], int] = field(default_factory=dict)  # (pattern, why) -> count
@@ -212,7 +203,7 @@ class StageReport:
 
     @property
     def training_bytes_per_rank(self) -> int:
-        return _TRAINING_COPIES * self.parameter_bytes_per_rank
+        return self.parameter_bytes_per_rank + _TRAINABLE_COPIES * self.trainable_bytes_per_rank
 
 
 def _stage_parts(index: int, layers: range, *, last: int, numbered: bool, first: str = "embedding") -> str:
@@ -256,18 +247,21 @@ def plan_report(
         raise ValueError("plan_report needs a model on the meta device: build it under `with torch.device('meta'):`.")
     report = PlanReport(type(model).__name__, dims, plan_source="", float8=float8_options(float8))
     report.total_parameters = sum(p.numel() for p in model.parameters())
-    _describe_multimodal(report, model)
+    report.tower = TowerReport.of(model)
     report.gathered_bytes_per_token = gathered_bytes_per_token(model, dims)
     step = step if step is not None else StepOptions()
-    options = dict(sp=sp, tp_plan=step.tp_plan, allow_unsharded_linears=step.allow_unsharded_linears)
+    options = dict(
+        sp=sp, tp_plan=step.tp_plan, allow_unsharded_linears=step.allow_unsharded_linears, freeze=step.freeze
+    )
     report.batch_shape = batch_shape
     pristine = copy.deepcopy(model) if batch_shape is not None else None
     estimate = dict(sp=sp, **step.keywords())
     if dims.pp == 1:
         held = _parallelized(model, dims, rank=rank, report=report, options=options)  # the plan's refusals first
-        report.parameters_per_rank, report.parameter_bytes_per_rank = held
+        report.parameters_per_rank, report.parameter_bytes_per_rank, report.trainable_bytes_per_rank = held
         if pristine is not None:
             report.activation_bytes = _activations(pristine, dims, batch_shape, rank=rank, **estimate)
+            _image_share(report, pristine, batch_shape=batch_shape, rank=rank, step=step, **estimate)
         return report
     report.pipeline = pipeline = pipeline or PipelineOptions()
     stages = dims.pp * pipeline.stages_per_rank
@@ -287,6 +281,7 @@ def plan_report(
     largest = max(report.stages, key=lambda stage: stage.parameter_bytes_per_rank)
     report.parameters_per_rank = largest.parameters_per_rank
     report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank
+    report.trainable_bytes_per_rank = largest.trainable_bytes_per_rank
     if pristine is not None:
         report.activation_bytes = {
             mode: max(
@@ -317,6 +312,22 @@ def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, i
         }
 
 
+def _image_share(
+    report: PlanReport, model: nn.Module, *, batch_shape: tuple[int, int], step: StepOptions, **estimate
+) -> None:
+    """A vision-language model's images in the estimate's step, and what they add to its peak under each mode: the
+    estimate less that of the same rows as text alone (the tower's activations, the image features scattered into
+    the stream)."""
+    tower = report.tower
+    if tower is None:
+        return
+    tower.images = step_images(model, **step.images())
+    if tower.images is None:
+        return
+    text = _activations(model, report.dims, batch_shape, **{**estimate, "images_per_row": 0, "image_tokens": None})
+    tower.activation_bytes = {mode: size - text[mode] for mode, size in report.activation_bytes.items()}
+
+
 def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:
     """The key and value bytes a rank receives per token of a row and per layer under cp: the other ranks' share
     ((cp - 1) / cp) of the tokens' keys and values for the rank's tp share of the KV heads, in the weights' dtype."""
@@ -336,20 +347,25 @@ def _parallelized(
     report: PlanReport | None,
     options: dict,
     pipeline: PipelineOptions | None = None,
-) -> tuple[int, int]:
-    """Parallelize ``model`` as ``rank``, describing its plan in ``report`` first (unless None); the parameters and
-    parameter bytes the rank then holds. What the report says of the plan is not logged too."""
+) -> tuple[int, int, int]:
+    """Parallelize ``model`` as ``rank``, describing its plan in ``report`` first (unless None); the parameters,
+    parameter bytes and trainable parameter bytes the rank then holds. What the report says of the plan is not logged
+    too."""
     with fake_world(dims.world_size, rank=rank), plan_not_logged():
         mesh = dims.build_mesh("cpu")
         if report is not None:
-            planned = check_before_collectives(model, mesh, **options).planned
+            checked = {name: value for name, value in options.items() if name != "freeze"}
+            planned = check_before_collectives(model, mesh, **checked).planned
             _describe_plan(report, planned, model)
             _describe_float8(report, planned, model)
         parallelize(model, mesh, pipeline=pipeline, **options)
+        if report is not None and report.tower is not None:
+            report.tower.count_per_rank(model)
         if report is not None and (context := context_parallel_of(model)) is not None:
             report.padded_to = context.padded_length(1)
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    return sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local)
+        local = [(p.to_local() if isinstance(p, DTensor) else p, p.requires_grad) for p in model.parameters()]
+    trainable = sum(t.numel() * t.element_size() for t, trained in local if trained)
+    return sum(t.numel() for t, _ in local), sum(t.numel() * t.element_size() for t, _ in local), trainable
 
 
 def _describe_plan(report: PlanReport, planned: TensorParallelPlan | None, model: nn.Module) -> None:
@@ -362,20 +378,13 @@ def _describe_plan(report: PlanReport, planned: TensorParallelPlan | None, model
         report.styles[pattern] = (type(style).__name__, sum(pattern_matches(pattern, name) for name in names))
     report.unmatched_patterns = choice.unmatched
     report.unsharded_weights = choice.unsharded_weights
-    report.multimodal_kept = choice.kept_whole
-    beside = tuple(f"{name}." for name in report.multimodal)
-    report.multimodal_split = sum(
-        pattern_matches(pattern, name) for pattern in choice.plan for name in names if name.startswith(beside)
-    )
-    report.replicated = dict(Counter(_per_block(name) for name in planned.replicated))
-
-
-def _describe_multimodal(report: PlanReport, model: nn.Module) -> None:
-    parts = named_multimodal_parts(model)
-    report.multimodal = {name: sum(p.numel() for p in part.parameters()) for name, part in parts}
-    report.multimodal_blocks = sum(
-        name.startswith(tuple(f"{n}." for n, _ in parts)) for name, _ in named_decoder_layers(model)
-    )
+    if report.tower is not None:
+        report.tower.kept = choice.kept_whole
+        beside = tuple(f"{name}." for name in report.tower.parts)
+        report.tower.split = sum(
+            pattern_matches(pattern, name) for pattern in choice.plan for name in names if name.startswith(beside)
+        )
+    report.replicated = dict(Counter(per_block(name) for name in planned.replicated))
 
 
 def _describe_float8(report: PlanReport, planned: TensorParallelPlan | None, model: nn.Module) -> None:
@@ -383,12 +392,8 @@ def _describe_float8(report: PlanReport, planned: TensorParallelPlan | None, mod
         return
     styles = planned.styles if planned is not None else {}
     found = float8_layers(model, named_decoder_layers(model), report.float8, tp_styles=styles, tp=report.dims.tp)
-    report.float8_converted = dict(Counter(_per_block(name) for name in found.converted))
-    report.float8_kept = dict(Counter((_per_block(name), why) for name, why in found.kept.items()))
-
-
-def _per_block(name: str) -> str:
-    return re.sub(r"\.\d+\.", ".*.", name)
+    report.float8_converted = dict(Counter(per_block(name) for name in found.converted))
+    report.float8_kept = dict(Counter((per_block(name), why) for name, why in found.kept.items()))
 
 
 def _gib(size: int) -> str:

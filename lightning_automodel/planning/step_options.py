@@ -35,22 +35,58 @@ class StepOptions:
     loss_chunks: int = 1
     """The sequence chunks the LightningModule computes its head and loss in (1: the logits whole)."""
 
+    freeze: tuple[str, ...] = ()
+    """The strategy's ``freeze``: frozen parameters hold no gradient and no AdamW state, and a frozen vision tower
+    saves no activation for backward (see :func:`~lightning_automodel.hf.freezing.freeze`)."""
+
+    images_per_row: int | None = None
+    """A vision-language model's images a row (None: one; 0: a text-only step), whose pixels the step runs through the
+    tower (see :mod:`~lightning_automodel.planning.step_images`). Refused for a model that takes none."""
+
+    image_tokens: int | None = None
+    """The tokens an image, for a tower that takes images of any size (Qwen2-VL's; None: 256); others' are their
+    config's."""
+
     def __post_init__(self) -> None:
         check_loss_chunks(self.loss_chunks)
+        check_images(images_per_row=self.images_per_row, image_tokens=self.image_tokens)
 
     @classmethod
-    def of(cls, parallel: ParallelOptions, *, mp_policy: MixedPrecisionPolicy | None, loss_chunks: int) -> StepOptions:
+    def of(
+        cls,
+        parallel: ParallelOptions,
+        *,
+        mp_policy: MixedPrecisionPolicy | None,
+        loss_chunks: int,
+        images: tuple[int | None, int | None] = (None, None),
+    ) -> StepOptions:
         """The step options of the strategy's ``parallel`` options, with FSDP2's ``mp_policy`` resolved for the
-        Trainer's precision and the LightningModule's ``loss_chunks``."""
+        Trainer's precision, the LightningModule's ``loss_chunks`` and the ``images`` (a row's, tokens each) planned
+        for."""
         return cls(
             tp_plan=parallel.tp_plan,
             allow_unsharded_linears=parallel.allow_unsharded_linears,
             mp_policy=mp_policy,
             cp_attention=parallel.cp_attention,
             loss_chunks=loss_chunks,
+            freeze=parallel.freeze,
+            images_per_row=images[0],
+            image_tokens=images[1],
         )
+
+    def images(self) -> dict[str, int | None]:
+        """The images a row and tokens an image, as keyword arguments of
+        :func:`~lightning_automodel.planning.step_images.step_images`."""
+        return {"images_per_row": self.images_per_row, "image_tokens": self.image_tokens}
 
     def keywords(self) -> dict[str, Any]:
         """These options as keyword arguments of
         :func:`~lightning_automodel.planning.activation_memory.activation_bytes`."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+def check_images(*, images_per_row: int | None, image_tokens: int | None, prefix: str = "") -> None:
+    """Refuse images a row and tokens an image that are not counts (``prefix``: the option's, as the user gave it)."""
+    for name, value, least in (("images_per_row", images_per_row, 0), ("image_tokens", image_tokens, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{prefix}{name}={value!r}: an integer of at least {least} (or None).")

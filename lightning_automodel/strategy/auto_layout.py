@@ -43,8 +43,7 @@ def choose_for_trainer(options: StrategyOptions, trainer: pl.Trainer, *, devices
     batch_shape = _batch_shape(trainer, options)
     space = _with_accumulation(options.search, trainer)
     hardware = _hardware(options, trainer.strategy.root_device, gpus_per_node=devices_per_node)
-    policy = options.parallel.fsdp.mp_policy  # set at setup: the one given, else the Trainer's precision's
-    step = StepOptions.of(options.parallel, mp_policy=policy, loss_chunks=loss_chunks_of(module))
+    step = step_options(options, module)
     world_size = trainer.world_size
     planned = model if is_meta(model) else meta_copy(model)
     with _RankWorkers(planned, batch_shape=batch_shape, hardware=hardware, step=step) as workers:
@@ -58,6 +57,14 @@ def choose_for_trainer(options: StrategyOptions, trainer: pl.Trainer, *, devices
             workers=world_size,
             step=step,
         )
+
+
+def step_options(options: StrategyOptions, module: nn.Module) -> StepOptions:
+    """How each layout's step is computed: the strategy's plan, precision (its FSDP2 policy, set at setup: the one
+    given, else the Trainer's precision's), ``freeze`` and images a row, and the module's loss chunks."""
+    images = (options.layout_images_per_row, options.layout_image_tokens)
+    policy = options.parallel.fsdp.mp_policy
+    return StepOptions.of(options.parallel, mp_policy=policy, loss_chunks=loss_chunks_of(module), images=images)
 
 
 def apply_accumulation(choice: LayoutChoice, trainer: pl.Trainer) -> bool:

@@ -23,6 +23,7 @@ from lightning_automodel.parallel.mesh import ParallelDims, Size
 from lightning_automodel.parallel.options import ParallelOptions, check_sequence_parallel
 from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.planning.layouts import Candidate, SearchSpace
+from lightning_automodel.planning.step_options import check_images
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,14 @@ class StrategyOptions:
     """``layout="auto"``: the rows a data-parallel rank's batch holds and the tokens a row, where the data module has
     no ``batch_size`` and ``seq_len`` to read them from."""
 
+    layout_images_per_row: int | None = None
+    """``layout="auto"``: a vision-language model's images a row the search plans for (default one; 0: none), whose
+    pixels each layout's estimated step runs through the vision tower."""
+
+    layout_image_tokens: int | None = None
+    """``layout="auto"``: the tokens an image the search plans for, for a tower taking images of any size (Qwen2-VL's;
+    default 256); others' are their config's."""
+
     def __post_init__(self) -> None:
         require_flags(
             allow_unsharded_linears=self.parallel.allow_unsharded_linears,
@@ -182,7 +191,13 @@ class StrategyOptions:
             save_trainable_only=self.save_trainable_only,
             async_save=self.async_save,
         )
-        require_search_for(gpu_memory=self.gpu_memory, layout_batch=self.layout_batch, search=self.search)
+        require_search_for(
+            search=self.search,
+            gpu_memory=self.gpu_memory,
+            layout_batch=self.layout_batch,
+            layout_images_per_row=self.layout_images_per_row,
+            layout_image_tokens=self.layout_image_tokens,
+        )
         pp = self.dims.pp if self.search is None else self.search.pp
         if not self.save_distributed_checkpoint and pp != 1:
             raise ValueError(
@@ -228,7 +243,14 @@ class StrategyOptions:
             pipeline=candidate.pipeline,
         )
         return dataclasses.replace(
-            self, dims=candidate.dims, parallel=parallel, search=None, gpu_memory=None, layout_batch=None
+            self,
+            dims=candidate.dims,
+            parallel=parallel,
+            search=None,
+            gpu_memory=None,
+            layout_batch=None,
+            layout_images_per_row=None,
+            layout_image_tokens=None,
         )
 
     def mp_policy_for(self, precision: str) -> MixedPrecisionPolicy | None:
@@ -255,10 +277,22 @@ def refuse_unmodelled(*, cpu_offload: bool, float8: bool) -> None:
 
 
 def require_search_for(
-    *, search: SearchSpace | None, gpu_memory: float | None, layout_batch: tuple[int, int] | None
+    *,
+    search: SearchSpace | None,
+    gpu_memory: float | None,
+    layout_batch: tuple[int, int] | None,
+    layout_images_per_row: int | None = None,
+    layout_image_tokens: int | None = None,
 ) -> None:
-    """``gpu_memory`` and ``layout_batch`` size the search of ``layout="auto"``, and nothing else."""
-    for name, value in (("gpu_memory", gpu_memory), ("layout_batch", layout_batch)):
+    """``gpu_memory``, ``layout_batch`` and the images size the search of ``layout="auto"``, and nothing else."""
+    sizing = (
+        ("gpu_memory", gpu_memory),
+        ("layout_batch", layout_batch),
+        ("layout_images_per_row", layout_images_per_row),
+        ("layout_image_tokens", layout_image_tokens),
+    )
+    check_images(images_per_row=layout_images_per_row, image_tokens=layout_image_tokens, prefix="layout_")
+    for name, value in sizing:
         if value is not None and search is None:
             raise ValueError(f'{name}={value!r} sizes the search of layout="auto"; set layout="auto", or drop {name}.')
     if gpu_memory is not None and not gpu_memory > 0:

@@ -15,3 +15,14 @@ def peak_bytes(run, *held) -> int:
     with tracker:
         run()
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def peak_above_held(run, *held) -> int:
+    """The bytes one call of ``run`` allocates at its peak above what this rank held when it began: every live tensor
+    then, ``held`` (modules, optimizers, tensors) included, counted once."""
+    tracker = TotalsTracker()
+    tracker.track_external(*held)
+    with tracker:
+        before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+        run()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - before

@@ -1,6 +1,8 @@
-"""A vision-language model's own image inputs, built from its config: rows of token ids holding one image's
-placeholders each, and the pixels (and image metadata) the model's forward takes for them. The probe steps a
-meta-device copy with them, so that the vision tower's blocks run and a tensor-parallel plan for them is checked.
+"""A vision-language model's own image inputs, built from its config: rows of token ids holding the
+placeholders of an image (or several) each, and the pixels (and image metadata) the model's forward takes for them.
+The probe steps a meta-device copy with them, so that the vision tower's blocks run and a tensor-parallel plan for
+them is checked; the activation estimate steps the planned model with them, so that it counts the tower's
+activations and the image tokens.
 
 Config fields read (of the model's config, then of its ``vision_config``):
 
@@ -19,6 +21,7 @@ placeholders).
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -46,20 +49,39 @@ def image_token_count(model: nn.Module) -> int | None:
     return (image_size // patch_size) ** 2 + full
 
 
-def image_inputs(model: nn.Module, *, rows: int, tokens: int, pixels_device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """The forward's arguments for ``rows`` rows of ``tokens`` token ids (zeros), one image each: its placeholders
-    at positions ``IMAGE_START`` on. Pixels are random (zeros on the meta device) on ``pixels_device``; the token ids
-    and image metadata stay on the CPU, where the model's code reads their values. Raises a ValueError for a model
-    :func:`image_token_count` knows no count for, or rows too short to hold an image's placeholders."""
+def image_inputs(
+    model: nn.Module,
+    *,
+    rows: int,
+    tokens: int,
+    images_per_row: int = 1,
+    image_tokens: int | None = None,
+    pixels_device: Any = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The forward's arguments for ``rows`` rows of ``tokens`` token ids (zeros), ``images_per_row`` images each: the
+    first image's placeholders at positions ``IMAGE_START`` on, each further image's after one more text token (M-RoPE
+    reads consecutive placeholders as one image). ``image_tokens``: the placeholders of an image for a tower that takes
+    images of any size (Qwen2-VL's merged grid, :func:`image_grid`; default :data:`_GRID`'s), refused for one whose
+    config fixes them. Pixels are random (zeros on the meta device) on ``pixels_device``; the token ids and image
+    metadata stay on the CPU, where the model's code reads their values. Raises a ValueError for a model
+    :func:`image_token_count` knows no count for, or rows too short to hold their images' placeholders."""
     count = image_token_count(model)
     if count is None:
         raise ValueError(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
-    if tokens < IMAGE_START + count:
-        raise ValueError(f"rows of {tokens} tokens cannot hold an image's {count} placeholders")
     config, vision = model.config, model.config.vision_config
+    grid = _sized_grid(model, image_tokens=image_tokens)
+    count = grid[1] * grid[2] if grid is not None else count
+    needed = IMAGE_START + images_per_row * (count + 1) - 1
+    if tokens < needed:
+        raise ValueError(
+            f"rows of {tokens} tokens cannot hold {images_per_row} image(s) of {count} placeholders ({needed} tokens)"
+        )
     input_ids = torch.zeros(rows, tokens, dtype=torch.long)
-    input_ids[:, IMAGE_START : IMAGE_START + count] = image_token(config)
-    inputs = {"input_ids": input_ids, **pixel_inputs(vision, images=rows, device=pixels_device)}
+    for image in range(images_per_row):
+        start = IMAGE_START + image * (count + 1)
+        input_ids[:, start : start + count] = image_token(config)
+    pixels = pixel_inputs(vision, images=rows * images_per_row, device=pixels_device, grid=grid or _GRID)
+    inputs = {"input_ids": input_ids, **pixels}
     accepted = _forward_arguments(model)
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in accepted:
@@ -67,21 +89,56 @@ def image_inputs(model: nn.Module, *, rows: int, tokens: int, pixels_device: Any
     return inputs
 
 
+def image_grid(image_tokens: int) -> tuple[int, int, int]:
+    """A one-frame grid of ``image_tokens`` merged blocks, as square as they factor (Qwen2-VL's ``image_grid_thw``
+    over the merge size)."""
+    if image_tokens < 1:
+        raise ValueError(f"image_tokens={image_tokens}: an image holds at least one token")
+    height = max(side for side in range(1, math.isqrt(image_tokens) + 1) if image_tokens % side == 0)
+    return 1, height, image_tokens // height
+
+
+def takes_any_image_size(model: nn.Module) -> bool:
+    """Whether ``model``'s tower takes images of any size (merged patches, Qwen2-VL's), its placeholders an image
+    following the image's grid rather than its config."""
+    return isinstance(getattr(model.config.vision_config, "spatial_merge_size", None), int)
+
+
+def check_image_tokens(model: nn.Module, image_tokens: int | None) -> None:
+    """Refuse ``image_tokens`` for a tower whose config fixes an image's placeholders to another count."""
+    count = image_token_count(model)
+    if image_tokens is not None and not takes_any_image_size(model) and image_tokens != count:
+        raise ValueError(
+            f"image_tokens={image_tokens}: {type(model).__name__}'s images are {count} tokens each (its config's image"
+            " and patch sizes); leave image_tokens unset."
+        )
+
+
+def _sized_grid(model: nn.Module, *, image_tokens: int | None) -> tuple[int, int, int] | None:
+    """The grid of ``image_tokens`` for a tower of merged patches (None: the builder's own); None for a tower whose
+    config fixes an image's placeholders."""
+    check_image_tokens(model, image_tokens)
+    return image_grid(image_tokens) if image_tokens is not None and takes_any_image_size(model) else None
+
+
 # Qwen2-VL's grid of an image, in merged blocks: one temporal patch, 1 x 3 blocks (x spatial_merge_size in patches).
 _GRID = (1, 1, 3)
 
 
-def pixel_inputs(vision: Any, *, images: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """The pixels (and image grids) of ``images`` images for a tower of config ``vision``, as the forward takes them."""
+def pixel_inputs(
+    vision: Any, *, images: int, device: Any = "cpu", grid: tuple[int, int, int] = _GRID
+) -> dict[str, torch.Tensor]:
+    """The pixels (and image grids) of ``images`` images for a tower of config ``vision``, as the forward takes them
+    (``grid``: each image's, in merged blocks, for a tower of merged patches)."""
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
     merge = getattr(vision, "spatial_merge_size", None)
     if isinstance(merge, int):
         frames, patch = getattr(vision, "temporal_patch_size", None) or 1, vision.patch_size
-        grid = torch.tensor([[_GRID[0], _GRID[1] * merge, _GRID[2] * merge]] * images)
-        patches = int(grid.prod(-1).sum())
+        grids = torch.tensor([[grid[0], grid[1] * merge, grid[2] * merge]] * images)
+        patches = int(grids.prod(-1).sum())
         return {
             "pixel_values": _random((patches, channels * frames * patch * patch), device=device),
-            "image_grid_thw": grid,
+            "image_grid_thw": grids,
         }
     return {"pixel_values": _random((images, channels, vision.image_size, vision.image_size), device=device)}
 

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count
+from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, measured_token_count
 
 # Rows and tokens of the probe's batch: small, odd and unlike any model size, so that a dimension a plan splits
 # cannot be mistaken for another one of the same size. The sequence is a multiple of tp (sequence parallel splits it).
@@ -113,7 +113,7 @@ def sequence_lengths(model: nn.Module, *, tp: int, images: bool = False) -> list
     config = getattr(model, "config", None)
     longest = getattr(config, "max_position_embeddings", None)
     axial = getattr(config, "axial_pos_shape", None)
-    short = PROBE_TOKENS_PER_RANK * tp + ((image_token_count(model) or 0) if images else 0)
+    short = PROBE_TOKENS_PER_RANK * tp + (image_placeholders(model) if images else 0)
     candidates = [-(-short // tp) * tp, math.prod(axial) if getattr(config, "axial_pos_embds", False) else None]
     if isinstance(longest, int):
         candidates += [longest, *(2**power for power in range(longest.bit_length() - 1, 2, -1))]
@@ -122,6 +122,12 @@ def sequence_lengths(model: nn.Module, *, tp: int, images: bool = False) -> list
         if isinstance(length, int) and length > 0 and length % tp == 0 and length not in lengths:
             lengths.append(length)
     return lengths
+
+
+def image_placeholders(model: nn.Module) -> int:
+    """Placeholders per image of the probe's rows: as many as a meta-device copy of ``model`` makes features of one
+    image (the count :func:`forward_step` gives its rows), else as its config says."""
+    return measured_token_count(meta_copy(model)) or image_token_count(model) or 0
 
 
 def refuses_length(error: ProbeError) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 IMAGE_START = 1  # each row's placeholders follow one text token
 
@@ -39,27 +40,38 @@ def image_token_count(model: nn.Module) -> int | None:
         return _GRID[1] * _GRID[2]  # the merged grid's tokens
     if isinstance(getattr(config, "mm_tokens_per_image", None), int):
         return config.mm_tokens_per_image
-    image_size, patch_size = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    image_size, patch_size = _side(getattr(vision, "image_size", None)), _side(getattr(vision, "patch_size", None))
     if not (isinstance(image_size, int) and isinstance(patch_size, int)):
         return None
     full = getattr(config, "vision_feature_select_strategy", None) == "full"
     return (image_size // patch_size) ** 2 + full
 
 
-def image_inputs(model: nn.Module, *, rows: int, tokens: int, pixels_device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """The forward's arguments for ``rows`` rows of ``tokens`` token ids (zeros), one image each: its placeholders
-    at positions ``IMAGE_START`` on. Pixels are random (zeros on the meta device) on ``pixels_device``; the token ids
-    and image metadata stay on the CPU, where the model's code reads their values. Raises a ValueError for a model
-    :func:`image_token_count` knows no count for, or rows too short to hold an image's placeholders."""
-    count = image_token_count(model)
-    if count is None:
+def image_inputs(
+    model: nn.Module,
+    *,
+    rows: int,
+    tokens: int,
+    pixels_device: Any = "cpu",
+    count: int | None = None,
+    text: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The forward's arguments for ``rows`` rows of ``tokens`` token ids (``text``, else zeros), one image each: its
+    placeholders at positions ``IMAGE_START`` on (``count`` of them, else :func:`image_token_count`'s). Pixels are
+    random (zeros on the meta device) on ``pixels_device``; the token ids and image metadata stay on the CPU, where
+    the model's code reads their values. Raises a ValueError for a model :func:`image_token_count` knows no count
+    for, or rows too short to hold an image's placeholders."""
+    if count is None:  # on the meta device, measuring costs nothing
+        count = (measured_token_count(model) if _on_meta(model) else None) or image_token_count(model)
+    if count is None or _image_token(model.config) is None:
         raise ValueError(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
     if tokens < IMAGE_START + count:
         raise ValueError(f"rows of {tokens} tokens cannot hold an image's {count} placeholders")
-    config, vision = model.config, model.config.vision_config
-    input_ids = torch.zeros(rows, tokens, dtype=torch.long)
+    config = model.config
+    input_ids = text.clone() if text is not None else torch.zeros(rows, tokens, dtype=torch.long)
     input_ids[:, IMAGE_START : IMAGE_START + count] = _image_token(config)
-    inputs = {"input_ids": input_ids, **pixel_inputs(vision, images=rows, device=pixels_device)}
+    pixels = pixel_inputs(config.vision_config, images=rows, device=pixels_device, accepted=image_arguments(model))
+    inputs = {"input_ids": input_ids, **pixels}
     accepted = _forward_arguments(model)
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in accepted:
@@ -67,23 +79,88 @@ def image_inputs(model: nn.Module, *, rows: int, tokens: int, pixels_device: Any
     return inputs
 
 
+def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
+    """Placeholders per image as ``model`` (on the meta device or real) makes features of its builder pixels: the
+    elements of ``get_image_features``'s output over the language model's width; None where that does not run."""
+    get_features = getattr(model, "get_image_features", None)
+    vision = getattr(model.config, "vision_config", None)
+    if get_features is None or vision is None:
+        return None
+    device = next(model.parameters()).device
+    pixels = pixel_inputs(vision, images=images, device=device, accepted=image_arguments(model))
+    taken = set(inspect.signature(get_features).parameters)
+    try:
+        with torch.no_grad():
+            output = get_features(**{name: value for name, value in pixels.items() if name in taken})
+    except Exception:  # noqa: BLE001 - a tower this builder's pixels do not fit
+        return None
+    features = getattr(output, "pooler_output", None)
+    leaves = [leaf for leaf in tree_flatten(output if features is None else features)[0] if torch.is_tensor(leaf)]
+    width = model.config.get_text_config().hidden_size
+    elements = sum(leaf.numel() for leaf in leaves)
+    return elements // width // images if elements and elements % (width * images) == 0 else None
+
+
 # Qwen2-VL's grid of an image, in merged blocks: one temporal patch, 1 x 3 blocks (x spatial_merge_size in patches).
 _GRID = (1, 1, 3)
 
 
-def pixel_inputs(vision: Any, *, images: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """The pixels (and image grids) of ``images`` images for a tower of config ``vision``, as the forward takes them."""
+def pixel_inputs(
+    vision: Any, *, images: int, device: Any = "cpu", accepted: set[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """The pixels (and image metadata) of ``images`` images for a tower of config ``vision``, laid out as
+    :func:`image_arguments` ``accepted`` says: flattened patches and grids (Qwen2-VL), else one image of
+    (channels, size, size) each; with ``aspect_ratio_ids`` (Mllama) one tile a row; with ``pixel_attention_mask``
+    (Idefics, SmolVLM) one image a row in a list of images; with ``image_grid_pinpoints`` (LLaVA-NeXT) a base image
+    and a tile, and their sizes; with ``image_sizes`` (Pixtral's tower) the sizes."""
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
     merge = getattr(vision, "spatial_merge_size", None)
     if isinstance(merge, int):
-        frames, patch = getattr(vision, "temporal_patch_size", None) or 1, vision.patch_size
+        frames, patch = getattr(vision, "temporal_patch_size", None) or 1, _side(vision.patch_size)
         grid = torch.tensor([[_GRID[0], _GRID[1] * merge, _GRID[2] * merge]] * images)
         patches = int(grid.prod(-1).sum())
         return {
             "pixel_values": _random((patches, channels * frames * patch * patch), device=device),
             "image_grid_thw": grid,
         }
-    return {"pixel_values": _random((images, channels, vision.image_size, vision.image_size), device=device)}
+    size = _side(vision.image_size)
+    pixels = _random((images, channels, size, size), device=device)
+    if "aspect_ratio_ids" in accepted:  # (rows, images, tiles, ...): one image of one tile, aspect ratio 1:1 (id 1)
+        return {
+            "pixel_values": pixels[:, None, None],
+            "aspect_ratio_ids": torch.ones(images, 1, dtype=torch.long),
+            "aspect_ratio_mask": torch.ones(images, 1, 1, dtype=torch.long),
+        }
+    if "pixel_attention_mask" in accepted:
+        return {
+            "pixel_values": pixels[:, None],
+            "pixel_attention_mask": torch.ones(images, 1, size, size, dtype=torch.bool),
+        }
+    if "image_grid_pinpoints" in accepted:  # LLaVA-NeXT's "anyres": the base image and one tile of the same size
+        return {"pixel_values": torch.stack([pixels, pixels], 1), "image_sizes": torch.tensor([[size, size]] * images)}
+    if "image_sizes" in accepted:  # a tower of images of any size (Pixtral)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([[size, size]] * images)}
+    return {"pixel_values": pixels}
+
+
+def _side(size: Any) -> int:
+    """A square image's (or patch's) side, from an int or a (height, width) pair."""
+    return size[0] if isinstance(size, list | tuple) else size
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def image_arguments(model: nn.Module) -> set[str]:
+    """What decides the layout of ``model``'s image inputs: the image arguments its forward takes, and
+    ``image_grid_pinpoints`` where its config tiles images (LLaVA-NeXT), ``image_sizes`` where its tower takes them
+    (Pixtral's)."""
+    tiles = {"image_grid_pinpoints"} if getattr(model.config, "image_grid_pinpoints", None) else set()
+    vision = getattr(model.config, "vision_config", None)
+    tower = next((module for module in model.modules() if getattr(module, "config", None) is vision), None)
+    sizes = {"image_sizes"} if tower is not None and "image_sizes" in _forward_arguments(tower) else set()
+    return (_forward_arguments(model) & {"aspect_ratio_ids", "pixel_attention_mask"}) | tiles | sizes
 
 
 def _random(shape: tuple[int, ...], *, device: Any) -> torch.Tensor:

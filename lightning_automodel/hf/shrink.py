@@ -199,8 +199,14 @@ def tiny_config(model_type: str, *, heads: int = HEADS):
     """The type's config class, its defaults shrunk and one layer of each kind kept."""
     from transformers import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[model_type]
-    return config_class(**_shrunk_values(config_class().to_dict(), model_type=model_type, heads=heads))
+    return CONFIG_MAPPING[model_type](**tiny_values(model_type, heads=heads))
+
+
+def tiny_values(model_type: str, *, heads: int = HEADS) -> dict[str, Any]:
+    """:func:`tiny_config`'s values, before its class checks them (hf/vision/tiny.py shrinks images first)."""
+    from transformers import CONFIG_MAPPING
+
+    return _shrunk_values(CONFIG_MAPPING[model_type]().to_dict(), model_type=model_type, heads=heads)
 
 
 def shrunk_config(config, *, heads: int = HEADS):

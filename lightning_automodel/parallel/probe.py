@@ -144,6 +144,7 @@ def probe(model: nn.Module, *, tokens: int, images: bool = False) -> Trace:
     Data-dependent questions the model's code asks of its tensors (``if mask.any():``) are answered with zero: meta
     tensors hold no values.
     """
+    count = image_placeholders(model) if images else None  # measured before the hooks: no call of it is traced
     names = {id(module): name for name, module in model.named_modules()}
     trace, running, in_backward = Trace(tokens, images=images), [], []
     flow = _ParameterUses(model, trace)
@@ -175,7 +176,7 @@ def probe(model: nn.Module, *, tokens: int, images: bool = False) -> Trace:
     with _hooks(model, before, after), AnswerDataQuestions():
         with flow:
             try:
-                output = forward_step(model, tokens=tokens, images=images)
+                output = forward_step(model, tokens=tokens, images=images, count=count)
             except Exception as error:  # noqa: BLE001 - any failure of the model's code is what the probe reports
                 raise ProbeError(list(running), error, trace) from error
         running.clear()
@@ -187,13 +188,13 @@ def probe(model: nn.Module, *, tokens: int, images: bool = False) -> Trace:
     return trace
 
 
-def forward_step(model: nn.Module, *, tokens: int, images: bool = False) -> Any:
+def forward_step(model: nn.Module, *, tokens: int, images: bool = False, count: int | None = None) -> Any:
     """The forward of a training step of ``model`` on the meta device: ``PROBE_ROWS`` rows of ``tokens`` token ids,
     no key/value cache. With ``images``, each row holds an image (its pixels on the meta device, its placeholders
     and metadata on the CPU, where the model's code reads their values: see
     :func:`~lightning_automodel.hf.vision.image_inputs.image_inputs`). Run it under :class:`AnswerDataQuestions`."""
     if images:
-        inputs = image_inputs(model, rows=PROBE_ROWS, tokens=tokens, pixels_device="meta")
+        inputs = image_inputs(model, rows=PROBE_ROWS, tokens=tokens, pixels_device="meta", count=count)
     else:
         inputs = {"input_ids": torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")}
     return model(**inputs, **_no_cache(model))

@@ -61,8 +61,7 @@ def image_inputs(
     random (zeros on the meta device) on ``pixels_device``; the token ids and image metadata stay on the CPU, where
     the model's code reads their values. Raises a ValueError for a model :func:`image_token_count` knows no count
     for, or rows too short to hold an image's placeholders."""
-    if count is None:  # on the meta device, measuring costs nothing
-        count = (measured_token_count(model) if _on_meta(model) else None) or image_token_count(model)
+    count = count if count is not None else image_token_count(model)
     if count is None or _image_token(model.config) is None:
         raise ValueError(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
     if tokens < IMAGE_START + count:
@@ -86,16 +85,16 @@ def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
     vision = getattr(model.config, "vision_config", None)
     if get_features is None or vision is None:
         return None
-    device = next(model.parameters()).device
-    pixels = pixel_inputs(vision, images=images, device=device, accepted=image_arguments(model))
     taken = set(inspect.signature(get_features).parameters)
     try:
+        device = next(model.parameters()).device
+        pixels = pixel_inputs(vision, images=images, device=device, accepted=image_arguments(model))
         with torch.no_grad():
             output = get_features(**{name: value for name, value in pixels.items() if name in taken})
-    except Exception:  # noqa: BLE001 - a tower this builder's pixels do not fit
+    except Exception:  # noqa: BLE001 - a tower this builder's pixels do not fit, a config it cannot read
         return None
-    features = getattr(output, "pooler_output", None)
-    leaves = [leaf for leaf in tree_flatten(output if features is None else features)[0] if torch.is_tensor(leaf)]
+    features = output.pooler_output if hasattr(output, "pooler_output") else output  # a model output, or tensors
+    leaves = [leaf for leaf in tree_flatten(features)[0] if torch.is_tensor(leaf)]
     width = model.config.get_text_config().hidden_size
     elements = sum(leaf.numel() for leaf in leaves)
     return elements // width // images if elements and elements % (width * images) == 0 else None
@@ -146,10 +145,6 @@ def pixel_inputs(
 def _side(size: Any) -> int:
     """A square image's (or patch's) side, from an int or a (height, width) pair."""
     return size[0] if isinstance(size, list | tuple) else size
-
-
-def _on_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
 
 
 def image_arguments(model: nn.Module) -> set[str]:

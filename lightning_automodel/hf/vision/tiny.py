@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_automodel.hf.shrink import VOCAB, merged, tiny_config
+from lightning_automodel.hf.shrink import VOCAB, merged, tiny_values
 
 IMAGE_SIZE = 16
 PATCH_SIZE = 4
 # The text's own token ids stay below these: the special tokens moved into the vocabulary take the ids above.
 SPECIAL_IDS_FROM = VOCAB - 24
 # Widths of a tower's output that the projector (or the language model) reads as the text width.
-TEXT_WIDTHS = ("projection_dim", "out_hidden_size", "text_hidden_size", "output_dim", "projector_output_dim")
+TEXT_WIDTHS = (
+    "projection_dim", "out_hidden_size", "text_hidden_size", "output_dim", "projector_output_dim", "adapter_in_dim",
+    "adapter_input_size",
+)  # fmt: skip
 # Pooled image tokens: a square number whose side divides the grid's (16 patches: 4 a side).
 POOLED_TOKENS = {"mm_tokens_per_image": 4, "image_seq_length": 4}
 TOWER_LAYERS = 2
@@ -29,17 +32,21 @@ FEATURE_LAYERS = ("vision_feature_layer", "vision_feature_layers")
 
 def tiny_image_text_config(model_type: str) -> Any:
     """The type's config class, shrunk (text and vision), with tiny images and its special tokens in the vocabulary."""
-    config = tiny_config(model_type)
-    values = config.to_dict()
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    values = tiny_values(model_type)
     text = values.get("text_config") if isinstance(values.get("text_config"), dict) else values
-    values = _tiny_images(values, text_width=_width(text))
+    vision = values.get("vision_config") if isinstance(values.get("vision_config"), dict) else {}
+    tower_layers = _layer_count(vision) if vision else None
+    values = _tiny_images(values, text_width=_width(text), tower_layers=tower_layers)
     values.update(_special_tokens_in_vocabulary(values))
-    text_class = type(config.get_text_config())
-    if _takes_mrope(text_class) and isinstance(values.get("text_config"), dict):
-        values["text_config"] = _mrope_fitted(values["text_config"])
-    elif _takes_mrope(text_class):
-        values = _mrope_fitted(values)
-    return type(config)(**merged(values, _family_overrides(model_type, values)))
+    text_class = CONFIG_MAPPING[text["model_type"]] if text is not values else config_class
+    if isinstance(values.get("text_config"), dict):
+        values["text_config"] = _mrope_fitted(values["text_config"], default=_takes_mrope(text_class))
+    else:
+        values = _mrope_fitted(values, default=_takes_mrope(text_class))
+    return config_class(**merged(values, _family_overrides(model_type, values)))
 
 
 def special_token_ids(config: Any) -> set[int]:
@@ -58,11 +65,11 @@ def special_token_ids(config: Any) -> set[int]:
     return found
 
 
-def _tiny_images(values: dict[str, Any], *, text_width: int | None) -> dict[str, Any]:
+def _tiny_images(values: dict[str, Any], *, text_width: int | None, tower_layers: int | None) -> dict[str, Any]:
     tiny = dict(values)
     for name, value in values.items():
-        if isinstance(value, dict) and "model_type" in value and name != "text_config":
-            tiny[name] = _tiny_images(value, text_width=text_width)
+        if isinstance(value, dict) and name.endswith("_config") and name != "text_config":
+            tiny[name] = _tiny_images(value, text_width=text_width, tower_layers=tower_layers)
         elif name == "image_size":
             tiny[name] = _sized_like(value, IMAGE_SIZE)
         elif name == "patch_size":
@@ -74,7 +81,7 @@ def _tiny_images(values: dict[str, Any], *, text_width: int | None) -> dict[str,
         elif name == "image_grid_pinpoints" and isinstance(value, list):
             tiny[name] = [[IMAGE_SIZE, IMAGE_SIZE]]  # one tile beside the base image (LLaVA-NeXT's "anyres")
         elif name in FEATURE_LAYERS:
-            tiny[name] = _layers_within(value, layers=_layer_count(values))
+            tiny[name] = _layers_within(value, layers=_layer_count(values) or tower_layers)
     if isinstance(values.get("depth"), int):  # a tower's layer count that the text rules do not know
         tiny.update(_fewer_tower_layers(tiny))
     return tiny
@@ -96,12 +103,13 @@ def _fewer_tower_layers(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layers_within(value: Any, *, layers: int | None) -> Any:
-    """Layer indices (an int or a list, negative from the end) clamped to the kept layers' hidden states."""
+    """Layer indices (an int or a list, negative from the end) clamped to the kept layers (indices of their outputs
+    or of their hidden states, which count one more, alike)."""
     if layers is None:
         return value
     if isinstance(value, list):
         return [_layers_within(v, layers=layers) for v in value]
-    return max(min(value, layers), -layers - 1) if isinstance(value, int) else value
+    return max(min(value, layers - 1), -layers) if isinstance(value, int) else value
 
 
 def _layer_count(values: dict[str, Any]) -> int | None:
@@ -118,10 +126,13 @@ def _takes_mrope(config_class: type) -> bool:
     return "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ())
 
 
-def _mrope_fitted(values: dict[str, Any]) -> dict[str, Any]:
-    """M-RoPE's sections (time, height, width) scaled to the tiny head's rotary pairs, in proportion (where the
-    config gives none, the model's code takes a full-size default: 2 : 3 : 3, as Qwen2-VL's 16, 24, 24)."""
-    rope = values.get("rope_parameters") if isinstance(values.get("rope_parameters"), dict) else {}
+def _mrope_fitted(values: dict[str, Any], *, default: bool) -> dict[str, Any]:
+    """M-RoPE's sections (time, height, width) scaled to the tiny head's rotary pairs, in proportion; with
+    ``default`` (a text model that takes them) where the config gives none, the model's code takes a full-size
+    default: 2 : 3 : 3, as Qwen2-VL's 16, 24, 24."""
+    rope = values.get("rope_parameters")
+    if not isinstance(rope, dict) or not (default or "mrope_section" in rope):  # no sections read
+        return values
     head = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
     pairs = int(head * rope.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))) // 2
     section = rope.get("mrope_section") or [2, 3, 3]

@@ -154,7 +154,10 @@ def single_process_reference(model_type: str, kind: str = TEXT.name) -> Referenc
     except NoImageInputs:
         raise
     except Exception as error:  # noqa: BLE001 - transformers' own failures, reported as such
-        raise NoTinyConfig(f"{stage}: {type(error).__name__}: {first_line(error)}") from error
+        found = f"{stage}: {type(error).__name__}: {first_line(error)}"
+        if stage == "inputs" and kind != TEXT.name:  # the model fails on the image inputs built for it
+            raise NoImageInputs(found) from error
+        raise NoTinyConfig(found) from error
 
 
 def _outputs(model: nn.Module, rows: Rows, *, kind: Kind) -> Outputs:

@@ -60,7 +60,10 @@ def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
     """Rows of random text with an image each after the first token, its placeholders as many as the model makes
     features of one image (measured; else as its config says), never predicted (label -100), the last two tokens
     padding; the text avoids every special token id of the config."""
-    count = measured_token_count(model) or image_token_count(model)
+    try:
+        count = measured_token_count(model) or image_token_count(model)
+    except AttributeError as error:  # a config field the builder reads and this config lacks (image_size)
+        raise NoImageInputs(f"{type(model).__name__}: {error}") from error
     if count is None:
         raise NoImageInputs(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
     length = IMAGE_START + count + SEQ_LEN
@@ -75,8 +78,8 @@ def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
     tokens[:, -2:] = 0
     try:
         inputs = image_inputs(model, rows=BATCH_SIZE, tokens=length, count=count, text=tokens[:, :-1])
-    except ValueError as error:
-        raise NoImageInputs(str(error)) from error
+    except (ValueError, AttributeError) as error:
+        raise NoImageInputs(f"{type(model).__name__}: {error}") from error
     rows = {**inputs, "labels": labels}
     _assert_rows_apart(model, rows)
     return rows

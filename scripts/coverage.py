@@ -229,28 +229,33 @@ the fix; the check took that fix."""
 IMAGE_METHOD = """\
 Every model type of the installed transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES` is built as
 `AutoModelForImageTextToText` from a tiny config derived from its own config class
-(`lightning_automodel/hf/vision/tiny.py`: the text and vision sub-configs shrunk as for text models, a tower of two
+(`lightning_automodel/hf/vision/tiny.py`: the text and vision sub-configs shrunk as text models are, a tower of two
 layers, images of 16 x 16 pixels in patches of 4, projections sized to the text width, M-RoPE sections fitted to the
-tiny head, special tokens moved into the vocabulary of 128) and trained one step on 2 gloo processes, as for the text
-models below, on a batch of 4 rows each holding one image: the model's own image inputs, built from its config
-(`lightning_automodel/hf/vision/image_inputs.py`: pixel values per image, or flattened patches and `image_grid_thw`
-for Qwen-style towers with M-RoPE; `image_sizes` and a tile beside the base image where the config tiles images
-(LLaVA-NeXT, OneVision); one tile and its `aspect_ratio_ids` (Mllama); a list of one image per row and
-`pixel_attention_mask` (Idefics, SmolVLM); token types where the forward takes them). Each row is a text token, the
-image's placeholders (as many as the model makes features of one image: measured by its `get_image_features`, else
-as its config says), then 16 tokens of text, the last two padding; the placeholders are never predicted. Loss, logits
-and every gradient, the vision tower's and the projector's included, are compared with one process as for text.
+tiny head, special tokens moved into the vocabulary of 128) and trained one step on 2 gloo processes as the text
+models are ([coverage.md](coverage.md): built on the meta device, `parallelize`, `materialize_hf_model`, the
+single-process weights loaded shard by shard, the same fp32 tolerances), on a batch of 4 rows each holding one image
+in the model's own image inputs, built from its config (`lightning_automodel/hf/vision/image_inputs.py`): pixel
+values per image, or flattened patches and `image_grid_thw` for Qwen-style towers with M-RoPE; `image_sizes` where
+the tower takes them (Pixtral); a tile beside the base image and its size where the config tiles images (LLaVA-NeXT,
+OneVision); one tile and its `aspect_ratio_ids` (Mllama); a list of one image per row and `pixel_attention_mask`
+(Idefics, SmolVLM); token types where the forward takes them. A row is a text token, the image's placeholders (as
+many as the model makes features of one image: measured by its `get_image_features`, else as its config says), then
+16 tokens of text, the last two padding; the placeholders are never predicted. Each half of the batch must give, run
+alone in one process, the logits it gives in the whole batch (what a data-parallel rank's rows must do). Loss,
+logits and every gradient, the vision tower's and the projector's included, are compared with one process.
 
 - **pass**: within tolerance. The percentage is the share of the trained weight elements of all blocks, the
   language model's and the vision tower's, that tensor parallelism splits; `(tower N%)` is that share of the
   tower's blocks alone, and **tower whole** marks a tower (and projector) held whole on every tp rank, with the
-  reason the plan report gives (its FSDP2 shards and gradient reduction are checked all the same). `E`/`H` and the
-  plan's source as for text.
+  reason the plan report gives (its FSDP2 shards and gradient reduction are checked all the same). `E`/`H` mark a
+  vocabulary-sharded embedding / lm_head, then where the language model's plan came from.
 - **no image inputs**: the input builder knows no image inputs for this model (its config gives no placeholder or
-  image size it reads): our limit, stated, not measured.
-- The other verdicts as for text, below; **skipped**: not an image-and-text-to-text decoder (the reason is given).
-
+  image size it reads), or the model fails on those it builds, or its rows do not stand apart (named): our limit,
+  stated, not measured.
 """
+IMAGE_METHOD += METHOD[METHOD.index("- **wrong**") : METHOD.index("- **skipped**")]
+IMAGE_METHOD += "- **skipped**: not a decoder of images and text to text (the reason is given).\n\n"
+IMAGE_METHOD += METHOD[METHOD.index("A **note**") :]
 
 
 TOWER_WHOLE = "of which tower whole"
@@ -263,7 +268,8 @@ REGISTRIES = {
         results=ROOT / "docs" / "coverage.json",
         page=ROOT / "docs" / "coverage.md",
         title="Coverage of Hugging Face causal LMs",
-        method=METHOD,
+        method=METHOD
+        + "\n\nImage-text-to-text models, with images in their batches: [coverage_vision.md](coverage_vision.md).",
     ),
     IMAGE_TEXT.name: Registry(
         kind=IMAGE_TEXT.name,
@@ -273,7 +279,7 @@ REGISTRIES = {
         results=ROOT / "docs" / "coverage_vision.json",
         page=ROOT / "docs" / "coverage_vision.md",
         title="Coverage of Hugging Face image-text-to-text models",
-        method=IMAGE_METHOD + METHOD,
+        method=IMAGE_METHOD,
         verdicts=(*VERDICTS, NO_IMAGE_INPUTS),
     ),
 }

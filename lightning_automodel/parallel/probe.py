@@ -127,7 +127,13 @@ def sequence_lengths(model: nn.Module, *, tp: int, images: bool = False) -> list
 def image_placeholders(model: nn.Module) -> int:
     """Placeholders per image of the probe's rows: as many as a meta-device copy of ``model`` makes features of one
     image (the count :func:`forward_step` gives its rows), else as its config says."""
-    return measured_token_count(meta_copy(model)) or image_token_count(model) or 0
+    with AnswerDataQuestions():  # the tower's code may ask its meta tensors for values
+        measured = measured_token_count(model if _on_meta(model) else meta_copy(model))
+    return measured or image_token_count(model) or 0
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return all(tensor.is_meta for tensor in model.parameters())
 
 
 def refuses_length(error: ProbeError) -> bool:

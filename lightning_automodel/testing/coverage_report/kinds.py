@@ -78,7 +78,9 @@ def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
     tokens[:, -2:] = 0
     try:
         inputs = image_inputs(model, rows=BATCH_SIZE, tokens=length, count=count, text=tokens[:, :-1])
-    except (ValueError, AttributeError) as error:
+    except ValueError as error:  # it names the model
+        raise NoImageInputs(str(error)) from error
+    except AttributeError as error:
         raise NoImageInputs(f"{type(model).__name__}: {error}") from error
     rows = {**inputs, "labels": labels}
     _assert_rows_apart(model, rows)

@@ -338,7 +338,8 @@ def test_a_hang_or_a_crash_ends_its_launch_and_the_sweep_goes_on():
 def test_a_nan_gradient_is_wrong_whatever_its_place(nan_in):
     """Loss and logits right, one gradient NaN (a broken sharded backward): outside its limit, and named."""
     grads = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])}
-    reference = Reference(None, None, Outputs(torch.tensor(1.0), torch.ones(2, 3), grads), dict.fromkeys(grads, 2e-5))
+    outputs = Outputs(torch.tensor(1.0), torch.ones(2, 3), grads)
+    reference = Reference(None, None, outputs, dict.fromkeys(grads, 2e-5), rows={})
     broken = {name: grad.clone() for name, grad in grads.items()}
     broken[nan_in][0] = float("nan")
     result = compare(Outputs(torch.tensor(1.0), torch.ones(2, 3), broken), reference, slice(0, 2))

@@ -6,6 +6,8 @@ lightning_automodel/testing/coverage_report/check.py).
     .venv/bin/python scripts/coverage.py --fresh                          # measure everything again
     .venv/bin/python scripts/coverage.py --types llama,gpt2 --layouts tp2 # a subset (results merge into the file)
     .venv/bin/python scripts/coverage.py --page-only                      # rewrite docs/coverage.md from the results
+    .venv/bin/python scripts/coverage.py --registry image-text-to-text    # vision-language models, batches with
+                                                                          # images (docs/coverage_vision.md)
 
 Results go to a JSON file after every check, so an interrupted sweep resumes where it stopped; results of other
 torch or transformers versions are measured again. Checks run in launches of two processes that take one check
@@ -17,38 +19,62 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_automodel.testing.coverage_report.check import COLLECTIVE_TIMEOUT, LAYOUTS
+from lightning_automodel.testing.coverage_report.check import COLLECTIVE_TIMEOUT, LAYOUTS, coverage_check
+from lightning_automodel.testing.coverage_report.kinds import IMAGE_TEXT, TEXT
 from lightning_automodel.testing.coverage_report.launch import Job, measure
 from lightning_automodel.testing.coverage_report.model_types import (
+    IMAGE_SKIP_REASONS,
     SKIP_REASONS,
     causal_lm_types,
     coverage_types,
+    image_text_types,
     library_revision,
 )
-from lightning_automodel.testing.coverage_report.verdicts import PASS, REFUSAL, VERDICTS, WRONG
+from lightning_automodel.testing.coverage_report.verdicts import NO_IMAGE_INPUTS, PASS, REFUSAL, VERDICTS, WRONG
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIPPED = "skipped"
 LAYOUT_TITLES = {"tp2": "tp=2", "tp2_sp": "tp=2 + sp", "dp_shard2": "dp_shard=2"}
 
 
+@dataclass(frozen=True)
+class Registry:
+    """A registry of transformers the report covers: its types (and rows beyond them), those it counts and skips,
+    where its results and page go, and the page's title and method."""
+
+    kind: str
+    types: Callable[[], dict[str, str]]  # every row, by name, with the class it builds
+    counted: Callable[[], dict[str, str]]  # the model types the counts are of
+    skips: dict[str, str]
+    results: Path
+    page: Path
+    title: str
+    method: str
+    verdicts: tuple[str, ...] = VERDICTS
+
+
 def main() -> None:
     args = parse_args()
-    store = ResultStore(args.results, fresh=args.fresh)
+    registry = REGISTRIES[args.registry]
+    store = ResultStore(args.results or registry.results, fresh=args.fresh)
     if not args.page_only:
-        jobs = [(t, layout) for t in select_types(args.types) for layout in args.layouts]
-        sweep(jobs, store, job_timeout=args.job_timeout, command=" ".join(["scripts/coverage.py", *sys.argv[1:]]))
-    args.page.write_text(render_page(store))
-    print(f"wrote {args.page} ({len(store.results)} results in {args.results})")
+        jobs = [(t, layout) for t in select_types(args.types, registry) for layout in args.layouts]
+        command = " ".join(["scripts/coverage.py", *sys.argv[1:]])
+        sweep(jobs, store, registry=registry, job_timeout=args.job_timeout, command=command)
+    page = args.page or registry.page
+    page.write_text(render_page(store, registry))
+    print(f"wrote {page} ({len(store.results)} results in {store.path})")
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,8 +83,9 @@ def parse_args() -> argparse.Namespace:
         "--types", help="comma-separated model types or extra tiny configs (default: every causal-LM type and those)"
     )
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
-    parser.add_argument("--results", type=Path, default=ROOT / "docs" / "coverage.json")
-    parser.add_argument("--page", type=Path, default=ROOT / "docs" / "coverage.md")
+    parser.add_argument("--registry", choices=list(REGISTRIES), default=TEXT.name, help="which models (default: text)")
+    parser.add_argument("--results", type=Path, help="default: docs/coverage.json, docs/coverage_vision.json")
+    parser.add_argument("--page", type=Path, help="default: docs/coverage.md, docs/coverage_vision.md")
     parser.add_argument("--fresh", action="store_true", help="forget the stored results and measure everything")
     parser.add_argument("--page-only", action="store_true", help="only rewrite the page from the stored results")
     parser.add_argument("--job-timeout", type=float, default=4 * COLLECTIVE_TIMEOUT.total_seconds())
@@ -70,12 +97,12 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def select_types(types: str | None) -> list[str]:
-    known = coverage_types()
+def select_types(types: str | None, registry: Registry) -> list[str]:
+    known = registry.types()
     chosen = types.split(",") if types else list(known)
     unknown = [t for t in chosen if t not in known]
     if unknown:
-        raise SystemExit(f"neither in transformers' causal-LM mapping nor an extra tiny config: {unknown}")
+        raise SystemExit(f"not in the {registry.kind} registry (of transformers, or an extra tiny config): {unknown}")
     return chosen
 
 
@@ -117,16 +144,17 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def sweep(jobs: Sequence[Job], store: ResultStore, *, job_timeout: float, command: str) -> None:
+def sweep(jobs: Sequence[Job], store: ResultStore, *, registry: Registry, job_timeout: float, command: str) -> None:
     """Measure every job the store lacks, and note the run's wall time and launches in the store."""
     pending = [job for job in jobs if job not in store]
-    for job in [job for job in pending if job[0] in SKIP_REASONS]:
-        store.record(job, {"verdict": SKIPPED, "detail": SKIP_REASONS[job[0]]})
-    pending = [job for job in pending if job[0] not in SKIP_REASONS]
+    for job in [job for job in pending if job[0] in registry.skips]:
+        store.record(job, {"verdict": SKIPPED, "detail": registry.skips[job[0]]})
+    pending = [job for job in pending if job[0] not in registry.skips]
     if not pending:
         return
     started, launches = time.monotonic(), 0
-    for launches, job, verdict in measure(pending, job_timeout=job_timeout):
+    check = coverage_check if registry.kind == TEXT.name else functools.partial(coverage_check, kind=registry.kind)
+    for launches, job, verdict in measure(pending, job_timeout=job_timeout, check=check):
         store.record(job, verdict)
         print(f"launch {launches}  {key(job):40s} {verdict['verdict']:14s} {verdict['detail'][:100]}", flush=True)
     run = {"date": datetime.date.today().isoformat(), "command": command, "checks": len(pending)}
@@ -135,20 +163,20 @@ def sweep(jobs: Sequence[Job], store: ResultStore, *, job_timeout: float, comman
     store.save()
 
 
-def render_page(store: ResultStore) -> str:
-    """docs/coverage.md: how it was measured, counts per layout and verdict, one row per model type."""
-    types = coverage_types()
+def render_page(store: ResultStore, registry: Registry) -> str:
+    """The registry's page: how it was measured, counts per layout and verdict, one row per model type."""
+    types = registry.types()
     layouts = [layout for layout in LAYOUTS if any(key((t, layout)) in store.results for t in types)]
     lines = [
-        "# Coverage of Hugging Face causal LMs",
+        f"# {registry.title}",
         "",
         "Generated by `scripts/coverage.py`: do not edit. " + _provenance(store),
         "",
-        METHOD,
+        registry.method,
         "",
         "## Counts",
         "",
-        *_counts_table(store, causal_lm_types(), layouts),
+        *_counts_table(store, registry, layouts),
         "",
         "## Every model type",
         "",
@@ -198,6 +226,65 @@ of this type (its constructor makes real tensors under the meta device) and name
 the fix; the check took that fix."""
 
 
+IMAGE_METHOD = """\
+Every model type of the installed transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES` is built as
+`AutoModelForImageTextToText` from a tiny config derived from its own config class
+(`lightning_automodel/hf/vision/tiny.py`: the text and vision sub-configs shrunk as text models are, a tower of two
+layers, images of 16 x 16 pixels in patches of 4, projections sized to the text width, M-RoPE sections fitted to the
+tiny head, special tokens moved into the vocabulary of 128) and trained one step on 2 gloo processes as the text
+models are ([coverage.md](coverage.md): built on the meta device, `parallelize`, `materialize_hf_model`, the
+single-process weights loaded shard by shard, the same fp32 tolerances), on a batch of 4 rows each holding one image
+in the model's own image inputs, built from its config (`lightning_automodel/hf/vision/image_inputs.py`): pixel
+values per image, or flattened patches and `image_grid_thw` for Qwen-style towers with M-RoPE; `image_sizes` where
+the tower takes them (Pixtral); a tile beside the base image and its size where the config tiles images (LLaVA-NeXT,
+OneVision); one tile and its `aspect_ratio_ids` (Mllama); a list of one image per row and `pixel_attention_mask`
+(Idefics, SmolVLM); token types where the forward takes them. A row is a text token, the image's placeholders (as
+many as the model makes features of one image: measured by its `get_image_features`, else as its config says), then
+16 tokens of text, the last two padding; the placeholders are never predicted. Each half of the batch must give, run
+alone in one process, the logits it gives in the whole batch (what a data-parallel rank's rows must do). Loss,
+logits and every gradient, the vision tower's and the projector's included, are compared with one process.
+
+- **pass**: within tolerance. The percentage is the share of the trained weight elements of all blocks, the
+  language model's and the vision tower's, that tensor parallelism splits; `(tower N%)` is that share of the
+  tower's blocks alone, and **tower whole** marks a tower (and projector) held whole on every tp rank, with the
+  reason the plan report gives (its FSDP2 shards and gradient reduction are checked all the same). `E`/`H` mark a
+  vocabulary-sharded embedding / lm_head, then where the language model's plan came from.
+- **no image inputs**: the input builder knows no image inputs for this model (its config gives no placeholder or
+  image size it reads), or the model fails on those it builds, or its rows do not stand apart (named): our limit,
+  stated, not measured.
+"""
+IMAGE_METHOD += METHOD[METHOD.index("- **wrong**") : METHOD.index("- **skipped**")]
+IMAGE_METHOD += "- **skipped**: not a decoder of images and text to text (the reason is given).\n\n"
+IMAGE_METHOD += METHOD[METHOD.index("A **note**") :]
+
+
+TOWER_WHOLE = "of which tower whole"
+REGISTRIES = {
+    TEXT.name: Registry(
+        kind=TEXT.name,
+        types=coverage_types,
+        counted=causal_lm_types,
+        skips=SKIP_REASONS,
+        results=ROOT / "docs" / "coverage.json",
+        page=ROOT / "docs" / "coverage.md",
+        title="Coverage of Hugging Face causal LMs",
+        method=METHOD
+        + "\n\nImage-text-to-text models, with images in their batches: [coverage_vision.md](coverage_vision.md).",
+    ),
+    IMAGE_TEXT.name: Registry(
+        kind=IMAGE_TEXT.name,
+        types=image_text_types,
+        counted=image_text_types,
+        skips=IMAGE_SKIP_REASONS,
+        results=ROOT / "docs" / "coverage_vision.json",
+        page=ROOT / "docs" / "coverage_vision.md",
+        title="Coverage of Hugging Face image-text-to-text models",
+        method=IMAGE_METHOD,
+        verdicts=(*VERDICTS, NO_IMAGE_INPUTS),
+    ),
+}
+
+
 def _provenance(store: ResultStore) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in store.versions.items())
     runs = "; ".join(
@@ -208,14 +295,18 @@ def _provenance(store: ResultStore) -> str:
     return f"Measured with {versions}. Runs: {runs or 'none'}."
 
 
-def _counts_table(store: ResultStore, types: dict[str, str], layouts: Sequence[str]) -> list[str]:
-    columns = [PASS, "of which 0% sharded", WRONG, REFUSAL, "of which late", *VERDICTS[3:], SKIPPED, "buffer notes"]
+def _counts_table(store: ResultStore, registry: Registry, layouts: Sequence[str]) -> list[str]:
+    tower = [TOWER_WHOLE] if registry.kind == IMAGE_TEXT.name else []
+    columns = [PASS, "of which 0% sharded", *tower, WRONG, REFUSAL, "of which late", *registry.verdicts[3:], SKIPPED]
+    columns.append("buffer notes")
     lines = ["| layout | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     for layout in layouts:
-        results = [r for r in (store.results.get(key((t, layout))) for t in types) if r is not None]
+        results = [r for r in (store.results.get(key((t, layout))) for t in registry.counted()) if r is not None]
         counts = Counter(r["verdict"] for r in results)
+        tp = LAYOUTS[layout]["tp"] > 1
         whole = sum(r["verdict"] == PASS and r.get("sharded") == 0 for r in results)
-        counts["of which 0% sharded"] = whole if LAYOUTS[layout]["tp"] > 1 else "-"
+        counts["of which 0% sharded"] = whole if tp else "-"
+        counts[TOWER_WHOLE] = sum(r["verdict"] == PASS and not r.get("tower_sharded") for r in results) if tp else "-"
         counts["of which late"] = sum(r["verdict"] == REFUSAL and r["after_collectives"] for r in results)
         counts["buffer notes"] = sum("note" in r for r in results)
         lines.append(f"| {LAYOUT_TITLES[layout]} | " + " | ".join(str(counts[c]) for c in columns) + " |")
@@ -234,6 +325,10 @@ def _cell(result: dict[str, Any] | None, layout: str) -> str:
         return f"pass{note}"
     marks = "".join(mark for mark, flag in (("E", "embedding_sharded"), ("H", "lm_head_sharded")) if result[flag])
     share = f"{result['sharded']:.0%}" if result.get("sharded") is not None else "no blocks"
+    if "tower_sharded" in result:
+        why = next(iter((result.get("kept_whole") or {}).values()), "")
+        whole = f" (tower whole: {_short(why, 100)})" if why else " (tower whole)"
+        share += f" (tower {result['tower_sharded']:.0%})" if result["tower_sharded"] else whole
     plan = (result.get("plan") or "").split(" of ")[0].split(" for ")[0]  # "Hugging Face plan", "family plan", ...
     return f"pass {share} {marks}".rstrip() + f" ({plan}){note}"
 

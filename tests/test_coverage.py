@@ -338,8 +338,68 @@ def test_a_hang_or_a_crash_ends_its_launch_and_the_sweep_goes_on():
 def test_a_nan_gradient_is_wrong_whatever_its_place(nan_in):
     """Loss and logits right, one gradient NaN (a broken sharded backward): outside its limit, and named."""
     grads = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])}
-    reference = Reference(None, None, Outputs(torch.tensor(1.0), torch.ones(2, 3), grads), dict.fromkeys(grads, 2e-5))
+    outputs = Outputs(torch.tensor(1.0), torch.ones(2, 3), grads)
+    reference = Reference(None, None, outputs, dict.fromkeys(grads, 2e-5), rows={})
     broken = {name: grad.clone() for name, grad in grads.items()}
     broken[nan_in][0] = float("nan")
     result = compare(Outputs(torch.tensor(1.0), torch.ones(2, 3), broken), reference, slice(0, 2))
     assert not result["grads_within_limits"] and result["worst_grad"] == nan_in
+
+
+# Image-text-to-text models (scripts/coverage.py --registry image-text-to-text): today's verdicts, the tower's share
+# of the blocks split over tp, and a batch whose images a rank reads from other rows judged wrong.
+IMAGE_TEXT = "image-text-to-text"
+IMAGE_EXPECTED = {
+    ("llava", "tp2_sp"): (PASS, 0.99),  # a CLIP tower split with its blocks, the language model with sp
+    ("qwen2_vl", "tp2"): (PASS, 0.99),  # flattened patches and image grids, M-RoPE
+}
+
+
+def images_of_other_rows(model_type: str, layout: str) -> dict:
+    """The coverage check with each data-parallel rank's images taken from other rows than its text: only a check
+    whose loss, logits and gradients see the images can tell."""
+    from unittest import mock
+
+    from lightning_automodel.testing.coverage_report.kinds import rows_part
+
+    def other_images(rows, part):
+        total = len(rows["input_ids"])
+        flipped = {
+            name: value if name in ("input_ids", "labels") else value.reshape(total, -1, *value.shape[1:]).flip(0)
+            for name, value in rows.items()
+        }
+        return rows_part({name: value.reshape(rows[name].shape) for name, value in flipped.items()}, part)
+
+    with mock.patch("lightning_automodel.testing.coverage_report.check.rows_part", other_images):
+        return coverage_check(model_type, layout, kind=IMAGE_TEXT)
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl", "idefics3", "llava_next"])
+def test_an_image_text_to_text_type_builds_tiny_with_its_own_image_inputs(model_type):
+    """Tiny from its own config class, a batch of rows holding an image each in the model's own inputs, and one
+    process's step reaching every part: the tower's blocks and the projector get gradients."""
+    from lightning_automodel.hf.decoder_layers import named_multimodal_parts
+    from lightning_automodel.testing.coverage_report.check import single_process_reference
+
+    reference = single_process_reference(model_type, IMAGE_TEXT)
+    vision = reference.config.vision_config
+    assert reference.config.get_text_config().hidden_size == 64 and vision.patch_size == 4, reference.config
+    assert getattr(vision, "image_size", 16) == 16, vision
+    assert reference.rows["pixel_values"].shape[0] % 4 == 0, reference.rows["pixel_values"].shape
+    image_token = getattr(reference.config, "image_token_id", None) or reference.config.image_token_index
+    assert (reference.rows["input_ids"] == image_token).sum(1).min() > 0
+    parts = [name for name, _ in named_multimodal_parts(reference.model)]  # the tower and the projector
+    silent = [part for part in parts if not any(name.startswith(f"{part}.") for name in reference.outputs.grads)]
+    assert parts and not silent, (parts, silent)
+
+
+def test_todays_verdict_on_image_text_to_text_types():
+    checks = {job: partial(coverage_check, *job, kind=IMAGE_TEXT) for job in IMAGE_EXPECTED}
+    broken = partial(images_of_other_rows, "llava", "dp_shard2")
+    outcomes = run_checks(2, [*checks.values(), broken])
+    assert classify(outcomes[check_name(broken)])["verdict"] == WRONG, outcomes[check_name(broken)]
+    for job, check in checks.items():
+        verdict, sharded = IMAGE_EXPECTED[job]
+        result = classify(outcomes[check_name(check)])
+        assert result["verdict"] == verdict, (job, result)
+        assert round(result["sharded"], 2) == sharded and round(result["tower_sharded"], 2) == sharded, (job, result)

@@ -23,6 +23,7 @@ from lightning_automodel.parallel.parallelizer import parallelization_strategy_f
 from lightning_automodel.parallel.preflight import (
     blocks_recomputed_outside_calls,
     check_before_collectives,
+    check_rotary_parameters,
     probe_unsharded,
 )
 from lightning_automodel.parallel.tensor.plans.hf_plan import hf_style_strings, translate_style
@@ -215,6 +216,18 @@ def test_sizes_tp_cannot_split_are_named(tp, fragments):
 
 def test_sizes_tp_can_split_pass():
     validate_tp_sizes(tiny_model(), 2)
+
+
+def test_a_rotary_embedding_that_trains_is_refused_at_tp():
+    """Mistral Large 4's LeRoPE trains ``alpha`` in its rotary embedding, whose cos and sin every layer's attention
+    reads: no style sums that gradient over tp (the coverage check found it wrong by 100% at tp=2). Frozen, it
+    passes."""
+    model = tiny_model()
+    model.model.rotary_emb.alpha = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(ValueError, match=r"trains \['model.rotary_emb.alpha'\].*Freeze them"):
+        check_rotary_parameters(model, tp=2)
+    model.model.rotary_emb.alpha.requires_grad_(False)
+    check_rotary_parameters(model, tp=2)
 
 
 def test_a_half_meta_model_is_refused():

@@ -13,8 +13,10 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from transformers import PretrainedConfig
 
 from lightning_automodel.hf.shrink import shrunk_config
+from lightning_automodel.hf.vision.tiny import with_tiny_images
 
 TOLERANCE = 1e-5  # the largest difference allowed, relative to the largest logit
 
@@ -30,6 +32,8 @@ def shrunk_replica(model: nn.Module, *, min_layers: int | None = None) -> tuple[
     built."""
     try:
         config = shrunk_config(model.config)
+        if isinstance(getattr(config, "vision_config", None), PretrainedConfig):  # its images made tiny too
+            config = with_tiny_images(type(config), config.to_dict(), model_type=config.model_type)
         text = config.get_text_config()  # a multimodal config keeps its decoder's layers and vocabulary there
         if min_layers is not None and text.num_hidden_layers < min_layers:
             text.num_hidden_layers = min_layers

@@ -199,8 +199,14 @@ def tiny_config(model_type: str, *, heads: int = HEADS):
     """The type's config class, its defaults shrunk and one layer of each kind kept."""
     from transformers import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[model_type]
-    return config_class(**_shrunk_values(config_class().to_dict(), model_type=model_type, heads=heads))
+    return CONFIG_MAPPING[model_type](**tiny_values(model_type, heads=heads))
+
+
+def tiny_values(model_type: str, *, heads: int = HEADS) -> dict[str, Any]:
+    """:func:`tiny_config`'s values, before its class checks them (hf/vision/tiny.py shrinks images first)."""
+    from transformers import CONFIG_MAPPING
+
+    return _shrunk_values(CONFIG_MAPPING[model_type]().to_dict(), model_type=model_type, heads=heads)
 
 
 def shrunk_config(config, *, heads: int = HEADS):
@@ -240,24 +246,7 @@ def shrink(values: dict[str, Any], *, heads: int = HEADS) -> dict[str, Any]:
     if "qk_head_dim" in values:  # derived, and passed back explicitly: keep it the sum of its parts
         tiny["qk_head_dim"] = tiny["qk_nope_head_dim"] + tiny["qk_rope_head_dim"]
     tiny.update(_fewer_layers(tiny, heads=heads))
-    tiny.update(_tower_output_width(values, tiny))
     return tiny
-
-
-# A vision tower's fields that may be the language model's width, as its last projection's output: Qwen2-VL's merger
-# (``hidden_size``), Qwen3-VL's (``out_hidden_size``).
-_TOWER_OUTPUTS = ("hidden_size", "out_hidden_size")
-
-
-def _tower_output_width(values: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
-    """A vision config's fields equal to the text config's width, kept equal to it once both are shrunk: a tower
-    whose output feeds the language model's stream must still fit it."""
-    text, vision = values.get("text_config"), values.get("vision_config")
-    if not (isinstance(text, dict) and isinstance(vision, dict) and "vision_config" in tiny):
-        return {}
-    width = text.get("hidden_size")
-    kept = {name: tiny["text_config"]["hidden_size"] for name in _TOWER_OUTPUTS if vision.get(name) == width}
-    return {"vision_config": {**tiny["vision_config"], **kept}} if kept else {}
 
 
 def merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def check_before_collectives(
     check_sequence_parallel(sp=sp, tp=tp)
     if tp > 1:
         validate_tp_sizes(model, tp)
+        check_rotary_parameters(model, tp=tp)
     ep = axis_size(device_mesh, "ep")
     problem = expert_parallel_problem(model, ep=ep) if ep > 1 else None
     if problem is not None:
@@ -146,6 +147,25 @@ def check_pipeline(
         )
     if problem is not None:
         raise ValueError(f"pp={pp} (pipeline parallel): {problem}. Use pp=1 for this model.")
+
+
+def check_rotary_parameters(model: nn.Module, *, tp: int) -> None:
+    """A rotary embedding that trains parameters (Mistral Large 4's LeRoPE scales its frequencies by a learned
+    ``alpha``) computes cos and sin once for every layer's attention, outside any block a plan splits: no style sums
+    their gradient over the tp ranks, so each rank's would hold its own part of the attention only. Refused."""
+    trained = [
+        f"{name}.{parameter}"
+        for name, module in model.named_modules()
+        if "RotaryEmbedding" in type(module).__name__
+        for parameter, value in module.named_parameters(recurse=False)
+        if value.requires_grad
+    ]
+    if trained:
+        raise ValueError(
+            f"tp={tp} (tensor parallel): {type(model).__name__}'s rotary embedding trains {trained}, whose cos and"
+            " sin feed the attention of every layer: no tensor-parallel style sums their gradient over the tp ranks."
+            " Freeze them (requires_grad=False), or use tp=1."
+        )
 
 
 def check_context_parallel(model: nn.Module, *, cp: int, pipeline: PipelineOptions | None) -> None:

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count
+from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, measured_token_count
 
 # Rows and tokens of the probe's batch: small, odd and unlike any model size, so that a dimension a plan splits
 # cannot be mistaken for another one of the same size. The sequence is a multiple of tp (sequence parallel splits it).
@@ -113,7 +113,7 @@ def sequence_lengths(model: nn.Module, *, tp: int, images: bool = False) -> list
     config = getattr(model, "config", None)
     longest = getattr(config, "max_position_embeddings", None)
     axial = getattr(config, "axial_pos_shape", None)
-    short = PROBE_TOKENS_PER_RANK * tp + ((image_token_count(model) or 0) if images else 0)
+    short = PROBE_TOKENS_PER_RANK * tp + (image_placeholders(model) if images else 0)
     candidates = [-(-short // tp) * tp, math.prod(axial) if getattr(config, "axial_pos_embds", False) else None]
     if isinstance(longest, int):
         candidates += [longest, *(2**power for power in range(longest.bit_length() - 1, 2, -1))]
@@ -122,6 +122,18 @@ def sequence_lengths(model: nn.Module, *, tp: int, images: bool = False) -> list
         if isinstance(length, int) and length > 0 and length % tp == 0 and length not in lengths:
             lengths.append(length)
     return lengths
+
+
+def image_placeholders(model: nn.Module) -> int:
+    """Placeholders per image of the probe's rows: as many as a meta-device copy of ``model`` makes features of one
+    image (the count :func:`forward_step` gives its rows), else as its config says."""
+    with AnswerDataQuestions():  # the tower's code may ask its meta tensors for values
+        measured = measured_token_count(model if _on_meta(model) else meta_copy(model))
+    return measured or image_token_count(model) or 0
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return all(tensor.is_meta for tensor in model.parameters())
 
 
 def refuses_length(error: ProbeError) -> bool:
@@ -138,6 +150,7 @@ def probe(model: nn.Module, *, tokens: int, images: bool = False) -> Trace:
     Data-dependent questions the model's code asks of its tensors (``if mask.any():``) are answered with zero: meta
     tensors hold no values.
     """
+    count = image_placeholders(model) if images else None  # measured before the hooks: no call of it is traced
     names = {id(module): name for name, module in model.named_modules()}
     trace, running, in_backward = Trace(tokens, images=images), [], []
     flow = _ParameterUses(model, trace)
@@ -169,7 +182,7 @@ def probe(model: nn.Module, *, tokens: int, images: bool = False) -> Trace:
     with _hooks(model, before, after), AnswerDataQuestions():
         with flow:
             try:
-                output = forward_step(model, tokens=tokens, images=images)
+                output = forward_step(model, tokens=tokens, images=images, count=count)
             except Exception as error:  # noqa: BLE001 - any failure of the model's code is what the probe reports
                 raise ProbeError(list(running), error, trace) from error
         running.clear()
@@ -181,13 +194,13 @@ def probe(model: nn.Module, *, tokens: int, images: bool = False) -> Trace:
     return trace
 
 
-def forward_step(model: nn.Module, *, tokens: int, images: bool = False) -> Any:
+def forward_step(model: nn.Module, *, tokens: int, images: bool = False, count: int | None = None) -> Any:
     """The forward of a training step of ``model`` on the meta device: ``PROBE_ROWS`` rows of ``tokens`` token ids,
     no key/value cache. With ``images``, each row holds an image (its pixels on the meta device, its placeholders
     and metadata on the CPU, where the model's code reads their values: see
     :func:`~lightning_automodel.hf.vision.image_inputs.image_inputs`). Run it under :class:`AnswerDataQuestions`."""
     if images:
-        inputs = image_inputs(model, rows=PROBE_ROWS, tokens=tokens, pixels_device="meta")
+        inputs = image_inputs(model, rows=PROBE_ROWS, tokens=tokens, pixels_device="meta", count=count)
     else:
         inputs = {"input_ids": torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")}
     return model(**inputs, **_no_cache(model))

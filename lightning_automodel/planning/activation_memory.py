@@ -160,7 +160,7 @@ def activation_bytes(
     images = step_images(model, images_per_row=images_per_row, image_tokens=image_tokens)
     if images is not None:
         images.check_fits(seq_len)
-        images.check_layout(cp=dims.cp, loss_chunks=loss_chunks)
+        images.check_layout(loss_chunks=loss_chunks)
     shape = dict(micro_batch=micro_batch, seq_len=seq_len, loss_chunks=loss_chunks, images=images)
     step = partial(_step_peak, dims=dims, rank=rank, **shape, **options)
     # layers within FSDP2's prefetch window each add a gathered layer too: the few measured lie beyond it

@@ -46,14 +46,8 @@ class StepImages:
             )
 
     @staticmethod
-    def check_layout(*, cp: int, loss_chunks: int) -> None:
-        """Refuse what a step with images cannot run: context parallel (the split sequence's attention mask reaches
-        the tower's attention: LLaVA's fails in it) and the chunked loss (it takes no image inputs)."""
-        if cp > 1:
-            raise ValueError(
-                f"cp={cp} (context parallel) with images: the vision tower's attention gets the split sequence's mask"
-                " (untested with images, and LLaVA's step fails in it); plan cp=1 for a vision-language model."
-            )
+    def check_layout(*, loss_chunks: int) -> None:
+        """Refuse what a step with images cannot run: the chunked loss (it takes no image inputs)."""
         if loss_chunks > 1:
             raise ValueError(f"loss_chunks={loss_chunks}: the chunked loss takes no image inputs; plan loss_chunks=1.")
 

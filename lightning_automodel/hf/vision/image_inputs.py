@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 IMAGE_START = 1  # each row's placeholders follow one text token
 
@@ -42,7 +43,7 @@ def image_token_count(model: nn.Module) -> int | None:
         return _GRID[1] * _GRID[2]  # the merged grid's tokens
     if isinstance(getattr(config, "mm_tokens_per_image", None), int):
         return config.mm_tokens_per_image
-    image_size, patch_size = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    image_size, patch_size = _side(getattr(vision, "image_size", None)), _side(getattr(vision, "patch_size", None))
     if not (isinstance(image_size, int) and isinstance(patch_size, int)):
         return None
     full = getattr(config, "vision_feature_select_strategy", None) == "full"
@@ -57,16 +58,19 @@ def image_inputs(
     images_per_row: int = 1,
     image_tokens: int | None = None,
     pixels_device: Any = "cpu",
+    count: int | None = None,
+    text: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The forward's arguments for ``rows`` rows of ``tokens`` token ids (zeros), ``images_per_row`` images each: the
-    first image's placeholders at positions ``IMAGE_START`` on, each further image's after one more text token (M-RoPE
-    reads consecutive placeholders as one image). ``image_tokens``: the placeholders of an image for a tower that takes
-    images of any size (Qwen2-VL's merged grid, :func:`image_grid`; default :data:`_GRID`'s), refused for one whose
-    config fixes them. Pixels are random (zeros on the meta device) on ``pixels_device``; the token ids and image
-    metadata stay on the CPU, where the model's code reads their values. Raises a ValueError for a model
-    :func:`image_token_count` knows no count for, or rows too short to hold their images' placeholders."""
-    count = image_token_count(model)
-    if count is None:
+    """The forward's arguments for ``rows`` rows of ``tokens`` token ids (``text``, else zeros), ``images_per_row``
+    images each: the first image's placeholders at positions ``IMAGE_START`` on (``count`` of them, else
+    :func:`image_token_count`'s), each further image's after one more text token (M-RoPE reads consecutive
+    placeholders as one image). ``image_tokens``: the placeholders of an image for a tower that takes images of any
+    size (Qwen2-VL's merged grid, :func:`image_grid`; default :data:`_GRID`'s), refused for one whose config fixes
+    them. Pixels are random (zeros on the meta device) on ``pixels_device``; the token ids and image metadata stay on
+    the CPU, where the model's code reads their values. Raises a ValueError for a model :func:`image_token_count`
+    knows no count for, or rows too short to hold their images' placeholders."""
+    count = count if count is not None else image_token_count(model)
+    if count is None or image_token(model.config) is None:
         raise ValueError(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
     config, vision = model.config, model.config.vision_config
     grid = _sized_grid(model, image_tokens=image_tokens)
@@ -76,11 +80,13 @@ def image_inputs(
         raise ValueError(
             f"rows of {tokens} tokens cannot hold {images_per_row} image(s) of {count} placeholders ({needed} tokens)"
         )
-    input_ids = torch.zeros(rows, tokens, dtype=torch.long)
+    input_ids = text.clone() if text is not None else torch.zeros(rows, tokens, dtype=torch.long)
     for image in range(images_per_row):
         start = IMAGE_START + image * (count + 1)
         input_ids[:, start : start + count] = image_token(config)
-    pixels = pixel_inputs(vision, images=rows * images_per_row, device=pixels_device, grid=grid or _GRID)
+    pixels = pixel_inputs(
+        vision, images=rows * images_per_row, device=pixels_device, grid=grid or _GRID, accepted=image_arguments(model)
+    )
     inputs = {"input_ids": input_ids, **pixels}
     accepted = _forward_arguments(model)
     for name in ("token_type_ids", "mm_token_type_ids"):
@@ -121,26 +127,90 @@ def _sized_grid(model: nn.Module, *, image_tokens: int | None) -> tuple[int, int
     return image_grid(image_tokens) if image_tokens is not None and takes_any_image_size(model) else None
 
 
+def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
+    """Placeholders per image as ``model`` (on the meta device or real) makes features of its builder pixels: the
+    elements of ``get_image_features``'s output over the language model's width; None where that does not run."""
+    get_features = getattr(model, "get_image_features", None)
+    vision = getattr(model.config, "vision_config", None)
+    if get_features is None or vision is None:
+        return None
+    taken = set(inspect.signature(get_features).parameters)
+    try:
+        device = next(model.parameters()).device
+        pixels = pixel_inputs(vision, images=images, device=device, accepted=image_arguments(model))
+        with torch.no_grad():
+            output = get_features(**{name: value for name, value in pixels.items() if name in taken})
+    except Exception:  # noqa: BLE001 - a tower this builder's pixels do not fit, a config it cannot read
+        return None
+    features = output.pooler_output if hasattr(output, "pooler_output") else output  # a model output, or tensors
+    leaves = [leaf for leaf in tree_flatten(features)[0] if torch.is_tensor(leaf)]
+    width = model.config.get_text_config().hidden_size
+    elements = sum(leaf.numel() for leaf in leaves)
+    return elements // width // images if elements and elements % (width * images) == 0 else None
+
+
 # Qwen2-VL's grid of an image, in merged blocks: one temporal patch, 1 x 3 blocks (x spatial_merge_size in patches).
 _GRID = (1, 1, 3)
 
 
 def pixel_inputs(
-    vision: Any, *, images: int, device: Any = "cpu", grid: tuple[int, int, int] = _GRID
+    vision: Any,
+    *,
+    images: int,
+    device: Any = "cpu",
+    grid: tuple[int, int, int] = _GRID,
+    accepted: set[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """The pixels (and image grids) of ``images`` images for a tower of config ``vision``, as the forward takes them
-    (``grid``: each image's, in merged blocks, for a tower of merged patches)."""
+    """The pixels (and image metadata) of ``images`` images for a tower of config ``vision``, laid out as
+    :func:`image_arguments` ``accepted`` says: flattened patches and grids (Qwen2-VL; ``grid``: each image's, in
+    merged blocks), else one image of (channels, size, size) each; with ``aspect_ratio_ids`` (Mllama) one tile a row;
+    with ``pixel_attention_mask`` (Idefics, SmolVLM) one image a row in a list of images; with
+    ``image_grid_pinpoints`` (LLaVA-NeXT) a base image and a tile, and their sizes; with ``image_sizes`` (Pixtral's
+    tower) the sizes."""
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
     merge = getattr(vision, "spatial_merge_size", None)
     if isinstance(merge, int):
-        frames, patch = getattr(vision, "temporal_patch_size", None) or 1, vision.patch_size
+        frames, patch = getattr(vision, "temporal_patch_size", None) or 1, _side(vision.patch_size)
         grids = torch.tensor([[grid[0], grid[1] * merge, grid[2] * merge]] * images)
         patches = int(grids.prod(-1).sum())
         return {
             "pixel_values": _random((patches, channels * frames * patch * patch), device=device),
             "image_grid_thw": grids,
         }
-    return {"pixel_values": _random((images, channels, vision.image_size, vision.image_size), device=device)}
+    size = _side(vision.image_size)
+    pixels = _random((images, channels, size, size), device=device)
+    if "aspect_ratio_ids" in accepted:  # (rows, images, tiles, ...): one image of one tile, aspect ratio 1:1 (id 1)
+        return {
+            "pixel_values": pixels[:, None, None],
+            "aspect_ratio_ids": torch.ones(images, 1, dtype=torch.long),
+            "aspect_ratio_mask": torch.ones(images, 1, 1, dtype=torch.long),
+        }
+    if "pixel_attention_mask" in accepted:
+        return {
+            "pixel_values": pixels[:, None],
+            "pixel_attention_mask": torch.ones(images, 1, size, size, dtype=torch.bool),
+        }
+    if "image_grid_pinpoints" in accepted:  # LLaVA-NeXT's "anyres": the base image and one tile of the same size
+        return {"pixel_values": torch.stack([pixels, pixels], 1), "image_sizes": torch.tensor([[size, size]] * images)}
+    if "image_sizes" in accepted:  # a tower of images of any size (Pixtral)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([[size, size]] * images)}
+    return {"pixel_values": pixels}
+
+
+def _side(size: Any) -> int:
+    """A square image's (or patch's) side, from an int or a (height, width) pair."""
+    return size[0] if isinstance(size, list | tuple) else size
+
+
+def image_arguments(model: nn.Module) -> set[str]:
+    """What decides the layout of ``model``'s image inputs: the image arguments its forward takes, and
+    ``image_grid_pinpoints`` where its config tiles images (LLaVA-NeXT), ``image_sizes`` where its tower takes them
+    (Pixtral's)."""
+    tiles = {"image_grid_pinpoints"} if getattr(model.config, "image_grid_pinpoints", None) else set()
+    vision = getattr(model.config, "vision_config", None)
+    tower = next((module for module in model.modules() if getattr(module, "config", None) is vision), None)
+    sizes = {"image_sizes"} if tower is not None and "image_sizes" in _forward_arguments(tower) else set()
+    return (_forward_arguments(model) & {"aspect_ratio_ids", "pixel_attention_mask"}) | tiles | sizes
 
 
 def _random(shape: tuple[int, ...], *, device: Any) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from lightning_automodel.hf.vision.image_inputs import image_token, pixel_inputs
+from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token, pixel_inputs
 from lightning_automodel.parallel.context_parallel.sequence_split import all_gather_autograd
 
 # Per image: the pixels (or a Qwen-style tower's patches, counted by its grid) and the image's metadata.
@@ -35,7 +35,7 @@ def has_images(inputs: dict[str, Any]) -> bool:
     return isinstance(pixels, Tensor) and pixels.numel() > 0
 
 
-def image_arguments(
+def held_image_arguments(
     model: nn.Module,
     images: dict[str, Tensor],
     *,
@@ -61,7 +61,9 @@ def image_features(
     shares = _image_shares(inputs, cp=cp if group is not None else 1)
     share = shares[rank if group is not None else 0]
     if share is None:  # no image of its own: a stand-in's features, none of them kept
-        stand_in = pixel_inputs(model.config.vision_config, images=1, device=inputs["pixel_values"].device)
+        stand_in = pixel_inputs(
+            model.config.vision_config, images=1, device=inputs["pixel_values"].device, accepted=image_arguments(model)
+        )
         own, per_image = _flat_features(model, stand_in)
         own = own[:0]
     else:

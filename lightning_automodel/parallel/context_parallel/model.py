@@ -28,7 +28,7 @@ from lightning_automodel.parallel.context_parallel.images import (
     IMAGE_INPUTS,
     TOKEN_INPUTS,
     has_images,
-    image_arguments,
+    held_image_arguments,
     image_blocks,
 )
 from lightning_automodel.parallel.context_parallel.sequence_split import SequenceSplit, documents, token_indices
@@ -94,7 +94,7 @@ class ContextParallel:
         if has_images(images):
             whole = F.pad(input_ids, (0, self.padded_length(input_ids.size(1)) - input_ids.size(1)))
             where = dict(input_ids=whole, index=split.query_index, group=self.group, rank=self.rank, cp=self.cp)
-            inputs |= image_arguments(self.model, images, **where)
+            inputs |= held_image_arguments(self.model, images, **where)
         outputs = own_forward(self.model, ContextParallelModel)(
             **held,
             sequence_split=split,

@@ -16,7 +16,7 @@ from lightning_automodel.parallel.context_parallel.attention import ATTENTION, t
 from lightning_automodel.parallel.context_parallel.images import (
     IMAGE_INPUTS,
     TOKEN_INPUTS,
-    image_arguments,
+    held_image_arguments,
     image_blocks,
 )
 from lightning_automodel.parallel.context_parallel.sequence_split import SequenceSplit, token_indices
@@ -110,7 +110,7 @@ def _reordered_logits(replica: nn.Module, tokens: Tensor, **inputs: Tensor) -> T
     )
     replica.set_attn_implementation(text_model_only(replica, ATTENTION))
     if images:
-        inputs |= image_arguments(replica, images, input_ids=tokens, index=order, group=None, rank=0, cp=1)
+        inputs |= held_image_arguments(replica, images, input_ids=tokens, index=order, group=None, rank=0, cp=1)
     reordered = replica(
         input_ids=tokens[:, order],
         position_ids=positions[..., order],

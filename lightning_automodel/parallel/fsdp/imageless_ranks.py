@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from lightning_automodel.hf.vision.image_inputs import image_token_count, pixel_inputs
+from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token_count, pixel_inputs
 
 
 def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -49,7 +49,9 @@ class TowerStandIn:
         self.group = mesh.get_group()
         self.device_type = mesh.device_type
         known = image_token_count(model) is not None if known is None else known
-        self.pixels = pixel_inputs(model.config.vision_config, images=1) if known else {}
+        self.pixels = (
+            pixel_inputs(model.config.vision_config, images=1, accepted=image_arguments(model)) if known else {}
+        )
         self.pending = False
         # First among the language model's hooks: before tensor parallel turns its input into a DTensor.
         model.get_decoder().register_forward_pre_hook(self._add_features, with_kwargs=True, prepend=True)

@@ -15,7 +15,7 @@ import copy
 import functools
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import _StridedShard
-from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, parallelize
+from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_multimodal_parts
 from lightning_automodel.hf.initialization import copy_shard, materialize_hf_model
-from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.initial_weights import is_meta
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.planning.replica_comparison import (
@@ -42,17 +42,21 @@ from lightning_automodel.planning.replica_comparison import (
     worst_rounding,
 )
 from lightning_automodel.testing.collectives import CollectiveCount
-from lightning_automodel.testing.coverage_report.model_types import coverage_config
-from lightning_automodel.testing.coverage_report.verdicts import NO_TINY_CONFIG, describe_error, first_line
+from lightning_automodel.testing.coverage_report.kinds import KINDS, TEXT, Kind, NoImageInputs, Rows, rows_part
+from lightning_automodel.testing.coverage_report.verdicts import (
+    NO_IMAGE_INPUTS,
+    NO_TINY_CONFIG,
+    describe_error,
+    first_line,
+)
 from lightning_automodel.testing.parity import (
     FP32_TOLERANCE,
     Outputs,
+    assert_gradients_placed_as_parameters,
     dp_slice,
     full,
     gradient_errors,
-    parallel_outputs,
     relative_error,
-    single_process_outputs,
 )
 
 # Layouts of a world of two, as the strategy's arguments.
@@ -71,39 +75,44 @@ class Reference:
     # (its error against fp64, or its change when the weights move by rounding's size), up to a ceiling (see
     # lightning_automodel.planning.replica_comparison.gradient_limits).
     grad_limits: dict[str, float]
+    rows: Rows  # the batch, as the Kind builds it
 
 
-def coverage_check(model_type: str, layout: str, tp_plan: str | None = None) -> dict[str, Any]:
-    """What happens on this rank when ``model_type`` trains one step on ``layout``: a JSON-able outcome.
+def coverage_check(model_type: str, layout: str, tp_plan: str | None = None, kind: str = TEXT.name) -> dict[str, Any]:
+    """What happens on this rank when ``model_type`` (of the registry ``kind``: see :mod:`.kinds`) trains one step
+    on ``layout``: a JSON-able outcome.
 
     ``tp_plan``: an import path to a plan function to use instead of the one ``parallelize`` chooses (a plan the
     check must catch)."""
     try:
-        reference = single_process_reference(model_type)
+        reference = single_process_reference(model_type, kind)
     except NoTinyConfig as error:
         return {"status": NO_TINY_CONFIG, "reason": str(error)}
+    except NoImageInputs as error:
+        return {"status": NO_IMAGE_INPUTS, "reason": str(error)}
     collectives = CollectiveCount()
     with _plan_log() as plan_log:
         stage = "build on the meta device"
         try:
-            model, built = _build_as_the_strategy_advises(reference.config)
+            model, built = _build_as_the_strategy_advises(reference.config, KINDS[kind].auto_class)
             tp, sp = LAYOUTS[layout]["tp"], LAYOUTS[layout]["sp"]
             mesh = layout_mesh(tp)
             stage = "parallelize"
             with collectives:
                 parallelize(model, mesh, sp=sp, tp_plan=tp_plan)
             sharding = tp_sharding(model, trained=reference.outputs.grads.keys()) if tp > 1 else {}
+            dp = data_mesh(mesh)
             stage = "materialize"
             if built == META:
                 materialize_hf_model(model, torch.device("cpu"))
             uninitialised = load_reference(model, reference.model)
             stage = "forward and backward"
-            outputs = parallel_outputs(model, data_mesh(mesh))
+            outputs = _parallel_outputs(model, dp, rows=reference.rows, kind=KINDS[kind])
         except Exception as error:  # noqa: BLE001 - every failure is an outcome to classify
             # Later stages follow collectives: materialization starts with a broadcast of the random state.
             late = {"build on the meta device": False, "parallelize": collectives.count > 0}.get(stage, True)
             return {"status": "raised", "stage": stage, "after_collectives": late, **describe_error(error), **plan_log}
-    comparison = compare(outputs, reference, dp_slice(data_mesh(mesh), batch_size=4))
+    comparison = compare(outputs, reference, dp_slice(dp, batch_size=len(reference.rows["input_ids"])))
     build = {} if built == META else {"build": built}
     return {"status": "ran", **comparison, "uninitialised_buffers": uninitialised, **sharding, **plan_log, **build}
 
@@ -114,14 +123,14 @@ META = "meta"
 REAL = "with real weights: its constructor makes real matrices under the meta device, which the strategy refuses"
 
 
-def _build_as_the_strategy_advises(config: Any) -> tuple[nn.Module, str]:
+def _build_as_the_strategy_advises(config: Any, auto_class: Any) -> tuple[nn.Module, str]:
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        model = auto_class.from_config(copy.deepcopy(config))
     try:
         is_meta(model)
     except ValueError:
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config)), REAL
+        return auto_class.from_config(copy.deepcopy(config)), REAL
     return model, META
 
 
@@ -130,21 +139,52 @@ class NoTinyConfig(Exception):
 
 
 @functools.lru_cache(maxsize=1)  # the three layouts of a type run one after another against the same reference
-def single_process_reference(model_type: str) -> Reference:
-    stage = "config"
+def single_process_reference(model_type: str, kind: str = TEXT.name) -> Reference:
+    stage, of_kind = "config", KINDS[kind]
     try:
-        config = coverage_config(model_type)
+        config = of_kind.config(model_type)
         stage = "build"
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        model = of_kind.auto_class.from_config(copy.deepcopy(config))
+        stage = "inputs"
+        rows = of_kind.rows(model)
         stage = "single-process step"
-        outputs = single_process_outputs(model)
-        return Reference(config, model, outputs, grad_limits_of(model, outputs))
+        outputs = _outputs(model, rows, kind=of_kind)
+        return Reference(config, model, outputs, grad_limits_of(model, outputs, rows=rows, kind=of_kind), rows)
+    except NoImageInputs:
+        raise
     except Exception as error:  # noqa: BLE001 - transformers' own failures, reported as such
-        raise NoTinyConfig(f"{stage}: {type(error).__name__}: {first_line(error)}") from error
+        found = f"{stage}: {type(error).__name__}: {first_line(error)}"
+        if stage == "inputs" and kind != TEXT.name:  # the model fails on the image inputs built for it
+            raise NoImageInputs(found) from error
+        raise NoTinyConfig(found) from error
 
 
-def grad_limits_of(model: nn.Module, outputs: Outputs) -> dict[str, float]:
+def _outputs(model: nn.Module, rows: Rows, *, kind: Kind) -> Outputs:
+    """One process's loss, logits and gradients on ``rows`` (gradients accumulate over calls)."""
+    loss, logits = kind.loss_and_logits(model, rows)
+    loss.backward()
+    return Outputs(loss, logits, {name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+
+
+def _parallel_outputs(model: nn.Module, dp: DeviceMesh | None, *, rows: Rows, kind: Kind) -> Outputs:
+    """This rank's logits (of its rows of the batch), the loss averaged over ``dp`` and every gradient, gathered (see
+    :func:`lightning_automodel.testing.parity.parallel_outputs`, of a text batch)."""
+    mine = rows_part(rows, dp_slice(dp, len(rows["input_ids"])))
+    with loss_parallel():
+        loss, logits = kind.loss_and_logits(model, mine)
+        loss.backward()
+    loss = full(loss).detach().clone()
+    if dp is not None:
+        dist.all_reduce(loss, group=dp.get_group())
+        loss /= dp.size()
+    assert_gradients_placed_as_parameters(model)
+    return Outputs(
+        loss, full(logits), {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    )
+
+
+def grad_limits_of(model: nn.Module, outputs: Outputs, *, rows: Rows, kind: Kind) -> dict[str, float]:
     """The largest error each gradient may have (see
     :func:`lightning_automodel.planning.replica_comparison.gradient_limits`), from the worst of two measures of its
     fp32 rounding: one step of an fp64 copy, and one of a copy whose weights moved by rounding's size (see
@@ -153,7 +193,7 @@ def grad_limits_of(model: nn.Module, outputs: Outputs) -> dict[str, float]:
     measured = []
     for copy_of in (fp64_copy, rounding_perturbed_copy):
         try:
-            measured.append(gradient_errors(outputs, single_process_outputs(copy_of(model)), floor=ZERO_GRADIENT))
+            measured.append(gradient_errors(outputs, _outputs(copy_of(model), rows, kind=kind), floor=ZERO_GRADIENT))
         except RuntimeError:  # kernels without fp64; a model that cannot be copied after a step (RecurrentGemma)
             continue
     loosened = gradient_limits(worst_rounding(*measured))
@@ -184,18 +224,29 @@ def load_reference(model: nn.Module, reference: nn.Module) -> list[str]:
 
 
 def tp_sharding(model: nn.Module, *, trained: Sequence[str]) -> dict[str, Any]:
-    """How much of the model tensor parallelism split: the share of the decoder blocks' weight elements (those
-    that train in a text-only step) sharded over tp, and whether the embedding and lm_head are."""
+    """How much of the model tensor parallelism split: the share of the blocks' weight elements (those that train in
+    the check's step; a vision tower's blocks included) sharded over tp, the same of the tower's blocks alone (a
+    model with one), and whether the embedding and lm_head are."""
     names = {id(p): name for name, p in model.named_parameters()}
-    block_params = {id(p): p for block in decoder_layers(model) for p in block.parameters() if names[id(p)] in trained}
-    total = sum(p.numel() for p in block_params.values())
-    sharded = sum(p.numel() for p in block_params.values() if sharded_over_tp(p))
+    blocks = {
+        id(p): p for _, block in named_decoder_layers(model) for p in block.parameters() if names[id(p)] in trained
+    }
     output = model.get_output_embeddings()
-    return {
-        "sharded": sharded / total if total else None,
+    found = {
+        "sharded": _share_sharded(blocks.values()),
         "embedding_sharded": sharded_over_tp(model.get_input_embeddings().weight),
         "lm_head_sharded": output is not None and sharded_over_tp(output.weight),
     }
+    tower = tuple(f"{name}." for name, _ in named_multimodal_parts(model))
+    if tower:
+        found["tower_sharded"] = _share_sharded([p for key, p in blocks.items() if names[key].startswith(tower)])
+    return found
+
+
+def _share_sharded(params: Iterable[torch.Tensor]) -> float | None:
+    params = list(params)
+    total = sum(p.numel() for p in params)
+    return sum(p.numel() for p in params if sharded_over_tp(p)) / total if total else None
 
 
 def sharded_over_tp(param: torch.Tensor) -> bool:
@@ -239,6 +290,8 @@ def _plan_log() -> Iterator[dict[str, Any]]:
                 found["plan"] = record.args[1]
             elif record.msg.startswith("Tensor-parallel plan patterns that match no module"):
                 found["unmatched"] = list(record.args[1])
+            elif record.msg.startswith("Beside the language model, kept whole"):
+                found["kept_whole"] = dict(record.args)  # a lone mapping is the record's args
 
     logger = logging.getLogger("lightning_automodel.parallel.tensor.apply")
     handler, level = Collect(), logger.level

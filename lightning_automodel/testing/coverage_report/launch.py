@@ -24,6 +24,7 @@ from lightning_automodel.testing.coverage_report.check import (
 from lightning_automodel.testing.coverage_report.verdicts import (
     CRASH,
     HANG,
+    NO_IMAGE_INPUTS,
     NO_TINY_CONFIG,
     PASS,
     REFUSAL,
@@ -49,7 +50,7 @@ POLL = 1.0  # how often the launcher looks whether a process died
 
 
 # After these every rank went through the same collectives, and the launch goes on with the next check.
-CONTINUABLE = (PASS, WRONG, REFUSAL, NO_TINY_CONFIG)
+CONTINUABLE = (PASS, WRONG, REFUSAL, NO_TINY_CONFIG, NO_IMAGE_INPUTS)
 
 
 def measure(

@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from transformers import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 import lightning_automodel
 from lightning_automodel.hf.shrink import tiny_config
@@ -20,6 +23,20 @@ ROOT = Path(lightning_automodel.__file__).resolve().parent.parent
 SKIP_REASONS = {
     "musicgen": "an audio-codebook decoder: input_ids are (batch x codebooks, length) audio codes",
     "musicgen_melody": "an audio-codebook decoder: input_ids are (batch x codebooks, length) audio codes",
+}
+
+_ENCODER_DECODER = "an encoder-decoder: the image and the prompt are encoded, a decoder of its own generates"
+# Not image-and-text-to-text decoders, though the image-text-to-text mapping lists them.
+IMAGE_SKIP_REASONS = {
+    "diffusion_gemma": "a block-diffusion model: it denoises blocks of tokens, not a next-token decoder",
+    "evolla": "a protein-text model: its inputs are protein sequences, not images",
+    "florence2": _ENCODER_DECODER,
+    "pi0": "a robot policy: it generates actions from images and a prompt, not text",
+    "pix2struct": _ENCODER_DECODER,
+    "pp_formulanet": _ENCODER_DECODER,
+    "t5gemma2": _ENCODER_DECODER,
+    "udop": _ENCODER_DECODER,
+    "vision-encoder-decoder": _ENCODER_DECODER,
 }
 
 
@@ -47,6 +64,11 @@ EXTRA_TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 def causal_lm_types() -> dict[str, str]:
     """Every model type of the installed transformers' causal-LM mapping, with the class it builds."""
     return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+
+
+def image_text_types() -> dict[str, str]:
+    """Every model type of the installed transformers' image-text-to-text mapping, with the class it builds."""
+    return dict(sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()))
 
 
 def coverage_types() -> dict[str, str]:

@@ -13,6 +13,9 @@ import lightning_automodel
 from lightning_automodel.testing.parity import FP32_TOLERANCE
 
 PASS, WRONG, REFUSAL, CRASH, HANG, NO_TINY_CONFIG = "pass", "wrong", "refusal", "crash", "hang", "no tiny config"
+# An image-text-to-text type whose image inputs the builder (lightning_automodel/hf/vision/image_inputs.py) does not
+# know: our limit, not the model's, and not measured.
+NO_IMAGE_INPUTS = "no image inputs"
 
 
 VERDICTS = (PASS, WRONG, REFUSAL, CRASH, HANG, NO_TINY_CONFIG)
@@ -35,8 +38,8 @@ def classify(outcomes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     with a one-line detail and, for a pass, how much tensor parallelism sharded."""
     statuses = {outcome["status"] for outcome in outcomes}
     first = outcomes[0]
-    if statuses == {NO_TINY_CONFIG}:
-        return {"verdict": NO_TINY_CONFIG, "detail": first["reason"]}
+    if statuses in ({NO_TINY_CONFIG}, {NO_IMAGE_INPUTS}):
+        return {"verdict": first["status"], "detail": first["reason"]}
     if statuses == {"ran"}:
         return _judge_numbers(outcomes)
     raised = [(rank, o) for rank, o in enumerate(outcomes) if o["status"] == "raised"]
@@ -62,8 +65,9 @@ def _judge_numbers(outcomes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     found = {key: first.get(key) for key in ("sharded", "embedding_sharded", "lm_head_sharded", "plan")}
     if first.get("loosened_limits"):
         found["loosened_limits"] = first["loosened_limits"]
-    if "build" in first:
-        found["build"] = first["build"]
+    for key in ("build", "tower_sharded", "kept_whole"):
+        if key in first:
+            found[key] = first[key]
     if first["uninitialised_buffers"]:
         found["note"] = f"meta-device build leaves buffers uninitialised: {', '.join(first['uninitialised_buffers'])}"
     mismatch = next((o["mismatch"] for o in outcomes if "mismatch" in o), None)

@@ -21,6 +21,7 @@ from lightning_automodel.hf.peft import is_lora_layer
 from lightning_automodel.parallel.probe import (
     AnswerDataQuestions,
     forward_step,
+    image_placeholders,
     meta_copy,
     sequence_lengths,
     tensor_leaves,
@@ -173,6 +174,7 @@ def _owned_by(model: nn.Module, module: nn.Module, *, allowed: Iterable[nn.Modul
 
 def _follow_once(model: nn.Module, *, whole: set[str], blocks: Iterable[str] | None, images: bool) -> ProjectionFlow:
     copy = meta_copy(model)
+    count = image_placeholders(copy) if images else None  # before the hooks: none of its calls is followed
     flow, tracker = ProjectionFlow(), _SplitActivations()
     handles = []
     modules = dict(copy.named_modules())
@@ -184,7 +186,7 @@ def _follow_once(model: nn.Module, *, whole: set[str], blocks: Iterable[str] | N
                 handles += _watch(module, name, tracker, flow)
     try:
         with AnswerDataQuestions(), tracker:
-            forward_step(copy, tokens=sequence_lengths(model, tp=2, images=images)[0], images=images)
+            forward_step(copy, tokens=sequence_lengths(model, tp=2, images=images)[0], images=images, count=count)
     except Exception as error:  # noqa: BLE001 - any failure of the model's code: no plan can be derived
         raise ValueError(
             f"one forward step of the model on the meta device fails ({type(error).__name__}: {error}), so its data"

@@ -1,0 +1,127 @@
+"""The kinds of model the coverage report checks, each a registry of transformers: what a check builds (the Auto
+class, a tiny config by name) and what it feeds (a batch of rows, its loss). Text causal LMs read token ids; an
+image-text-to-text model reads rows holding an image each, in its own image inputs
+(:mod:`lightning_automodel.hf.vision.image_inputs`)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+from lightning_automodel.hf.shrink import VOCAB
+from lightning_automodel.hf.vision.image_inputs import (
+    IMAGE_START,
+    image_inputs,
+    image_token_count,
+    measured_token_count,
+)
+from lightning_automodel.hf.vision.tiny import SPECIAL_IDS_FROM, special_token_ids, tiny_image_text_config
+from lightning_automodel.planning.replica_comparison import SEQ_LEN, token_batch
+from lightning_automodel.planning.replica_comparison import loss_and_logits as text_loss_and_logits
+from lightning_automodel.testing.coverage_report.model_types import coverage_config
+from lightning_automodel.testing.parity import FP32_TOLERANCE
+
+Rows = dict[str, torch.Tensor]  # a batch, every tensor laid out by rows (an image's patches a row's), labels too
+BATCH_SIZE = 4
+
+
+class NoImageInputs(Exception):
+    """The image-input builder knows no inputs of this model: our limit, reported as such."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A registry the coverage report checks: how a type is built tiny and fed one batch."""
+
+    name: str
+    auto_class: Any
+    config: Callable[[str], Any]
+    rows: Callable[[nn.Module], Rows]  # the batch, from the single-process model (the same on every rank)
+    loss_and_logits: Callable[[nn.Module, Rows], tuple[torch.Tensor, torch.Tensor]]
+
+
+def text_rows(model: nn.Module) -> Rows:
+    tokens, labels = token_batch(VOCAB, batch_size=BATCH_SIZE)
+    return {"input_ids": tokens, "labels": labels}
+
+
+def text_loss(model: nn.Module, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    return text_loss_and_logits(model, rows["input_ids"], rows["labels"])
+
+
+def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
+    """Rows of random text with an image each after the first token, its placeholders as many as the model makes
+    features of one image (measured; else as its config says), never predicted (label -100), the last two tokens
+    padding; the text avoids every special token id of the config."""
+    try:
+        count = measured_token_count(model) or image_token_count(model)
+    except AttributeError as error:  # a config field the builder reads and this config lacks (image_size)
+        raise NoImageInputs(f"{type(model).__name__}: {error}") from error
+    if count is None:
+        raise NoImageInputs(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
+    length = IMAGE_START + count + SEQ_LEN
+    length += length % 2  # a sequence tp=2 + sp splits evenly
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, SPECIAL_IDS_FROM, (BATCH_SIZE, length + 1), generator=generator)
+    for special in special_token_ids(model.config):
+        tokens[tokens == special] = 1 if special != 1 else 3
+    labels = tokens[:, 1:].clone()
+    labels[:, : IMAGE_START + count - 1] = -100  # those predicting a placeholder
+    labels[:, -2:] = -100
+    tokens[:, -2:] = 0
+    try:
+        inputs = image_inputs(model, rows=BATCH_SIZE, tokens=length, count=count, text=tokens[:, :-1])
+    except ValueError as error:  # it names the model
+        raise NoImageInputs(str(error)) from error
+    except AttributeError as error:
+        raise NoImageInputs(f"{type(model).__name__}: {error}") from error
+    rows = {**inputs, "labels": labels}
+    _assert_rows_apart(model, rows)
+    return rows
+
+
+def _assert_rows_apart(model: nn.Module, rows: Rows) -> None:
+    """Each half of the batch alone gives the logits it gives in the whole batch, as a data-parallel rank's rows
+    must; where not, the inputs do not fit the model (images read out of order, placeholders it counts otherwise)."""
+    with torch.no_grad():
+        _, whole = image_loss(model, rows)
+        for half in (slice(0, BATCH_SIZE // 2), slice(BATCH_SIZE // 2, BATCH_SIZE)):
+            _, alone = image_loss(model, rows_part(rows, half))
+            error = ((alone - whole[half]).abs().max() / whole.abs().max()).item()
+            if not error < FP32_TOLERANCE:
+                raise NoImageInputs(
+                    f"rows {half.start}-{half.stop - 1} alone give other logits than in the whole batch (relative"
+                    f" error {error:.1e}): the image inputs built do not fit the model"
+                )
+
+
+def image_loss(model: nn.Module, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy in fp32 over the text, with a padding mask, and the logits."""
+    inputs = {name: value for name, value in rows.items() if name != "labels"}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs["use_cache"] = False
+    logits = model(**inputs, attention_mask=(rows["input_ids"] != 0).long()).logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), rows["labels"].flatten()), logits
+
+
+def rows_part(rows: Rows, part: slice) -> Rows:
+    """The rows ``part`` of a batch: of each tensor, its rows, or its blocks of as many entries a row (Qwen2-VL's
+    flattened patches, one image's a row)."""
+    total = len(rows["input_ids"])
+    taken = {}
+    for name, value in rows.items():
+        per_row = value.shape[0] // total
+        taken[name] = value[part.start * per_row : part.stop * per_row]
+    return taken
+
+
+TEXT = Kind("text", AutoModelForCausalLM, coverage_config, text_rows, text_loss)
+IMAGE_TEXT = Kind("image-text-to-text", AutoModelForImageTextToText, tiny_image_text_config, image_rows, image_loss)
+KINDS = {kind.name: kind for kind in (TEXT, IMAGE_TEXT)}

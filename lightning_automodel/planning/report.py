@@ -172,7 +172,7 @@ class PlanReport:
             f" per step; idle (bubble) fraction (p-1)/({'vm' if per_rank > 1 else 'm'}+p-1) = {bubble:.1%}"
         ]
         last = self.dims.pp * per_rank - 1
-        first = "embedding, vision tower and projector" if self.multimodal else "embedding"
+        first = "embedding, vision tower and projector" if self.tower is not None else "embedding"
         for stage in self.stages:
             held = [
                 _stage_parts(index, layers, last=last, numbered=per_rank > 1, first=first)

@@ -271,7 +271,7 @@ def _stop(processes: list[subprocess.Popen], out_dir: Path, world: int, grace: f
             pass
     for rank in range(world):
         pid = _read_int(out_dir / f"rank{rank}.pid")
-        if pid is not None and _state(pid) is not None:
+        if pid is not None and _state(pid) is not None and _runs_the_script(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -284,6 +284,15 @@ def _torchrun_codes(output: str) -> dict[int, int]:
     """pid -> exit code of each worker in torchrun's failure summary."""
     found = re.findall(r"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)", output)
     return {int(pid): int(code) for code, pid in found}
+
+
+def _runs_the_script(pid: int) -> bool:
+    """Whether process ``pid`` is still a rank of :data:`SCRIPT`: a rank that has exited may have left its pid to
+    another process (under a loaded suite, a data test's worker was killed this way)."""
+    try:
+        return SCRIPT.name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _read_int(path: Path) -> int | None:

@@ -203,13 +203,9 @@ def test_strategy_options_of_the_search():
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    """One launch of four gloo ranks: layout="auto" through Trainer.fit twice (free, and with pp=1 given) and the
-    refusal; the choices and the refusal as each rank saw them."""
-    checks = [
-        partial(check_auto_layout_trains_at_parity, 1.0),
-        partial(check_auto_layout_trains_at_parity, 1.0, pp=1),
-        partial(check_refusal_before_any_weight, 1e-5),
-    ]
+    """One launch of four gloo ranks: layout="auto" through Trainer.fit and the refusal; the choice and the refusal
+    as each rank saw them."""
+    checks = [partial(check_auto_layout_trains_at_parity, 1.0), partial(check_refusal_before_any_weight, 1e-5)]
     return run_checks(4, checks, timeout=600)
 
 
@@ -225,9 +221,12 @@ def test_every_rank_reaches_the_same_choice_and_trains_at_parity(four_ranks):
     assert "each optimizer step accumulates 4 batches" in ranks[0]["choice"]
 
 
-def test_a_size_given_stays_fixed(four_ranks):
-    """pp=1 given: the choice, and every candidate measured, has pp=1; it too trains at parity."""
-    ranks = four_ranks["check_auto_layout_trains_at_parity(1.0, pp=1)"]
+@pytest.mark.sweep
+def test_a_size_given_stays_fixed():
+    """pp=1 given: the choice, and every candidate measured, has pp=1; it too trains at parity (a launch of its own:
+    the search and Trainer.fit again)."""
+    ranks = run_checks(4, [partial(check_auto_layout_trains_at_parity, 1.0, pp=1)], timeout=600)
+    ranks = ranks["check_auto_layout_trains_at_parity(1.0, pp=1)"]
     assert all((rank["layout"], rank["measured"]) == (ranks[0]["layout"], ranks[0]["measured"]) for rank in ranks)
     pipeline_rows = re.findall(r"^ +2 +\d+ +\d+ +\d+ +\d+  \w+", ranks[0]["choice"], re.MULTILINE)
     assert not pipeline_rows and not ranks[0]["layout"][0].startswith("pp=")

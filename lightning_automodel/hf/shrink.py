@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from lightning_automodel.hf.layer_fields import LAYER_COUNTS, layer_fields
+
 HEAD_SIZE = 16
 HEADS = 4  # a tensor-parallel size that does not divide it gets more: see heads_for
 VOCAB = 128
@@ -130,10 +132,6 @@ HIDDEN_SIZES = frozenset(_HIDDEN_NAMES)
 REQUIRED_SIZES = ("head_dim",)
 HEAD_COUNTS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv", "num_query_groups")
-LAYER_COUNTS = (
-    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_blocks", "decoder_layers", "encoder_layers",
-    "num_decoder_layers", "num_encoder_layers",
-)  # fmt: skip
 # Token ids: padding is 0, as the verification batch pads; bos and eos move into the vocabulary when outside it.
 PAD_TOKEN_ID = 0
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
@@ -305,7 +303,7 @@ def _fewer_layers(values: dict[str, Any], *, heads: int) -> dict[str, Any]:
     of layer indices (``full_attn_idxs``, ``hybrid_layer_ids``, ...) hold it, and its entry in dicts keyed by layer
     index (``per_layer_config``). Those lists and dicts are cut to the kept layers and renumbered.
     """
-    fields = _layer_fields(values)
+    fields = layer_fields(values)
     if fields is None:
         return {}
     count, index_lists, per_layer, by_layer = fields
@@ -329,7 +327,7 @@ def layers_kept(values: dict[str, Any], kept: list[int], *, heads: int | None = 
     """The fields of a config dict that describe its layers, for the layers ``kept`` (in order) alone: the layer
     counts, per-layer lists, lists of layer indices (renumbered) and dicts keyed by layer index (renumbered; their
     entries shrunk to ``heads`` heads unless None)."""
-    fields = _layer_fields(values)
+    fields = layer_fields(values)
     if fields is None:
         return {}
     _, index_lists, per_layer, by_layer = fields
@@ -349,54 +347,6 @@ def layers_kept(values: dict[str, Any], kept: list[int], *, heads: int | None = 
         }
     )
     return changed
-
-
-def layers_alike(values: dict[str, Any]) -> bool:
-    """Whether a config dict describes every layer alike: each per-layer list holds one value, each list of layer
-    indices is empty or names every layer, each dict keyed by layer index gives every layer the same entry."""
-    fields = _layer_fields(values)
-    if fields is None:
-        return True
-    count, index_lists, per_layer, by_layer = fields
-    return (
-        all(len({repr(entry) for entry in value}) <= 1 for value in per_layer.values())
-        and all(len(value) in (0, count) for value in index_lists.values())
-        and all(
-            len(value) == count and len({repr(entry) for entry in value.values()}) == 1
-            for name, value in by_layer.items()
-            if name not in ("id2label", "label2id")  # keyed by class, not by layer
-        )
-    )
-
-
-def _layer_fields(values: dict[str, Any]) -> tuple[int, dict, dict, dict] | None:
-    """The layer count of a config dict and its fields by layer: lists of layer indices, per-layer lists, dicts keyed
-    by layer index; None without a layer count."""
-    count_name = next((name for name in LAYER_COUNTS if isinstance(values.get(name), int)), None)
-    if count_name is None:
-        return None
-    count = values[count_name]
-    index_lists = {name: value for name, value in values.items() if _is_layer_index_list(name, value, count)}
-    per_layer = {
-        name: value
-        for name, value in values.items()
-        if isinstance(value, list) and len(value) == count and name not in index_lists
-    }
-    by_layer = {name: value for name, value in values.items() if _is_keyed_by_layer(value, count)}
-    return count, index_lists, per_layer, by_layer
-
-
-def _is_layer_index_list(name: str, value: Any, count: int) -> bool:
-    return (
-        name.endswith(("_idxs", "_ids", "_indices", "_layers"))
-        and isinstance(value, list)
-        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < count for v in value)
-        and value == sorted(set(value))
-    )
-
-
-def _is_keyed_by_layer(value: Any, count: int) -> bool:
-    return isinstance(value, dict) and bool(value) and all(str(k).isdigit() and int(k) < count for k in value)
 
 
 def _entry(by_layer: dict, layer: int, *, heads: int | None) -> Any:

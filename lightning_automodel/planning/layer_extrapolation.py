@@ -18,7 +18,8 @@ from collections.abc import Callable
 from torch import nn
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
-from lightning_automodel.hf.shrink import layers_alike, layers_kept
+from lightning_automodel.hf.layer_fields import layers_alike
+from lightning_automodel.hf.shrink import layers_kept
 
 # The layer counts a model of many alike layers is measured with.
 FEW_LAYERS = (3, 4, 5)

@@ -19,9 +19,9 @@ import time
 
 from lightning_automodel.cli.config import configured
 from lightning_automodel.planning.child_process import ChildProcess
-from lightning_automodel.planning.fitting import NoLayoutFits, choose_layout
-from lightning_automodel.planning.layouts import Outcome, tensor_budget
-from lightning_automodel.planning.search_workers import ChildWorkers, Measurements
+from lightning_automodel.planning.search.fitting import NoLayoutFits, choose_layout
+from lightning_automodel.planning.search.layouts import Outcome, tensor_budget
+from lightning_automodel.planning.search.workers import ChildWorkers, Measurements
 
 
 def child_start_seconds() -> float:

@@ -17,7 +17,7 @@ Every measurement runs in a fresh process (nothing compiled or allocated leaks i
   activation checkpointing): small matrices gain less, so each ratio names its shape;
 - cp: flex attention against SDPA at cp=2, two ranks on the one GPU (gloo with CUDA tensors: NCCL refuses two ranks
   on one device): a training step's loss and every gradient against cp=1 in the same process, and the step time;
-- activations: ``plan --activations``' estimate (``planning.activation_memory``) of each checkpointing mode against
+- activations: ``plan --activations``' estimate (``planning.memory.activations``) of each checkpointing mode against
   ``torch.cuda.max_memory_allocated`` of the same step above what the step held before (benchmarks/gpu_memory.py);
 - auto: ``layout="auto"`` training the 3B shape through a Trainer, the memory it chose by against the allocator's
   peak over the run (benchmarks/gpu_memory.py).

@@ -1,6 +1,6 @@
 """The GPU check's memory sections (benchmarks/gpu.py): the planner's figures against the allocator's peak.
 
-- activations: the activation estimate (``planning.activation_memory``) of one checkpointing mode against the
+- activations: the activation estimate (``planning.memory.activations``) of one checkpointing mode against the
   allocator's peak of the same step above what the step held before;
 - auto: ``layout="auto"`` through a real Trainer on the one GPU, its memory read from the device: the memory it
   chose by (the state and the chosen checkpointing's activations) against the allocator's peak over the run. The
@@ -32,7 +32,7 @@ def measure_activations(args: argparse.Namespace, mode: str, *, model_config: di
 
     from lightning_automodel import ParallelDims
     from lightning_automodel.parallel import parallelize
-    from lightning_automodel.planning.activation_memory import activation_bytes, training_step
+    from lightning_automodel.planning.memory.activations import activation_bytes, training_step
 
     checkpointing = json.loads(mode)
     hf_config = AutoConfig.for_model(**model_config, attn_implementation="sdpa")

@@ -15,7 +15,7 @@ the embedding and the head make stages unequal, and the stage with more work idl
 FSDP2 under pp: the same model at pp=2 x dp_shard=2 on 4 gloo processes, both settings' steps alternating in one
 run: the bytes all-gathered per step and rank (every gathered tensor whole) against the least, one gather of the
 stage's weights; the step time over the default's (median of each step's ratio, the slowest rank's times); and the
-activation estimate of each (``planning/activation_memory.py``).
+activation estimate of each (``planning/memory/activations.py``).
 """
 
 import contextlib
@@ -124,7 +124,7 @@ def fsdp_estimates(microbatches: int) -> dict[str, int]:
 
     from lightning_automodel import ParallelDims
     from lightning_automodel.parallel.pipeline import PipelineOptions
-    from lightning_automodel.planning.activation_memory import activation_bytes
+    from lightning_automodel.planning.memory.activations import activation_bytes
 
     estimates = {}
     for name, reshard in (("kept", None), ("freed", True)):

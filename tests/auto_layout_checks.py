@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.parallel.initial_weights import is_meta
-from lightning_automodel.planning.fitting import NoLayoutFits
+from lightning_automodel.planning.search.fitting import NoLayoutFits
 from lightning_automodel.testing.models import tiny_model
 from lightning_automodel.testing.trainer_parity import (
     GLOBAL_BATCH,

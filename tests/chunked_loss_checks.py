@@ -7,7 +7,7 @@ import torch
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
-from lightning_automodel.planning.activation_memory import training_step
+from lightning_automodel.planning.memory.activations import training_step
 from lightning_automodel.testing.collectives import CollectiveBytes
 from lightning_automodel.testing.models import tiny_model
 from lightning_automodel.testing.parity import FP32_TOLERANCE, full, relative_error

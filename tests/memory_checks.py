@@ -1,5 +1,5 @@
 """Checks run on every rank for test_memory.py: the memory a real training step takes on CPU, read from the process's
-resident set, to hold the fake-tensor estimate of planning/activation_memory.py against."""
+resident set, to hold the fake-tensor estimate of planning/memory/activations.py against."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from lightning_automodel import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import pipeline_of
-from lightning_automodel.planning.activation_memory import gradient_bytes, training_step
+from lightning_automodel.planning.memory.activations import gradient_bytes, training_step
 from lightning_automodel.testing.models import tiny_model
 
 # Large enough that activations dwarf what Python and gloo allocate on the side (a few MiB).

@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.cli import main
-from lightning_automodel.planning.fitting import NoLayoutFits
-from lightning_automodel.planning.layout_search import first_fit, search_layout
-from lightning_automodel.planning.layouts import Candidate, Outcome, SearchSpace, candidates, tensor_budget
-from lightning_automodel.planning.throughput import Hardware
+from lightning_automodel.planning.search.fitting import NoLayoutFits
+from lightning_automodel.planning.search.layouts import Candidate, Outcome, SearchSpace, candidates, tensor_budget
+from lightning_automodel.planning.search.throughput import Hardware
+from lightning_automodel.planning.search.waves import first_fit, search_layout
 from lightning_automodel.strategy.auto_layout import _with_accumulation, step_options
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_config

@@ -9,12 +9,12 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.parallel.pipeline import PipelineOptions
-from lightning_automodel.planning.activation_memory import activation_bytes
-from lightning_automodel.planning.fitting import choose_layout, fitting_layouts
 from lightning_automodel.planning.flops import flops_per_token
-from lightning_automodel.planning.layer_extrapolation import over_layers
-from lightning_automodel.planning.layouts import HEADROOM, SearchSpace, layouts
-from lightning_automodel.planning.throughput import Hardware, tokens_per_second
+from lightning_automodel.planning.memory.activations import activation_bytes
+from lightning_automodel.planning.memory.layer_extrapolation import over_layers
+from lightning_automodel.planning.search.fitting import choose_layout, fitting_layouts
+from lightning_automodel.planning.search.layouts import HEADROOM, SearchSpace, layouts
+from lightning_automodel.planning.search.throughput import Hardware, tokens_per_second
 from lightning_automodel.testing.models import tiny_config
 
 ROWS, TOKENS = 2, 64

@@ -1,4 +1,4 @@
-"""The activation estimate (planning.activation_memory) vs the peak a real training step reaches on CPU, per rank, for
+"""The activation estimate (planning.memory.activations) vs the peak a real training step reaches on CPU, per rank, for
 each activation-checkpointing mode, tensor and sequence parallel, FSDP2, context parallel, pipeline parallel under
 each of its schedules and a bf16 mixed-precision policy; and the plan report's lines built on it."""
 
@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.parallel.pipeline import PipelineOptions
-from lightning_automodel.planning import activation_memory as memory
-from lightning_automodel.planning.activation_memory import activation_bytes
-from lightning_automodel.planning.layer_extrapolation import alike_layers, over_layers
+from lightning_automodel.planning.memory import activations as memory
+from lightning_automodel.planning.memory.activations import activation_bytes
+from lightning_automodel.planning.memory.layer_extrapolation import alike_layers, over_layers
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_config
 

@@ -1,4 +1,4 @@
-"""The activation estimate of a vision-language model's step (planning.activation_memory), its rows holding images,
+"""The activation estimate of a vision-language model's step (planning.memory.activations), its rows holding images,
 against the peak a real CPU step reaches (torch's count of live tensors): LLaVA and Qwen2-VL in one process and at
 tp=2 + sp x dp_shard=2; the estimate without the images, which misses the tower's activations, off by more than the
 tolerance; and a frozen tower's."""
@@ -15,8 +15,8 @@ from vision_memory_checks import IMAGES, ROWS, TOKENS, measured_vision_activatio
 
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.planning import Hardware, SearchSpace, StepOptions, choose_layout
-from lightning_automodel.planning.activation_memory import activation_bytes
-from lightning_automodel.planning.layouts import tensor_budget
+from lightning_automodel.planning.memory.activations import activation_bytes
+from lightning_automodel.planning.search.layouts import tensor_budget
 from lightning_automodel.testing.harness import free_port, run_checks
 from lightning_automodel.testing.models import tiny_model
 

@@ -1,5 +1,5 @@
 """Checks run on every rank for test_vision_memory.py: the memory a real training step of a vision-language model
-takes on CPU, its rows holding images, to hold the fake-tensor estimate of planning/activation_memory.py against."""
+takes on CPU, its rows holding images, to hold the fake-tensor estimate of planning/memory/activations.py against."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from transformers import (
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
-from lightning_automodel.planning.activation_memory import training_step
-from lightning_automodel.planning.step_images import step_images
+from lightning_automodel.planning.memory.activations import training_step
+from lightning_automodel.planning.memory.step_images import step_images
 from lightning_automodel.testing.models import tiny_config
 from lightning_automodel.testing.peak_memory import peak_above_held
 

@@ -14,8 +14,8 @@ from lightning_automodel.cli.lightning_cli import AutomodelCLI, cli
 from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
-from lightning_automodel.planning.step_options import StepOptions
-from lightning_automodel.planning.throughput import Hardware
+from lightning_automodel.planning.memory.step_options import StepOptions
+from lightning_automodel.planning.search.throughput import Hardware
 from lightning_automodel.strategy import AutoModelParallelStrategy
 from lightning_automodel.strategy.module_hints import loss_chunks_of
 

@@ -7,10 +7,16 @@ import argparse
 import sys
 
 from lightning_automodel.cli.config import Configured, configured
-from lightning_automodel.planning.fitting import Fitting, LayoutChoice, NoLayoutFits, choose_layout, fitting_layouts
-from lightning_automodel.planning.layouts import SearchSpace
+from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.report import PlanReport, plan_report
-from lightning_automodel.planning.step_options import StepOptions
+from lightning_automodel.planning.search.fitting import (
+    Fitting,
+    LayoutChoice,
+    NoLayoutFits,
+    choose_layout,
+    fitting_layouts,
+)
+from lightning_automodel.planning.search.layouts import SearchSpace
 from lightning_automodel.planning.verify import verify_plan
 
 

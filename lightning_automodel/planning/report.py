@@ -25,10 +25,10 @@ from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fracti
 from lightning_automodel.parallel.preflight import check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_not_logged
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
-from lightning_automodel.planning.activation_memory import activation_bytes
+from lightning_automodel.planning.memory.activations import activation_bytes
+from lightning_automodel.planning.memory.step_images import step_images
+from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.simulation import fake_world
-from lightning_automodel.planning.step_images import step_images
-from lightning_automodel.planning.step_options import StepOptions
 from lightning_automodel.planning.tower_report import TowerReport, per_block
 
 # Bytes per trainable parameter byte kept per rank while training with AdamW besides the parameter: its gradient,
@@ -236,7 +236,7 @@ def plan_report(
     ``allow_unsharded_linears``, and what shapes a training step but not the plan (``mp_policy``, ``cp_attention``,
     ``loss_chunks``). With ``batch_shape`` (rows per data-parallel rank and step, tokens a row), the report adds
     the activation memory of a training step under each activation-checkpointing mode (see
-    :mod:`.activation_memory`). Under pp each stage's is estimated on its first rank (a zero-bubble schedule, which
+    :mod:`.memory.activations`). Under pp each stage's is estimated on its first rank (a zero-bubble schedule, which
     runs no checkpointing, under "off" alone), and the report's per mode is that of the stage where state and
     activations add up to the most: :meth:`PlanReport.total_bytes` is that total.
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_multimodal_parts
 from lightning_automodel.parallel.mesh import ParallelDims
-from lightning_automodel.planning.step_images import StepImages
+from lightning_automodel.planning.memory.step_images import StepImages
 
 
 @dataclass

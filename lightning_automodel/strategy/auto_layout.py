@@ -1,5 +1,5 @@
 """``layout="auto"``: the strategy chooses its layout at setup, once the LightningModule's model exists and before any
-weight is allocated, with :func:`~lightning_automodel.planning.fitting.choose_layout`.
+weight is allocated, with :func:`~lightning_automodel.planning.search.fitting.choose_layout`.
 
 The search runs in a child process on every rank (planning needs fake process groups of its own), each measuring one
 candidate of every wave; the ranks exchange their outcomes, so every rank holds the same measurements and reaches the
@@ -23,11 +23,11 @@ from lightning_automodel.hf.models import find_hf_models
 from lightning_automodel.parallel.initial_weights import is_meta
 from lightning_automodel.parallel.probe import meta_copy
 from lightning_automodel.planning.child_process import ChildProcess
-from lightning_automodel.planning.fitting import LayoutChoice, choose_layout
-from lightning_automodel.planning.layouts import Candidate, Outcome, SearchSpace, tensor_budget
-from lightning_automodel.planning.search_workers import Measurements
-from lightning_automodel.planning.step_options import StepOptions
-from lightning_automodel.planning.throughput import Hardware
+from lightning_automodel.planning.memory.step_options import StepOptions
+from lightning_automodel.planning.search.fitting import LayoutChoice, choose_layout
+from lightning_automodel.planning.search.layouts import Candidate, Outcome, SearchSpace, tensor_budget
+from lightning_automodel.planning.search.throughput import Hardware
+from lightning_automodel.planning.search.workers import Measurements
 from lightning_automodel.strategy.module_hints import loss_chunks_of
 from lightning_automodel.strategy.options import StrategyOptions
 

@@ -37,7 +37,7 @@ from lightning_automodel.parallel.parallelized import Parallelized
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import Pipeline, PipelineOptions, pipeline_of
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
-from lightning_automodel.planning.fitting import LayoutChoice
+from lightning_automodel.planning.search.fitting import LayoutChoice
 from lightning_automodel.strategy.argument_docs import with_argument_docs
 from lightning_automodel.strategy.auto_layout import apply_accumulation, choose_for_trainer, require_memory_to_plan
 from lightning_automodel.strategy.checkpointing_strategy import CheckpointingStrategy

@@ -22,8 +22,8 @@ from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims, Size
 from lightning_automodel.parallel.options import ParallelOptions, check_sequence_parallel
 from lightning_automodel.parallel.pipeline import PipelineOptions
-from lightning_automodel.planning.layouts import Candidate, SearchSpace
-from lightning_automodel.planning.step_options import check_images
+from lightning_automodel.planning.memory.step_options import check_images
+from lightning_automodel.planning.search.layouts import Candidate, SearchSpace
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_automodel.parallel.mesh import reduction_mesh
-from lightning_automodel.planning.fitting import LayoutChoice
+from lightning_automodel.planning.search.fitting import LayoutChoice
 from lightning_automodel.strategy.lightning_patches import to_local
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_automodel.planning.activation_memory import TotalsTracker
+from lightning_automodel.planning.memory.activations import TotalsTracker
 
 
 def peak_bytes(run, *held) -> int:

@@ -150,7 +150,7 @@ class ContextParallel:
     def _check_same_rows(self, input_ids: Tensor) -> None:
         """The ranks of a cp group split the same rows (the sampler deals them by dp rank): rows of other shapes would
         gather mismatched keys, other tokens would be attended to as if they were these. One small all-reduce."""
-        if is_fake(input_ids):  # a memory estimate (planning/activation_memory.py): rows without values to compare
+        if is_fake(input_ids):  # a memory estimate (planning/memory/activations.py): rows without values to compare
             return
         summary = torch.tensor([*input_ids.shape, int(input_ids.sum())], device=input_ids.device)
         extremes = torch.cat([summary, -summary])

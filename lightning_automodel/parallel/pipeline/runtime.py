@@ -14,9 +14,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import stage as torch_stage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule, get_schedule_class
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Placement
 
 from lightning_automodel.parallel.fsdp.sharding import view_outputs_allowed
 from lightning_automodel.parallel.loss import next_token_targets
@@ -35,6 +34,7 @@ from lightning_automodel.parallel.pipeline.options import PipelineOptions
 from lightning_automodel.parallel.pipeline.stage_split import path_to_blocks, stage_view
 from lightning_automodel.parallel.pipeline.step_loss import StepLoss
 from lightning_automodel.parallel.pipeline.tied_embedding import TiedEmbedding
+from lightning_automodel.parallel.pipeline.told_shapes import ToldShapes, every_stage_told, told_shapes
 
 ROWS = "micro_batch_rows"  # the rows of the whole batch a stage's micro-batch holds (see Pipeline.run's row_inputs)
 RowInputs = Callable[..., dict[str, Any]]  # row_inputs(rows, first=...): see Pipeline.run
@@ -84,7 +84,7 @@ class Pipeline:
         self._batch_shape: tuple[int, ...] | None = None
         self._stream_layout: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         self._parameters: dict[str, nn.Parameter] | None = None
-        self._told_stream: Tensor | None = None
+        self._told: ToldShapes | None = None
         self._row_inputs: RowInputs | None = None
         self._token_mask: Tensor | None = None
         self._balancing_pass: str | None = None  # "counting", "training" or "evaluating" a load-balancing loss
@@ -131,7 +131,12 @@ class Pipeline:
         if with_loss not in self._schedules:
             stages = [
                 PipelineStage(
-                    module, index, self.num_stages, self._device(), group=self.group, **self._told_metadata(index)
+                    module,
+                    index,
+                    self.num_stages,
+                    self._device(),
+                    group=self.group,
+                    **(self._told.metadata(index) if self._told is not None else {}),
                 )
                 for module, index in zip(self.stage_modules(), self.stage_indices, strict=True)
             ]
@@ -142,8 +147,8 @@ class Pipeline:
                 self.options.microbatches_for(self.pp),
                 **loss,
             )
-            if self._told_stream is not None and hasattr(self._schedules[with_loss], "_warmup_p2p"):
-                self._schedules[with_loss]._warmup_p2p = _every_stage_told
+            if self._told is not None and hasattr(self._schedules[with_loss], "_warmup_p2p"):
+                self._schedules[with_loss]._warmup_p2p = every_stage_told
         return self._schedules[with_loss]
 
     def torch_stages(self, *, with_loss: bool = True) -> list[PipelineStage]:
@@ -155,28 +160,15 @@ class Pipeline:
 
     def tell_shapes(self, *, batch_shape: tuple[int, int], hidden_size: int, dtype: torch.dtype) -> None:
         """Tell this rank's stages what they hand each other for batches of ``batch_shape`` (rows, tokens), instead
-        of their exchanging it at their first step: the hidden states of a micro-batch, [rows, tokens (this rank's
-        share under sp), ``hidden_size``] in ``dtype``. A fake process group needs it, whose messages carry nothing:
-        the activation estimate runs the schedule in one (:mod:`~lightning_automodel.planning.activation_memory`)."""
-        rows, tokens = batch_shape
-        shape = [rows // self.options.microbatches_for(self.pp), tokens, hidden_size]
-        if self._stream_layout is not None:
-            mesh, placements = self._stream_layout
-            for mesh_dim, placement in enumerate(placements):
-                if isinstance(placement, Shard):
-                    shape[placement.dim] //= mesh.size(mesh_dim)
-        self._told_stream = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
-        self._schedules, self._batch_shape = {}, (rows, tokens)
-
-    def _told_metadata(self, stage: int) -> dict[str, Tensor]:
-        """The static metadata of ``stage`` (torch's ``input_args`` and ``output_args``), where shapes were told. A
-        last stage's outputs go to the loss, not to another stage: torch reads their metadata for their count only."""
-        stream = self._told_stream
-        if stream is None:
-            return {}
-        rows, tokens = stream.shape[0], self._batch_shape[1]
-        inputs = torch.empty(rows, tokens, dtype=torch.long, device="meta") if stage == 0 else stream
-        return dict(input_args=inputs, output_args=stream)
+        of their exchanging it at their first step (see :mod:`.told_shapes`)."""
+        self._told = told_shapes(
+            batch_shape=batch_shape,
+            microbatches=self.options.microbatches_for(self.pp),
+            hidden_size=hidden_size,
+            dtype=dtype,
+            stream_layout=self._stream_layout,
+        )
+        self._schedules, self._batch_shape = {}, self._told.batch_shape
 
     def receive_stream_as(self, mesh: DeviceMesh, placements: tuple[Placement, ...] | None) -> None:
         """Stages send their part of the hidden states (a DTensor's local shard); a stage that did not embed them
@@ -249,7 +241,7 @@ class Pipeline:
         if scored:
             self.step_loss.start(targets)
         if tuple(input_ids.shape) != self._batch_shape:  # a stage sizes what it receives at its first step
-            if self._told_stream is not None:
+            if self._told is not None:
                 raise ValueError(f"Shapes were told for batches of {self._batch_shape}; got {tuple(input_ids.shape)}.")
             self._schedules, self._batch_shape = {}, tuple(input_ids.shape)
         self._sync_view_modes()
@@ -393,13 +385,6 @@ class Pipeline:
         if device_type == "cpu":
             return torch.device("cpu")
         return torch.device(device_type, torch.get_device_module(device_type).current_device())
-
-
-def _every_stage_told(stages: list[PipelineStage], has_backward: bool, p2p_done: bool) -> None:
-    """What torch's schedules decide at their first step by a vote over the stages' process group (its
-    ``_warmup_p2p``, from torch 2.13), where every stage was told its shapes: each takes them as told."""
-    for stage in stages:
-        stage._inference_mode = torch_stage.InferenceMode.STATIC
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -5,7 +5,7 @@ tensors (shapes and dtypes, no data), as are the buffers the step makes empty (F
 forward and backward of a micro-batch runs through the code training runs: tensor parallel, sequence parallel,
 FSDP2's gathers, activation checkpointing and its recomputation, context parallel's split, the loss (a
 vision-language model's rows hold images, whose pixels the step runs through the vision tower:
-:mod:`~lightning_automodel.planning.step_images`). torch's ``MemTracker`` follows every tensor the step allocates and
+:mod:`.step_images`). torch's ``MemTracker`` follows every tensor the step allocates and
 frees; the estimate is its peak above what the rank held before the step (parameters, and gradients already
 allocated: a step after the first, or an upper bound for a first whose gradients appear as it goes). Nothing is
 re-derived by hand, so the estimate cannot drift from the code, and an 8B model at a long sequence is counted in
@@ -57,15 +57,15 @@ from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_m
 from lightning_automodel.parallel.mesh import ParallelDims, axis_size
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of, stage_layers
-from lightning_automodel.planning.layer_extrapolation import (
+from lightning_automodel.planning.memory.layer_extrapolation import (
     FEW_LAYERS,
     alike_layers,
     extrapolated,
     over_layers,
     with_layers,
 )
+from lightning_automodel.planning.memory.step_images import StepImages, step_images
 from lightning_automodel.planning.simulation import fake_world
-from lightning_automodel.planning.step_images import StepImages, step_images
 
 _CPU = torch.device("cpu")
 
@@ -140,7 +140,7 @@ def activation_bytes(
 
     ``model`` is on the meta device and is consumed here (pass a copy to keep it); ``loss_chunks``: CausalLMModule's
     (see :mod:`~lightning_automodel.parallel.chunked_loss`); a vision-language model's rows hold ``images_per_row``
-    images of ``image_tokens`` tokens (:func:`~lightning_automodel.planning.step_images.step_images`: by default one
+    images of ``image_tokens`` tokens (:func:`.step_images.step_images`: by default one
     a row), whose pixels the step runs through the vision tower; ``options`` are
     :func:`~lightning_automodel.parallel.parallelizer.parallelize`'s (``cp_attention`` is SDPA's: see the module's
     docstring). Must run outside any process group.
@@ -151,7 +151,7 @@ def activation_bytes(
     step allocates for good, are counted).
 
     A model of many alike decoder layers is stepped with a few of them and the peak extrapolated (see
-    :mod:`~lightning_automodel.planning.layer_extrapolation`).
+    :mod:`~lightning_automodel.planning.memory.layer_extrapolation`).
     """
     if loss_chunks > 1:  # refused as CausalLMModule refuses it, before any step (its check runs a model of its own)
         problem = SPLIT_CALLS if dims.cp > 1 or dims.pp > 1 else chunking_problem(model)

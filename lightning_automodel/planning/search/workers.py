@@ -17,8 +17,8 @@ from typing import Any
 from torch import nn
 
 from lightning_automodel.planning.child_process import ChildProcess
-from lightning_automodel.planning.layouts import Candidate, Outcome, layout_memory
-from lightning_automodel.planning.step_options import StepOptions
+from lightning_automodel.planning.memory.step_options import StepOptions
+from lightning_automodel.planning.search.layouts import Candidate, Outcome, layout_memory
 
 
 def measure_candidate(

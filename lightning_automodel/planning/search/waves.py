@@ -8,7 +8,7 @@ refuses them, their state alone exceeds the budget, or full checkpointing (which
 
 :func:`search_layout` finds that one (``layout="auto"``); :func:`search_every_layout` resolves every layout to its
 least recomputing fit (``plan --fit``'s table). Both take an :data:`Evaluate`: in this process, in child processes
-(:mod:`.search_workers`), or spread over the ranks of a job (the strategy's).
+(:mod:`.workers`), or spread over the ranks of a job (the strategy's).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_automodel.parallel.activation_checkpointing import AC_MODES
-from lightning_automodel.planning.layouts import Candidate, Outcome
+from lightning_automodel.planning.search.layouts import Candidate, Outcome
 
 # The outcomes of a wave of candidates, in order: an Outcome, or the first line of the refusal.
 Evaluate = Callable[[list[Candidate]], list["Outcome | str"]]

@@ -41,7 +41,7 @@ class StepOptions:
 
     images_per_row: int | None = None
     """A vision-language model's images a row (None: one; 0: a text-only step), whose pixels the step runs through the
-    tower (see :mod:`~lightning_automodel.planning.step_images`). Refused for a model that takes none."""
+    tower (see :mod:`~lightning_automodel.planning.memory.step_images`). Refused for a model that takes none."""
 
     image_tokens: int | None = None
     """The tokens an image, for a tower that takes images of any size (Qwen2-VL's; None: 256); others' are their
@@ -76,12 +76,12 @@ class StepOptions:
 
     def images(self) -> dict[str, int | None]:
         """The images a row and tokens an image, as keyword arguments of
-        :func:`~lightning_automodel.planning.step_images.step_images`."""
+        :func:`~lightning_automodel.planning.memory.step_images.step_images`."""
         return {"images_per_row": self.images_per_row, "image_tokens": self.image_tokens}
 
     def keywords(self) -> dict[str, Any]:
         """These options as keyword arguments of
-        :func:`~lightning_automodel.planning.activation_memory.activation_bytes`."""
+        :func:`~lightning_automodel.planning.memory.activations.activation_bytes`."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
 
 

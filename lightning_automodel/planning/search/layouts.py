@@ -4,7 +4,7 @@ A layout is a split of the world into pp x dp_replicate x dp_shard x cp x tp ran
 setting. :func:`candidates` lists those a :class:`SearchSpace` allows (the sizes a user gave fixed, the others
 searched), each with its estimated throughput (:mod:`.throughput`), best first; :func:`layout_memory` measures one by
 running the code: the plan report's parameters, gradients and AdamW state per rank (the model parallelized in a fake
-process group) plus :mod:`.activation_memory`'s activation peak (one training step on fake tensors); under pp, those
+process group) plus :mod:`..memory.activations`'s activation peak (one training step on fake tensors); under pp, those
 of the stage where they add up to the most.
 
 The global batch stays the one the user gave: every rank the fixed model-parallel sizes leave is a data-parallel rank
@@ -29,11 +29,11 @@ from lightning_automodel.parallel.compile import CompileSpec, check_compile
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.pipeline import PipelineOptions, stage_layers
-from lightning_automodel.planning.activation_memory import activation_bytes
-from lightning_automodel.planning.layer_extrapolation import over_layers
+from lightning_automodel.planning.memory.activations import activation_bytes
+from lightning_automodel.planning.memory.layer_extrapolation import over_layers
+from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.report import plan_report
-from lightning_automodel.planning.step_options import StepOptions
-from lightning_automodel.planning.throughput import Hardware, tokens_per_second
+from lightning_automodel.planning.search.throughput import Hardware, tokens_per_second
 
 # What a GPU's memory holds besides tensors: the CUDA context, NCCL's buffers, the allocator's fragmentation.
 HEADROOM = 0.1

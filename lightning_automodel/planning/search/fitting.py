@@ -3,8 +3,8 @@ and the one ``layout="auto"`` trains with (:func:`choose_layout`): the fastest t
 recomputation, the same as the table's first row.
 
 The candidates are :mod:`.layouts`' (the sizes a user gave fixed, the global batch kept by accumulation), ranked by
-:mod:`.throughput`'s model and measured by :mod:`.layout_search`'s waves. Under cp the activation estimate counts
-SDPA's dense mask (see :mod:`.activation_memory`), which flex attention on a GPU does not hold: cp layouts are listed
+:mod:`.throughput`'s model and measured by :mod:`.waves`'s waves. Under cp the activation estimate counts
+SDPA's dense mask (see :mod:`..memory.activations`), which flex attention on a GPU does not hold: cp layouts are listed
 with more memory than they take there.
 """
 
@@ -17,15 +17,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_automodel.planning.layout_search import (
-    Evaluate,
-    SearchRecord,
-    first_fit,
-    least_recomputing_fits,
-    search_every_layout,
-    search_layout,
-)
-from lightning_automodel.planning.layouts import (
+from lightning_automodel.planning.memory.step_images import StepImages, step_images
+from lightning_automodel.planning.memory.step_options import StepOptions
+from lightning_automodel.planning.search.layouts import (
     HEADROOM,
     Candidate,
     Outcome,
@@ -33,10 +27,16 @@ from lightning_automodel.planning.layouts import (
     candidates,
     tensor_budget,
 )
-from lightning_automodel.planning.search_workers import ChildWorkers, Measurements
-from lightning_automodel.planning.step_images import StepImages, step_images
-from lightning_automodel.planning.step_options import StepOptions
-from lightning_automodel.planning.throughput import Hardware
+from lightning_automodel.planning.search.throughput import Hardware
+from lightning_automodel.planning.search.waves import (
+    Evaluate,
+    SearchRecord,
+    first_fit,
+    least_recomputing_fits,
+    search_every_layout,
+    search_layout,
+)
+from lightning_automodel.planning.search.workers import ChildWorkers, Measurements
 
 _HEADER = (
     f"  {'pp':>3} {'tp':>3} {'cp':>3} {'dp_shard':>8} {'dp_replicate':>12}  {'checkpointing':<13}"
@@ -107,7 +107,7 @@ def fitting_layouts(
     step: StepOptions | None = None,
 ) -> Fitting:
     """Every layout of ``world_size`` ranks ``space`` allows, each with the least recomputing checkpointing setting
-    that fits ``hardware.memory_gib`` less :data:`~lightning_automodel.planning.layouts.HEADROOM`.
+    that fits ``hardware.memory_gib`` less :data:`~lightning_automodel.planning.search.layouts.HEADROOM`.
 
     ``model`` is on the meta device (left as it is: each layout parallelizes copies); ``step``: how each layout's step
     is parallelized and computed beside its sizes; ``workers``: child processes measuring layouts side by side (1:
@@ -338,7 +338,7 @@ def pinned_config(candidate: Candidate, *, heading: str) -> list[str]:
 
 def _notes(hardware: Hardware, listed: list[Candidate]) -> list[str]:
     notes = [
-        f"throughput model: {hardware} (see lightning_automodel/planning/throughput.py); measure the layout you pick",
+        f"throughput model: {hardware} (see planning/search/throughput.py); measure the layout you pick",
         f"memory: {HEADROOM:.0%} of each GPU left to the CUDA context, NCCL's buffers and the allocator",
     ]
     if any(candidate.dims.cp > 1 for candidate in listed):

@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/faults.py                      # every fault, default and 30 s timeouts (~20 min)
     .venv/bin/python benchmarks/faults.py --timeouts 30 --cases "SIGKILL rank 1" "SIGTERM rank 1"
 
-Each case launches lightning_automodel/testing/fault_train.py as users do (Lightning's launcher, torchrun with one or
+Each case launches testing/faults/fault_train.py as users do (Lightning's launcher, torchrun with one or
 two agents, or each rank as srun starts it in a SLURM job step), the tiny Llama at tp=2 x dp_shard=2 on 4 CPU
 processes over gloo, and injects the fault once every rank has trained 2 steps (see
-lightning_automodel/testing/fault_launch.py). A survivor still running ``--wait`` seconds after the fault is reported
+lightning_automodel/testing/faults/launch.py). A survivor still running ``--wait`` seconds after the fault is reported
 as such and killed. Run it against another checkout with PYTHONPATH=that/checkout.
 """
 
@@ -17,7 +17,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
+from lightning_automodel.testing.faults.launch import Fault, Outcome, launch
 
 KILL, TERM, INT, STOP, USR1 = signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGSTOP, signal.SIGUSR1
 

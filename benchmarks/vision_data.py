@@ -6,7 +6,7 @@ processor, once) and a row's read (its images decoded and made pixels, every tim
 Records of one or two JPEG images (random noise at quality 90: 640 x 480 and 800 x 600, 269 and 422 KiB, more than
 photos of those sizes) as a JSONL file naming them; the processors are LLaVA-1.5's image processor (336 x 336,
 patches of 14: 576 tokens an image) and Qwen2-VL's (patches of 14 merged 2 x 2, images up to 1,003 x 1,003 pixels),
-built in code on the byte tokenizer (lightning_automodel.testing.vision). The build runs with ``--workers``
+built in code on the byte tokenizer (lightning_automodel.testing.vision.processors). The build runs with ``--workers``
 tokenizing processes; rows are read in this process, in order, after the build (the image files in the page cache).
 """
 
@@ -23,7 +23,7 @@ from PIL import Image
 
 from lightning_automodel.data import cache
 from lightning_automodel.data.vision import VisionChatDataModule
-from lightning_automodel.testing.vision import llava_processor, qwen2_vl_processor
+from lightning_automodel.testing.vision.processors import llava_processor, qwen2_vl_processor
 
 SIZES = ((640, 480), (800, 600))
 

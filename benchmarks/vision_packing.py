@@ -5,7 +5,7 @@ and records a second through a tiny model's forward and backward, in one process
 
 Records of varied lengths (answers of 5 to 300 bytes; the byte tokenizer: a token a byte) with 0 to 2 images each,
 of varied sizes (8 to 64 pixels a side: 4 to 64 tokens an image for Qwen2-VL, 4 for LLaVA); the tiny processors
-and models of lightning_automodel.testing.vision, the models' decoder ``--hidden`` wide, ``--layers`` deep. The
+and models of testing/vision/processors.py, the models' decoder ``--hidden`` wide, ``--layers`` deep. The
 rows are read (pixels made) once; the model's time is its forward and backward over all of them, padded and packed
 in turn, the best of ``--repeats`` after one warming up, on ``--threads`` threads (one: on a shared machine, other
 processes then slow both alike rather than one more).
@@ -25,7 +25,7 @@ from PIL import Image
 
 from lightning_automodel.data import cache
 from lightning_automodel.data.vision import VisionChatDataModule
-from lightning_automodel.testing.vision import llava_processor, qwen2_vl_processor, tiny_llava, tiny_qwen2_vl
+from lightning_automodel.testing.vision.processors import llava_processor, qwen2_vl_processor, tiny_llava, tiny_qwen2_vl
 
 
 def write_records(directory: Path, count: int) -> str:

@@ -37,7 +37,7 @@ from lightning_automodel.strategy.faults.collective_progress import GroupProgres
 from lightning_automodel.strategy.faults.processes import FROZEN, state_of
 from lightning_automodel.strategy.faults.processes import GONE as PROCESS_GONE
 from lightning_automodel.strategy.faults.stragglers import Stragglers, _as_the_waiting_say, flight_recorder_environment
-from lightning_automodel.testing.fault_launch import Fault, Outcome, launch
+from lightning_automodel.testing.faults.launch import Fault, Outcome, launch
 from lightning_automodel.testing.harness import run_checks
 
 TIMEOUT = 30.0

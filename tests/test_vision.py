@@ -31,7 +31,7 @@ from lightning_automodel.parallel.tensor.styles.projections import PackedColwise
 from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_model
-from lightning_automodel.testing.vision_models import MOE_VISION_FAMILY, VISION_FAMILIES, tiny_vision_model
+from lightning_automodel.testing.vision.models import MOE_VISION_FAMILY, VISION_FAMILIES, tiny_vision_model
 
 
 def test_vision_models_at_tp_sp_and_dp_shard():

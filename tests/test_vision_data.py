@@ -15,7 +15,7 @@ from lightning_automodel.data.rows import IGNORE_INDEX
 from lightning_automodel.data.vision import VisionChatDataModule
 from lightning_automodel.data.vision.records import processor_digest
 from lightning_automodel.data.vision.rows import collate_rows
-from lightning_automodel.testing.vision import llava_processor, qwen2_vl_processor, tiny_llava, tiny_qwen2_vl
+from lightning_automodel.testing.vision.processors import llava_processor, qwen2_vl_processor, tiny_llava, tiny_qwen2_vl
 
 SIZES = {"red.png": (10, 6), "blue.png": (20, 30), "green.png": (12, 8)}  # width, height: three sizes
 

@@ -16,8 +16,8 @@ from lightning_automodel.data.vision import VisionChatDataModule, packing
 from lightning_automodel.data.vision.packing import packed_positions, packing_rope_index
 from lightning_automodel.data.vision.rows import collate_rows
 from lightning_automodel.hf.document_masking import packed_documents_problem
-from lightning_automodel.testing.vision import llava_processor, qwen2_vl_processor, tiny_llava, tiny_qwen2_vl
-from lightning_automodel.testing.vision_models import IMAGE_TOKEN, tiny_vision_model, vision_batch
+from lightning_automodel.testing.vision.models import IMAGE_TOKEN, tiny_vision_model, vision_batch
+from lightning_automodel.testing.vision.processors import llava_processor, qwen2_vl_processor, tiny_llava, tiny_qwen2_vl
 
 # Two images of other sizes, one, none, one: each record's image tokens at another place.
 PACKED = [*RECORDS, record("Nothing?", "nothing", []), record("Big?", "blue, big", ["blue.png"])]

@@ -14,7 +14,7 @@ from lightning_automodel.parallel.pipeline.images import IMAGE_INPUTS, StageImag
 from lightning_automodel.parallel.preflight import check_pipeline
 from lightning_automodel.planning.report import plan_report
 from lightning_automodel.testing.harness import run_checks
-from lightning_automodel.testing.vision_models import (
+from lightning_automodel.testing.vision.models import (
     IMAGE_TOKEN,
     MOE_VISION_FAMILY,
     VISION_FAMILIES,

@@ -18,7 +18,7 @@ from lightning_automodel.hf.loading import materialize_pretrained
 from lightning_automodel.testing.harness import shared_directory
 from lightning_automodel.testing.parity import FP32_TOLERANCE, dims_for, full
 from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, compare_training, reference_run, trainer
-from lightning_automodel.testing.vision_models import tiny_vision_model, vision_batch, vision_loss_and_logits
+from lightning_automodel.testing.vision.models import tiny_vision_model, vision_batch, vision_loss_and_logits
 
 
 def saved_vision_model(family: str) -> Path:

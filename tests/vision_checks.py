@@ -43,7 +43,7 @@ from lightning_automodel.testing.trainer_parity import (
     reference_run,
     trainer,
 )
-from lightning_automodel.testing.vision_models import (
+from lightning_automodel.testing.vision.models import (
     IMAGE_TOKEN,
     model_inputs,
     rows_slice,

@@ -22,7 +22,7 @@ from lightning_automodel.testing.trainer_parity import (
     reference_run,
     trainer,
 )
-from lightning_automodel.testing.vision_models import (
+from lightning_automodel.testing.vision.models import (
     IMAGE_TOKEN,
     IMAGE_TOKENS,
     model_inputs,

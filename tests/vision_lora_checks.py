@@ -25,7 +25,7 @@ from lightning_automodel.io.hf_export import export_merged
 from lightning_automodel.planning.replica_comparison import gradient_limits
 from lightning_automodel.testing.harness import shared_directory
 from lightning_automodel.testing.parity import FP32_TOLERANCE, LR, assert_gradients_placed_as_parameters, dims_for, full
-from lightning_automodel.testing.vision_models import model_inputs, tiny_vision_model, vision_batch
+from lightning_automodel.testing.vision.models import model_inputs, tiny_vision_model, vision_batch
 
 # Attention and MLP projections of the language model and the tower, and the projector's Linears; Qwen2-VL's "proj"
 # also names its tower's patch convolution (a LoRA Conv3d, kept whole like its base).

@@ -27,7 +27,7 @@ from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
 from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, fp64_copy, gradient_limits
 from lightning_automodel.testing.parity import FP32_TOLERANCE, Outputs, full, gradient_errors
 from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, compare_training, reference_run, trainer
-from lightning_automodel.testing.vision_models import collate_images, image_records, tiny_vision_model
+from lightning_automodel.testing.vision.models import collate_images, image_records, tiny_vision_model
 
 
 def _loss(model: torch.nn.Module, rows: dict[str, torch.Tensor], _: object = None) -> torch.Tensor:

@@ -37,13 +37,13 @@ from lightning_automodel.testing.vision.models import MOE_VISION_FAMILY, VISION_
 def test_vision_models_at_tp_sp_and_dp_shard():
     """LLaVA, Qwen2-VL and Gemma 3 with images at tp=2 + sp x dp_shard=2: loss, logits and every gradient, the
     tower's included (LLaVA with activation checkpointing too; Qwen2-VL under HSDP, tp=2 x dp_replicate=2);
-    Qwen3-VL-MoE at tp=2 x ep=2; ranks without images (LLaVA, Qwen2-VL); AdamW steps through the Trainer, with the
+    Qwen3-VL-MoE at tp=2 x ep=2 (its tower split too); ranks without images (LLaVA, Qwen2-VL); AdamW steps through the Trainer, with the
     tower frozen; LoRA on Qwen2-VL's language model, tower (its packed qkv and patch convolution) and projector, and
     AdamW steps on its adapters. The variants: ``-m sweep``."""
     checks = [partial(check_vision_layout, family, 2, True) for family in VISION_FAMILIES]
     checks += [partial(check_vision_layout, "llava", 2, True, True)]
     checks += [partial(check_vision_layout, "qwen2_vl", 2, True, dp_replicate=2)]
-    checks += [partial(check_vision_layout, MOE_VISION_FAMILY, 2, False, ep=2, tower_whole=True)]
+    checks += [partial(check_vision_layout, MOE_VISION_FAMILY, 2, False, ep=2)]
     checks += [partial(check_imageless_ranks, family, 2, True, (1,)) for family in ("llava", "qwen2_vl")]
     checks += [partial(check_vision_training, family, 2, True) for family in ("llava", "qwen2_vl")]
     checks += [partial(check_vision_training, "llava", 2, True, ("vision_tower",))]
@@ -222,16 +222,15 @@ def test_a_tower_plan_the_probe_refuses_leaves_the_tower_whole(monkeypatch):
     assert "model.visual.blocks.0.attn.proj" not in report.split("vision tower")[0]
 
 
-def test_sequence_parallel_is_refused_where_no_probe_step_runs_the_images():
-    """Qwen3-VL-MoE's deepstack features join the stream by a mask the meta device cannot resolve: its probe runs text
-    alone, and sp, which would split the stream the features are added to, is refused before any collective."""
+def test_sequence_parallel_is_refused_where_the_model_indexes_the_stream_with_a_whole_mask():
+    """Qwen3-VL-MoE adds its deepstack features to the stream at a mask of its image placeholders (the probe resolves
+    the mask from the token ids: its tower is split like any); under sp the stream is split along the sequence and the
+    whole mask cannot index it: sp is refused before any collective, naming the fix."""
     with torch.device("meta"):
         model = tiny_vision_model(MOE_VISION_FAMILY)
-    with pytest.raises(ValueError, match=r"sp=True \(sequence parallel\): no probe step of Qwen3VLMoe.*Use sp=False"):
+    with pytest.raises(ValueError, match=r"fails in model.language_model .*aten.index.Tensor.*Use sp=False"):
         plan_report(model, ParallelDims(tp=2).resolve(4), sp=True)
-    assert "kept whole on every tp rank: model.visual (no probe step ran" in str(
-        plan_report(model, ParallelDims(tp=2).resolve(4))
-    )
+    assert "tp splits 12 of their projections" in str(plan_report(model, ParallelDims(tp=2).resolve(4)))
 
 
 def test_context_parallel_checks_the_split_around_images_on_a_replica(monkeypatch):

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental import _config as fx_config
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, measured_token_count
+from lightning_automodel.parallel.meta_values import AnswerDataQuestions
 
 # Rows and tokens of the probe's batch: small, odd and unlike any model size, so that a dimension a plan splits
 # cannot be mistaken for another one of the same size. The sequence is a multiple of tp (sequence parallel splits it).
@@ -147,8 +147,8 @@ def probe(model: nn.Module, *, tokens: int, images: bool = False) -> Trace:
     row, with an image each where ``images`` (see :func:`forward_step`); record every module call. Raises
     :class:`ProbeError` naming the module that failed.
 
-    Data-dependent questions the model's code asks of its tensors (``if mask.any():``) are answered with zero: meta
-    tensors hold no values.
+    Questions the model's code asks of its tensors' values (``if mask.any():``) are answered from the values of those
+    computed from the CPU's token ids and image metadata, else with zero (:mod:`.meta_values`).
     """
     count = image_placeholders(model) if images else None  # measured before the hooks: no call of it is traced
     names = {id(module): name for name, module in model.named_modules()}
@@ -196,11 +196,11 @@ def probe(model: nn.Module, *, tokens: int, images: bool = False) -> Trace:
 
 def forward_step(model: nn.Module, *, tokens: int, images: bool = False, count: int | None = None) -> Any:
     """The forward of a training step of ``model`` on the meta device: ``PROBE_ROWS`` rows of ``tokens`` token ids,
-    no key/value cache. With ``images``, each row holds an image (its pixels on the meta device, its placeholders
-    and metadata on the CPU, where the model's code reads their values: see
-    :func:`~lightning_automodel.hf.vision.image_inputs.image_inputs`). Run it under :class:`AnswerDataQuestions`."""
+    no key/value cache. With ``images``, each row holds an image, its pixels, placeholders and metadata on the CPU,
+    where the model's code reads their values (see :func:`~lightning_automodel.hf.vision.image_inputs.image_inputs`).
+    Run it under :class:`AnswerDataQuestions`, which moves them to the meta device with their values beside them."""
     if images:
-        inputs = image_inputs(model, rows=PROBE_ROWS, tokens=tokens, pixels_device="meta", count=count)
+        inputs = image_inputs(model, rows=PROBE_ROWS, tokens=tokens, count=count)
     else:
         inputs = {"input_ids": torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")}
     return model(**inputs, **_no_cache(model))
@@ -247,23 +247,6 @@ def _describe(tensor: torch.Tensor) -> TensorArg:
     return TensorArg(tuple(tensor.shape))
 
 
-class AnswerDataQuestions(TorchDispatchMode):
-    """``tensor.item()`` and ``bool(tensor)`` of a meta tensor return zero (False) instead of raising: both runs of
-    the probe take the same branch of code that asks about values (padding checks, mask shortcuts). ``nonzero`` of a
-    meta tensor takes every element as nonzero (an experts loop then visits every expert: DBRX's). CPU tensors an
-    operation combines with meta ones (positions computed from an image's grid) are moved to the meta device."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        args, kwargs = _cpu_beside_meta_moved((args, kwargs or {}))
-        meta = bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"
-        if func is torch.ops.aten._local_scalar_dense.default and meta:
-            return _zero_of(args[0].dtype)
-        if func is torch.ops.aten.nonzero.default and meta:
-            with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
 class _ParameterUses(TorchDispatchMode):
     """Follows the forward's data: tensors computed from the activations, tensors computed from plain parameters
     alone (``softplus(alpha)``, ``A_log.exp()``), and every operation where the two meet, whose output shape it
@@ -297,32 +280,9 @@ class _ParameterUses(TorchDispatchMode):
         return output
 
 
-def _cpu_beside_meta_moved(values: Any) -> Any:
-    leaves = tensor_leaves(values)
-    if not any(leaf.device.type == "meta" for leaf in leaves) or all(leaf.device.type == "meta" for leaf in leaves):
-        return values
-    return tree_map(_on_meta, values)
-
-
-def _on_meta(leaf: Any) -> Any:
-    """``leaf`` on the meta device where it is a tensor of one or more dimensions (a DTensor: its local tensor)."""
-    if not _is_tensor(leaf) or not leaf.ndim or leaf.device.type == "meta":
-        return leaf
-    if isinstance(leaf, DTensor):
-        local = leaf._local_tensor.to("meta")
-        return DTensor.from_local(local, leaf.device_mesh, leaf.placements, shape=leaf.shape, stride=leaf.stride())
-    return leaf.to("meta")
-
-
 def tensor_leaves(values: Any) -> list[torch.Tensor]:
     """The tensors in a nest of tuples, lists and dicts (an operation's arguments, a module's outputs)."""
     return [leaf for leaf in tree_flatten(values)[0] if isinstance(leaf, torch.Tensor)]
-
-
-def _zero_of(dtype: torch.dtype) -> bool | int | float:
-    if dtype == torch.bool:
-        return False
-    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
 
 
 def _first_line(error: BaseException) -> str:

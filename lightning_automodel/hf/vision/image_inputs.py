@@ -136,7 +136,8 @@ def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
         return None
     taken = set(inspect.signature(get_features).parameters)
     try:
-        device = next(model.parameters()).device
+        device = next(model.parameters()).device  # on meta, pixels of values on the CPU (see parallel/meta_values.py)
+        device = "cpu" if device.type == "meta" else device
         pixels = pixel_inputs(vision, images=images, device=device, accepted=image_arguments(model))
         with torch.no_grad():
             output = get_features(**{name: value for name, value in pixels.items() if name in taken})

@@ -18,8 +18,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.peft import is_lora_layer
+from lightning_automodel.parallel.meta_values import AnswerDataQuestions
 from lightning_automodel.parallel.probe import (
-    AnswerDataQuestions,
     forward_step,
     image_placeholders,
     meta_copy,

@@ -22,7 +22,7 @@ from lightning_automodel.cli import main
 from lightning_automodel.planning.search.fitting import NoLayoutFits
 from lightning_automodel.planning.search.layouts import Candidate, Outcome, SearchSpace, candidates, tensor_budget
 from lightning_automodel.planning.search.throughput import Hardware
-from lightning_automodel.planning.search.waves import first_fit, search_layout
+from lightning_automodel.planning.search.waves import chosen_fit, search_layout, tie_ordered
 from lightning_automodel.strategy.auto_layout import _with_accumulation, step_options
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.models import tiny_config
@@ -97,6 +97,23 @@ def test_the_search_measures_from_the_top_until_the_first_fit_is_known():
     assert pruned.waves == [[(1, "full")], [(8, "off")]]
 
 
+def test_estimates_within_one_percent_tie_and_recomputing_less_then_holding_less_wins():
+    """tp=1 "selective" fits first (ranked second), but tp=2 "off" is estimated 0.6% slower: a tie, which the search
+    measures too and wins by recomputing nothing; of two tied fits of one setting the smaller wins; 1.5% behind is
+    no tie. ``plan --fit``'s table orders its rows by the same rule."""
+    ranked, outcomes = _made_up(
+        [(1, "off", 100, 90), (1, "selective", 99.5, 60), (2, "off", 98.9, 64), (4, "off", 97, 30)]
+    )
+    assert _choice(ranked, outcomes, budget=65 * GIB, workers=1) == (2, "off")
+    record = search_layout(ranked, budget=65 * GIB, evaluate=_Replay(outcomes), workers=1)
+    assert sorted(record.outcomes) == [0, 1, 2]  # tp=4, 2.5% behind the first fit, is never measured
+    assert tie_ordered(record, [1, 2]) == [2, 1]
+    smaller, smaller_outcomes = _made_up([(1, "off", 100, 64), (2, "off", 99.2, 50), (4, "off", 98.5, 20)])
+    assert _choice(smaller, smaller_outcomes, budget=65 * GIB, workers=1) == (2, "off")
+    apart, apart_outcomes = _made_up([(1, "selective", 100, 60), (2, "off", 98.5, 64)])
+    assert _choice(apart, apart_outcomes, budget=65 * GIB, workers=1) == (1, "selective")
+
+
 def test_a_replicated_twin_of_a_layout_too_large_is_not_measured():
     """FSDP over 8 too large without checkpointing: HSDP's 2 replicas of 4 take the same step with twice the state, so
     its "off", ranked second, is never measured; the search ends at FSDP's "full", which fits."""
@@ -116,12 +133,12 @@ def test_a_replicated_twin_of_a_layout_too_large_is_not_measured():
     replay = _Replay(outcomes)
     record = search_layout(ranked, budget=65 * GIB, evaluate=replay, workers=1)
     assert [ranked[index].name for index in record.outcomes] == ["tp=1 cp=1 dp_shard=8", "tp=1 cp=1 dp_shard=8"]
-    assert first_fit(record) == 2  # FSDP with full checkpointing: the replicated twin ranks below it anyway
+    assert chosen_fit(record) == 2  # FSDP with full checkpointing: the replicated twin ranks below it anyway
 
 
 def _choice(ranked, outcomes, *, budget, workers):
     record = search_layout(ranked, budget=budget, evaluate=_Replay(outcomes), workers=workers)
-    chosen = ranked[first_fit(record)]
+    chosen = ranked[chosen_fit(record)]
     return chosen.dims.tp, chosen.checkpointing
 
 
@@ -153,7 +170,7 @@ def test_nothing_fits_names_the_smallest_shortfall_and_what_would_fit():
     outcomes[ranked[1]] = Outcome(25 * GIB, 25 * GIB)  # 50 GiB: 20 over a budget of 30
     memory_gib = 30 / 0.9
     record = search_layout(ranked, budget=tensor_budget(memory_gib), evaluate=_Replay(outcomes), workers=2)
-    assert first_fit(record) is None and len(record.outcomes) == 2
+    assert chosen_fit(record) is None and len(record.outcomes) == 2
     shape = (4, TOKENS)
     message = str(NoLayoutFits.of(record, {}, hardware=Hardware(memory_gib), batch_shape=shape, world_size=8))
     assert (

@@ -37,9 +37,9 @@ from lightning_automodel.testing.vision.models import MOE_VISION_FAMILY, VISION_
 def test_vision_models_at_tp_sp_and_dp_shard():
     """LLaVA, Qwen2-VL and Gemma 3 with images at tp=2 + sp x dp_shard=2: loss, logits and every gradient, the
     tower's included (LLaVA with activation checkpointing too; Qwen2-VL under HSDP, tp=2 x dp_replicate=2);
-    Qwen3-VL-MoE at tp=2 x ep=2 (its tower split too); ranks without images (LLaVA, Qwen2-VL); AdamW steps through the Trainer, with the
-    tower frozen; LoRA on Qwen2-VL's language model, tower (its packed qkv and patch convolution) and projector, and
-    AdamW steps on its adapters. The variants: ``-m sweep``."""
+    Qwen3-VL-MoE at tp=2 x ep=2 (its tower split too); ranks without images (LLaVA, Qwen2-VL); AdamW steps through
+    the Trainer, with the tower frozen; LoRA on Qwen2-VL's language model, tower (its packed qkv and patch
+    convolution) and projector, and AdamW steps on its adapters. The variants: ``-m sweep``."""
     checks = [partial(check_vision_layout, family, 2, True) for family in VISION_FAMILIES]
     checks += [partial(check_vision_layout, "llava", 2, True, True)]
     checks += [partial(check_vision_layout, "qwen2_vl", 2, True, dp_replicate=2)]

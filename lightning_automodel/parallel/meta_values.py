@@ -5,8 +5,8 @@ A probe step runs the model's own code on meta tensors, and that code asks of va
 grids and sizes, the probe's metadata), :class:`AnswerDataQuestions` keeps its values beside it, computed on the CPU,
 and answers from them: a boolean mask of the image placeholders selects as many rows as there are placeholders. Any
 other question is answered with zero (``bool`` false, ``item()`` 0, a copy to the CPU all zeros; activations copied
-stay on the meta device), and a boolean mask of unknown values takes every element as set (an experts loop then visits every expert; ``pixel_values[real_images]``
-keeps every image, as the probe's images all are).
+stay on the meta device), and a boolean mask of unknown values takes every element as set (an experts loop then
+visits every expert; ``pixel_values[real_images]`` keeps every image, as the probe's images all are).
 """
 
 from __future__ import annotations

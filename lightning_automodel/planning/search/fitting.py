@@ -1,6 +1,6 @@
 """Layouts that fit a GPU: every layout's least recomputing fit (``plan --fit``'s table, :func:`fitting_layouts`),
-and the one ``layout="auto"`` trains with (:func:`choose_layout`): the fastest that fits, with the least
-recomputation, the same as the table's first row.
+and the one ``layout="auto"`` trains with (:func:`choose_layout`): the fastest that fits, estimates within 1% a tie
+won by less recomputation, then less memory (:func:`.waves.tie_ordered`), the same as the table's first row.
 
 The candidates are :mod:`.layouts`' (the sizes a user gave fixed, the global batch kept by accumulation), ranked by
 :mod:`.throughput`'s model and measured by :mod:`.waves`'s waves. Under cp the activation estimate counts
@@ -31,7 +31,7 @@ from lightning_automodel.planning.search.throughput import Hardware
 from lightning_automodel.planning.search.waves import (
     Evaluate,
     SearchRecord,
-    first_fit,
+    chosen_fit,
     least_recomputing_fits,
     search_every_layout,
     search_layout,
@@ -219,10 +219,11 @@ def choose_layout(
     workers: int = 1,
     step: StepOptions | None = None,
 ) -> LayoutChoice:
-    """The fastest layout of ``world_size`` ranks ``space`` allows whose step fits ``hardware.memory_gib``, with the
-    least recomputation: the first fitting in the throughput order. ``evaluate`` measures a wave of ``workers``
-    candidates (default: ``workers`` child processes, or this process where 1, with ``step``). Raises
-    :class:`NoLayoutFits` where none fits, naming the smallest shortfall and what would make it fit."""
+    """The fastest layout of ``world_size`` ranks ``space`` allows whose step fits ``hardware.memory_gib``; of those
+    whose estimates tie with it (within :data:`~.waves.TIE`), the least recomputing, then the smallest. ``evaluate``
+    measures a wave of ``workers`` candidates (default: ``workers`` child processes, or this process where 1, with
+    ``step``). Raises :class:`NoLayoutFits` where none fits, naming the smallest shortfall and what would make it
+    fit."""
     step = step if step is not None else StepOptions()
     images = _planned_images(model, step=step, batch_shape=batch_shape)
     ranked, refused = candidates(
@@ -236,7 +237,7 @@ def choose_layout(
     else:
         record = search_layout(ranked, budget=budget, evaluate=evaluate, workers=workers)
     refused.update({record.ranked[i].name: why for i, why in record.outcomes.items() if isinstance(why, str)})
-    index = first_fit(record)
+    index = chosen_fit(record)
     if index is None:
         raise NoLayoutFits.of(
             record, refused, hardware=hardware, batch_shape=batch_shape, world_size=world_size, images=images

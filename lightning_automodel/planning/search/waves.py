@@ -1,9 +1,11 @@
 """Searching the layouts for the fastest that fits, in waves of estimates spread over workers.
 
 The throughput model ranks every candidate (layout and checkpointing setting) before any memory is measured, so the
-answer to "the fastest that fits, with the least recomputation" is the first candidate in that order whose memory fits:
-the search measures candidates from the top, a wave of as many as there are workers at a time, and stops once a
-candidate fits and every one ranked above it is measured. Layouts are pruned as soon as they cannot fit: the plan
+answer to "the fastest that fits" is the first candidate in that order whose memory fits: the search measures
+candidates from the top, a wave of as many as there are workers at a time, and stops once a candidate fits and every
+one ranked above it is measured. Estimates within :data:`TIE` of each other are a tie, which the throughput model is
+too coarse to break: of the fits tied with the first, the least recomputing is chosen, then the smallest
+(:func:`tie_ordered`), so the search measures those too. Layouts are pruned as soon as they cannot fit: the plan
 refuses them, their state alone exceeds the budget, or full checkpointing (which keeps the least) does not fit.
 
 :func:`search_layout` finds that one (``layout="auto"``); :func:`search_every_layout` resolves every layout to its
@@ -21,6 +23,9 @@ from lightning_automodel.planning.search.layouts import Candidate, Outcome
 
 # The outcomes of a wave of candidates, in order: an Outcome, or the first line of the refusal.
 Evaluate = Callable[[list[Candidate]], list["Outcome | str"]]
+# Estimated throughputs within 1% of each other tie: the model's own error is larger (it ranked the 70B example's
+# runner-up 0.006% behind the first), so recomputing less, then holding less, decides between them.
+TIE = 0.01
 
 
 @dataclass
@@ -52,6 +57,15 @@ class SearchRecord:
                     return True
         return False
 
+    def undecided(self, index: int, *, fit: int) -> bool:
+        """Whether candidate ``index``, tied with ``fit`` (which fits), could still win the tie: not measured, not out
+        of reach, and not a setting recomputing as much of a layout needing no less memory than ``fit``'s."""
+        if index in self.outcomes or self.out_of_reach(index):
+            return False
+        candidate, chosen = self.ranked[index], self.ranked[fit]
+        recomputes_as_much = AC_MODES.index(candidate.checkpointing) >= AC_MODES.index(chosen.checkpointing)
+        return not (recomputes_as_much and _needs_no_more(chosen, than=candidate))
+
     def measured(self) -> list[tuple[Candidate, Outcome | str]]:
         return [(self.ranked[index], self.outcomes[index]) for index in sorted(self.outcomes)]
 
@@ -74,18 +88,20 @@ def run_waves(record: SearchRecord, *, next_wave: Callable[[int], list[int]], ev
 
 
 def search_layout(ranked: list[Candidate], *, budget: float, evaluate: Evaluate, workers: int = 1) -> SearchRecord:
-    """Measure ``ranked`` (best first) until the first that fits is known: the record's :func:`first_fit`. A layout
-    measured too large at one setting has its full checkpointing measured next, where that can rule out two or more
-    of its settings still to measure (full keeps the least); the answer is the same, in fewer measurements."""
+    """Measure ``ranked`` (best first) until the first that fits and those tied with it are known: the record's
+    :func:`chosen_fit`. A layout measured too large at one setting has its full checkpointing measured next, where
+    that can rule out two or more of its settings still to measure (full keeps the least); the answer is the same, in
+    fewer measurements."""
     record = SearchRecord(budget, ranked)
     full = {candidate.dims: index for index, candidate in enumerate(ranked) if candidate.checkpointing == "full"}
 
     def next_wave(size: int) -> list[int]:
-        best = min((index for index in record.outcomes if record.fits(index)), default=None)  # only those above it
+        best = min((index for index in record.outcomes if record.fits(index)), default=None)  # those above, and tied
         pending = [
             i
-            for i in range(len(ranked) if best is None else best)
-            if i not in record.outcomes and not record.out_of_reach(i)
+            for i in range(len(ranked) if best is None else _ties_end(ranked, best))
+            if (record.undecided(i, fit=best) if best is not None and i > best else i not in record.outcomes)
+            and not record.out_of_reach(i)
         ]
         promoted = sorted(
             full[dims]
@@ -101,14 +117,49 @@ def search_layout(ranked: list[Candidate], *, budget: float, evaluate: Evaluate,
     return record
 
 
-def first_fit(record: SearchRecord) -> int | None:
-    """The best ranked candidate measured to fit, if every one ranked above it is measured or out of reach."""
+def chosen_fit(record: SearchRecord) -> int | None:
+    """The first of :func:`tie_ordered` of the fits tied with the best ranked one, once every candidate ranked above
+    it or tied with it is measured or out of reach; None before, or where nothing fits."""
     for index in range(len(record.ranked)):
         if record.fits(index):
-            return index
+            break
         if index not in record.outcomes and not record.out_of_reach(index):
             return None
-    return None
+    else:
+        return None
+    tied = range(index, _ties_end(record.ranked, index))
+    if any(record.undecided(i, fit=index) for i in tied):
+        return None
+    return tie_ordered(record, [i for i in tied if record.fits(i)])[0]
+
+
+def tie_ordered(record: SearchRecord, indices: list[int]) -> list[int]:
+    """``indices`` (measured candidates) best first: the next is, of those left tied with the best estimate left,
+    the least recomputing, then the smallest, then the best ranked."""
+    left, ordered = sorted(indices), []
+    while left:
+        tied = left[: _ties_end([record.ranked[i] for i in left], 0)]
+        ordered.append(
+            min(
+                tied,
+                key=lambda i: (
+                    AC_MODES.index(record.ranked[i].checkpointing),
+                    record.outcomes[i].memory_bytes,
+                    i,
+                ),
+            )
+        )
+        left.remove(ordered[-1])
+    return ordered
+
+
+def _ties_end(ranked: list[Candidate], index: int) -> int:
+    """The end of the candidates from ``index`` on whose estimates tie with its (``ranked`` is best first)."""
+    floor = (1 - TIE) * ranked[index].tokens_per_second
+    end = index + 1
+    while end < len(ranked) and ranked[end].tokens_per_second >= floor:
+        end += 1
+    return end
 
 
 def search_every_layout(
@@ -150,8 +201,8 @@ def search_every_layout(
 
 
 def least_recomputing_fits(record: SearchRecord) -> tuple[list[int], list[int], dict[str, str]]:
-    """Of a resolved record, each layout's least recomputing fit (best throughput first), each too-large layout's
-    least memory, and the refusals."""
+    """Of a resolved record, each layout's least recomputing fit (best first, as :func:`tie_ordered`), each
+    too-large layout's least memory, and the refusals."""
     fits, too_large, refused = {}, {}, {}
     for index in sorted(record.outcomes, key=lambda index: AC_MODES.index(record.ranked[index].checkpointing)):
         candidate, outcome = record.ranked[index], record.outcomes[index]
@@ -165,4 +216,4 @@ def least_recomputing_fits(record: SearchRecord) -> tuple[list[int], list[int], 
             known = too_large.get(dims)
             if known is None or outcome.memory_bytes < record.outcomes[known].memory_bytes:
                 too_large[dims] = index
-    return sorted(fits.values()), sorted(too_large.values()), refused
+    return tie_ordered(record, list(fits.values())), sorted(too_large.values()), refused

@@ -5,6 +5,7 @@ lightning_automodel/testing/coverage_report/check.py).
     .venv/bin/python scripts/coverage.py                                  # what docs/coverage.json lacks, then the page
     .venv/bin/python scripts/coverage.py --fresh                          # measure everything again
     .venv/bin/python scripts/coverage.py --types llama,gpt2 --layouts tp2 # a subset (results merge into the file)
+    .venv/bin/python scripts/coverage.py --types xmod --again             # a subset measured again
     .venv/bin/python scripts/coverage.py --page-only                      # rewrite docs/coverage.md from the results
     .venv/bin/python scripts/coverage.py --registry image-text-to-text    # vision-language models, batches with
                                                                           # images (docs/coverage_vision.md)
@@ -70,6 +71,8 @@ def main() -> None:
     store = ResultStore(args.results or registry.results, fresh=args.fresh)
     if not args.page_only:
         jobs = [(t, layout) for t in select_types(args.types, registry) for layout in args.layouts]
+        for job in jobs if args.again else []:
+            store.results.pop(key(job), None)
         command = " ".join(["scripts/coverage.py", *sys.argv[1:]])
         sweep(jobs, store, registry=registry, job_timeout=args.job_timeout, command=command)
     page = args.page or registry.page
@@ -87,6 +90,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--results", type=Path, help="default: docs/coverage.json, docs/coverage_vision.json")
     parser.add_argument("--page", type=Path, help="default: docs/coverage.md, docs/coverage_vision.md")
     parser.add_argument("--fresh", action="store_true", help="forget the stored results and measure everything")
+    parser.add_argument("--again", action="store_true", help="measure the selected types again, keeping the others")
     parser.add_argument("--page-only", action="store_true", help="only rewrite the page from the stored results")
     parser.add_argument("--job-timeout", type=float, default=4 * COLLECTIVE_TIMEOUT.total_seconds())
     args = parser.parse_args()

@@ -43,7 +43,7 @@ Check = Callable[[str, str], dict[str, Any]]
 STARTUP_TIMEOUT = 300.0  # spawning processes that import torch and transformers, on two busy cores
 
 
-GRACE = 5.0  # how long the other ranks get to report once one has failed
+GRACE = 30.0  # how long the other ranks get to report once one has failed (a loaded machine delays one by seconds)
 
 
 POLL = 1.0  # how often the launcher looks whether a process died

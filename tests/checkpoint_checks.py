@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.io.lightning_checkpoint import check_checkpoint
+from lightning_automodel.testing.exports import assert_same_directory, save_pretrained_whole
 from lightning_automodel.testing.models import batch, tiny_config, tiny_model, tiny_tokenizer
 from lightning_automodel.testing.parity import FP32_TOLERANCE, full
 from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, CausalLM, data, trainer
@@ -105,10 +106,12 @@ def _contents(directory: Path) -> dict[str, bytes] | None:
 
 def assert_converted(directory: Path, family: str) -> dict:
     """Outside any process group, as users run it: `lightning-automodel export` turns the checkpoint into a
-    directory that from_pretrained loads, with exactly the weights the model had when it was saved."""
+    directory that from_pretrained loads, with exactly the weights the model had when it was saved; shard by shard
+    (40 kB shards), it writes the files, index and tensors save_pretrained writes for the model loaded whole."""
     output = directory / "hf"
     command = [sys.executable, "-m", "lightning_automodel.cli", "export", str(directory / "step-2.ckpt")]
-    subprocess.run([*command, "--config", str(directory / "config"), "--output", str(output)], check=True)
+    options = ["--config", str(directory / "config"), "--output", str(output), "--max_shard_size", "40000"]
+    subprocess.run([*command, *options], check=True)
     assert (output / "tokenizer.json").is_file(), "the tokenizer beside the config must come along"
     auto_class = AutoModelForImageTextToText if family == "gemma3_vlm" else AutoModelForCausalLM
     loaded = auto_class.from_pretrained(output).state_dict()
@@ -116,7 +119,14 @@ def assert_converted(directory: Path, family: str) -> dict:
     assert loaded.keys() == expected.keys(), loaded.keys() ^ expected.keys()
     errors = {name: (loaded[name] - tensor).abs().max().item() for name, tensor in expected.items()}
     assert max(errors.values()) == 0.0, errors
-    return {"tensors": len(errors), "max_error": max(errors.values())}
+    with torch.device("meta"):
+        whole = auto_class.from_config(AutoConfig.from_pretrained(directory / "config"))
+    save_pretrained_whole(directory / "step-2.ckpt", whole, directory / "peer", max_shard_size=40_000)
+    return {
+        "tensors": len(errors),
+        "max_error": max(errors.values()),
+        **assert_same_directory(output, directory / "peer"),
+    }
 
 
 def check_data_position_restored(directory: str, tp: int) -> dict:

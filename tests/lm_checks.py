@@ -15,12 +15,14 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from loading_checks import remove, saved_checkpoint
+from peft import PeftModel
 from torch.utils.data import DataLoader, Dataset
 from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy
 from lightning_automodel.lm import CausalLMModule, PredictionWriter
 from lightning_automodel.lm.optimization import learning_rate_factor
+from lightning_automodel.testing.exports import assert_same_directory, save_pretrained_whole
 from lightning_automodel.testing.harness import shared_directory
 from lightning_automodel.testing.models import SHRUNK, VOCAB, tiny_config
 from lightning_automodel.testing.parity import FP32_TOLERANCE, STEPS, TRAINED_LOSS_TOLERANCE, full
@@ -222,7 +224,9 @@ def reference_training(model: torch.nn.Module, rows: dict[str, torch.Tensor]) ->
 
 def check_lora_checkpoint_exports_merged(tp: int) -> dict:
     """A LoRA run's checkpoint (adapters trained 2 steps at tp, so lora_B is no longer zero) exported by
-    `lightning-automodel export`: a plain transformers model whose logits are the trained PEFT model's."""
+    `lightning-automodel export`: a plain transformers model whose logits are the trained PEFT model's, in the files
+    and tensors of PEFT's merge_and_unload then save_pretrained (40 kB shards); with --lora=adapter, a directory
+    PeftModel.from_pretrained loads with the trained adapters."""
     from lightning_automodel.testing.harness import shared_directory
 
     directory = shared_directory()
@@ -237,7 +241,20 @@ def check_lora_checkpoint_exports_merged(tp: int) -> dict:
     trained_b = max(p.full_tensor().abs().max().item() for n, p in module.model.named_parameters() if "lora_B" in n)
     if dist.get_rank() == 0:  # the command, as users run it: one process, outside the process group
         command = [sys.executable, "-m", "lightning_automodel.cli", "export", str(directory / "lora.ckpt")]
-        subprocess.run([*command, f"--output={directory / 'merged'}"], check=True, timeout=120)
+        subprocess.run(
+            [*command, f"--output={directory / 'merged'}", "--max_shard_size=40000"], check=True, timeout=120
+        )
+        subprocess.run([*command, f"--output={directory / 'adapter'}", "--lora=adapter"], check=True, timeout=120)
+        with torch.device("meta"):
+            whole = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        save_pretrained_whole(directory / "lora.ckpt", whole, directory / "peer", lora=lora, max_shard_size=40_000)
+        assert_same_directory(directory / "merged", directory / "peer")
+    adapters = {name: full(p) for name, p in module.model.named_parameters() if "lora_" in name}
+    if dist.get_rank() == 0:
+        loaded = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_config(tiny_config("llama")), directory / "adapter"
+        )
+        assert all(torch.equal(loaded.get_parameter(name), tensor) for name, tensor in adapters.items()), "adapter"
     dist.barrier()
     merged = AutoModelForCausalLM.from_pretrained(directory / "merged")
     assert not any("lora" in name for name in merged.state_dict())

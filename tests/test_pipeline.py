@@ -26,8 +26,9 @@ from lightning_automodel import ParallelDims, parallelize
 from lightning_automodel.parallel import decoder_layers
 from lightning_automodel.parallel.pipeline import pipeline_problem, split_into_stage, stage_view
 from lightning_automodel.planning.simulation import fake_world
+from lightning_automodel.testing.exports import assert_exports_as_save_pretrained
 from lightning_automodel.testing.harness import run_checks
-from lightning_automodel.testing.models import tiny_model
+from lightning_automodel.testing.models import tiny_config, tiny_model
 from lightning_automodel.testing.trainer_checks import check_pipeline_trainer_parity
 
 # Gemma 3 with layers of both kinds, placed so that a stage reading the per-layer settings of the rank's other stage
@@ -76,7 +77,8 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
     checkpointing; LoRA on every projection with two stages per rank (Interleaved1F1B) at pp=2 x tp=2 with sp;
     checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2 and at pp=1 (dp_shard=4), and at pp=2 with two
     stages per rank resumed at pp=4, Lightning's single file from one device resumed at pp=2 with two stages per
-    rank; refusals before any collective. Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2): two stages per
+    rank; refusals before any collective; the checkpoints saved at pp=2 and with two stages per rank exported shard by
+    shard as save_pretrained writes them. Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2): two stages per
     rank, accumulation and clipping (the experts' norm over their own mesh). pp x cp: tests/test_context_parallel.py.
     More layouts: the sweep below."""
     pp2, pp2_tp2, pp4 = dict(pp=2), dict(pp=2, tp=2), dict(pp=4)
@@ -94,6 +96,9 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
         partial(check_pipeline_accumulation_and_clipping, 2, "qwen3_moe", ep=2),
     ]
     run_checks(4, checks, timeout=400)
+    for saved in ("saved-pp2", "saved-pp2-pp_scheduleInterleaved1F1B-pp_stages_per_rank2"):  # exported shard by shard
+        config = tiny_config("gemma3", num_hidden_layers=4)
+        assert_exports_as_save_pretrained(tmp_path / saved, config, tmp_path / f"export-{saved}")
 
 
 @pytest.mark.sweep
@@ -118,6 +123,7 @@ def test_pipeline_sweep(tmp_path):
         ),
     ]
     run_checks(4, checks, timeout=400)
+    assert_exports_as_save_pretrained(tmp_path / "moe" / "saved-pp2-ep2", tiny_config("qwen3_moe"), tmp_path / "moe")
 
 
 def test_stage_views_share_the_model_and_refuse_shared_parameters():

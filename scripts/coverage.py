@@ -241,12 +241,21 @@ single-process weights loaded shard by shard, the same fp32 tolerances), on a ba
 in the model's own image inputs, built from its config (`lightning_automodel/hf/vision/image_inputs.py`): pixel
 values per image, or flattened patches and `image_grid_thw` for Qwen-style towers with M-RoPE; `image_sizes` where
 the tower takes them (Pixtral); a tile beside the base image and its size where the config tiles images (LLaVA-NeXT,
-OneVision); one tile and its `aspect_ratio_ids` (Mllama); a list of one image per row and `pixel_attention_mask`
-(Idefics, SmolVLM); token types where the forward takes them. A row is a text token, the image's placeholders (as
+OneVision); one real tile of the config's `max_num_tiles`, its `aspect_ratio_ids` and, for a model reading images by
+cross-attention, one token an image and the `cross_attention_mask` of the tokens after it (Mllama); a list of one
+image per row and `pixel_attention_mask`, of pixels, or of tiles where the tower takes no patch mask (Idefics,
+SmolVLM; Granite Docling); a second tower's `<name>_pixel_values` for a `<name>_vision_config` (DeepSeek-VL-Hybrid);
+unflattened patches for a 2-D patch embedding (PaddleOCR-VL), each token's patches as one block of pixels where the
+tower takes grids in tokens (Inkling2), `image_merge_sizes` where the forward takes them (VideoLLaMA3); the token
+that opens an image before its placeholders where the rope index finds images by it (the Qwen omni thinkers'
+`vision_start_token_id`); each row's own `position_ids` where the rope index numbers images across the batch
+(HunYuan-VL); token types where the forward takes them. A row is a text token, the image's placeholders (as
 many as the model makes features of one image: measured by its `get_image_features`, else as its config says), then
 16 tokens of text, the last two padding; the placeholders are never predicted. Each half of the batch must give, run
 alone in one process, the logits it gives in the whole batch (what a data-parallel rank's rows must do). Loss,
-logits and every gradient, the vision tower's and the projector's included, are compared with one process.
+logits and every gradient, the vision tower's and the projector's included, are compared with one process. A model
+that fails on its image inputs and on text alone too is transformers' failure (**no tiny config**, the text-alone
+error named); one whose `get_image_features` requires arguments the builder does not make names them.
 
 - **pass**: within tolerance. The percentage is the share of the trained weight elements of all blocks, the
   language model's and the vision tower's, that tensor parallelism splits; `(tower N%)` is that share of the

@@ -12,7 +12,9 @@ Config fields read (of the model's config, then of its ``vision_config``):
   ``vision_feature_select_strategy`` is ``"full"`` (LLaVA keeps the class token then);
 * pixels: ``num_channels`` (or ``in_channels``), ``image_size`` and ``patch_size``: (images, channels, image_size,
   image_size); with ``spatial_merge_size``, flattened patches of ``channels x temporal_patch_size x patch_size ** 2``
-  and ``image_grid_thw`` (one frame of ``merge x 3 merge`` patches: three tokens an image, an odd count).
+  and ``image_grid_thw`` (one frame of ``merge x 3 merge`` patches: three tokens an image, an odd count); the other
+  layouts of patches of any size in :mod:`~lightning_automodel.hf.vision.patches`, of padded tiles (and a
+  cross-attention mask) in :mod:`~lightning_automodel.hf.vision.tiles`.
 
 Token types are passed where the forward takes them (``token_type_ids``, ``mm_token_type_ids``: 1 at an image's
 placeholders).
@@ -28,7 +30,21 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_automodel.hf.vision.patches import (
+    GRID_HW,
+    MERGE_SIZES,
+    channel_count,
+    merge_size,
+    patch_layout,
+    patch_pixels,
+    random_pixels,
+    side,
+)
+from lightning_automodel.hf.vision.tiles import cross_attention_mask, padded_tiles, tile_count
+
 IMAGE_START = 1  # each row's placeholders follow one text token
+# The forward argument of a language model that reads images by cross-attention, not in placeholders' embeddings.
+CROSS_ATTENTION = "cross_attention_mask"
 
 
 def image_token_count(model: nn.Module) -> int | None:
@@ -38,12 +54,13 @@ def image_token_count(model: nn.Module) -> int | None:
     vision = getattr(config, "vision_config", None)
     if image_token(config) is None or vision is None or "pixel_values" not in _forward_arguments(model):
         return None
-    merge = getattr(vision, "spatial_merge_size", None)
-    if isinstance(merge, int):
+    if CROSS_ATTENTION in _forward_arguments(model):
+        return 1  # one token an image, whose tiles the text reads by cross-attention (Mllama)
+    if merge_size(vision, accepted=image_arguments(model)) is not None:
         return _GRID[1] * _GRID[2]  # the merged grid's tokens
     if isinstance(getattr(config, "mm_tokens_per_image", None), int):
         return config.mm_tokens_per_image
-    image_size, patch_size = _side(getattr(vision, "image_size", None)), _side(getattr(vision, "patch_size", None))
+    image_size, patch_size = side(getattr(vision, "image_size", None)), side(getattr(vision, "patch_size", None))
     if not (isinstance(image_size, int) and isinstance(patch_size, int)):
         return None
     full = getattr(config, "vision_feature_select_strategy", None) == "full"
@@ -81,18 +98,32 @@ def image_inputs(
             f"rows of {tokens} tokens cannot hold {images_per_row} image(s) of {count} placeholders ({needed} tokens)"
         )
     input_ids = text.clone() if text is not None else torch.zeros(rows, tokens, dtype=torch.long)
+    opening = _opening_token(model)
     for image in range(images_per_row):
         start = IMAGE_START + image * (count + 1)
         input_ids[:, start : start + count] = image_token(config)
-    pixels = pixel_inputs(
-        vision, images=rows * images_per_row, device=pixels_device, grid=grid or _GRID, accepted=image_arguments(model)
-    )
+        if opening is not None:
+            input_ids[:, start - 1] = opening
+    pixels = model_pixels(model, images=rows * images_per_row, device=pixels_device, grid=grid or _GRID)
     inputs = {"input_ids": input_ids, **pixels}
     accepted = _forward_arguments(model)
+    if CROSS_ATTENTION in accepted:
+        tiles = tile_count(vision)
+        inputs[CROSS_ATTENTION] = cross_attention_mask(input_ids, image_token=image_token(config), tiles=tiles)
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in accepted:
             inputs[name] = (input_ids == image_token(config)).long()
     return inputs
+
+
+def _opening_token(model: nn.Module) -> int | None:
+    """The config's ``vision_start_token_id`` where the model's rope index finds images by the token that opens them
+    (the Qwen omni thinkers'), not by token types (Qwen2-VL's takes ``mm_token_type_ids``); None otherwise."""
+    rope_index = getattr(model, "get_rope_index", None) or getattr(model.base_model, "get_rope_index", None)
+    opening = getattr(model.config, "vision_start_token_id", None)
+    if rope_index is None or not isinstance(opening, int):
+        return None
+    return None if "mm_token_type_ids" in inspect.signature(rope_index).parameters else opening
 
 
 def image_grid(image_tokens: int) -> tuple[int, int, int]:
@@ -107,7 +138,7 @@ def image_grid(image_tokens: int) -> tuple[int, int, int]:
 def takes_any_image_size(model: nn.Module) -> bool:
     """Whether ``model``'s tower takes images of any size (merged patches, Qwen2-VL's), its placeholders an image
     following the image's grid rather than its config."""
-    return isinstance(getattr(model.config.vision_config, "spatial_merge_size", None), int)
+    return merge_size(model.config.vision_config, accepted=image_arguments(model)) is not None
 
 
 def check_image_tokens(model: nn.Module, image_tokens: int | None) -> None:
@@ -138,20 +169,48 @@ def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
     try:
         device = next(model.parameters()).device  # on meta, pixels of values on the CPU (see parallel/meta_values.py)
         device = "cpu" if device.type == "meta" else device
-        pixels = pixel_inputs(vision, images=images, device=device, accepted=image_arguments(model))
+        pixels = model_pixels(model, images=images, device=device)
         with torch.no_grad():
             output = get_features(**{name: value for name, value in pixels.items() if name in taken})
     except Exception:  # noqa: BLE001 - a tower this builder's pixels do not fit, a config it cannot read
         return None
-    features = output.pooler_output if hasattr(output, "pooler_output") else output  # a model output, or tensors
+    features = _features_of(output)
     leaves = [leaf for leaf in tree_flatten(features)[0] if torch.is_tensor(leaf)]
     width = model.config.get_text_config().hidden_size
     elements = sum(leaf.numel() for leaf in leaves)
     return elements // width // images if elements and elements % (width * images) == 0 else None
 
 
+def _features_of(output: Any) -> Any:
+    """The image features in ``get_image_features``'s output: a model output's pooled features, else its last hidden
+    state where it pools none (Llama 4's pixel-shuffled adapter output), else the tensors themselves."""
+    for name in ("pooler_output", "last_hidden_state"):
+        if getattr(output, name, None) is not None:
+            return getattr(output, name)
+    return output
+
+
+# A pixel_attention_mask of real tiles, (images, tiles), for a tower that takes no patch mask (Granite Docling's);
+# Idefics' is of real pixels.
+TILE_MASK = "tile_mask"
 # Qwen2-VL's grid of an image, in merged blocks: one temporal patch, 1 x 3 blocks (x spatial_merge_size in patches).
 _GRID = (1, 1, 3)
+
+
+def model_pixels(
+    model: nn.Module, *, images: int, device: Any = "cpu", grid: tuple[int, int, int] = _GRID
+) -> dict[str, torch.Tensor]:
+    """:func:`pixel_inputs` of ``model``'s vision tower, and the images of each further tower its forward takes them
+    for: ``<name>_pixel_values`` for a ``<name>_vision_config`` (DeepSeek-VL-Hybrid's high-resolution SAM tower),
+    one image of that config's size per image."""
+    pixels = pixel_inputs(
+        model.config.vision_config, images=images, device=device, grid=grid, accepted=image_arguments(model)
+    )
+    for name in sorted(_forward_arguments(model)):
+        tower = getattr(model.config, name.replace("_pixel_values", "_vision_config"), None)
+        if name.endswith("_pixel_values") and tower is not None:
+            pixels[name] = pixel_inputs(tower, images=images, device=device)["pixel_values"]
+    return pixels
 
 
 def pixel_inputs(
@@ -164,33 +223,20 @@ def pixel_inputs(
 ) -> dict[str, torch.Tensor]:
     """The pixels (and image metadata) of ``images`` images for a tower of config ``vision``, laid out as
     :func:`image_arguments` ``accepted`` says: flattened patches and grids (Qwen2-VL; ``grid``: each image's, in
-    merged blocks), else one image of (channels, size, size) each; with ``aspect_ratio_ids`` (Mllama) one tile a row;
+    merged blocks), else one image of (channels, size, size) each; with ``aspect_ratio_ids`` (Mllama) padded tiles;
     with ``pixel_attention_mask`` (Idefics, SmolVLM) one image a row in a list of images; with
     ``image_grid_pinpoints`` (LLaVA-NeXT) a base image and a tile, and their sizes; with ``image_sizes`` (Pixtral's
     tower) the sizes."""
-    channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
-    merge = getattr(vision, "spatial_merge_size", None)
-    if isinstance(merge, int):
-        frames, patch = getattr(vision, "temporal_patch_size", None) or 1, _side(vision.patch_size)
-        grids = torch.tensor([[grid[0], grid[1] * merge, grid[2] * merge]] * images)
-        patches = int(grids.prod(-1).sum())
-        return {
-            "pixel_values": _random((patches, channels * frames * patch * patch), device=device),
-            "image_grid_thw": grids,
-        }
-    size = _side(vision.image_size)
-    pixels = _random((images, channels, size, size), device=device)
-    if "aspect_ratio_ids" in accepted:  # (rows, images, tiles, ...): one image of one tile, aspect ratio 1:1 (id 1)
-        return {
-            "pixel_values": pixels[:, None, None],
-            "aspect_ratio_ids": torch.ones(images, 1, dtype=torch.long),
-            "aspect_ratio_mask": torch.ones(images, 1, 1, dtype=torch.long),
-        }
-    if "pixel_attention_mask" in accepted:
-        return {
-            "pixel_values": pixels[:, None],
-            "pixel_attention_mask": torch.ones(images, 1, size, size, dtype=torch.bool),
-        }
+    merge = merge_size(vision, accepted=accepted)
+    if merge is not None:
+        return patch_pixels(vision, images=images, merge=merge, grid=grid, device=device, accepted=accepted)
+    size = side(_image_size(vision))
+    pixels = random_pixels((images, channel_count(vision), size, size), device=device)
+    if "aspect_ratio_ids" in accepted:  # (rows, images, tiles, ...): one real tile, padded to the config's count
+        return padded_tiles(vision, pixels)
+    if "pixel_attention_mask" in accepted:  # of each pixel; of each tile where the tower takes no patch mask
+        mask = (images, 1) if TILE_MASK in accepted else (images, 1, size, size)
+        return {"pixel_values": pixels[:, None], "pixel_attention_mask": torch.ones(mask, dtype=torch.bool)}
     if "image_grid_pinpoints" in accepted:  # LLaVA-NeXT's "anyres": the base image and one tile of the same size
         return {"pixel_values": torch.stack([pixels, pixels], 1), "image_sizes": torch.tensor([[size, size]] * images)}
     if "image_sizes" in accepted:  # a tower of images of any size (Pixtral)
@@ -198,9 +244,16 @@ def pixel_inputs(
     return {"pixel_values": pixels}
 
 
-def _side(size: Any) -> int:
-    """A square image's (or patch's) side, from an int or a (height, width) pair."""
-    return size[0] if isinstance(size, list | tuple) else size
+def _image_size(vision: Any) -> Any:
+    """The tower's image size: its config's, else that of the first of its own sub-configs giving one (a tower of
+    towers: Unlimited-OCR's SAM and encoder configs)."""
+    if getattr(vision, "image_size", None) is not None:
+        return vision.image_size
+    parts = [getattr(vision, name) for name in getattr(vision, "sub_configs", {}) if getattr(vision, name, None)]
+    found = next((part.image_size for part in parts if getattr(part, "image_size", None) is not None), None)
+    if found is None:
+        raise AttributeError(f"{type(vision).__name__} gives no image_size, nor do its sub-configs")
+    return found
 
 
 def image_arguments(model: nn.Module) -> set[str]:
@@ -211,13 +264,11 @@ def image_arguments(model: nn.Module) -> set[str]:
     vision = getattr(model.config, "vision_config", None)
     tower = next((module for module in model.modules() if getattr(module, "config", None) is vision), None)
     sizes = {"image_sizes"} if tower is not None and "image_sizes" in _forward_arguments(tower) else set()
-    return (_forward_arguments(model) & {"aspect_ratio_ids", "pixel_attention_mask"}) | tiles | sizes
-
-
-def _random(shape: tuple[int, ...], *, device: Any) -> torch.Tensor:
-    if torch.device(device).type == "meta":
-        return torch.empty(shape, device="meta")
-    return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+    patches = patch_layout(tower) if tower is not None else set()
+    tower_takes = _forward_arguments(tower) if tower is not None else {"patch_attention_mask"}
+    tile_mask = set() if "patch_attention_mask" in tower_takes else {TILE_MASK}
+    taken = _forward_arguments(model) & {"aspect_ratio_ids", "pixel_attention_mask", MERGE_SIZES, GRID_HW}
+    return taken | tiles | sizes | patches | tile_mask
 
 
 def image_token(config: Any) -> int | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_automodel.hf.shrink import VOCAB, merged, tiny_values
+from lightning_automodel.hf.vision.rope_sections import default_sections
 
 IMAGE_SIZE = 16
 PATCH_SIZE = 4
@@ -47,13 +48,14 @@ def with_tiny_images(config_class: type, values: dict[str, Any], *, model_type: 
     vision = values.get("vision_config") if isinstance(values.get("vision_config"), dict) else {}
     tower_layers = _layer_count(vision) if vision else None
     values = _tiny_images(values, text_width=_width(text), tower_layers=tower_layers)
+    values = merged(values, _family_overrides(model_type, values))
     values.update(_special_tokens_in_vocabulary(values))
     text_class = CONFIG_MAPPING[text["model_type"]] if text is not values else config_class
     if isinstance(values.get("text_config"), dict):
-        values["text_config"] = _mrope_fitted(values["text_config"], default=_takes_mrope(text_class))
+        values["text_config"] = _mrope_fitted(values["text_config"], default=default_sections(text_class))
     else:
-        values = _mrope_fitted(values, default=_takes_mrope(text_class))
-    return config_class(**merged(values, _family_overrides(model_type, values)))
+        values = _mrope_fitted(values, default=default_sections(text_class))
+    return config_class(**values)
 
 
 def special_token_ids(config: Any) -> set[int]:
@@ -134,21 +136,16 @@ def _layer_count(values: dict[str, Any]) -> int | None:
     return _layer_count(vision) if isinstance(vision, dict) else None
 
 
-def _takes_mrope(config_class: type) -> bool:
-    """Whether the text model of ``config_class`` splits its rotary pairs in M-RoPE's sections."""
-    return "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ())
-
-
-def _mrope_fitted(values: dict[str, Any], *, default: bool) -> dict[str, Any]:
-    """M-RoPE's sections (time, height, width) scaled to the tiny head's rotary pairs, in proportion; with
-    ``default`` (a text model that takes them) where the config gives none, the model's code takes a full-size
-    default: 2 : 3 : 3, as Qwen2-VL's 16, 24, 24."""
+def _mrope_fitted(values: dict[str, Any], *, default: list[int] | None) -> dict[str, Any]:
+    """M-RoPE's sections scaled to the tiny head's rotary pairs, in proportion: the config's, else the ``default``
+    the model's code takes (:func:`~lightning_automodel.hf.vision.rope_sections.default_sections`; None: it takes
+    none)."""
     rope = values.get("rope_parameters")
     if not isinstance(rope, dict) or not (default or "mrope_section" in rope):  # no sections read
         return values
     head = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
     pairs = int(head * rope.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))) // 2
-    section = rope.get("mrope_section") or [2, 3, 3]
+    section = rope.get("mrope_section") or default
     scaled = [pairs * part // sum(section) for part in section]
     scaled[-1] += pairs - sum(scaled)
     return {**values, "rope_parameters": {**rope, "mrope_section": scaled}}
@@ -169,8 +166,23 @@ def _family_overrides(model_type: str, values: dict[str, Any]) -> dict[str, Any]
         },
         # The last layer's output concatenated with one intermediate layer's.
         "mllama": {"vision_config": {"intermediate_layers_indices": [0], "vision_output_dim": 2 * (width or 0)}},
+        # SAM's last downsampling convolution feeds the CLIP encoder its patch embeddings, at the encoder's width.
+        "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [_clip_width(vision)] * 2}}},
+        # The tower's width, which the projector reads, is a field of its own; no image token by default (the
+        # checkpoint's config names it).
+        "nemotron_h_omni": {"vision_hidden_size": width, "projector_hidden_size": width, "image_token_id": VOCAB},
+        # Its text model builds a sliding-window mask whatever its layer types (all full by default), and its
+        # default config gives no window: the tiny window, which no layer uses.
+        "step3p7": {"text_config": {"sliding_window": 8}},
+        # The thinker's rope index reads the token that opens an image, which only the talker's config defines.
+        **dict.fromkeys(("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"), {"vision_start_token_id": 151652}),
     }
     return by_type.get(model_type, {})
+
+
+def _clip_width(vision: dict[str, Any]) -> int:
+    """The width of a tower of towers' encoder (Unlimited-OCR's CLIP after SAM), 0 where it has none."""
+    return (vision.get("encoder_config") or {}).get("hidden_size", 0)
 
 
 def _sized_like(value: Any, size: int) -> Any:

@@ -42,7 +42,15 @@ from lightning_automodel.planning.replica_comparison import (
     worst_rounding,
 )
 from lightning_automodel.testing.collectives import CollectiveCount
-from lightning_automodel.testing.coverage_report.kinds import KINDS, TEXT, Kind, NoImageInputs, Rows, rows_part
+from lightning_automodel.testing.coverage_report.kinds import (
+    KINDS,
+    TEXT,
+    Kind,
+    NoImageInputs,
+    Rows,
+    rows_part,
+    text_alone_error,
+)
 from lightning_automodel.testing.coverage_report.verdicts import (
     NO_IMAGE_INPUTS,
     NO_TINY_CONFIG,
@@ -156,7 +164,10 @@ def single_process_reference(model_type: str, kind: str = TEXT.name) -> Referenc
     except Exception as error:  # noqa: BLE001 - transformers' own failures, reported as such
         found = f"{stage}: {type(error).__name__}: {first_line(error)}"
         if stage == "inputs" and kind != TEXT.name:  # the model fails on the image inputs built for it
-            raise NoImageInputs(found) from error
+            text_error = text_alone_error(model)
+            if text_error is None:
+                raise NoImageInputs(found) from error
+            found = f"single-process step on text alone: {type(text_error).__name__}: {first_line(text_error)}"
         raise NoTinyConfig(found) from error
 
 

@@ -82,9 +82,31 @@ def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
         raise NoImageInputs(str(error)) from error
     except AttributeError as error:
         raise NoImageInputs(f"{type(model).__name__}: {error}") from error
+    _assert_features_inputs_built(model, inputs)
     rows = {**inputs, "labels": labels}
+    own = _own_positions(model, rows)
+    rows = rows if own is None else {**rows, "position_ids": own}
     _assert_rows_apart(model, rows)
     return rows
+
+
+def _assert_features_inputs_built(model: nn.Module, inputs: Rows) -> None:
+    """The image arguments the model's ``get_image_features`` requires (no default) are all built: name those the
+    builder does not make (Molmo2's pooling indices), rather than let the model fail on their absence."""
+    get_features = getattr(model, "get_image_features", None)
+    if get_features is None:
+        return
+    required = [
+        name
+        for name, parameter in inspect.signature(get_features).parameters.items()
+        if parameter.default is inspect.Parameter.empty and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+    ]
+    missing = [name for name in required if name not in inputs and name != "self"]
+    if missing:
+        raise NoImageInputs(
+            f"{type(model).__name__}: its get_image_features requires {', '.join(missing)}, which the image-input"
+            " builder does not make"
+        )
 
 
 def _assert_rows_apart(model: nn.Module, rows: Rows) -> None:
@@ -102,6 +124,29 @@ def _assert_rows_apart(model: nn.Module, rows: Rows) -> None:
                 )
 
 
+def _own_positions(model: nn.Module, rows: Rows) -> torch.Tensor | None:
+    """Each row's multimodal rotary positions, ``(axes, rows, tokens)``, found by the model's own ``get_rope_index``
+    on the row alone, where they differ from those it finds for the whole batch (HunYuan-VL numbers images across
+    the batch): a row's positions as a per-sample collator gives them, so that rows stand apart. None otherwise."""
+    whole = _rope_positions(model, rows)
+    if whole is None:
+        return None
+    alone = torch.cat([_rope_positions(model, rows_part(rows, slice(row, row + 1))) for row in range(BATCH_SIZE)], 1)
+    return None if torch.equal(alone, whole) else alone
+
+
+def _rope_positions(model: nn.Module, rows: Rows) -> torch.Tensor | None:
+    rope_index = getattr(model.base_model, "get_rope_index", None)
+    if rope_index is None:
+        return None
+    taken = inspect.signature(rope_index).parameters
+    given = {**rows, "attention_mask": (rows["input_ids"] != 0).long()}
+    try:
+        return rope_index(**{name: value for name, value in given.items() if name in taken})[0]
+    except Exception:  # noqa: BLE001 - a rope index this call does not fit: the model's forward finds them
+        return None
+
+
 def image_loss(model: nn.Module, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy in fp32 over the text, with a padding mask, and the logits."""
     inputs = {name: value for name, value in rows.items() if name != "labels"}
@@ -111,12 +156,29 @@ def image_loss(model: nn.Module, rows: Rows) -> tuple[torch.Tensor, torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), rows["labels"].flatten()), logits
 
 
+def text_alone_error(model: nn.Module) -> BaseException | None:
+    """What the model raises on text alone (no image, no placeholder), None where that runs: a model that fails on
+    the image inputs built for it and on text alone is transformers' own failure, not the input builder's."""
+    tokens, labels = token_batch(SPECIAL_IDS_FROM, batch_size=BATCH_SIZE)
+    accepted = inspect.signature(model.forward).parameters
+    types = {name: torch.zeros_like(tokens) for name in ("token_type_ids", "mm_token_type_ids") if name in accepted}
+    try:
+        with torch.no_grad():
+            image_loss(model, {"input_ids": tokens, **types, "labels": labels})
+    except Exception as error:  # noqa: BLE001 - the error is the answer
+        return error
+    return None
+
+
 def rows_part(rows: Rows, part: slice) -> Rows:
     """The rows ``part`` of a batch: of each tensor, its rows, or its blocks of as many entries a row (Qwen2-VL's
     flattened patches, one image's a row)."""
     total = len(rows["input_ids"])
     taken = {}
     for name, value in rows.items():
+        if name == "position_ids" and value.dim() == 3:  # (axes, rows, tokens)
+            taken[name] = value[:, part]
+            continue
         per_row = value.shape[0] // total
         taken[name] = value[part.start * per_row : part.stop * per_row]
     return taken

@@ -31,6 +31,7 @@ IMAGE_SKIP_REASONS = {
     "diffusion_gemma": "a block-diffusion model: it denoises blocks of tokens, not a next-token decoder",
     "evolla": "a protein-text model: its inputs are protein sequences, not images",
     "florence2": _ENCODER_DECODER,
+    "mistral4": "a text-only causal LM: Mistral4ForCausalLM takes no images (measured in coverage.md)",
     "pi0": "a robot policy: it generates actions from images and a prompt, not text",
     "pix2struct": _ENCODER_DECODER,
     "pp_formulanet": _ENCODER_DECODER,

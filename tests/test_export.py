@@ -17,7 +17,7 @@ from lightning_automodel.io.export import source, writing
 from lightning_automodel.io.export.safetensors_file import SafetensorsFile
 from lightning_automodel.testing.exports import assert_same_directory, save_pretrained_whole, write_lightning_checkpoint
 from lightning_automodel.testing.models import tiny_model
-from lightning_automodel.testing.vision_models import tiny_vision_model
+from lightning_automodel.testing.vision.models import tiny_vision_model
 
 SHARD = 20_000  # bytes: a tiny model in 10 to 30 files
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}

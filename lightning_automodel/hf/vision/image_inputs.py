@@ -15,7 +15,9 @@ Config fields read (of the model's config, then of its ``vision_config``):
   and ``image_grid_thw`` (one frame of ``merge x 3 merge`` patches: three tokens an image, an odd count).
 
 Token types are passed where the forward takes them (``token_type_ids``, ``mm_token_type_ids``: 1 at an image's
-placeholders).
+placeholders). Images no placeholder token marks, and what some models take beside the pixels (a Q-Former's
+instruction, masks): :mod:`~lightning_automodel.hf.vision.beside_pixels`; towers that take sequences of flattened
+patches (NaFlex, Gemma 4, Kosmos-2.5, Fuyu): :mod:`~lightning_automodel.hf.vision.patch_sequences`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,21 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_automodel.hf.vision.beside_pixels import beside_pixels, unmarked_token_count
+from lightning_automodel.hf.vision.beside_pixels import forward_arguments as _forward_arguments
+from lightning_automodel.hf.vision.patch_sequences import (
+    FLATTENED,
+    NAFLEX,
+    PATCH_STREAM,
+    PIXELS,
+    POSITIONED,
+    as_patch_sequences,
+    image_side,
+    sequence_layout,
+    sequence_token_count,
+    tower_config,
+)
+
 IMAGE_START = 1  # each row's placeholders follow one text token
 
 
@@ -35,14 +52,18 @@ def image_token_count(model: nn.Module) -> int | None:
     """Placeholders per image of ``model``'s builder inputs, or None for a model whose config gives no image
     placeholder and pixel sizes (a text model, or one this builder does not know)."""
     config = getattr(model, "config", None)
-    vision = getattr(config, "vision_config", None)
-    if image_token(config) is None or vision is None or "pixel_values" not in _forward_arguments(model):
+    vision = tower_config(config)
+    if vision is None or not _forward_arguments(model) & set(PIXELS):
         return None
-    merge = getattr(vision, "spatial_merge_size", None)
-    if isinstance(merge, int):
+    if image_token(config) is None:
+        return unmarked_token_count(model)
+    if sequence_layout(model) is not None:
+        return sequence_token_count(model)
+    if isinstance(merge_size(vision), int):
         return _GRID[1] * _GRID[2]  # the merged grid's tokens
-    if isinstance(getattr(config, "mm_tokens_per_image", None), int):
-        return config.mm_tokens_per_image
+    pooled = [getattr(config, name, None) for name in ("mm_tokens_per_image", "num_query_tokens")]
+    if any(isinstance(count, int) for count in pooled):
+        return next(count for count in pooled if isinstance(count, int))
     image_size, patch_size = _side(getattr(vision, "image_size", None)), _side(getattr(vision, "patch_size", None))
     if not (isinstance(image_size, int) and isinstance(patch_size, int)):
         return None
@@ -70,9 +91,9 @@ def image_inputs(
     the CPU, where the model's code reads their values. Raises a ValueError for a model :func:`image_token_count`
     knows no count for, or rows too short to hold their images' placeholders."""
     count = count if count is not None else image_token_count(model)
-    if count is None or image_token(model.config) is None:
+    if count is None:
         raise ValueError(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
-    config, vision = model.config, model.config.vision_config
+    config, vision = model.config, tower_config(model.config)
     grid = _sized_grid(model, image_tokens=image_tokens)
     count = grid[1] * grid[2] if grid is not None else count
     needed = IMAGE_START + images_per_row * (count + 1) - 1
@@ -81,17 +102,25 @@ def image_inputs(
             f"rows of {tokens} tokens cannot hold {images_per_row} image(s) of {count} placeholders ({needed} tokens)"
         )
     input_ids = text.clone() if text is not None else torch.zeros(rows, tokens, dtype=torch.long)
-    for image in range(images_per_row):
-        start = IMAGE_START + image * (count + 1)
-        input_ids[:, start : start + count] = image_token(config)
+    starts = [IMAGE_START + image * (count + 1) for image in range(images_per_row)]
+    placeholders = torch.zeros(rows, tokens, dtype=torch.bool)
+    for start in starts:
+        placeholders[:, start : start + count] = True
+    if image_token(config) is not None:
+        input_ids[placeholders] = image_token(config)
+    images = rows * images_per_row
     pixels = pixel_inputs(
-        vision, images=rows * images_per_row, device=pixels_device, grid=grid or _GRID, accepted=image_arguments(model)
+        vision, images=images, device=pixels_device, grid=grid or _GRID, accepted=image_arguments(model)
     )
-    inputs = {"input_ids": input_ids, **pixels}
+    inputs = {
+        "input_ids": input_ids,
+        **pixels,
+        **beside_pixels(model, placeholders=placeholders, starts=starts, images=images),
+    }
     accepted = _forward_arguments(model)
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in accepted:
-            inputs[name] = (input_ids == image_token(config)).long()
+            inputs[name] = placeholders.long()
     return inputs
 
 
@@ -107,7 +136,7 @@ def image_grid(image_tokens: int) -> tuple[int, int, int]:
 def takes_any_image_size(model: nn.Module) -> bool:
     """Whether ``model``'s tower takes images of any size (merged patches, Qwen2-VL's), its placeholders an image
     following the image's grid rather than its config."""
-    return isinstance(getattr(model.config.vision_config, "spatial_merge_size", None), int)
+    return isinstance(merge_size(model.config.vision_config), int)
 
 
 def check_image_tokens(model: nn.Module, image_tokens: int | None) -> None:
@@ -132,7 +161,7 @@ def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
     elements of ``get_image_features``'s output over the language model's width; None where that does not run."""
     get_features = getattr(model, "get_image_features", None)
     vision = getattr(model.config, "vision_config", None)
-    if get_features is None or vision is None:
+    if get_features is None or vision is None or image_token(model.config) is None:  # no placeholder to count
         return None
     taken = set(inspect.signature(get_features).parameters)
     try:
@@ -168,23 +197,30 @@ def pixel_inputs(
     ``image_grid_pinpoints`` (LLaVA-NeXT) a base image and a tile, and their sizes; with ``image_sizes`` (Pixtral's
     tower) the sizes."""
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
-    merge = getattr(vision, "spatial_merge_size", None)
+    merge = merge_size(vision)
     if isinstance(merge, int):
-        frames, patch = getattr(vision, "temporal_patch_size", None) or 1, _side(vision.patch_size)
+        frames = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", None) or 1
+        patch = _side(vision.patch_size)
         grids = torch.tensor([[grid[0], grid[1] * merge, grid[2] * merge]] * images)
         patches = int(grids.prod(-1).sum())
+        shape = (channels, patch, patch) if "patch_images" in accepted else (channels * frames * patch * patch,)
         return {
-            "pixel_values": _random((patches, channels * frames * patch * patch), device=device),
+            "pixel_values": _random((patches, *shape), device=device),
             "image_grid_thw": grids,
         }
-    size = _side(vision.image_size)
+    size = image_side(vision)
     pixels = _random((images, channels, size, size), device=device)
+    layout = accepted & {NAFLEX, POSITIONED, FLATTENED, PATCH_STREAM}
+    if layout:
+        return as_patch_sequences(pixels, vision=vision, layout=layout.pop())
     if "aspect_ratio_ids" in accepted:  # (rows, images, tiles, ...): one image of one tile, aspect ratio 1:1 (id 1)
         return {
             "pixel_values": pixels[:, None, None],
             "aspect_ratio_ids": torch.ones(images, 1, dtype=torch.long),
             "aspect_ratio_mask": torch.ones(images, 1, 1, dtype=torch.long),
         }
+    if accepted & {"image_attention_mask", "video_frames"}:  # (rows, images or frames, ...): one a row
+        return {"pixel_values": pixels[:, None]}
     if "pixel_attention_mask" in accepted:
         return {
             "pixel_values": pixels[:, None],
@@ -195,6 +231,16 @@ def pixel_inputs(
     if "image_sizes" in accepted:  # a tower of images of any size (Pixtral)
         return {"pixel_values": pixels, "image_sizes": torch.tensor([[size, size]] * images)}
     return {"pixel_values": pixels}
+
+
+def merge_size(vision: Any) -> int | None:
+    """The side of the blocks of patches a tower of merged patches merges into one token (``spatial_merge_size``, or
+    ``merge_size`` as Muse names it); None for another tower."""
+    found = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None)
+    kernel = getattr(vision, "merge_kernel_size", None)  # Kimi-K2.5's (height, width), square
+    if isinstance(kernel, list | tuple) and len(set(kernel)) == 1:
+        found = kernel[0]
+    return found if isinstance(found, int) else None
 
 
 def _side(size: Any) -> int:
@@ -210,7 +256,12 @@ def image_arguments(model: nn.Module) -> set[str]:
     vision = getattr(model.config, "vision_config", None)
     tower = next((module for module in model.modules() if getattr(module, "config", None) is vision), None)
     sizes = {"image_sizes"} if tower is not None and "image_sizes" in _forward_arguments(tower) else set()
-    return (_forward_arguments(model) & {"aspect_ratio_ids", "pixel_attention_mask"}) | tiles | sizes
+    if getattr(vision, "merge_kernel_size", None) is not None:  # a merge kernel's tower (Kimi-K2.5) convolves
+        sizes.add("patch_images")  # each patch as an image of its own
+    laid_out = {"aspect_ratio_ids", "pixel_attention_mask", "image_attention_mask"}
+    videos = {"video_frames"} if image_token(model.config) not in (None, _image_placeholder(model.config)) else set()
+    sequences = {sequence_layout(model)} - {None}
+    return (_forward_arguments(model) & laid_out) | tiles | sizes | videos | sequences
 
 
 def _random(shape: tuple[int, ...], *, device: Any) -> torch.Tensor:
@@ -220,16 +271,18 @@ def _random(shape: tuple[int, ...], *, device: Any) -> torch.Tensor:
 
 
 def image_token(config: Any) -> int | None:
-    """The placeholder token id of an image, from the config (None where it names none)."""
+    """The placeholder token id of an image, from the config (None where it names none): of a video model without
+    one (InstructBLIP-Video), the video placeholder, an image being a video of one frame."""
+    found = _image_placeholder(config)
+    video = next(
+        (getattr(config, name) for name in ("video_token_id", "video_token_index") if hasattr(config, name)), None
+    )
+    return found if found is not None or not isinstance(video, int) else video
+
+
+def _image_placeholder(config: Any) -> int | None:
     for name in ("image_token_id", "image_token_index"):
         value = getattr(config, name, None)
         if isinstance(value, int):
             return value
     return None
-
-
-def _forward_arguments(model: nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()

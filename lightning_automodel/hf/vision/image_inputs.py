@@ -43,6 +43,7 @@ from lightning_automodel.hf.vision.patch_sequences import (
     sequence_layout,
     sequence_token_count,
     tower_config,
+    unbuilt_layout,
 )
 
 IMAGE_START = 1  # each row's placeholders follow one text token
@@ -53,7 +54,7 @@ def image_token_count(model: nn.Module) -> int | None:
     placeholder and pixel sizes (a text model, or one this builder does not know)."""
     config = getattr(model, "config", None)
     vision = tower_config(config)
-    if vision is None or not _forward_arguments(model) & set(PIXELS):
+    if vision is None or not _forward_arguments(model) & set(PIXELS) or unbuilt_layout(model):
         return None
     if image_token(config) is None:
         return unmarked_token_count(model)

@@ -23,7 +23,7 @@ from lightning_automodel.hf.vision.image_inputs import (
     image_token_count,
     measured_token_count,
 )
-from lightning_automodel.hf.vision.patch_sequences import PIXELS
+from lightning_automodel.hf.vision.patch_sequences import PIXELS, unbuilt_layout
 from lightning_automodel.hf.vision.tiny import SPECIAL_IDS_FROM, special_token_ids, tiny_image_text_config
 from lightning_automodel.planning.replica_comparison import SEQ_LEN, token_batch
 from lightning_automodel.planning.replica_comparison import loss_and_logits as text_loss_and_logits
@@ -67,7 +67,8 @@ def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
     except AttributeError as error:  # a config field the builder reads and this config lacks (image_size)
         raise NoImageInputs(f"{type(model).__name__}: {error}") from error
     if count is None:
-        raise NoImageInputs(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
+        why = unbuilt_layout(model) or "no image placeholder and pixel sizes in its config"
+        raise NoImageInputs(f"{type(model).__name__}: {why}")
     length = IMAGE_START + count + SEQ_LEN
     length += length % 2  # a sequence tp=2 + sp splits evenly
     generator = torch.Generator().manual_seed(seed)

@@ -243,19 +243,26 @@ values per image, or flattened patches and `image_grid_thw` for Qwen-style tower
 the tower takes them (Pixtral); a tile beside the base image and its size where the config tiles images (LLaVA-NeXT,
 OneVision); one real tile of the config's `max_num_tiles`, its `aspect_ratio_ids` and, for a model reading images by
 cross-attention, one token an image and the `cross_attention_mask` of the tokens after it (Mllama); a list of one
-image per row and `pixel_attention_mask`, of pixels, or of tiles where the tower takes no patch mask (Idefics,
+image per row and `pixel_attention_mask`, of pixels, or of tiles where the tower takes no patch mask (Idefics2,
 SmolVLM; Granite Docling); a second tower's `<name>_pixel_values` for a `<name>_vision_config` (DeepSeek-VL-Hybrid);
 unflattened patches for a 2-D patch embedding (PaddleOCR-VL), each token's patches as one block of pixels where the
 tower takes grids in tokens (Inkling2), `image_merge_sizes` where the forward takes them (VideoLLaMA3); the token
 that opens an image before its placeholders where the rope index finds images by it (the Qwen omni thinkers'
 `vision_start_token_id`); each row's own `position_ids` where the rope index numbers images across the batch
-(HunYuan-VL); token types where the forward takes them. A row is a text token, the image's placeholders (as
-many as the model makes features of one image: measured by its `get_image_features`, else as its config says), then
-16 tokens of text, the last two padding; the placeholders are never predicted. Each half of the batch must give, run
-alone in one process, the logits it gives in the whole batch (what a data-parallel rank's rows must do). Loss,
-logits and every gradient, the vision tower's and the projector's included, are compared with one process. A model
-that fails on its image inputs and on text alone too is transformers' failure (**no tiny config**, the text-alone
-error named); one whose `get_image_features` requires arguments the builder does not make names them.
+(HunYuan-VL); token types where the forward takes them. Beside those
+(`lightning_automodel/hf/vision/beside_pixels.py`, `patch_sequences.py`): the Q-Former's queries at a placeholder
+the tiny config sets (BLIP-2; InstructBLIP's instruction too; InstructBLIP-Video's image a one-frame video);
+placeholders a mask marks (Kosmos-2); no placeholders, the image read beside the text (BLIP, Idefics with its
+`image_attention_mask`) or before it (GIT, whose logits for the image are left out); sequences of flattened patches
+with their grid (NaFlex: LFM2-VL), their positions (Gemma 4) or row and column ids (Kosmos-2.5), or without a tower
+(Fuyu). A row is a text token, the image's placeholders (as many as the model makes features of one image: measured
+by its `get_image_features`, else as its config says), then 16 tokens of text, the last two padding; the
+placeholders are never predicted. Each half of the batch must give, run alone in one process, the logits it gives in
+the whole batch (what a data-parallel rank's rows must do), and other pixels must give other logits (a model blind
+to the images built is not measured). Loss, logits and every gradient, the vision tower's and the projector's
+included, are compared with one process. A model that fails on its image inputs and on text alone too is
+transformers' failure (**no tiny config**, the text-alone error named); one whose `get_image_features` requires
+arguments the builder does not make names them.
 
 - **pass**: within tolerance. The percentage is the share of the trained weight elements of all blocks, the
   language model's and the vision tower's, that tensor parallelism splits; `(tower N%)` is that share of the

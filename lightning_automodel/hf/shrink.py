@@ -136,9 +136,9 @@ KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"
 PAD_TOKEN_ID = 0
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
 MIN_LAYERS = 2
-# Probabilities of random training-time behaviour (dropout, drop path, layer drop, router jitter): zero, so that a
-# parallel run and a single-process one compute the same function.
-RANDOMNESS = ("dropout", "pdrop", "drop_prob", "drop_path", "layerdrop", "jitter")
+# Probabilities of random training-time behaviour (dropout, layer drop, stochastic depth, router jitter): zero, so
+# that a parallel run and a single-process one compute the same function.
+RANDOMNESS = ("dropout", "pdrop", "drop_prob", "layerdrop", "drop_path", "jitter")
 
 
 def overrides(model_type: str, *, hidden: int, heads: int) -> dict[str, Any]:

@@ -17,7 +17,9 @@ Config fields read (of the model's config, then of its ``vision_config``):
   cross-attention mask) in :mod:`~lightning_automodel.hf.vision.tiles`.
 
 Token types are passed where the forward takes them (``token_type_ids``, ``mm_token_type_ids``: 1 at an image's
-placeholders).
+placeholders). Images no placeholder token marks, and what some models take beside the pixels (a Q-Former's
+instruction, masks): :mod:`~lightning_automodel.hf.vision.beside_pixels`; towers that take sequences of flattened
+patches (NaFlex, Gemma 4, Kosmos-2.5, Fuyu): :mod:`~lightning_automodel.hf.vision.patch_sequences`.
 """
 
 from __future__ import annotations
@@ -30,9 +32,25 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_automodel.hf.vision.beside_pixels import beside_pixels, unmarked_token_count
+from lightning_automodel.hf.vision.beside_pixels import forward_arguments as _forward_arguments
+from lightning_automodel.hf.vision.patch_sequences import (
+    FLATTENED,
+    NAFLEX,
+    PATCH_STREAM,
+    PIXELS,
+    POSITIONED,
+    as_patch_sequences,
+    image_side,
+    sequence_layout,
+    sequence_token_count,
+    tower_config,
+    unbuilt_layout,
+)
 from lightning_automodel.hf.vision.patches import (
     GRID_HW,
     MERGE_SIZES,
+    UNFLATTENED,
     channel_count,
     merge_size,
     patch_layout,
@@ -51,15 +69,20 @@ def image_token_count(model: nn.Module) -> int | None:
     """Placeholders per image of ``model``'s builder inputs, or None for a model whose config gives no image
     placeholder and pixel sizes (a text model, or one this builder does not know)."""
     config = getattr(model, "config", None)
-    vision = getattr(config, "vision_config", None)
-    if image_token(config) is None or vision is None or "pixel_values" not in _forward_arguments(model):
+    vision = tower_config(config)
+    if vision is None or not _forward_arguments(model) & set(PIXELS) or unbuilt_layout(model):
         return None
+    if image_token(config) is None:
+        return unmarked_token_count(model)
     if CROSS_ATTENTION in _forward_arguments(model):
         return 1  # one token an image, whose tiles the text reads by cross-attention (Mllama)
+    if sequence_layout(model) is not None:
+        return sequence_token_count(model)
     if merge_size(vision, accepted=image_arguments(model)) is not None:
         return _GRID[1] * _GRID[2]  # the merged grid's tokens
-    if isinstance(getattr(config, "mm_tokens_per_image", None), int):
-        return config.mm_tokens_per_image
+    pooled = [getattr(config, name, None) for name in ("mm_tokens_per_image", "num_query_tokens")]
+    if any(isinstance(count, int) for count in pooled):
+        return next(count for count in pooled if isinstance(count, int))
     image_size, patch_size = side(getattr(vision, "image_size", None)), side(getattr(vision, "patch_size", None))
     if not (isinstance(image_size, int) and isinstance(patch_size, int)):
         return None
@@ -87,9 +110,9 @@ def image_inputs(
     the CPU, where the model's code reads their values. Raises a ValueError for a model :func:`image_token_count`
     knows no count for, or rows too short to hold their images' placeholders."""
     count = count if count is not None else image_token_count(model)
-    if count is None or image_token(model.config) is None:
+    if count is None:
         raise ValueError(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
-    config, vision = model.config, model.config.vision_config
+    config, vision = model.config, tower_config(model.config)
     grid = _sized_grid(model, image_tokens=image_tokens)
     count = grid[1] * grid[2] if grid is not None else count
     needed = IMAGE_START + images_per_row * (count + 1) - 1
@@ -98,21 +121,27 @@ def image_inputs(
             f"rows of {tokens} tokens cannot hold {images_per_row} image(s) of {count} placeholders ({needed} tokens)"
         )
     input_ids = text.clone() if text is not None else torch.zeros(rows, tokens, dtype=torch.long)
-    opening = _opening_token(model)
-    for image in range(images_per_row):
-        start = IMAGE_START + image * (count + 1)
-        input_ids[:, start : start + count] = image_token(config)
-        if opening is not None:
-            input_ids[:, start - 1] = opening
-    pixels = model_pixels(model, images=rows * images_per_row, device=pixels_device, grid=grid or _GRID)
-    inputs = {"input_ids": input_ids, **pixels}
+    starts = [IMAGE_START + image * (count + 1) for image in range(images_per_row)]
+    placeholders = torch.zeros(rows, tokens, dtype=torch.bool)
+    for start in starts:
+        placeholders[:, start : start + count] = True
+    if image_token(config) is not None:
+        input_ids[placeholders] = image_token(config)
+    if (opening := _opening_token(model)) is not None:
+        input_ids[:, [start - 1 for start in starts]] = opening
+    images = rows * images_per_row
+    inputs = {
+        "input_ids": input_ids,
+        **model_pixels(model, images=images, device=pixels_device, grid=grid or _GRID),
+        **beside_pixels(model, placeholders=placeholders, starts=starts, images=images),
+    }
     accepted = _forward_arguments(model)
     if CROSS_ATTENTION in accepted:
         tiles = tile_count(vision)
         inputs[CROSS_ATTENTION] = cross_attention_mask(input_ids, image_token=image_token(config), tiles=tiles)
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in accepted:
-            inputs[name] = (input_ids == image_token(config)).long()
+            inputs[name] = placeholders.long()
     return inputs
 
 
@@ -163,7 +192,7 @@ def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
     elements of ``get_image_features``'s output over the language model's width; None where that does not run."""
     get_features = getattr(model, "get_image_features", None)
     vision = getattr(model.config, "vision_config", None)
-    if get_features is None or vision is None:
+    if get_features is None or vision is None or image_token(model.config) is None:  # no placeholder to count
         return None
     taken = set(inspect.signature(get_features).parameters)
     try:
@@ -204,7 +233,7 @@ def model_pixels(
     for: ``<name>_pixel_values`` for a ``<name>_vision_config`` (DeepSeek-VL-Hybrid's high-resolution SAM tower),
     one image of that config's size per image."""
     pixels = pixel_inputs(
-        model.config.vision_config, images=images, device=device, grid=grid, accepted=image_arguments(model)
+        tower_config(model.config), images=images, device=device, grid=grid, accepted=image_arguments(model)
     )
     for name in sorted(_forward_arguments(model)):
         tower = getattr(model.config, name.replace("_pixel_values", "_vision_config"), None)
@@ -230,10 +259,15 @@ def pixel_inputs(
     merge = merge_size(vision, accepted=accepted)
     if merge is not None:
         return patch_pixels(vision, images=images, merge=merge, grid=grid, device=device, accepted=accepted)
-    size = side(_image_size(vision))
+    size = _image_side(vision)
     pixels = random_pixels((images, channel_count(vision), size, size), device=device)
+    layout = accepted & {NAFLEX, POSITIONED, FLATTENED, PATCH_STREAM}
+    if layout:
+        return as_patch_sequences(pixels, vision=vision, layout=layout.pop())
     if "aspect_ratio_ids" in accepted:  # (rows, images, tiles, ...): one real tile, padded to the config's count
         return padded_tiles(vision, pixels)
+    if accepted & {"image_attention_mask", "video_frames"}:  # (rows, images or frames, ...): one a row
+        return {"pixel_values": pixels[:, None]}
     if "pixel_attention_mask" in accepted:  # of each pixel; of each tile where the tower takes no patch mask
         mask = (images, 1) if TILE_MASK in accepted else (images, 1, size, size)
         return {"pixel_values": pixels[:, None], "pixel_attention_mask": torch.ones(mask, dtype=torch.bool)}
@@ -244,16 +278,12 @@ def pixel_inputs(
     return {"pixel_values": pixels}
 
 
-def _image_size(vision: Any) -> Any:
-    """The tower's image size: its config's, else that of the first of its own sub-configs giving one (a tower of
-    towers: Unlimited-OCR's SAM and encoder configs)."""
-    if getattr(vision, "image_size", None) is not None:
-        return vision.image_size
+def _image_side(vision: Any) -> int:
+    """The side of the builder's images: the tower's image size, else that of the first of its own sub-configs giving
+    one (a tower of towers: Unlimited-OCR's SAM and encoder configs), else :func:`image_side`'s."""
     parts = [getattr(vision, name) for name in getattr(vision, "sub_configs", {}) if getattr(vision, name, None)]
     found = next((part.image_size for part in parts if getattr(part, "image_size", None) is not None), None)
-    if found is None:
-        raise AttributeError(f"{type(vision).__name__} gives no image_size, nor do its sub-configs")
-    return found
+    return side(found) if getattr(vision, "image_size", None) is None and found is not None else image_side(vision)
 
 
 def image_arguments(model: nn.Module) -> set[str]:
@@ -265,23 +295,29 @@ def image_arguments(model: nn.Module) -> set[str]:
     tower = next((module for module in model.modules() if getattr(module, "config", None) is vision), None)
     sizes = {"image_sizes"} if tower is not None and "image_sizes" in _forward_arguments(tower) else set()
     patches = patch_layout(tower) if tower is not None else set()
+    if getattr(vision, "merge_kernel_size", None) is not None:  # a merge kernel's tower (Kimi-K2.5) convolves
+        patches.add(UNFLATTENED)  # each patch as an image of its own
     tower_takes = _forward_arguments(tower) if tower is not None else {"patch_attention_mask"}
     tile_mask = set() if "patch_attention_mask" in tower_takes else {TILE_MASK}
-    taken = _forward_arguments(model) & {"aspect_ratio_ids", "pixel_attention_mask", MERGE_SIZES, GRID_HW}
-    return taken | tiles | sizes | patches | tile_mask
+    laid_out = {"aspect_ratio_ids", "pixel_attention_mask", "image_attention_mask", MERGE_SIZES, GRID_HW}
+    videos = {"video_frames"} if image_token(model.config) not in (None, _image_placeholder(model.config)) else set()
+    sequences = {sequence_layout(model)} - {None}
+    return (_forward_arguments(model) & laid_out) | tiles | sizes | patches | tile_mask | videos | sequences
 
 
 def image_token(config: Any) -> int | None:
-    """The placeholder token id of an image, from the config (None where it names none)."""
+    """The placeholder token id of an image, from the config (None where it names none): of a video model without
+    one (InstructBLIP-Video), the video placeholder, an image being a video of one frame."""
+    found = _image_placeholder(config)
+    video = next(
+        (getattr(config, name) for name in ("video_token_id", "video_token_index") if hasattr(config, name)), None
+    )
+    return found if found is not None or not isinstance(video, int) else video
+
+
+def _image_placeholder(config: Any) -> int | None:
     for name in ("image_token_id", "image_token_index"):
         value = getattr(config, name, None)
         if isinstance(value, int):
             return value
     return None
-
-
-def _forward_arguments(model: nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()

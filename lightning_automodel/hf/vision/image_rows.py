@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_automodel.hf.vision.image_inputs import image_token
+from lightning_automodel.hf.vision.image_inputs import image_token, merge_size
 
 BY_IMAGE = ("pixel_values", "image_grid_thw")  # split by image (a row's images), for the tower
 BY_ROW = ("token_type_ids", "mm_token_type_ids")  # (rows, tokens), for every layer's mask
@@ -56,7 +56,7 @@ def image_rows(
     placeholders do not add up."""
     placeholders = (input_ids == image_token(model.config)).sum(1).cpu()
     if grids is not None:
-        merge = model.config.vision_config.spatial_merge_size
+        merge = merge_size(model.config.vision_config)
         sizes = grids.cpu().prod(-1)
         tokens = sizes // merge**2
     else:

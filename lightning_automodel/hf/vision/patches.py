@@ -31,9 +31,13 @@ SHUFFLED = 2
 
 def merge_size(vision: Any, *, accepted: set[str]) -> int | None:
     """How many patches a side a tower of patches of any size merges into one token: its config's
-    ``spatial_merge_size``, else 1 where the forward takes each image's (VideoLLaMA3's processor merges none of an
-    image's); None for a tower of fixed-size images."""
-    merge = getattr(vision, "spatial_merge_size", None)
+    ``spatial_merge_size`` (``merge_size`` as Muse names it, a square ``merge_kernel_size`` as Kimi-K2.5's), else 1
+    where the forward takes each image's (VideoLLaMA3's processor merges none of an image's); None for a tower of
+    fixed-size images."""
+    merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None)
+    kernel = getattr(vision, "merge_kernel_size", None)
+    if isinstance(kernel, list | tuple) and len(set(kernel)) == 1:
+        merge = kernel[0]
     if isinstance(merge, int):
         return merge
     if GRID_HW in accepted:
@@ -56,7 +60,8 @@ def patch_pixels(
     """The patches of ``images`` images of ``grid`` merged blocks (time, height, width) each, and their grids, in the
     layout ``accepted`` names (see above)."""
     channels = channel_count(vision)
-    frames, patch = getattr(vision, "temporal_patch_size", None) or 1, side(vision.patch_size)
+    frames = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", None) or 1
+    patch = side(vision.patch_size)
     if TOKEN_GRID in accepted:
         tokens = torch.tensor([grid] * images)
         block = merge * patch

@@ -4,15 +4,17 @@ tokens moved into the tiny vocabulary.
 
 * images of ``IMAGE_SIZE`` pixels a side in patches of ``PATCH_SIZE`` (16 patches an image before any merge);
 * a projection to the language model's width sized as that width (``projection_dim``, ``out_hidden_size``, ...);
-* pooled token counts (``mm_tokens_per_image``) and query counts that must fit the smaller grid;
-* every ``*_token_id`` / ``*_token_index`` past the vocabulary moved to its top ids, one each, in order.
+* pooled token counts (``mm_tokens_per_image``) and query counts that must fit the smaller grid, and the learned
+  queries of a Q-Former or resampler (``num_query_tokens``, ``latent_query_num``): as few image tokens;
+* every ``*_token_id`` / ``*_token_index`` past the vocabulary moved to its top ids, one each, in order, and an image
+  or video placeholder the config leaves unset (BLIP-2's ``image_token_index``: a checkpoint's sets it) given one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_automodel.hf.shrink import VOCAB, merged, tiny_values
+from lightning_automodel.hf.shrink import VOCAB, merged, shrink, tiny_values
 from lightning_automodel.hf.vision.rope_sections import default_sections
 
 IMAGE_SIZE = 16
@@ -25,7 +27,7 @@ TEXT_WIDTHS = (
     "adapter_input_size",
 )  # fmt: skip
 # Pooled image tokens: a square number whose side divides the grid's (16 patches: 4 a side).
-POOLED_TOKENS = {"mm_tokens_per_image": 4, "image_seq_length": 4}
+POOLED_TOKENS = {"mm_tokens_per_image": 4, "image_seq_length": 4, "num_query_tokens": 4, "latent_query_num": 4}
 TOWER_LAYERS = 2
 # Which tower layers' hidden states feed the projector: kept within the tiny tower's.
 FEATURE_LAYERS = ("vision_feature_layer", "vision_feature_layers")
@@ -35,7 +37,18 @@ def tiny_image_text_config(model_type: str) -> Any:
     """The type's config class, shrunk (text and vision), with tiny images and its special tokens in the vocabulary."""
     from transformers import CONFIG_MAPPING
 
-    return with_tiny_images(CONFIG_MAPPING[model_type], tiny_values(model_type), model_type=model_type)
+    config_class = CONFIG_MAPPING[model_type]
+    values = tiny_values(model_type)
+    return with_tiny_images(config_class, {**values, **_optional_tower(config_class, values)}, model_type=model_type)
+
+
+def _optional_tower(config_class: type, values: dict[str, Any]) -> dict[str, Any]:
+    """The vision sub-config of a class that leaves it unset by default (Gemma 4's optional tower: a model built
+    without it takes no image), from its own class's defaults, shrunk."""
+    spec = getattr(config_class, "sub_configs_defaults", {}).get("vision_config")
+    if values.get("vision_config") is not None or spec is None or not hasattr(spec.config_class, "model_type"):
+        return {}
+    return {"vision_config": shrink(spec.config_class(**spec.init_kwargs).to_dict())}
 
 
 def with_tiny_images(config_class: type, values: dict[str, Any], *, model_type: str) -> Any:
@@ -176,6 +189,14 @@ def _family_overrides(model_type: str, values: dict[str, Any]) -> dict[str, Any]
         "step3p7": {"text_config": {"sliding_window": 8}},
         # The thinker's rope index reads the token that opens an image, which only the talker's config defines.
         **dict.fromkeys(("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"), {"vision_start_token_id": 151652}),
+        # Gated cross-attention initialised shut (tanh(0)) leaves the logits blind to images; a checkpoint opens it.
+        "idefics": {"alpha_initializer": "ones"},
+        # The projector's norm reads the tower's width.
+        "kimi_k25": {"projection_hidden_size": width},
+        # The projector reads the tower's merged blocks: merge_size ** 2 patches of the tower's width a token.
+        **dict.fromkeys(
+            ("muse_glimmer", "muse_spark"), {"out_hidden_size": (width or 0) * vision.get("merge_size", 1) ** 2}
+        ),
     }
     return by_type.get(model_type, {})
 
@@ -194,16 +215,19 @@ def _sized_like(value: Any, size: int) -> Any:
 
 def _special_tokens_in_vocabulary(values: dict[str, Any]) -> dict[str, Any]:
     """The token fields past the vocabulary (of the config and of its text sub-config), each moved to an id of its
-    own from ``VOCAB - 1`` down; a field repeated in both moves to the same id."""
-    moved: dict[int, int] = {}
-    free = iter(range(VOCAB - 1, SPECIAL_IDS_FROM - 1, -1))
+    own from ``VOCAB - 1`` down, and the unset image and video placeholders given one (the model would scatter its
+    features nowhere); a field repeated in both moves to the same id."""
+    moved: dict[Any, int] = {}
+    taken = {value for name, value in values.items() if _is_token_field(name) and _is_id(value)}
+    free = (id_ for id_ in range(VOCAB - 1, SPECIAL_IDS_FROM - 1, -1) if id_ not in taken)
 
     def moved_in(fields: dict[str, Any]) -> dict[str, Any]:
         changed = {}
         for name, value in fields.items():
-            if _is_token_field(name) and _is_id(value) and value >= VOCAB:
-                moved.setdefault(value, next(free))
-                changed[name] = moved[value]
+            unset = value is None and name.startswith(("image_", "video_"))
+            if _is_token_field(name) and (unset or (_is_id(value) and value >= VOCAB)):
+                moved.setdefault(value if value is not None else name, next(free))
+                changed[name] = moved[value if value is not None else name]
         return changed
 
     changed = moved_in(values)

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token, pixel_inputs
+from lightning_automodel.hf.vision.patch_sequences import tower_config
 from lightning_automodel.parallel.context_parallel.sequence_split import all_gather_autograd
 
 # Per image: the pixels (or a Qwen-style tower's patches, counted by its grid) and the image's metadata.
@@ -62,7 +63,7 @@ def image_features(
     share = shares[rank if group is not None else 0]
     if share is None:  # no image of its own: a stand-in's features, none of them kept
         stand_in = pixel_inputs(
-            model.config.vision_config, images=1, device=inputs["pixel_values"].device, accepted=image_arguments(model)
+            tower_config(model.config), images=1, device=inputs["pixel_values"].device, accepted=image_arguments(model)
         )
         own, per_image = _flat_features(model, stand_in)
         own = own[:0]

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
 from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token_count, pixel_inputs
+from lightning_automodel.hf.vision.patch_sequences import tower_config
 
 
 def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -49,9 +50,7 @@ class TowerStandIn:
         self.group = mesh.get_group()
         self.device_type = mesh.device_type
         known = image_token_count(model) is not None if known is None else known
-        self.pixels = (
-            pixel_inputs(model.config.vision_config, images=1, accepted=image_arguments(model)) if known else {}
-        )
+        self.pixels = _stand_in_pixels(model) if known else {}
         self.pending = False
         # First among the language model's hooks: before tensor parallel turns its input into a DTensor.
         model.get_decoder().register_forward_pre_hook(self._add_features, with_kwargs=True, prepend=True)
@@ -84,6 +83,22 @@ class TowerStandIn:
         features = self.model.get_image_features(**pixels)
         zero = sum(leaf.float().sum() for leaf in tree_flatten(features)[0] if isinstance(leaf, torch.Tensor)) * 0
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
+
+
+def _stand_in_pixels(model: nn.Module) -> dict[str, torch.Tensor]:
+    """One image's pixels for ``model``'s ``get_image_features``; none where it has none or needs more than pixels
+    (InstructBLIP's instruction for its Q-Former): a batch without images beside others with them is refused."""
+    get_features = getattr(model, "get_image_features", None)
+    if get_features is None:
+        return {}
+    pixels = pixel_inputs(tower_config(model.config), images=1, accepted=image_arguments(model))
+    required = {
+        name
+        for name, parameter in inspect.signature(get_features).parameters.items()
+        if parameter.default is parameter.empty
+        and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    }
+    return pixels if required <= set(pixels) else {}
 
 
 def _has_images(arguments: dict[str, Any]) -> bool:

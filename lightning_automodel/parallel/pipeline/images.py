@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_automodel.hf.decoder_layers import named_multimodal_parts
-from lightning_automodel.hf.vision.image_inputs import image_token_count
+from lightning_automodel.hf.vision.image_inputs import image_token, image_token_count
 from lightning_automodel.hf.vision.image_rows import BY_IMAGE, BY_ROW, ImageRows, image_rows
 from lightning_automodel.parallel.fsdp.imageless_ranks import TowerStandIn
 
@@ -96,6 +96,13 @@ class StageImages:
                 " its rows' images, found by their image placeholders, and the model's config gives no image"
                 " placeholder token and size (image_token_id; vision_config's image_size and patch_size,"
                 " mm_tokens_per_image or spatial_merge_size) to count them by. Use pp=1 for this model's images."
+            )
+        if image_token(self.model.config) is None:
+            raise ValueError(
+                f"{type(self.model).__name__} under pipeline parallel (pp > 1): each micro-batch's first stage takes"
+                " its rows' images, found by their image placeholder tokens, and this model marks its images by no"
+                " token (its features are read beside the text, or at positions a mask gives). Use pp=1 for this"
+                " model's images."
             )
         tokens_per_image = self._tokens_per_image or 0
         return image_rows(self.model, input_ids, pixel_values=pixels, grids=grids, tokens_per_image=tokens_per_image)

@@ -16,12 +16,14 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from lightning_automodel.hf.shrink import VOCAB
+from lightning_automodel.hf.vision.beside_pixels import prefix_logits
 from lightning_automodel.hf.vision.image_inputs import (
     IMAGE_START,
     image_inputs,
     image_token_count,
     measured_token_count,
 )
+from lightning_automodel.hf.vision.patch_sequences import PIXELS, unbuilt_layout
 from lightning_automodel.hf.vision.tiny import SPECIAL_IDS_FROM, special_token_ids, tiny_image_text_config
 from lightning_automodel.planning.replica_comparison import SEQ_LEN, token_batch
 from lightning_automodel.planning.replica_comparison import loss_and_logits as text_loss_and_logits
@@ -65,7 +67,8 @@ def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
     except AttributeError as error:  # a config field the builder reads and this config lacks (image_size)
         raise NoImageInputs(f"{type(model).__name__}: {error}") from error
     if count is None:
-        raise NoImageInputs(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
+        why = unbuilt_layout(model) or "no image placeholder and pixel sizes in its config"
+        raise NoImageInputs(f"{type(model).__name__}: {why}")
     length = IMAGE_START + count + SEQ_LEN
     length += length % 2  # a sequence tp=2 + sp splits evenly
     generator = torch.Generator().manual_seed(seed)
@@ -111,7 +114,12 @@ def _assert_features_inputs_built(model: nn.Module, inputs: Rows) -> None:
 
 def _assert_rows_apart(model: nn.Module, rows: Rows) -> None:
     """Each half of the batch alone gives the logits it gives in the whole batch, as a data-parallel rank's rows
-    must; where not, the inputs do not fit the model (images read out of order, placeholders it counts otherwise)."""
+    must; where not, the inputs do not fit the model (images read out of order, placeholders it counts otherwise).
+    A model whose step does not change with the pixels reads none of the images built, and is not measured."""
+    if not _pixels_reach_the_step(model, rows):
+        raise NoImageInputs(
+            f"{type(model).__name__}: its logits and gradients do not change with the pixels built for it"
+        )
     with torch.no_grad():
         _, whole = image_loss(model, rows)
         for half in (slice(0, BATCH_SIZE // 2), slice(BATCH_SIZE // 2, BATCH_SIZE)):
@@ -147,12 +155,29 @@ def _rope_positions(model: nn.Module, rows: Rows) -> torch.Tensor | None:
         return None
 
 
+def _pixels_reach_the_step(model: nn.Module, rows: Rows) -> bool:
+    """Whether other pixels give other logits, or else other gradients (Gemma 3's projector, initialised at zero,
+    passes features of zero, and its weight's gradient reads the images)."""
+    pixels = next(name for name in PIXELS if name in rows)
+    other = {**rows, pixels: rows[pixels] + 1}
+    with torch.no_grad():
+        if not torch.equal(image_loss(model, rows)[1], image_loss(model, other)[1]):
+            return True
+    trained = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.autograd.grad(image_loss(model, batch)[0], trained, allow_unused=True) for batch in (rows, other)]
+    return any(
+        (a is None) != (b is None) or (a is not None and not torch.equal(a, b)) for a, b in zip(*grads, strict=True)
+    )
+
+
 def image_loss(model: nn.Module, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token cross-entropy in fp32 over the text, with a padding mask, and the logits."""
+    """Next-token cross-entropy in fp32 over the text, with a padding mask, and the text's logits (without those of
+    an image's tokens the model put before it)."""
     inputs = {name: value for name, value in rows.items() if name != "labels"}
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs["use_cache"] = False
     logits = model(**inputs, attention_mask=(rows["input_ids"] != 0).long()).logits.float()
+    logits = prefix_logits(logits, tokens=rows["input_ids"].shape[1])
     return F.cross_entropy(logits.flatten(0, 1), rows["labels"].flatten()), logits
 
 

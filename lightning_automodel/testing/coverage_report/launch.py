@@ -43,7 +43,10 @@ Check = Callable[[str, str], dict[str, Any]]
 STARTUP_TIMEOUT = 300.0  # spawning processes that import torch and transformers, on two busy cores
 
 
-GRACE = 30.0  # how long the other ranks get to report once one has failed (a loaded machine delays one by seconds)
+# How long the other ranks get to report once one has failed: on busy cores the ranks of a refusal reach it seconds
+# apart (each builds the single-process reference first; 5 s judged muse_spark's and kosmos-2.5's refusals on both
+# ranks crashes of one). A rank left waiting in a collective reports its timeout (COLLECTIVE_TIMEOUT, 30 s) by then.
+GRACE = 45.0
 
 
 POLL = 1.0  # how often the launcher looks whether a process died

@@ -16,8 +16,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers
+from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers
 from lightning_automodel.hf.peft import is_lora_layer
+from lightning_automodel.hf.vision.image_inputs import image_token_count
 from lightning_automodel.parallel.meta_values import AnswerDataQuestions
 from lightning_automodel.parallel.probe import (
     forward_step,
@@ -62,6 +63,7 @@ class ProjectionFlow:
     exits: dict[str, set[str]] = field(default_factory=dict)
     escaped: set[str] = field(default_factory=set)
     conflicting: set[str] = field(default_factory=set)  # called once as an entry and once as an exit
+    called: set[str] = field(default_factory=set)  # the followed blocks the step ran
 
     def unclosed(self) -> set[str]:
         closed = set().union(*self.exits.values())
@@ -94,12 +96,30 @@ def derived_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     anything but the input embedding. With sp the plan gets the layout of :mod:`.sequence_parallel`, as a Hugging Face
     plan does.
     """
-    flow = follow_projections(model)
+    flow = _language_flow(model)
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = _vocabulary_parallel(model)
     for name, uses in flow.entries.items():
         plan[name] = entry_style(name, modules[name], uses)
     return keyed_by_position({**plan, **exit_styles(model, flow)}, names=list(modules))
+
+
+def _language_flow(model: nn.Module) -> ProjectionFlow:
+    """The decoder blocks' flow in a text-only step, or with images (where the builder knows them) if that fails
+    (BLIP-2 requires ``pixel_values``) or leaves a block of its language model unrun (GIT's tower blocks count)."""
+    images = image_token_count(model) is not None
+    try:
+        flow = follow_projections(model)
+    except ValueError:
+        if not images:
+            raise
+        return follow_projections(model, images=True)
+    if not images or all(name in flow.called for name, _ in named_language_layers(model)):
+        return flow
+    try:
+        return follow_projections(model, images=True)
+    except ValueError:  # a step with images the model's code cannot take on the meta device: text alone
+        return flow
 
 
 def exit_styles(model: nn.Module, flow: ProjectionFlow) -> dict[str, ParallelStyle]:
@@ -181,6 +201,7 @@ def _follow_once(model: nn.Module, *, whole: set[str], blocks: Iterable[str] | N
     followed = named_decoder_layers(copy) if blocks is None else [(name, modules[name]) for name in blocks]
     for block_name, block in followed:
         handles.append(block.register_forward_hook(_escape_hook(tracker, flow)))
+        handles.append(block.register_forward_hook(lambda *_, name=block_name: flow.called.add(name)))
         for name, module in projections(block, prefix=block_name):
             if name not in whole:
                 handles += _watch(module, name, tracker, flow)

@@ -22,7 +22,7 @@ from lightning_automodel.parallel.tensor.plans.derived import (
     follow_projections,
     projections,
 )
-from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position
+from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, matches_inside
 from lightning_automodel.parallel.tensor.plans.selection import PlanChoice
 
 UNCLOSED = "no row-parallel projection of its block closes its split output"
@@ -48,8 +48,13 @@ def with_tower_plan(model: nn.Module, choice: PlanChoice, *, trace: Trace | None
 
 
 def kept_whole_for(model: nn.Module, choice: PlanChoice, *, reason: str) -> PlanChoice:
-    """``choice`` (the language model's plan) with every multimodal part kept whole on every tp rank for ``reason``."""
-    return replace(choice, kept_whole={name: reason for name, _ in named_multimodal_parts(model)})
+    """``choice`` (the language model's plan) with every multimodal part kept whole on every tp rank for ``reason``:
+    entries inside them are dropped (a Hugging Face plan may cover Gemma 4's tower, which no probe step then ran:
+    its per-head norms would go without their gradients summed)."""
+    parts = [name for name, _ in named_multimodal_parts(model)]
+    names = [name for name, _ in model.named_modules()]
+    plan = {key: style for key, style in choice.plan.items() if not matches_inside(key, parts, names=names)}
+    return replace(choice, plan=plan, kept_whole=dict.fromkeys(parts, reason))
 
 
 def tower_styles(model: nn.Module, *, trace: Trace) -> tuple[dict[str, ParallelStyle], dict[str, str]]:

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_automodel import ParallelDims, plan_report
-from lightning_automodel.parallel.probe import PROBE_TOKENS_PER_RANK, meta_copy, probe
+from lightning_automodel.parallel.probe.step import PROBE_TOKENS_PER_RANK, meta_copy, probe
 from lightning_automodel.parallel.tensor.plans.derived import derived_plan
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.parallel.tensor.plans.selection import select_tp_plan

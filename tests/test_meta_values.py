@@ -1,4 +1,4 @@
-"""The probe's answers to value questions on the meta device (lightning_automodel/parallel/meta_values.py): from the
+"""The probe's answers to value questions on the meta device (parallel/probe/meta_values.py): from the
 values of tensors computed from CPU tensors alone, else zero; and the vision-language steps they let run on meta."""
 
 import pytest
@@ -7,8 +7,8 @@ import transformers
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_multimodal_parts
 from lightning_automodel.hf.vision.tiny import tiny_image_text_config
-from lightning_automodel.parallel.meta_values import AnswerDataQuestions
-from lightning_automodel.parallel.probe import probe, sequence_lengths
+from lightning_automodel.parallel.probe.meta_values import AnswerDataQuestions
+from lightning_automodel.parallel.probe.step import probe, sequence_lengths
 
 IMAGE = 9
 

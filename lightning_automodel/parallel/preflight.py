@@ -21,7 +21,14 @@ from lightning_automodel.parallel.experts.expert_parallel import expert_parallel
 from lightning_automodel.parallel.mesh import axis_size, tp_mesh
 from lightning_automodel.parallel.options import check_sequence_parallel
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem, stage_split_problem
-from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe, refuses_length, sequence_lengths
+from lightning_automodel.parallel.probe.step import (
+    ProbeError,
+    Trace,
+    meta_copy,
+    probe,
+    refuses_length,
+    sequence_lengths,
+)
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_tensor_parallel
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
 from lightning_automodel.parallel.tensor.sizes import validate_tp_sizes

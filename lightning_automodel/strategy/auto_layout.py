@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_automodel.hf.models import find_hf_models
 from lightning_automodel.parallel.initial_weights import is_meta
-from lightning_automodel.parallel.probe import meta_copy
+from lightning_automodel.parallel.probe.step import meta_copy
 from lightning_automodel.planning.child_process import ChildProcess
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.search.fitting import LayoutChoice, choose_layout

@@ -196,7 +196,9 @@ def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
         return None
     taken = set(inspect.signature(get_features).parameters)
     try:
-        device = next(model.parameters()).device  # on meta, pixels of values on the CPU (see parallel/meta_values.py)
+        device = next(
+            model.parameters()
+        ).device  # on meta, pixels of values on the CPU (see parallel/probe/meta_values.py)
         device = "cpu" if device.type == "meta" else device
         pixels = model_pixels(model, images=images, device=device)
         with torch.no_grad():

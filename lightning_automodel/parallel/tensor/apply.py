@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_automodel.hf.decoder_layers import named_language_layers
 from lightning_automodel.hf.ties import ties_kept
-from lightning_automodel.parallel.probe import ProbeError, Trace, meta_copy, probe
+from lightning_automodel.parallel.probe.step import ProbeError, Trace, meta_copy, probe
 from lightning_automodel.parallel.tensor.head_counts import head_parameter_styles, localize_head_counts, splits_outputs
 from lightning_automodel.parallel.tensor.lora import lora_aware
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
@@ -51,9 +51,9 @@ def plan_tensor_parallel(
 ) -> TensorParallelPlan:
     """Choose and check the plan for ``model`` over the tp ``mesh``, on a meta-device copy; no collective runs.
 
-    ``unsharded``: a probe of the model as it is (see :func:`~lightning_automodel.parallel.probe.probe`): the language
-    model's blocks it runs are those the plan must shard, and the sharded copy is probed against it. A vision-language
-    model's tower and projector get the derived plan's styles where its step ran their images (see
+    ``unsharded``: a probe of the model as it is (see :func:`~lightning_automodel.parallel.probe.step.probe`): the
+    language model's blocks it runs are those the plan must shard, and the sharded copy is probed against it. A
+    vision-language model's tower and projector get the derived plan's styles where its step ran their images (see
     :mod:`.plans.tower`); a tower plan the probe refuses leaves them whole (the report says why). A model the probe
     could not run is refused once its plan is chosen (so that a plan's own shortcomings are named first); without a
     probe (a model that is not a Hugging Face one) the plan is applied to the copy, not probed.

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from lightning_automodel.parallel.probe import Call, TensorArg, Trace
+from lightning_automodel.parallel.probe.step import Call, TensorArg, Trace
 from lightning_automodel.parallel.tensor.styles.parameters import ReplicateOnShardedInput
 
 

@@ -19,8 +19,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers
 from lightning_automodel.hf.peft import is_lora_layer
 from lightning_automodel.hf.vision.image_inputs import image_token_count
-from lightning_automodel.parallel.meta_values import AnswerDataQuestions
-from lightning_automodel.parallel.probe import (
+from lightning_automodel.parallel.probe.meta_values import AnswerDataQuestions
+from lightning_automodel.parallel.probe.step import (
     forward_step,
     image_placeholders,
     meta_copy,
@@ -136,7 +136,7 @@ def follow_projections(
     model: nn.Module, *, blocks: Iterable[str] | None = None, images: bool = False, whole: Iterable[str] = ()
 ) -> ProjectionFlow:
     """Entries and exits of the projections of ``blocks`` (by name; the decoder blocks by default) in one step (with
-    ``images``: see :func:`~lightning_automodel.parallel.probe.forward_step`), followed again without the entries
+    ``images``: see :func:`~lightning_automodel.parallel.probe.step.forward_step`), followed again without the entries
     found unclosed until none is left (each round can only make more projections whole). Those the completion keeps
     whole, and ``whole``, are left out."""
     whole = kept_whole(model) | set(whole)

@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.layer_configs import attention_shapes
-from lightning_automodel.parallel.probe import PROBE_ROWS, TensorArg, Trace
+from lightning_automodel.parallel.probe.step import PROBE_ROWS, TensorArg, Trace
 from lightning_automodel.parallel.tensor.head_counts import splits_outputs
 from lightning_automodel.parallel.tensor.plans.family import TPPlan
 from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, pattern_matches

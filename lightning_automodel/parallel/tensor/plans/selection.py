@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
-from lightning_automodel.parallel.probe import Trace
+from lightning_automodel.parallel.probe.step import Trace
 from lightning_automodel.parallel.tensor.plans.completion import completed
 from lightning_automodel.parallel.tensor.plans.derived import derived_plan
 from lightning_automodel.parallel.tensor.plans.family import PlanFunction, TPPlan, family_plan, llama_plan

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_automodel.hf.decoder_layers import named_language_layers
-from lightning_automodel.parallel.probe import TensorArg, Trace
+from lightning_automodel.parallel.probe.step import TensorArg, Trace
 from lightning_automodel.parallel.tensor.lora import LoraParallel
 from lightning_automodel.parallel.tensor.plans.family import TPPlan
 from lightning_automodel.parallel.tensor.plans.patterns import keyed_by_position, matches_inside, pattern_matches

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers, named_multimodal_parts
-from lightning_automodel.parallel.probe import Trace
+from lightning_automodel.parallel.probe.step import Trace
 from lightning_automodel.parallel.tensor.plans.derived import (
     entry_style,
     exit_styles,

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, measured_token_count
-from lightning_automodel.parallel.meta_values import AnswerDataQuestions
+from lightning_automodel.parallel.probe.meta_values import AnswerDataQuestions
 
 # Rows and tokens of the probe's batch: small, odd and unlike any model size, so that a dimension a plan splits
 # cannot be mistaken for another one of the same size. The sequence is a multiple of tp (sequence parallel splits it).

@@ -39,7 +39,7 @@ def measure(ep: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from lightning_automodel import ParallelDims, parallelize
-    from lightning_automodel.parallel import expert_parallel
+    from lightning_automodel.parallel.experts import expert_parallel
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**CONFIG))

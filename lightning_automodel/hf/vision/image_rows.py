@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_automodel.hf.vision.image_inputs import image_token, merge_size
+from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token
+from lightning_automodel.hf.vision.patches import merge_size
 
 BY_IMAGE = ("pixel_values", "image_grid_thw")  # split by image (a row's images), for the tower
 BY_ROW = ("token_type_ids", "mm_token_type_ids")  # (rows, tokens), for every layer's mask
@@ -56,7 +57,7 @@ def image_rows(
     placeholders do not add up."""
     placeholders = (input_ids == image_token(model.config)).sum(1).cpu()
     if grids is not None:
-        merge = merge_size(model.config.vision_config)
+        merge = merge_size(model.config.vision_config, accepted=image_arguments(model))
         sizes = grids.cpu().prod(-1)
         tokens = sizes // merge**2
     else:

@@ -48,13 +48,13 @@ class AnswerDataQuestions(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         on_meta = [leaf.device.type == "meta" for leaf in _tensors((args, kwargs))]
-        if not any(on_meta) and not _makes_meta(kwargs):
+        if not any(on_meta) and _target(kwargs) != "meta":
             return func(*args, **kwargs)  # the CPU's own computation
         args, kwargs = self._cpu_moved((args, kwargs))
         if func is aten._local_scalar_dense.default:
             known = self.values.get(args[0])
             return known.item() if known is not None else _zero_of(args[0].dtype)
-        if func is aten._to_copy.default and _is_meta(args[0]) and _leaves_meta(kwargs):
+        if func is aten._to_copy.default and _is_meta(args[0]) and _target(kwargs) not in (None, "meta"):
             return self._copied_out(args[0], kwargs)
         if func is aten.nonzero.default and args[0] in self.values:
             return self._meta_of(self.values[args[0]].nonzero())
@@ -119,7 +119,7 @@ class AnswerDataQuestions(TorchDispatchMode):
         computable = computable and not any(isinstance(leaf, DTensor) for leaf in leaves)
         if computable and all(value is not None for value in known):
             cpu_args, cpu_kwargs = tree_unflatten(known, spec)
-            if _makes_meta(cpu_kwargs):
+            if _target(cpu_kwargs) == "meta":
                 cpu_kwargs = {**cpu_kwargs, "device": torch.device("cpu")}
             computed = func(*cpu_args, **cpu_kwargs)
             for meta, value in zip(_tensors(output), _tensors(computed), strict=True):
@@ -134,14 +134,10 @@ def _is_meta(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) and leaf.device.type == "meta"
 
 
-def _makes_meta(kwargs: dict) -> bool:
+def _target(kwargs: dict) -> str | None:
+    """The device type an operation's ``device`` argument names (None where it names none)."""
     device = kwargs.get("device")
-    return device is not None and torch.device(device).type == "meta"
-
-
-def _leaves_meta(kwargs: dict) -> bool:
-    device = kwargs.get("device")
-    return device is not None and torch.device(device).type != "meta"
+    return torch.device(device).type if device is not None else None
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:

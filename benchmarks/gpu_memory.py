@@ -25,8 +25,9 @@ from benchmarks.throughput import random_tokens
 DRY_RUN_GPU_GIB = 1.0  # the memory the dry run plans for: the CPU has none to read
 
 
-def measure_activations(args: argparse.Namespace, mode: str, *, model_config: dict[str, Any]) -> dict[str, Any]:
-    """The estimate of a checkpointing mode against the allocator's peak of the same step, above what it held."""
+def measure_activations(args: argparse.Namespace, step: str, *, model_config: dict[str, Any]) -> dict[str, Any]:
+    """The estimate of a checkpointing mode and an attention dropout (``step``: their JSON pair) against the
+    allocator's peak of the same step, above what it held."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -34,8 +35,8 @@ def measure_activations(args: argparse.Namespace, mode: str, *, model_config: di
     from lightning_automodel.parallel import parallelize
     from lightning_automodel.planning.memory.activations import activation_bytes, training_step
 
-    checkpointing = json.loads(mode)
-    hf_config = AutoConfig.for_model(**model_config, attn_implementation="sdpa")
+    checkpointing, dropout = json.loads(step)
+    hf_config = AutoConfig.for_model(**model_config, attention_dropout=dropout, attn_implementation="sdpa")
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(hf_config)
     dims = ParallelDims().resolve(1)
@@ -109,8 +110,9 @@ def measure_auto_layout(args: argparse.Namespace, *, model_config: dict[str, Any
     }
 
 
-def activation_row(mode: Any, result: dict[str, Any]) -> tuple[str, str, str]:
-    name = f"activations, checkpointing {mode or 'off'}"
+def activation_row(step: tuple[Any, float], result: dict[str, Any]) -> tuple[str, str, str]:
+    checkpointing, dropout = step
+    name = f"activations, checkpointing {checkpointing or 'off'}" + (f", attn dropout {dropout}" if dropout else "")
     if "failed" in result:
         return (name, f"FAILED ({result['failed']})", "")
     return (name, *_against_the_allocator(result))

@@ -20,6 +20,7 @@ def test_gpu_check_dry_run():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for row in (
         "activations, checkpointing full",
+        "activations, checkpointing off, attn dropout 0.1",
         'layout="auto"',
         "cp=2 sdpa",
         "compiled_float8",

@@ -2,6 +2,7 @@
 each activation-checkpointing mode, tensor and sequence parallel, FSDP2, context parallel, pipeline parallel under
 each of its schedules and a bf16 mixed-precision policy; and the plan report's lines built on it."""
 
+import contextlib
 from functools import partial
 
 import pytest
@@ -265,3 +266,26 @@ class _RealTensorsMade(TorchDispatchMode):
             if type(made) in (torch.Tensor, nn.Parameter) and not made.is_meta:  # not fake, nor a DTensor wrapper
                 self.sizes.append(made.untyped_storage().nbytes())
         return out
+
+
+def test_attention_dropout_is_counted_as_a_gpus_fused_kernel_holds_it(monkeypatch):
+    """With attention dropout, SDPA on CPU takes its math path and keeps the [heads, S, S] scores and dropout's mask; a
+    GPU's flash and memory-efficient kernels keep neither (they draw the mask again in backward). The estimate counts
+    the fused kernel whatever the dropout, and the report says so; without that, dropout costs scores a layer."""
+    from lightning_automodel.planning.memory import attention_kernel
+
+    model = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2)
+    step = dict(micro_batch=2, seq_len=256, activation_checkpointing=False)
+    fused = activation_bytes(_on_meta(**model), ParallelDims(dp_shard=1), **step)
+    assert activation_bytes(_on_meta(attention_dropout=0.1, **model), ParallelDims(dp_shard=1), **step) == fused
+    selective = dict(step, activation_checkpointing="selective")  # backward recomputes the attention
+    assert activation_bytes(_on_meta(attention_dropout=0.1, **model), ParallelDims(dp_shard=1), **selective) == (
+        activation_bytes(_on_meta(**model), ParallelDims(dp_shard=1), **selective)
+    )
+    report = plan_report(_on_meta(attention_dropout=0.1, **model), ParallelDims(dp_shard=1), batch_shape=(2, 256))
+    assert f"attention: {attention_kernel.ASSUMED_KERNEL}" in str(report)
+
+    monkeypatch.setattr(memory, "fused_attention", contextlib.nullcontext)
+    math_path = activation_bytes(_on_meta(attention_dropout=0.1, **model), ParallelDims(dp_shard=1), **step)
+    scores = 2 * 4 * 256 * 256 * 4  # rows x heads x S x S in fp32, one layer
+    assert math_path - fused >= scores, (math_path, fused)

@@ -26,6 +26,7 @@ from lightning_automodel.parallel.preflight import check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_not_logged
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.planning.memory.activations import activation_bytes
+from lightning_automodel.planning.memory.attention_kernel import ASSUMED_KERNEL
 from lightning_automodel.planning.memory.step_images import step_images
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.simulation import fake_world
@@ -148,6 +149,7 @@ class PlanReport:
             " gradients; the total adds them and AdamW's state"
             f"{'; under pp, of the stage where it is the largest' if self.stages else ''}):"
         ]
+        lines.append(f"  attention: {ASSUMED_KERNEL}")
         if self.tower is not None:
             lines.append(f"  {self.tower.step_line()}")
         width = max(len(mode) for mode in self.activation_bytes)

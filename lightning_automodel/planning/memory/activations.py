@@ -13,8 +13,9 @@ seconds, in under half a GiB of host memory.
 
 Fake CPU tensors, not the meta device: the attention kernel is chosen by device, and on meta tensors SDPA falls back
 to its math path, which keeps the [heads, S, S] scores a fused kernel (CPU's flash attention, as on a GPU) never
-holds. Under context parallel the kernel is therefore SDPA over a dense [rows, S/cp, S] mask, which flex attention's
-block mask (the GPU's default) does not hold: the estimate counts it.
+holds; attention dropout is counted as a GPU's fused kernel holds it (:mod:`.attention_kernel`). Under context
+parallel the kernel is therefore SDPA over a dense [rows, S/cp, S] mask, which flex attention's block mask (the GPU's
+default) does not hold: the estimate counts it.
 
 Under pipeline parallel the step is the rank's own part of torch's schedule, run for real: its stages' forwards and
 backwards of every micro-batch in the schedule's order, the activations of the micro-batches in flight (1F1B: as many
@@ -57,6 +58,7 @@ from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_m
 from lightning_automodel.parallel.mesh import ParallelDims, axis_size
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of, stage_layers
+from lightning_automodel.planning.memory.attention_kernel import fused_attention
 from lightning_automodel.planning.memory.layer_extrapolation import (
     FEW_LAYERS,
     alike_layers,
@@ -239,7 +241,7 @@ def _step_peak(
         # The step runs on the fake tensors with their mode left: DTensor then propagates shapes in a fake mode of its
         # own, whose global-shape tensors the tracker leaves out (in the step's mode it would count them as memory).
         try:
-            with _EmptyTensorsFake(fake_mode), TotalsTracker() as tracker:
+            with _EmptyTensorsFake(fake_mode), fused_attention(), TotalsTracker() as tracker:
                 tracker.track_external(model)
                 held = tracker.get_tracker_snapshot()[_CPU]["Total"]
                 training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks, images=inputs)

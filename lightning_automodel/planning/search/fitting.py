@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_automodel.planning.memory.attention_kernel import ASSUMED_KERNEL
 from lightning_automodel.planning.memory.step_images import StepImages, step_images
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.search.layouts import (
@@ -341,6 +342,7 @@ def _notes(hardware: Hardware, listed: list[Candidate]) -> list[str]:
     notes = [
         f"throughput model: {hardware} (see planning/search/throughput.py); measure the layout you pick",
         f"memory: {HEADROOM:.0%} of each GPU left to the CUDA context, NCCL's buffers and the allocator",
+        f"attention: {ASSUMED_KERNEL}",
     ]
     if any(candidate.dims.cp > 1 for candidate in listed):
         notes.append(

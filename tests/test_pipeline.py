@@ -34,6 +34,7 @@ from lightning_automodel.testing.trainer_checks import check_pipeline_trainer_pa
 # Gemma 3 with layers of both kinds, placed so that a stage reading the per-layer settings of the rank's other stage
 # (rank 0 holds layers 0 and 2) computes the wrong attention
 INTERLEAVED = dict(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)
+HSDP = dict(dp_replicate=2)  # x dp_shard=2
 MIXED_LAYERS = dict(layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"])
 
 
@@ -77,8 +78,9 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
     checkpointing; LoRA on every projection with two stages per rank (Interleaved1F1B) at pp=2 x tp=2 with sp;
     checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2 and at pp=1 (dp_shard=4), and at pp=2 with two
     stages per rank resumed at pp=4, Lightning's single file from one device resumed at pp=2 with two stages per
-    rank; refusals before any collective; the checkpoints saved at pp=2 and with two stages per rank exported shard by
-    shard as save_pretrained writes them. Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2): two stages per
+    rank, saved under HSDP (dp_replicate=2 x dp_shard=2) resumed at pp=2; refusals before any collective; the
+    checkpoints saved at pp=2, with two stages per rank and under HSDP exported shard by shard as save_pretrained
+    writes them. Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2): two stages per
     rank, accumulation and clipping (the experts' norm over their own mesh). pp x cp: tests/test_context_parallel.py.
     More layouts: the sweep below."""
     pp2, pp2_tp2, pp4 = dict(pp=2), dict(pp=2, tp=2), dict(pp=4)
@@ -89,14 +91,15 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
         partial(
             check_checkpoint_resume_across_layouts,
             str(tmp_path),
-            [(pp2, pp2_tp2), (pp2, {}), (INTERLEAVED, pp4), (None, INTERLEAVED)],
+            [(pp2, pp2_tp2), (pp2, {}), (INTERLEAVED, pp4), (None, INTERLEAVED), (HSDP, pp2)],
         ),
         partial(check_pipeline_refusals, 2),
         partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", "qwen3_moe", ep=2, stages_per_rank=2),
         partial(check_pipeline_accumulation_and_clipping, 2, "qwen3_moe", ep=2),
     ]
     run_checks(4, checks, timeout=400)
-    for saved in ("saved-pp2", "saved-pp2-pp_scheduleInterleaved1F1B-pp_stages_per_rank2"):  # exported shard by shard
+    saved_layouts = ("saved-pp2", "saved-pp2-pp_scheduleInterleaved1F1B-pp_stages_per_rank2", "saved-dp_replicate2")
+    for saved in saved_layouts:  # exported shard by shard
         config = tiny_config("gemma3", num_hidden_layers=4)
         assert_exports_as_save_pretrained(tmp_path / saved, config, tmp_path / f"export-{saved}")
 

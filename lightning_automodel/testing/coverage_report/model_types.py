@@ -7,7 +7,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from transformers import CONFIG_MAPPING
+import torch
+from torch import nn
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
@@ -86,6 +88,16 @@ def coverage_config(name: str) -> Any:
         model_type, arguments = EXTRA_TINY_CONFIGS[name]
         return CONFIG_MAPPING[model_type](**arguments)
     return tiny_config(name)
+
+
+def coverage_model(name: str, **overrides: Any) -> nn.Module:
+    """A model of the tiny config the coverage report checks under ``name`` (:func:`coverage_config`), with
+    ``overrides`` set on the config, its weights drawn from seed 0."""
+    torch.manual_seed(0)
+    config = coverage_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_config(config)
 
 
 def library_revision() -> str:

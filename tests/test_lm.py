@@ -12,12 +12,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lm_checks import (
-    check_bad_data_refused_on_every_rank,
     check_causal_lm_module,
-    check_chunked_loss_refused_where_the_call_computes_it,
     check_lora_checkpoint_exports_merged,
-    check_predict_in_step_or_refused,
     check_three_heads_train_on_packed_documents,
+)
+from lm_refusal_checks import (
+    check_bad_data_refused_on_every_rank,
+    check_chunked_loss_refused_where_the_call_computes_it,
+    check_predict_in_step_or_refused,
 )
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, MambaConfig

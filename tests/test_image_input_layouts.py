@@ -80,8 +80,6 @@ def test_a_vision_start_token_opens_each_image():
     [
         # transformers' forward fails on text alone too: not the input builder's limit
         ("llama4", "NoTinyConfig", "single-process step on text alone: AttributeError"),
-        # image arguments its get_image_features requires that the builder does not make, named
-        ("molmo2", "NoImageInputs", "requires image_token_pooling, image_grids, which the image-input builder"),
     ],
 )
 def test_a_type_the_builder_cannot_feed_is_named_for_what_fails(model_type, verdict, reason):
@@ -100,3 +98,54 @@ def test_rows_get_their_own_positions_where_the_model_numbers_images_across_the_
     positions = single_process_reference("hunyuan_vl", "image-text-to-text").rows["position_ids"]
     assert positions.shape[:2] == (3, 4)
     assert positions.eq(positions[:, :1]).all()  # every row's image the first of its row, as alone
+
+
+# A batch's images packed in one tensor: MiniCPM-V's patches side by side along the last dimension (two tokens of
+# 4 x 4 patches an image), Molmo2's crops whose pooling indices point into the whole batch's patches.
+PACKED_LAYOUTS = {
+    "minicpmv4_6": {"pixel_values": (1, 3, 4, 512), "target_sizes": (4, 2)},
+    "minicpmv4_7": {"pixel_values": (1, 3, 4, 512), "target_sizes": (4, 2), "mm_token_type_ids": (4, 20)},
+    "molmo2": {
+        **{"pixel_values": (8, 729, 48), "image_token_pooling": (16, 365), "image_grids": (4, 4)},
+        **{"image_num_crops": (4,), "mm_token_type_ids": (4, 22)},
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(PACKED_LAYOUTS))
+def test_a_packed_batch_splits_into_each_ranks_rows_images(model_type):
+    """Each set of rows gets its images re-packed (Molmo2's pooling indices re-based on the crops it keeps): its
+    logits are the whole batch's rows' (as a data-parallel rank's must be), its images change them, and a rank
+    without images runs the tower on a stand-in of the same layout."""
+    from lightning_automodel.parallel.fsdp.imageless_ranks import _stand_in_pixels
+    from lightning_automodel.testing.coverage_report.kinds import image_loss, image_rows, rows_part
+
+    config = tiny_image_text_config(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config)
+    rows = image_rows(model)
+    assert {name: tuple(value.shape) for name, value in rows.items() if name not in ("input_ids", "labels")} == (
+        PACKED_LAYOUTS[model_type]
+    )
+    with torch.no_grad():
+        whole = image_loss(model, rows)[1]
+        for part in (slice(0, 1), slice(1, 3), slice(3, 4)):
+            mine = rows_part(rows, part, model=model)
+            alone = image_loss(model, mine)[1]
+            assert torch.allclose(alone, whole[part], atol=1e-5, rtol=1e-5), (part, (alone - whole[part]).abs().max())
+        stand_in = _stand_in_pixels(model)
+        assert stand_in and model.get_image_features(**stand_in).pooler_output is not None
+
+
+def test_a_packed_batch_whose_images_do_not_add_up_is_refused_naming_the_input():
+    from lightning_automodel.hf.vision.image_rows import image_rows
+    from lightning_automodel.hf.vision.packed_images import packed_pixels
+
+    model = meta_model("minicpmv4_6")
+    images = packed_pixels(model, images=2)
+    input_ids = torch.full((2, 2), model.config.image_token_id)  # an image's two placeholders a row
+    found = image_rows(model, input_ids, images=images, tokens_per_image=0)
+    assert found.of_rows(torch.tensor([1]))["pixel_values"].shape == (1, 3, 4, 128)
+    images["pixel_values"] = images["pixel_values"][..., :-4]
+    with pytest.raises(ValueError, match="pixel_values: 256 entries along dimension -1 expected, 252 given"):
+        image_rows(model, input_ids, images=images, tokens_per_image=0)

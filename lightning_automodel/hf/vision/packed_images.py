@@ -1,7 +1,7 @@
 """Image inputs a processor packs across the whole batch, rather than laying them out image by image along the first
 dimension; each layout read off the forward's arguments:
 
-* ``target_sizes`` (MiniCPM-V, MiniCPM-o OCR): ``pixel_values`` of (1, channels, patch, patches x patch), every
+* ``target_sizes`` (MiniCPM-V, MiniCPM-OCR): ``pixel_values`` of (1, channels, patch, patches x patch), every
   image's patches side by side along the last dimension, image after image (the model reads ``pixel_values[:1]``),
   and each image's patch grid in ``target_sizes`` (images, 2). An image's placeholders are its patches over the
   patches a token merges: the tower's window merge (``window_kernel_size``) unless ``downsample_mode`` is ``"4x"``,
@@ -31,7 +31,8 @@ from lightning_automodel.hf.vision.patches import channel_count, random_pixels, 
 PACKED = "target_sizes"
 POOLED = "image_token_pooling"
 POOLED_INPUTS = (POOLED, "image_grids", "image_num_crops")
-_POOLED_GRID = (1, 2, 1, 2)  # each crop's tokens: a low-resolution crop of 1 x 2, a high-resolution one of 1 x 2
+_PACKED_TOKENS = (1, 2)  # the builder's MiniCPM-V image in tokens (height, width), each of a token's patches a side
+_POOLED_GRID = (1, 2, 1, 2)  # the builder's Molmo2 image: a low-resolution crop of 1 x 2 tokens, a high-resolution one
 _CROPS = 2
 
 
@@ -45,7 +46,7 @@ def packed_token_count(model: nn.Module) -> int:
     """Placeholders of the builder's image of ``model`` (a model of one of this module's layouts)."""
     if packed_layout(model) == POOLED:
         return _POOLED_GRID[0] * _POOLED_GRID[1] + _POOLED_GRID[2] * _POOLED_GRID[3]
-    return 2
+    return _PACKED_TOKENS[0] * _PACKED_TOKENS[1]
 
 
 def packed_pixels(model: nn.Module, *, images: int, device: Any = "cpu") -> dict[str, Tensor]:
@@ -55,7 +56,7 @@ def packed_pixels(model: nn.Module, *, images: int, device: Any = "cpu") -> dict
     channels, patch = channel_count(vision), side(vision.patch_size)
     if packed_layout(model) == PACKED:
         token = patches_per_token_side(model.config)
-        sizes = torch.tensor([[token, 2 * token]] * images, dtype=torch.int32)
+        sizes = torch.tensor([[token * _PACKED_TOKENS[0], token * _PACKED_TOKENS[1]]] * images, dtype=torch.int32)
         return {
             "pixel_values": random_pixels((1, channels, patch, int(sizes.prod(-1).sum()) * patch), device=device),
             PACKED: sizes,

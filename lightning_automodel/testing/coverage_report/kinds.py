@@ -97,7 +97,7 @@ def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
 
 def _assert_features_inputs_built(model: nn.Module, inputs: Rows) -> None:
     """The image arguments the model's ``get_image_features`` requires (no default) are all built: name those the
-    builder does not make (Molmo2's pooling indices), rather than let the model fail on their absence."""
+    builder does not make, rather than let the model fail on their absence."""
     get_features = getattr(model, "get_image_features", None)
     if get_features is None:
         return

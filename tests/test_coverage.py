@@ -362,13 +362,13 @@ def images_of_other_rows(model_type: str, layout: str) -> dict:
 
     from lightning_automodel.testing.coverage_report.kinds import rows_part
 
-    def other_images(rows, part):
+    def other_images(rows, part, *, model):
         total = len(rows["input_ids"])
         flipped = {
             name: value if name in ("input_ids", "labels") else value.reshape(total, -1, *value.shape[1:]).flip(0)
             for name, value in rows.items()
         }
-        return rows_part({name: value.reshape(rows[name].shape) for name, value in flipped.items()}, part)
+        return rows_part({name: value.reshape(rows[name].shape) for name, value in flipped.items()}, part, model=model)
 
     with mock.patch("lightning_automodel.testing.coverage_report.check.rows_part", other_images):
         return coverage_check(model_type, layout, kind=IMAGE_TEXT)

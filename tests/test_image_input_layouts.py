@@ -1,14 +1,18 @@
 """The image-input builder's layouts beyond one image a row of pixels (lightning_automodel/hf/vision/): each read off
 what a model's config and forward say, checked on meta-device builds of the tiny configs, in process."""
 
+from functools import partial
+
 import pytest
 import torch
+from packed_image_checks import check_packed_imageless_rank
 from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
 from lightning_automodel.hf.vision.image_inputs import image_token_count, model_pixels
 from lightning_automodel.hf.vision.rope_sections import QWEN_SECTIONS, default_sections
 from lightning_automodel.hf.vision.tiles import cross_attention_mask, padded_tiles
 from lightning_automodel.hf.vision.tiny import tiny_image_text_config
+from lightning_automodel.testing.harness import run_checks
 
 # Per type: each image input's shape for 2 images (flattened patches: a 1 x 3 grid of merged blocks an image).
 LAYOUTS = {
@@ -80,8 +84,6 @@ def test_a_vision_start_token_opens_each_image():
     [
         # transformers' forward fails on text alone too: not the input builder's limit
         ("llama4", "NoTinyConfig", "single-process step on text alone: AttributeError"),
-        # image arguments its get_image_features requires that the builder does not make, named
-        ("molmo2", "NoImageInputs", "requires image_token_pooling, image_grids, which the image-input builder"),
     ],
 )
 def test_a_type_the_builder_cannot_feed_is_named_for_what_fails(model_type, verdict, reason):
@@ -100,3 +102,73 @@ def test_rows_get_their_own_positions_where_the_model_numbers_images_across_the_
     positions = single_process_reference("hunyuan_vl", "image-text-to-text").rows["position_ids"]
     assert positions.shape[:2] == (3, 4)
     assert positions.eq(positions[:, :1]).all()  # every row's image the first of its row, as alone
+
+
+# A batch's images packed in one tensor: MiniCPM-V's patches side by side along the last dimension (two tokens of
+# 4 x 4 patches an image; 4.7's layout is 4.6's, with token types, measured by the coverage report), Molmo2's crops
+# whose pooling indices point into the whole batch's patches.
+PACKED_LAYOUTS = {
+    "minicpmv4_6": {"pixel_values": (1, 3, 4, 512), "target_sizes": (4, 2)},
+    "molmo2": {
+        "pixel_values": (8, 729, 48),
+        "image_token_pooling": (16, 365),
+        "image_grids": (4, 4),
+        "image_num_crops": (4,),
+        "mm_token_type_ids": (4, 22),
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(PACKED_LAYOUTS))
+def test_a_packed_batch_splits_into_each_ranks_rows_images(model_type):
+    """Each set of rows gets its images re-packed (Molmo2's pooling indices re-based on the crops it keeps): its
+    logits are the whole batch's rows' (as a data-parallel rank's must be), its images change them, and a rank
+    without images runs the tower on a stand-in of the same layout."""
+    from lightning_automodel.parallel.fsdp.imageless_ranks import _stand_in_pixels
+    from lightning_automodel.testing.coverage_report.kinds import image_loss, image_rows, rows_part
+
+    config = tiny_image_text_config(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config)
+    rows = image_rows(model)
+    assert {name: tuple(value.shape) for name, value in rows.items() if name not in ("input_ids", "labels")} == (
+        PACKED_LAYOUTS[model_type]
+    )
+    with torch.no_grad():
+        whole = image_loss(model, rows)[1]
+        for part in (slice(1, 3), slice(3, 4)):  # the builder checks each half (image_rows)
+            mine = rows_part(rows, part, model=model)
+            alone = image_loss(model, mine)[1]
+            assert torch.allclose(alone, whole[part], atol=1e-5, rtol=1e-5), (part, (alone - whole[part]).abs().max())
+        stand_in = _stand_in_pixels(model)
+        assert stand_in and model.get_image_features(**stand_in).pooler_output is not None
+
+
+def test_a_packed_batch_whose_images_do_not_add_up_is_refused_naming_the_input():
+    from lightning_automodel.hf.vision.image_rows import image_rows
+    from lightning_automodel.hf.vision.packed_images import packed_pixels
+
+    model = meta_model("minicpmv4_6")
+    images = packed_pixels(model, images=2)
+    input_ids = torch.full((2, 2), model.config.image_token_id)  # an image's two placeholders a row
+    found = image_rows(model, input_ids, images=images, tokens_per_image=0)
+    assert found.of_rows(torch.tensor([1]))["pixel_values"].shape == (1, 3, 4, 128)
+    images["pixel_values"] = images["pixel_values"][..., :-4]
+    with pytest.raises(ValueError, match="pixel_values: 256 entries along dimension -1 expected, 252 given"):
+        image_rows(model, input_ids, images=images, tokens_per_image=0)
+
+
+def test_a_rank_without_images_runs_a_packed_stand_in():
+    """dp_shard=2, one rank's rows without images (MiniCPM-V, Molmo2): the step matches one process."""
+    results = run_checks(2, [partial(check_packed_imageless_rank, name) for name in ("minicpmv4_6", "molmo2")])
+    print(results)
+
+
+def test_a_block_called_once_an_image_is_held_by_the_root():
+    """MiniCPM-V's merger runs its block once an image (the probe's step: an image a row): as a unit of its own, ranks
+    with other numbers of images would gather it other numbers of times. LLaVA's tower calls each block once."""
+    from lightning_automodel.parallel.preflight import blocks_called_per_image, probe_unsharded
+
+    for model_type, held in [("minicpmv4_6", ("model.merger.mlp.0",)), ("llava", ())]:
+        model = meta_model(model_type)
+        assert blocks_called_per_image(model, probe_unsharded(model, tp=1)) == held, model_type

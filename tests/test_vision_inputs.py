@@ -117,12 +117,4 @@ def test_a_pipeline_refuses_images_no_placeholder_marks():
     model = tiny("git")
     rows = image_rows(model)
     with pytest.raises(ValueError, match="marks its images by no token"):
-        StageImages(model)._image_rows(rows["input_ids"], pixels=rows["pixel_values"], grids=None)
-
-
-def test_a_batch_packed_into_one_tensor_is_refused_with_the_reason():
-    """MiniCPM-V reads ``pixel_values[:1]``: every image of the batch in one tensor, no rank's rows to slice."""
-    model = tiny("minicpmv4_6")
-    assert image_token_count(model) is None
-    with pytest.raises(NoImageInputs, match="pack the whole batch's images into one"):
-        image_rows(model)
+        StageImages(model)._image_rows(rows["input_ids"], {"pixel_values": rows["pixel_values"]})

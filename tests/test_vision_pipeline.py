@@ -84,7 +84,8 @@ def test_a_micro_batch_gets_its_own_rows_images(family):
     records = image_records(family, counts=(2, 0, 1, 0))
     rows = collate_images(records)
     split = partial(image_rows, model, tokens_per_image=4)
-    found = split(rows["input_ids"], pixel_values=rows["pixel_values"], grids=rows.get("image_grid_thw"))
+    images = {name: rows[name] for name in ("pixel_values", "image_grid_thw") if name in rows}
+    found = split(rows["input_ids"], images=images)
     for chosen in ([0], [1], [2, 3], [1, 2], [0, 1, 2, 3]):
         expected = collate_images([records[row] for row in chosen])
         given = found.of_rows(torch.tensor(chosen))
@@ -94,10 +95,10 @@ def test_a_micro_batch_gets_its_own_rows_images(family):
     cut[0, 8] = 1  # row 0's second image loses a placeholder, row 2 takes one more
     cut[2, 11] = IMAGE_TOKEN
     with pytest.raises(ValueError, match="row 0 of the batch ends inside an image's placeholders"):
-        split(cut, pixel_values=rows["pixel_values"], grids=rows.get("image_grid_thw"))
+        split(cut, images=images)
     two_images = collate_images(records[:1])  # the pixels (and grids) of row 0's two images, for three
     with pytest.raises(ValueError, match="hold 12 image placeholders and its 2 images stand for 8"):
-        split(rows["input_ids"], pixel_values=two_images["pixel_values"], grids=two_images.get("image_grid_thw"))
+        split(rows["input_ids"], images={name: two_images[name] for name in images})
 
 
 def test_what_pipeline_parallel_refuses_of_vision_language_models():

@@ -41,7 +41,8 @@ class PreflightFindings:
     """What the checks before any collective found, for the sharding that follows."""
 
     planned: TensorParallelPlan | None  # the tensor-parallel plan; None at tp = 1
-    held_by_root: tuple[str, ...] = ()  # blocks recomputed outside their calls: no FSDP units of their own
+    # Blocks recomputed outside their calls, or called once an image: no FSDP units of their own.
+    held_by_root: tuple[str, ...] = ()
 
 
 def check_before_collectives(
@@ -95,8 +96,9 @@ def check_before_collectives(
             f" backward. {undoing} would recompute them on sharded weights: leave reshard_after_forward unset and"
             " activation_checkpointing off."
         )
+    held = recomputed + blocks_called_per_image(model, unsharded) if isinstance(unsharded, Trace) else recomputed
     if tp == 1:
-        return PreflightFindings(None, held_by_root=recomputed)
+        return PreflightFindings(None, held_by_root=held)
     planned = plan_tensor_parallel(
         model,
         tp_mesh(device_mesh),
@@ -105,7 +107,7 @@ def check_before_collectives(
         allow_unsharded_linears=allow_unsharded_linears,
         unsharded=unsharded,
     )
-    return PreflightFindings(planned, held_by_root=recomputed)
+    return PreflightFindings(planned, held_by_root=held)
 
 
 _WARNED_UNPROBED: weakref.WeakSet[type] = weakref.WeakSet()
@@ -226,3 +228,15 @@ def blocks_recomputed_outside_calls(model: nn.Module, unsharded: Trace) -> tuple
         if calls and trains and not any(call.grad_enabled for call in calls) and not recomputed_by_a_call:
             found.append(name)
     return tuple(found)
+
+
+def blocks_called_per_image(model: nn.Module, unsharded: Trace) -> tuple[str, ...]:
+    """The blocks of the parts beside the language model that the probe's step with images (an image a row) calls
+    more than once: once an image (MiniCPM-V's merger). As units of their own, FSDP2 would gather them once a call,
+    as many times as a rank has images, and ranks holding other numbers of images (a stand-in's one) would issue
+    other collectives. The root's unit holds them, gathered once a step."""
+    parts = tuple(f"{name}." for name, _ in named_multimodal_parts(model))
+    if not unsharded.images or not parts:
+        return ()
+    blocks = named_decoder_layers(model)
+    return tuple(name for name, _ in blocks if name.startswith(parts) and len(unsharded.calls.get(name, ())) > 1)

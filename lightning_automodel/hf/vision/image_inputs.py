@@ -14,7 +14,8 @@ Config fields read (of the model's config, then of its ``vision_config``):
   image_size); with ``spatial_merge_size``, flattened patches of ``channels x temporal_patch_size x patch_size ** 2``
   and ``image_grid_thw`` (one frame of ``merge x 3 merge`` patches: three tokens an image, an odd count); the other
   layouts of patches of any size in :mod:`~lightning_automodel.hf.vision.patches`, of padded tiles (and a
-  cross-attention mask) in :mod:`~lightning_automodel.hf.vision.tiles`.
+  cross-attention mask) in :mod:`~lightning_automodel.hf.vision.tiles`, of a batch's images packed in one tensor
+  (MiniCPM-V's, Molmo2's) in :mod:`~lightning_automodel.hf.vision.packed_images`.
 
 Token types are passed where the forward takes them (``token_type_ids``, ``mm_token_type_ids``: 1 at an image's
 placeholders). Images no placeholder token marks, and what some models take beside the pixels (a Q-Former's
@@ -34,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_automodel.hf.vision.beside_pixels import beside_pixels, unmarked_token_count
 from lightning_automodel.hf.vision.beside_pixels import forward_arguments as _forward_arguments
+from lightning_automodel.hf.vision.packed_images import packed_layout, packed_pixels, packed_token_count
 from lightning_automodel.hf.vision.patch_sequences import (
     FLATTENED,
     NAFLEX,
@@ -45,7 +47,6 @@ from lightning_automodel.hf.vision.patch_sequences import (
     sequence_layout,
     sequence_token_count,
     tower_config,
-    unbuilt_layout,
 )
 from lightning_automodel.hf.vision.patches import (
     GRID_HW,
@@ -70,8 +71,10 @@ def image_token_count(model: nn.Module) -> int | None:
     placeholder and pixel sizes (a text model, or one this builder does not know)."""
     config = getattr(model, "config", None)
     vision = tower_config(config)
-    if vision is None or not _forward_arguments(model) & set(PIXELS) or unbuilt_layout(model):
+    if vision is None or not _forward_arguments(model) & set(PIXELS):
         return None
+    if packed_layout(model) is not None:
+        return packed_token_count(model)
     if image_token(config) is None:
         return unmarked_token_count(model)
     if CROSS_ATTENTION in _forward_arguments(model):
@@ -233,7 +236,10 @@ def model_pixels(
 ) -> dict[str, torch.Tensor]:
     """:func:`pixel_inputs` of ``model``'s vision tower, and the images of each further tower its forward takes them
     for: ``<name>_pixel_values`` for a ``<name>_vision_config`` (DeepSeek-VL-Hybrid's high-resolution SAM tower),
-    one image of that config's size per image."""
+    one image of that config's size per image; the layouts packed across the batch of
+    :mod:`~lightning_automodel.hf.vision.packed_images`."""
+    if packed_layout(model) is not None:
+        return packed_pixels(model, images=images, device=device)
     pixels = pixel_inputs(
         tower_config(model.config), images=images, device=device, grid=grid, accepted=image_arguments(model)
     )

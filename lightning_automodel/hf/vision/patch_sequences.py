@@ -29,7 +29,6 @@ NAFLEX = "spatial_shapes"  # the forward argument of a NaFlex tower's model
 POSITIONED = "image_position_ids"  # the forward argument of a model whose tower pools patches by position
 FLATTENED = "flattened_patches"  # Kosmos-2.5's pixels, which its forward takes instead of pixel_values
 PATCH_STREAM = "patch_stream"  # the layout of a model without a tower (Fuyu)
-PACKED = "target_sizes"  # MiniCPM-V's patch grids of a batch's images packed in one tensor: not built
 PIXELS = ("pixel_values", FLATTENED)  # what a forward may take an image's pixels as
 
 
@@ -42,16 +41,6 @@ def sequence_layout(model: nn.Module) -> str | None:
         return found.pop()
     if getattr(config, "vision_config", None) is None and _sizes(config) is not None:
         return PATCH_STREAM
-    return None
-
-
-def unbuilt_layout(model: nn.Module) -> str | None:
-    """Why the builder makes no images for ``model`` although its config gives their sizes (None where it does)."""
-    if PACKED in forward_arguments(model):
-        return (
-            "its pixel_values pack the whole batch's images into one (1, channels, patch, patches x patch) tensor (the"
-            " model reads pixel_values[:1]), which a data-parallel rank's rows cannot be sliced from"
-        )
     return None
 
 

@@ -29,8 +29,8 @@ TEXT_WIDTHS = (
 # Pooled image tokens: a square number whose side divides the grid's (16 patches: 4 a side).
 POOLED_TOKENS = {"mm_tokens_per_image": 4, "image_seq_length": 4, "num_query_tokens": 4, "latent_query_num": 4}
 TOWER_LAYERS = 2
-# Which tower layers' hidden states feed the projector: kept within the tiny tower's.
-FEATURE_LAYERS = ("vision_feature_layer", "vision_feature_layers")
+# Tower layer indices (whose hidden states feed the projector; MiniCPM-V's merger's): kept within the tiny tower's.
+FEATURE_LAYERS = ("vision_feature_layer", "vision_feature_layers", "insert_layer_id")
 
 
 def tiny_image_text_config(model_type: str) -> Any:
@@ -62,7 +62,7 @@ def with_tiny_images(config_class: type, values: dict[str, Any], *, model_type: 
     tower_layers = _layer_count(vision) if vision else None
     values = _tiny_images(values, text_width=_width(text), tower_layers=tower_layers)
     values = merged(values, _family_overrides(model_type, values))
-    values.update(_special_tokens_in_vocabulary(values))
+    values.update(_special_tokens_in_vocabulary(values, aliased=_aliased_token_fields(config_class)))
     text_class = CONFIG_MAPPING[text["model_type"]] if text is not values else config_class
     if isinstance(values.get("text_config"), dict):
         values["text_config"] = _mrope_fitted(values["text_config"], default=default_sections(text_class))
@@ -213,10 +213,17 @@ def _sized_like(value: Any, size: int) -> Any:
     return size if isinstance(value, int) else value
 
 
-def _special_tokens_in_vocabulary(values: dict[str, Any]) -> dict[str, Any]:
-    """The token fields past the vocabulary (of the config and of its text sub-config), each moved to an id of its
-    own from ``VOCAB - 1`` down, and the unset image and video placeholders given one (the model would scatter its
-    features nowhere); a field repeated in both moves to the same id."""
+def _aliased_token_fields(config_class: type) -> set[str]:
+    """The fields a config class's ``attribute_map`` reads a token field from (Molmo2's ``image_patch_id``, its
+    ``image_token_id``)."""
+    return {field for alias, field in getattr(config_class, "attribute_map", {}).items() if _is_token_field(alias)}
+
+
+def _special_tokens_in_vocabulary(values: dict[str, Any], *, aliased: set[str]) -> dict[str, Any]:
+    """The token fields past the vocabulary (of the config and of its text sub-config; ``aliased``: fields read as
+    token fields), each moved to an id of its own from ``VOCAB - 1`` down, and the unset image and video
+    placeholders given one (the model would scatter its features nowhere); a field repeated in both moves to the
+    same id."""
     moved: dict[Any, int] = {}
     taken = {value for name, value in values.items() if _is_token_field(name) and _is_id(value)}
     free = (id_ for id_ in range(VOCAB - 1, SPECIAL_IDS_FROM - 1, -1) if id_ not in taken)
@@ -225,7 +232,7 @@ def _special_tokens_in_vocabulary(values: dict[str, Any]) -> dict[str, Any]:
         changed = {}
         for name, value in fields.items():
             unset = value is None and name.startswith(("image_", "video_"))
-            if _is_token_field(name) and (unset or (_is_id(value) and value >= VOCAB)):
+            if (_is_token_field(name) or name in aliased) and (unset or (_is_id(value) and value >= VOCAB)):
                 moved.setdefault(value if value is not None else name, next(free))
                 changed[name] = moved[value if value is not None else name]
         return changed

@@ -20,8 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token_count, pixel_inputs
-from lightning_automodel.hf.vision.patch_sequences import tower_config
+from lightning_automodel.hf.vision.image_inputs import image_token_count, model_pixels
 
 
 def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -91,7 +90,7 @@ def _stand_in_pixels(model: nn.Module) -> dict[str, torch.Tensor]:
     get_features = getattr(model, "get_image_features", None)
     if get_features is None:
         return {}
-    pixels = pixel_inputs(tower_config(model.config), images=1, accepted=image_arguments(model))
+    pixels = model_pixels(model, images=1)
     required = {
         name
         for name, parameter in inspect.signature(get_features).parameters.items()

@@ -81,7 +81,7 @@ class StageImages:
             by_row["position_ids"] = positions.transpose(0, 1)
         found = None
         if "pixel_values" in images:
-            found = self._image_rows(input_ids, pixels=images["pixel_values"], grids=images.get("image_grid_thw"))
+            found = self._image_rows(input_ids, images)
         chunks = torch.arange(input_ids.size(0)).chunk(microbatches)
         stand_ins = {int(rows[0]): False for rows in chunks}
         if self.stand_in is not None:
@@ -89,8 +89,8 @@ class StageImages:
             stand_ins = dict(zip(stand_ins, needed, strict=True))
         return inputs, partial(self._row_inputs, by_row=by_row, found=found, stand_ins=stand_ins)
 
-    def _image_rows(self, input_ids: Tensor, *, pixels: Tensor, grids: Tensor | None) -> ImageRows:
-        if grids is None and self._tokens_per_image is None:
+    def _image_rows(self, input_ids: Tensor, images: dict[str, Tensor]) -> ImageRows:
+        if "image_grid_thw" not in images and self._tokens_per_image is None:
             raise ValueError(
                 f"{type(self.model).__name__} under pipeline parallel (pp > 1): each micro-batch's first stage takes"
                 " its rows' images, found by their image placeholders, and the model's config gives no image"
@@ -105,7 +105,7 @@ class StageImages:
                 " model's images."
             )
         tokens_per_image = self._tokens_per_image or 0
-        return image_rows(self.model, input_ids, pixel_values=pixels, grids=grids, tokens_per_image=tokens_per_image)
+        return image_rows(self.model, input_ids, images=images, tokens_per_image=tokens_per_image)
 
     def _mrope_positions(
         self, input_ids: Tensor, inputs: dict[str, Any], *, images: dict[str, Tensor], by_row: dict[str, Tensor]

@@ -181,7 +181,7 @@ def _outputs(model: nn.Module, rows: Rows, *, kind: Kind) -> Outputs:
 def _parallel_outputs(model: nn.Module, dp: DeviceMesh | None, *, rows: Rows, kind: Kind) -> Outputs:
     """This rank's logits (of its rows of the batch), the loss averaged over ``dp`` and every gradient, gathered (see
     :func:`lightning_automodel.testing.parity.parallel_outputs`, of a text batch)."""
-    mine = rows_part(rows, dp_slice(dp, len(rows["input_ids"])))
+    mine = rows_part(rows, dp_slice(dp, len(rows["input_ids"])), model=model)
     with loss_parallel():
         loss, logits = kind.loss_and_logits(model, mine)
         loss.backward()

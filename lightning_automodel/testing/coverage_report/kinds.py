@@ -23,7 +23,10 @@ from lightning_automodel.hf.vision.image_inputs import (
     image_token_count,
     measured_token_count,
 )
-from lightning_automodel.hf.vision.patch_sequences import PIXELS, unbuilt_layout
+from lightning_automodel.hf.vision.image_rows import BY_IMAGE
+from lightning_automodel.hf.vision.image_rows import image_rows as images_by_row
+from lightning_automodel.hf.vision.packed_images import packed_layout
+from lightning_automodel.hf.vision.patch_sequences import PIXELS
 from lightning_automodel.hf.vision.tiny import SPECIAL_IDS_FROM, special_token_ids, tiny_image_text_config
 from lightning_automodel.planning.replica_comparison import SEQ_LEN, token_batch
 from lightning_automodel.planning.replica_comparison import loss_and_logits as text_loss_and_logits
@@ -67,8 +70,7 @@ def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
     except AttributeError as error:  # a config field the builder reads and this config lacks (image_size)
         raise NoImageInputs(f"{type(model).__name__}: {error}") from error
     if count is None:
-        why = unbuilt_layout(model) or "no image placeholder and pixel sizes in its config"
-        raise NoImageInputs(f"{type(model).__name__}: {why}")
+        raise NoImageInputs(f"{type(model).__name__}: no image placeholder and pixel sizes in its config")
     length = IMAGE_START + count + SEQ_LEN
     length += length % 2  # a sequence tp=2 + sp splits evenly
     generator = torch.Generator().manual_seed(seed)
@@ -95,7 +97,7 @@ def image_rows(model: nn.Module, *, seed: int = 1) -> Rows:
 
 def _assert_features_inputs_built(model: nn.Module, inputs: Rows) -> None:
     """The image arguments the model's ``get_image_features`` requires (no default) are all built: name those the
-    builder does not make (Molmo2's pooling indices), rather than let the model fail on their absence."""
+    builder does not make, rather than let the model fail on their absence."""
     get_features = getattr(model, "get_image_features", None)
     if get_features is None:
         return
@@ -123,7 +125,7 @@ def _assert_rows_apart(model: nn.Module, rows: Rows) -> None:
     with torch.no_grad():
         _, whole = image_loss(model, rows)
         for half in (slice(0, BATCH_SIZE // 2), slice(BATCH_SIZE // 2, BATCH_SIZE)):
-            _, alone = image_loss(model, rows_part(rows, half))
+            _, alone = image_loss(model, rows_part(rows, half, model=model))
             error = ((alone - whole[half]).abs().max() / whole.abs().max()).item()
             if not error < FP32_TOLERANCE:
                 raise NoImageInputs(
@@ -139,7 +141,8 @@ def _own_positions(model: nn.Module, rows: Rows) -> torch.Tensor | None:
     whole = _rope_positions(model, rows)
     if whole is None:
         return None
-    alone = torch.cat([_rope_positions(model, rows_part(rows, slice(row, row + 1))) for row in range(BATCH_SIZE)], 1)
+    alone = [_rope_positions(model, rows_part(rows, slice(row, row + 1), model=model)) for row in range(BATCH_SIZE)]
+    alone = torch.cat(alone, 1)
     return None if torch.equal(alone, whole) else alone
 
 
@@ -195,12 +198,19 @@ def text_alone_error(model: nn.Module) -> BaseException | None:
     return None
 
 
-def rows_part(rows: Rows, part: slice) -> Rows:
+def rows_part(rows: Rows, part: slice, *, model: nn.Module) -> Rows:
     """The rows ``part`` of a batch: of each tensor, its rows, or its blocks of as many entries a row (Qwen2-VL's
-    flattened patches, one image's a row)."""
+    flattened patches, one image's a row); of image inputs packed across the batch (MiniCPM-V's, Molmo2's), the rows'
+    images re-packed (:mod:`lightning_automodel.hf.vision.image_rows`)."""
     total = len(rows["input_ids"])
     taken = {}
+    if packed_layout(model) is not None:
+        images = {name: rows[name] for name in BY_IMAGE if name in rows}
+        found = images_by_row(model, rows["input_ids"], images=images, tokens_per_image=0)
+        taken = found.of_rows(torch.arange(total)[part])
     for name, value in rows.items():
+        if name in taken:
+            continue
         if name == "position_ids" and value.dim() == 3:  # (axes, rows, tokens)
             taken[name] = value[:, part]
             continue

@@ -140,21 +140,21 @@ def test_the_report_estimates_each_pipeline_stage():
 @pytest.mark.parametrize(
     "layers, dims, pipeline, rank, splits",
     [
-        (23, ParallelDims(pp=2, dp_shard=2).resolve(4), PipelineOptions(), 3, [[11, 3], [11, 4], [11, 5]]),
+        (23, ParallelDims(pp=2, dp_shard=2).resolve(4), PipelineOptions(), 3, [[1, 3], [1, 4], [1, 5]]),
         pytest.param(  # two stages per rank: its stages cut alike (1F1B over dp_shard in the default run)
             46,
             ParallelDims(pp=2).resolve(2),
             PipelineOptions(schedule="Interleaved1F1B", stages_per_rank=2),
             0,
-            [[3, 12, 4, 11], [4, 12, 5, 11], [5, 12, 6, 11]],
+            [[3, 1, 4, 1], [4, 1, 5, 1], [5, 1, 6, 1]],
             marks=pytest.mark.sweep,
         ),
     ],
 )
 def test_the_stages_of_many_alike_layers_are_extrapolated_exactly(layers, dims, pipeline, rank, splits, monkeypatch):
     """Under pp a rank steps its own stages only: they are cut, each by as many layers, to three, four and five layers
-    in the smallest (the other stages as they are), and the peak extrapolated agrees to the byte with the step of them
-    whole: the last of two stages of 23 layers (11 and 12), and pp rank 0 of 46 layers in four stages under
+    in the smallest (the other stages to one layer each), and the peak extrapolated agrees to the byte with the step of
+    the model whole: the last of two stages of 23 layers (11 and 12), and pp rank 0 of 46 layers in four stages under
     Interleaved1F1B (stages 0 and 2, of 11 and 12)."""
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers)
     step = dict(dims=dims, micro_batch=2, seq_len=32, rank=rank, pipeline=pipeline)

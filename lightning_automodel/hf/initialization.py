@@ -264,10 +264,15 @@ def _mark_unset(model: nn.Module) -> None:
     ``_init_weights`` leaves alone (see :func:`_unset_buffers`)."""
     for buffer in model.buffers():
         local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
-        if local.dtype.is_floating_point:
+        if _holds_nan(local):
             local.fill_(float("nan"))
         elif local.dtype != torch.bool:
             local.fill_(torch.iinfo(local.dtype).max)
+
+
+def _holds_nan(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's dtype has a NaN: floating point, or complex (Llama 4's rotary frequencies)."""
+    return tensor.dtype.is_floating_point or tensor.dtype.is_complex
 
 
 def _unset_buffers(model: nn.Module) -> list[str]:
@@ -278,7 +283,7 @@ def _unset_buffers(model: nn.Module) -> list[str]:
         if local.dtype == torch.bool:
             unset.append(name)
         elif local.numel() and bool(
-            local.isnan().all() if local.dtype.is_floating_point else (local == torch.iinfo(local.dtype).max).all()
+            local.isnan().all() if _holds_nan(local) else (local == torch.iinfo(local.dtype).max).all()
         ):
             unset.append(name)
     return unset

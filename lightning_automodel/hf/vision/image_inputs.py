@@ -214,11 +214,14 @@ def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
 
 def _features_of(output: Any) -> Any:
     """The image features in ``get_image_features``'s output: a model output's pooled features, else its last hidden
-    state where it pools none (Llama 4's pixel-shuffled adapter output), else the tensors themselves."""
+    state where it pools none (Llama 4's pixel-shuffled adapter output), else the features of the first of the
+    (language layer, features) pairs a model adds at its layers (Granite 4 Vision's, the first at the placeholders),
+    else the tensors themselves."""
     for name in ("pooler_output", "last_hidden_state"):
         if getattr(output, name, None) is not None:
             return getattr(output, name)
-    return output
+    by_layer = getattr(output, "deepstack_features", None)
+    return by_layer[0][1] if isinstance(by_layer, list) and by_layer else output
 
 
 # A pixel_attention_mask of real tiles, (images, tiles), for a tower that takes no patch mask (Granite Docling's);

@@ -42,6 +42,7 @@ from lightning_automodel.hf.vision.patch_sequences import (
     POSITIONED,
     as_patch_sequences,
     image_side,
+    image_tower_config,
     sequence_layout,
     sequence_token_count,
     tower_config,
@@ -191,7 +192,7 @@ def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
     """Placeholders per image as ``model`` (on the meta device or real) makes features of its builder pixels: the
     elements of ``get_image_features``'s output over the language model's width; None where that does not run."""
     get_features = getattr(model, "get_image_features", None)
-    vision = getattr(model.config, "vision_config", None)
+    vision = image_tower_config(model.config)
     if get_features is None or vision is None or image_token(model.config) is None:  # no placeholder to count
         return None
     taken = set(inspect.signature(get_features).parameters)

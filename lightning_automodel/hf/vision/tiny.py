@@ -66,7 +66,9 @@ def with_tiny_images(config_class: type, values: dict[str, Any], *, model_type: 
     values = merged(values, _family_overrides(model_type, values))
     values.update(_special_tokens_in_vocabulary(values))
     if values.get("image_token_id") is not None:
-        values.update(vocabulary_map(model_type, image_token_id=values["image_token_id"], free_ids=[SPECIAL_IDS_FROM]))
+        taken = {id_ for name, id_ in values.items() if _is_token_field(name) and _is_id(id_)}
+        free = [id_ for id_ in range(SPECIAL_IDS_FROM, VOCAB) if id_ not in taken]
+        values.update(vocabulary_map(model_type, image_token_id=values["image_token_id"], free_ids=free))
     text_class = CONFIG_MAPPING[text["model_type"]] if text is not values else config_class
     if isinstance(values.get("text_config"), dict):
         values["text_config"] = _mrope_fitted(values["text_config"], default=default_sections(text_class))

@@ -4,7 +4,8 @@ checkpoint's config holds the tokenizer's), and each model's code finds the code
 config's map is written in that naming: the one thing here known by model type, because only the model's code
 says it.
 
-The codes take the ids ``FIRST_CODE_ID`` up, inside the text's ids: a code's token in the text is only text."""
+The codes take special ids, above the text's (Chameleon's head never predicts a code: its logits are the lowest
+float, and a text of codes would have an infinite loss)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any
 
 # A tiny VQ-GAN's codebook entries, and the side of the image it is built for.
 CODES = 16
-FIRST_CODE_ID = 8
 # A VQ-GAN's sizes that the generic rules do not know: its codebook, its convolutions' channels (normalised in
 # groups of 32), the image side it is built for.
 VQ_SIZES = {"num_embeddings": CODES, "codebook_size": CODES, "base_channels": 32, "latent_channels": 32}
@@ -37,10 +37,12 @@ _NAMING: dict[str, tuple[Callable[[int], str], tuple[str, ...]]] = {
 
 def vocabulary_map(model_type: str, *, image_token_id: int, free_ids: list[int]) -> dict[str, Any]:
     """``{"vocabulary_map": ...}`` for a type whose code reads one (empty for any other): the image placeholder
-    ``"<image>"`` at ``image_token_id``, the type's other named tokens at ``free_ids`` (special ids nothing else
-    takes), each code at ``FIRST_CODE_ID`` + its index."""
+    ``"<image>"`` at ``image_token_id``, the type's other named tokens, then its codes, at ``free_ids`` (special ids
+    no other token takes), in order."""
     if model_type not in _NAMING:
         return {}
     name_of, named = _NAMING[model_type]
-    codes = {name_of(code): FIRST_CODE_ID + code for code in range(CODES)}
-    return {"vocabulary_map": {"<image>": image_token_id, **dict(zip(named, free_ids, strict=False)), **codes}}
+    names = [*named, *(name_of(code) for code in range(CODES))]
+    if len(free_ids) < len(names):
+        raise ValueError(f"{model_type}: {len(names)} named tokens and codes, only {len(free_ids)} free ids")
+    return {"vocabulary_map": {"<image>": image_token_id, **dict(zip(names, free_ids, strict=False))}}

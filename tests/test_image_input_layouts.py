@@ -78,8 +78,6 @@ def test_a_vision_start_token_opens_each_image():
 @pytest.mark.parametrize(
     ("model_type", "verdict", "reason"),
     [
-        # transformers' forward fails on text alone too: not the input builder's limit
-        ("llama4", "NoTinyConfig", "single-process step on text alone: AttributeError"),
         # image arguments its get_image_features requires that the builder does not make, named
         ("molmo2", "NoImageInputs", "requires image_token_pooling, image_grids, which the image-input builder"),
     ],

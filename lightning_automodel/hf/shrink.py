@@ -247,6 +247,7 @@ def shrink(values: dict[str, Any], *, heads: int = HEADS) -> dict[str, Any]:
         elif name in TOKEN_IDS and _out_of_vocabulary(value):
             tiny[name] = TOKEN_IDS[name]
     tiny.update(_kv_heads(values, tiny, heads=heads))
+    tiny.update(_widths_of_hidden(values, tiny, sizes=sizes))
     if "qk_head_dim" in values:  # derived, and passed back explicitly: keep it the sum of its parts
         tiny["qk_head_dim"] = tiny["qk_nope_head_dim"] + tiny["qk_rope_head_dim"]
     tiny.update(_fewer_layers(tiny, heads=heads))
@@ -263,6 +264,19 @@ def _rope_where_none_given(values: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(kinds, list):
         return {"rope_parameters": dict(DEFAULT_ROPE)}
     return {"rope_parameters": {kind: dict(DEFAULT_ROPE) for kind in dict.fromkeys(kinds)}}
+
+
+def _widths_of_hidden(values: dict[str, Any], tiny: dict[str, Any], *, sizes: dict[str, int]) -> dict[str, int]:
+    """Widths no size rule knows (``*_dim``) that equal the hidden size, kept equal to it: a validator may require
+    it (WavTokenizer's ``codebook_dim``, with no projection around its quantizer)."""
+    hidden = values.get("hidden_size")
+    if not isinstance(hidden, int) or isinstance(hidden, bool):
+        return {}
+    return {
+        name: tiny["hidden_size"]
+        for name, value in values.items()
+        if name.endswith("_dim") and name not in sizes and value == hidden and not isinstance(value, bool)
+    }
 
 
 def merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

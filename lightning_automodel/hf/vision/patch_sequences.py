@@ -92,13 +92,17 @@ def sequence_patch(vision: Any) -> int:
 
 
 def image_side(vision: Any) -> int:
-    """The side in pixels of the builder's images: the tower's image size (a VQ-GAN's resolution), else two pooled
-    blocks of patches, else NaFlex's ``NAFLEX_SIDE`` patches."""
+    """The side in pixels of the builder's images: the tower's image size (a VQ-GAN's resolution), else two codes of
+    a VQ-GAN that halves the image at each level after the first (Emu3's), else two pooled blocks of patches, else
+    NaFlex's ``NAFLEX_SIDE`` patches."""
     size = getattr(vision, "image_size", None) or getattr(vision, "resolution", None)
     size = size[0] if isinstance(size, list | tuple) else size
     pool = getattr(vision, "pooling_kernel_size", None)
+    levels = getattr(vision, "channel_multiplier", None)
     if isinstance(size, int):
         return size
+    if isinstance(levels, list | tuple):
+        return 2 * 2 ** (len(levels) - 1)
     patch = getattr(vision, "patch_size", None) or sequence_patch(vision)
     return (2 * pool if isinstance(pool, int) else NAFLEX_SIDE) * patch
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_automodel.hf.shrink import VOCAB, merged, shrink, tiny_values
 from lightning_automodel.hf.vision.rope_sections import default_sections
-from lightning_automodel.hf.vision.vq_vocabulary import VQ_SIZES, vocabulary_map
+from lightning_automodel.hf.vision.vq_vocabulary import CODES, VQ_SIZES, vocabulary_map
 
 IMAGE_SIZE = 16
 PATCH_SIZE = 4
@@ -65,6 +65,7 @@ def with_tiny_images(config_class: type, values: dict[str, Any], *, model_type: 
     values = _tiny_images(values, text_width=_width(text), tower_layers=tower_layers)
     values = merged(values, _family_overrides(model_type, values))
     values.update(_special_tokens_in_vocabulary(values))
+    values.update(_code_ranges(values))
     if values.get("image_token_id") is not None:
         taken = {id_ for name, id_ in values.items() if _is_token_field(name) and _is_id(id_)}
         free = [id_ for id_ in range(SPECIAL_IDS_FROM, VOCAB) if id_ not in taken]
@@ -116,6 +117,9 @@ def _tiny_images(values: dict[str, Any], *, text_width: int | None, tower_layers
             tiny[name] = IMAGE_SIZE
     if isinstance(values.get("depth"), int):  # a tower's layer count that the text rules do not know
         tiny.update(_fewer_tower_layers(tiny))
+    levels = values.get("channel_multiplier")
+    if isinstance(values.get("hidden_size"), int) and isinstance(levels, list) and "base_channels" in tiny:
+        tiny["hidden_size"] = tiny["base_channels"] * levels[-1]  # a VQ-GAN attending at its last level (Emu3's)
     return tiny
 
 
@@ -244,6 +248,17 @@ def _sized_like(value: Any, size: int) -> Any:
     if isinstance(value, list) and all(isinstance(v, int) for v in value):
         return [size] * len(value)
     return size if isinstance(value, int) else value
+
+
+def _code_ranges(values: dict[str, Any]) -> dict[str, int]:
+    """The offsets of ranges of code tokens (``*_token_offset``: Apertus 1.5's visual codes, then its audio codes)
+    moved into the vocabulary in their order, one after another, ``CODES`` each (the tiny codebooks' size) up to the
+    special ids."""
+    offsets = sorted(
+        (value, name) for name, value in values.items() if name.endswith("_token_offset") and _is_id(value)
+    )
+    first = SPECIAL_IDS_FROM - CODES * len(offsets)
+    return {name: first + CODES * index for index, (_, name) in enumerate(offsets)}
 
 
 def _special_tokens_in_vocabulary(values: dict[str, Any]) -> dict[str, Any]:

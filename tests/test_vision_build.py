@@ -42,6 +42,42 @@ def test_a_vq_gan_model_gets_a_vocabulary_map_of_its_codes_above_the_text():
     assert config.vq_config.resolution == 16
 
 
+def test_code_ranges_and_a_width_of_the_hidden_size_keep_their_invariants():
+    """Apertus 1.5's validators: its visual codes end where its audio codes start, both inside the vocabulary;
+    WavTokenizer's ``codebook_dim`` is its ``hidden_size`` (512 both by default)."""
+    config = tiny_image_text_config("apertus1p5")
+    assert config.image_token_offset + config.vision_config.codebook_size == config.audio_token_offset
+    assert config.audio_token_offset + config.audio_config.codebook_size <= SPECIAL_IDS_FROM
+    assert config.audio_config.codebook_dim == config.audio_config.hidden_size == 64
+
+
+def test_emu3_images_are_sized_for_its_vq_gan():
+    """Emu3's VQ-GAN gives no image size (two codes a side: 16 pixels for its 3 halvings) and attends at its last
+    level's width; its head model's get_image_features is its base model's, which requires ``image_sizes``."""
+    from lightning_automodel.hf.vision.image_inputs import measured_token_count, model_pixels
+
+    config = tiny_image_text_config("emu3")
+    assert config.vq_config.hidden_size == config.vq_config.base_channels * config.vq_config.channel_multiplier[-1]
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config)
+    pixels = model_pixels(model, images=2)
+    assert {name: tuple(value.shape) for name, value in pixels.items()} == {
+        "pixel_values": (2, 3, 16, 16),
+        "image_sizes": (2, 2),
+    }
+    assert measured_token_count(model) == 2 * 3  # 2 rows of 2 codes, each row ended by its end-of-line token
+
+
+def test_the_originals_of_a_weight_norm_are_made_from_the_modules_weight():
+    """WavTokenizer's weight-normed convolutions: their originals are made from the convolution's own weight."""
+    from lightning_automodel.hf.initialization import _parametrized_weights
+
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 2, 3)))
+    names = [name for name, _ in model.named_parameters()]
+    assert names == ["0.bias", "0.parametrizations.weight.original0", "0.parametrizations.weight.original1"]
+    assert _parametrized_weights(model, names) == {(nn.Conv1d, "weight")}
+
+
 def test_granite4_vision_adds_its_tower_at_tiny_language_layers():
     config = tiny_image_text_config("granite4_vision")
     layers = config.text_config.num_hidden_layers

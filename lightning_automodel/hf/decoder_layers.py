@@ -14,7 +14,9 @@ def named_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     hold parameters (``model.layers.*``, and a vision tower's encoder layers in a multimodal model).
 
     Lists inside a block (per-head norms, a block's own sub-layers) belong to the block; the items of a list of lists
-    are blocks. A block listed twice (one module shared by two lists) appears once, under its first name.
+    are blocks, and so are those of the lists in an item without a forward of its own (a container its model indexes
+    into, never calls: Chameleon's VQ-GAN's resolution levels). A block listed twice (one module shared by two lists)
+    appears once, under its first name.
     """
     found: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
@@ -31,6 +33,8 @@ def named_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for index, block in items.named_children():
             if isinstance(block, nn.ModuleList):
                 take_items(f"{path}.{index}", block)
+            elif type(block).forward is nn.Module.forward:
+                visit(f"{path}.{index}.", block)
             elif id(block) not in seen and any(True for _ in block.parameters()):
                 seen.add(id(block))
                 found.append((f"{path}.{index}", block))

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.utils.parametrize import is_parametrized
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -264,10 +265,15 @@ def _mark_unset(model: nn.Module) -> None:
     ``_init_weights`` leaves alone (see :func:`_unset_buffers`)."""
     for buffer in model.buffers():
         local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
-        if local.dtype.is_floating_point:
+        if _holds_nan(local):
             local.fill_(float("nan"))
         elif local.dtype != torch.bool:
             local.fill_(torch.iinfo(local.dtype).max)
+
+
+def _holds_nan(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's dtype has a NaN: floating point, or complex (Llama 4's rotary frequencies)."""
+    return tensor.dtype.is_floating_point or tensor.dtype.is_complex
 
 
 def _unset_buffers(model: nn.Module) -> list[str]:
@@ -278,7 +284,7 @@ def _unset_buffers(model: nn.Module) -> list[str]:
         if local.dtype == torch.bool:
             unset.append(name)
         elif local.numel() and bool(
-            local.isnan().all() if local.dtype.is_floating_point else (local == torch.iinfo(local.dtype).max).all()
+            local.isnan().all() if _holds_nan(local) else (local == torch.iinfo(local.dtype).max).all()
         ):
             unset.append(name)
     return unset
@@ -292,6 +298,7 @@ def _fill_from_constructor(model: nn.Module, *, buffers: Sequence[str], paramete
         return
     owners = [name.rpartition(".") for name in parameters]
     kinds = {(_unsharded_class(model.get_submodule(path)), leaf) for path, _, leaf in owners}
+    kinds |= _parametrized_weights(model, parameters)
     fresh = _constructed_with_meta_parameters(model, real=kinds)
     values = {**dict(fresh.named_buffers()), **{n: p for n, p in fresh.named_parameters() if not p.is_meta}}
     missing = [name for name in [*buffers, *parameters] if name not in values]
@@ -303,6 +310,20 @@ def _fill_from_constructor(model: nn.Module, *, buffers: Sequence[str], paramete
     for name in [*buffers, *parameters]:
         tensor = model.get_buffer(name) if name in buffers else model.get_parameter(name)
         copy_shard(tensor, values[name].detach().to(tensor.dtype))
+
+
+def _parametrized_weights(model: nn.Module, parameters: Sequence[str]) -> set[tuple[type, str]]:
+    """The (module class, weight) kinds behind the originals of parametrized weights among ``parameters``
+    (``conv.parametrizations.weight.original0``, a weight norm's: WavTokenizer's), which the parametrization makes from
+    the module's own weight as constructed."""
+    kinds = set()
+    for name in parameters:
+        path, found, rest = name.partition(".parametrizations.")
+        if found:
+            module = model.get_submodule(path)  # a Parametrized<class>, made when the parametrization was added
+            owner = _unsharded_class(module).__bases__[0] if is_parametrized(module) else _unsharded_class(module)
+            kinds.add((owner, rest.partition(".")[0]))
+    return kinds
 
 
 def _unsharded_class(module: nn.Module) -> type:

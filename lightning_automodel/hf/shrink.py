@@ -136,6 +136,8 @@ KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"
 PAD_TOKEN_ID = 0
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
 MIN_LAYERS = 2
+# The rope a config gets whose defaults leave it empty.
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 # Probabilities of random training-time behaviour (dropout, layer drop, stochastic depth, router jitter): zero, so
 # that a parallel run and a single-process one compute the same function.
 RANDOMNESS = ("dropout", "pdrop", "drop_prob", "layerdrop", "drop_path", "jitter")
@@ -151,6 +153,7 @@ def overrides(model_type: str, *, hidden: int, heads: int) -> dict[str, Any]:
         "indexer_budget": 8,
         "indexer_compress_ratio": 2,
     }
+    deepseek_ocr2 = {"num_hidden_layers": 2, "mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2}
     # Zamba's shared attention runs on [hidden states; embeddings], twice the hidden size.
     wide_attention = {"attention_hidden_size": 2 * hidden, "attention_head_dim": 2 * hidden // heads}
     by_type: dict[str, dict[str, Any]] = {
@@ -161,6 +164,9 @@ def overrides(model_type: str, *, hidden: int, heads: int) -> dict[str, Any]:
         # head_dim must be qk_nope_head_dim + qk_rope_head_dim.
         "dots3_note": {"text_config": {"head_dim": 2 * HEAD_SIZE}},
         "dots3_note_text": {"head_dim": 2 * HEAD_SIZE},
+        # Which layers are mixtures of experts, and how many experts a token takes: None by default.
+        "deepseek_ocr2": {"text_config": deepseek_ocr2},
+        "deepseek_ocr2_text": deepseek_ocr2,
         "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # None by default
         "falcon_h1": {"mamba_d_head": HEAD_SIZE},  # mamba heads x head size = hidden size x expand (1)
         "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["mamba", "attention"]},  # by default none
@@ -241,10 +247,36 @@ def shrink(values: dict[str, Any], *, heads: int = HEADS) -> dict[str, Any]:
         elif name in TOKEN_IDS and _out_of_vocabulary(value):
             tiny[name] = TOKEN_IDS[name]
     tiny.update(_kv_heads(values, tiny, heads=heads))
+    tiny.update(_widths_of_hidden(values, tiny, sizes=sizes))
     if "qk_head_dim" in values:  # derived, and passed back explicitly: keep it the sum of its parts
         tiny["qk_head_dim"] = tiny["qk_nope_head_dim"] + tiny["qk_rope_head_dim"]
     tiny.update(_fewer_layers(tiny, heads=heads))
+    tiny.update(_rope_where_none_given(tiny))
     return tiny
+
+
+def _rope_where_none_given(values: dict[str, Any]) -> dict[str, Any]:
+    """The default rope for a config whose defaults give an empty one (a checkpoint's config fills it; the model
+    reads it): one for each layer type where the config has layer types (Cohere Compass reads it by type)."""
+    if values.get("rope_parameters") != {}:
+        return {}
+    kinds = values.get("layer_types")
+    if not isinstance(kinds, list):
+        return {"rope_parameters": dict(DEFAULT_ROPE)}
+    return {"rope_parameters": {kind: dict(DEFAULT_ROPE) for kind in dict.fromkeys(kinds)}}
+
+
+def _widths_of_hidden(values: dict[str, Any], tiny: dict[str, Any], *, sizes: dict[str, int]) -> dict[str, int]:
+    """Widths no size rule knows (``*_dim``) that equal the hidden size, kept equal to it: a validator may require
+    it (WavTokenizer's ``codebook_dim``, with no projection around its quantizer)."""
+    hidden = values.get("hidden_size")
+    if not isinstance(hidden, int) or isinstance(hidden, bool):
+        return {}
+    return {
+        name: tiny["hidden_size"]
+        for name, value in values.items()
+        if name.endswith("_dim") and name not in sizes and value == hidden and not isinstance(value, bool)
+    }
 
 
 def merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

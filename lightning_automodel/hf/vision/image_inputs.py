@@ -44,6 +44,7 @@ from lightning_automodel.hf.vision.patch_sequences import (
     POSITIONED,
     as_patch_sequences,
     image_side,
+    image_tower_config,
     sequence_layout,
     sequence_token_count,
     tower_config,
@@ -193,8 +194,8 @@ def _sized_grid(model: nn.Module, *, image_tokens: int | None) -> tuple[int, int
 def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
     """Placeholders per image as ``model`` (on the meta device or real) makes features of its builder pixels: the
     elements of ``get_image_features``'s output over the language model's width; None where that does not run."""
-    get_features = getattr(model, "get_image_features", None)
-    vision = getattr(model.config, "vision_config", None)
+    get_features = image_features_method(model)
+    vision = image_tower_config(model.config)
     if get_features is None or vision is None or image_token(model.config) is None:  # no placeholder to count
         return None
     taken = set(inspect.signature(get_features).parameters)
@@ -217,11 +218,14 @@ def measured_token_count(model: nn.Module, *, images: int = 1) -> int | None:
 
 def _features_of(output: Any) -> Any:
     """The image features in ``get_image_features``'s output: a model output's pooled features, else its last hidden
-    state where it pools none (Llama 4's pixel-shuffled adapter output), else the tensors themselves."""
+    state where it pools none (Llama 4's pixel-shuffled adapter output), else the features of the first of the
+    (language layer, features) pairs a model adds at its layers (Granite 4 Vision's, the first at the placeholders),
+    else the tensors themselves."""
     for name in ("pooler_output", "last_hidden_state"):
         if getattr(output, name, None) is not None:
             return getattr(output, name)
-    return output
+    by_layer = getattr(output, "deepstack_features", None)
+    return by_layer[0][1] if isinstance(by_layer, list) and by_layer else output
 
 
 # A pixel_attention_mask of real tiles, (images, tiles), for a tower that takes no patch mask (Granite Docling's);
@@ -301,7 +305,8 @@ def image_arguments(model: nn.Module) -> set[str]:
     tiles = {"image_grid_pinpoints"} if getattr(model.config, "image_grid_pinpoints", None) else set()
     vision = getattr(model.config, "vision_config", None)
     tower = next((module for module in model.modules() if getattr(module, "config", None) is vision), None)
-    sizes = {"image_sizes"} if tower is not None and "image_sizes" in _forward_arguments(tower) else set()
+    tower_sizes = tower is not None and "image_sizes" in _forward_arguments(tower)
+    sizes = {"image_sizes"} if tower_sizes or "image_sizes" in _features_arguments(model) else set()
     patches = patch_layout(tower) if tower is not None else set()
     if getattr(vision, "merge_kernel_size", None) is not None:  # a merge kernel's tower (Kimi-K2.5) convolves
         patches.add(UNFLATTENED)  # each patch as an image of its own
@@ -311,6 +316,21 @@ def image_arguments(model: nn.Module) -> set[str]:
     videos = {"video_frames"} if image_token(model.config) not in (None, _image_placeholder(model.config)) else set()
     sequences = {sequence_layout(model)} - {None}
     return (_forward_arguments(model) & laid_out) | tiles | sizes | patches | tile_mask | videos | sequences
+
+
+def image_features_method(model: nn.Module) -> Any:
+    """``model``'s ``get_image_features``, else its base model's (Emu3's head model has none of its own)."""
+    found = getattr(model, "get_image_features", None)
+    return found if found is not None else getattr(getattr(model, "base_model", None), "get_image_features", None)
+
+
+def _features_arguments(model: nn.Module) -> set[str]:
+    """The arguments ``get_image_features`` requires (Emu3's VQ-GAN crops its codes to ``image_sizes``)."""
+    get_features = image_features_method(model)
+    if get_features is None:
+        return set()
+    taken = inspect.signature(get_features).parameters.values()
+    return {parameter.name for parameter in taken if parameter.default is inspect.Parameter.empty}
 
 
 def image_token(config: Any) -> int | None:

@@ -59,9 +59,15 @@ def sequence_token_count(model: nn.Module) -> int | None:
     return None
 
 
+def image_tower_config(config: Any) -> Any:
+    """The config of the model's image tower: its vision tower's, else its VQ-GAN's (Chameleon reads an image as the
+    tokens of its codes), else None."""
+    return getattr(config, "vision_config", None) or getattr(config, "vq_config", None)
+
+
 def tower_config(config: Any) -> Any:
     """The config holding the image's sizes: the vision tower's, or (Fuyu, no tower) the model's own."""
-    vision = getattr(config, "vision_config", None)
+    vision = image_tower_config(config)
     return vision if vision is not None or _sizes(config) is None else config
 
 
@@ -75,13 +81,17 @@ def sequence_patch(vision: Any) -> int:
 
 
 def image_side(vision: Any) -> int:
-    """The side in pixels of the builder's images: the tower's image size, else two pooled blocks of patches, else
+    """The side in pixels of the builder's images: the tower's image size (a VQ-GAN's resolution), else two codes of
+    a VQ-GAN that halves the image at each level after the first (Emu3's), else two pooled blocks of patches, else
     NaFlex's ``NAFLEX_SIDE`` patches."""
-    size = getattr(vision, "image_size", None)
+    size = getattr(vision, "image_size", None) or getattr(vision, "resolution", None)
     size = size[0] if isinstance(size, list | tuple) else size
     pool = getattr(vision, "pooling_kernel_size", None)
+    levels = getattr(vision, "channel_multiplier", None)
     if isinstance(size, int):
         return size
+    if isinstance(levels, list | tuple):
+        return 2 * 2 ** (len(levels) - 1)
     patch = getattr(vision, "patch_size", None) or sequence_patch(vision)
     return (2 * pool if isinstance(pool, int) else NAFLEX_SIDE) * patch
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_automodel.hf.shrink import VOCAB, merged, shrink, tiny_values
 from lightning_automodel.hf.vision.rope_sections import default_sections
+from lightning_automodel.hf.vision.vq_vocabulary import CODES, VQ_SIZES, vocabulary_map
 
 IMAGE_SIZE = 16
 PATCH_SIZE = 4
@@ -24,6 +25,7 @@ SPECIAL_IDS_FROM = VOCAB - 24
 # Widths of a tower's output that the projector (or the language model) reads as the text width.
 TEXT_WIDTHS = (
     "projection_dim", "out_hidden_size", "text_hidden_size", "output_dim", "projector_output_dim", "adapter_in_dim",
+    "adapter_out_dim",
     "adapter_input_size",
 )  # fmt: skip
 # Pooled image tokens: a square number whose side divides the grid's (16 patches: 4 a side).
@@ -63,6 +65,11 @@ def with_tiny_images(config_class: type, values: dict[str, Any], *, model_type: 
     values = _tiny_images(values, text_width=_width(text), tower_layers=tower_layers)
     values = merged(values, _family_overrides(model_type, values))
     values.update(_special_tokens_in_vocabulary(values, aliased=_aliased_token_fields(config_class)))
+    values.update(_code_ranges(values))
+    if values.get("image_token_id") is not None:
+        taken = {id_ for name, id_ in values.items() if _is_token_field(name) and _is_id(id_)}
+        free = [id_ for id_ in range(SPECIAL_IDS_FROM, VOCAB) if id_ not in taken]
+        values.update(vocabulary_map(model_type, image_token_id=values["image_token_id"], free_ids=free))
     text_class = CONFIG_MAPPING[text["model_type"]] if text is not values else config_class
     if isinstance(values.get("text_config"), dict):
         values["text_config"] = _mrope_fitted(values["text_config"], default=default_sections(text_class))
@@ -104,8 +111,15 @@ def _tiny_images(values: dict[str, Any], *, text_width: int | None, tower_layers
             tiny[name] = [[IMAGE_SIZE, IMAGE_SIZE]]  # one tile beside the base image (LLaVA-NeXT's "anyres")
         elif name in FEATURE_LAYERS:
             tiny[name] = _layers_within(value, layers=_layer_count(values) or tower_layers)
+        elif name in VQ_SIZES and isinstance(value, int):
+            tiny[name] = min(value, VQ_SIZES[name])
+        elif name == "resolution" and isinstance(value, int):  # the image side a VQ-GAN is built for
+            tiny[name] = IMAGE_SIZE
     if isinstance(values.get("depth"), int):  # a tower's layer count that the text rules do not know
         tiny.update(_fewer_tower_layers(tiny))
+    levels = values.get("channel_multiplier")
+    if isinstance(values.get("hidden_size"), int) and isinstance(levels, list) and "base_channels" in tiny:
+        tiny["hidden_size"] = tiny["base_channels"] * levels[-1]  # a VQ-GAN attending at its last level (Emu3's)
     return tiny
 
 
@@ -152,16 +166,31 @@ def _layer_count(values: dict[str, Any]) -> int | None:
 def _mrope_fitted(values: dict[str, Any], *, default: list[int] | None) -> dict[str, Any]:
     """M-RoPE's sections scaled to the tiny head's rotary pairs, in proportion: the config's, else the ``default``
     the model's code takes (:func:`~lightning_automodel.hf.vision.rope_sections.default_sections`; None: it takes
-    none)."""
+    none); in each layer type's rope where the rope is given by layer type (Cohere Compass's)."""
     rope = values.get("rope_parameters")
-    if not isinstance(rope, dict) or not (default or "mrope_section" in rope):  # no sections read
+    if not isinstance(rope, dict):
         return values
     head = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    if rope and set(rope) <= set(values.get("layer_types") or ()):
+        fitted = {
+            kind: _sections_fitted(each, head=head, values=values, default=default) for kind, each in rope.items()
+        }
+    else:
+        fitted = _sections_fitted(rope, head=head, values=values, default=default)
+    return {**values, "rope_parameters": fitted}
+
+
+def _sections_fitted(
+    rope: dict[str, Any] | None, *, head: int, values: dict[str, Any], default: list[int] | None
+) -> dict[str, Any] | None:
+    """One rope's sections scaled to the rotary pairs of a head ``head`` wide (None: a layer type without rope)."""
+    if rope is None or not (default or "mrope_section" in rope):  # no sections read
+        return rope
     pairs = int(head * rope.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))) // 2
     section = rope.get("mrope_section") or default
     scaled = [pairs * part // sum(section) for part in section]
     scaled[-1] += pairs - sum(scaled)
-    return {**values, "rope_parameters": {**rope, "mrope_section": scaled}}
+    return {**rope, "mrope_section": scaled}
 
 
 def _family_overrides(model_type: str, values: dict[str, Any]) -> dict[str, Any]:
@@ -189,6 +218,14 @@ def _family_overrides(model_type: str, values: dict[str, Any]) -> dict[str, Any]
         "step3p7": {"text_config": {"sliding_window": 8}},
         # The thinker's rope index reads the token that opens an image, which only the talker's config defines.
         **dict.fromkeys(("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"), {"vision_start_token_id": 151652}),
+        # Its window Q-Former's rate and the language layers its tower's features are added at: None by default (a
+        # checkpoint's config gives them), and layers past the tiny model's; a layer of its own for each of them.
+        "granite4_vision": {
+            "downsample_rate": "1/2",
+            "deepstack_layer_map": [[-1, 0]],
+            "spatial_target_layers": [1, 2, 3, 4],
+            "text_config": {"num_hidden_layers": 5},
+        },
         # Gated cross-attention initialised shut (tanh(0)) leaves the logits blind to images; a checkpoint opens it.
         "idefics": {"alpha_initializer": "ones"},
         # The projector's norm reads the tower's width.
@@ -217,6 +254,17 @@ def _aliased_token_fields(config_class: type) -> set[str]:
     """The fields a config class's ``attribute_map`` reads a token field from (Molmo2's ``image_patch_id``, its
     ``image_token_id``)."""
     return {field for alias, field in getattr(config_class, "attribute_map", {}).items() if _is_token_field(alias)}
+
+
+def _code_ranges(values: dict[str, Any]) -> dict[str, int]:
+    """The offsets of ranges of code tokens (``*_token_offset``: Apertus 1.5's visual codes, then its audio codes)
+    moved into the vocabulary in their order, one after another, ``CODES`` each (the tiny codebooks' size) up to the
+    special ids."""
+    offsets = sorted(
+        (value, name) for name, value in values.items() if name.endswith("_token_offset") and _is_id(value)
+    )
+    first = SPECIAL_IDS_FROM - CODES * len(offsets)
+    return {name: first + CODES * index for index, (_, name) in enumerate(offsets)}
 
 
 def _special_tokens_in_vocabulary(values: dict[str, Any], *, aliased: set[str]) -> dict[str, Any]:

@@ -2,13 +2,11 @@
 strategy and the coverage harness needed to step them (see docs/vision.md, "Types built tiny"): in process, on
 tiny or toy models."""
 
-import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForImageTextToText
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers
-from lightning_automodel.hf.head_output import call_for_logits
 from lightning_automodel.hf.initialization import _mark_unset, _unset_buffers
 from lightning_automodel.hf.shrink import DEFAULT_ROPE, tiny_config
 from lightning_automodel.hf.vision.image_inputs import _features_of
@@ -122,41 +120,3 @@ def test_a_complex_buffer_is_marked_and_found_unset():
     module.register_buffer("freqs", torch.ones(3, dtype=torch.complex64))
     _mark_unset(module)
     assert _unset_buffers(module) == ["freqs"]
-
-
-class _Assembly(nn.Module):
-    """A model whose forward fails after its head ran (as Llama 4's reads a field its language model's output
-    lacks), or before it where ``early``."""
-
-    def __init__(self, *, early: bool = False):
-        super().__init__()
-        self.head, self.early = nn.Linear(2, 3), early
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.head
-
-    def forward(self, x: torch.Tensor):
-        if self.early:
-            return x.missing
-        return self.head(x).missing
-
-
-def test_logits_are_the_heads_where_the_output_fails_after_it():
-    x = torch.ones(1, 2)
-    model = _Assembly()
-    assert torch.equal(call_for_logits(model, {"x": x}).logits, model.head(x))
-    with pytest.raises(AttributeError):  # failing before the head ran: the failure itself
-        call_for_logits(_Assembly(early=True), {"x": x})
-
-
-def test_llama4_steps_on_images():
-    """Llama 4's image-text forward fails on every batch in transformers 5.24 after its head ran; its step on rows
-    holding an image each gives the logits of each token."""
-    from lightning_automodel.hf.vision.image_inputs import image_inputs, measured_token_count
-
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(tiny_image_text_config("llama4"))
-    count = measured_token_count(model)
-    inputs = image_inputs(model, rows=2, tokens=count + 4, count=count)
-    logits = call_for_logits(model, inputs).logits
-    assert "pixel_values" in inputs and logits.shape == (*inputs["input_ids"].shape, 128)

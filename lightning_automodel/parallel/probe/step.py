@@ -24,7 +24,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_automodel.hf.head_output import call_for_logits
 from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, measured_token_count
 from lightning_automodel.parallel.probe.meta_values import AnswerDataQuestions
 
@@ -204,7 +203,7 @@ def forward_step(model: nn.Module, *, tokens: int, images: bool = False, count: 
         inputs = image_inputs(model, rows=PROBE_ROWS, tokens=tokens, count=count)
     else:
         inputs = {"input_ids": torch.zeros(PROBE_ROWS, tokens, dtype=torch.long, device="meta")}
-    return call_for_logits(model, {**inputs, **_no_cache(model)})
+    return model(**inputs, **_no_cache(model))
 
 
 @contextmanager

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from lightning_automodel.hf.head_output import call_for_logits
 from lightning_automodel.hf.shrink import VOCAB
 from lightning_automodel.hf.vision.beside_pixels import prefix_logits
 from lightning_automodel.hf.vision.image_inputs import (
@@ -180,7 +179,7 @@ def image_loss(model: nn.Module, rows: Rows) -> tuple[torch.Tensor, torch.Tensor
     inputs = {name: value for name, value in rows.items() if name != "labels"}
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs["use_cache"] = False
-    logits = call_for_logits(model, {**inputs, "attention_mask": (rows["input_ids"] != 0).long()}).logits.float()
+    logits = model(**inputs, attention_mask=(rows["input_ids"] != 0).long()).logits.float()
     logits = prefix_logits(logits, tokens=rows["input_ids"].shape[1])
     return F.cross_entropy(logits.flatten(0, 1), rows["labels"].flatten()), logits
 

@@ -8,7 +8,7 @@ import torch
 from packed_image_checks import check_packed_imageless_rank
 from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
-from lightning_automodel.hf.vision.image_inputs import image_token_count, model_pixels
+from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, model_pixels
 from lightning_automodel.hf.vision.rope_sections import QWEN_SECTIONS, default_sections
 from lightning_automodel.hf.vision.tiles import cross_attention_mask, padded_tiles
 from lightning_automodel.hf.vision.tiny import tiny_image_text_config
@@ -172,3 +172,46 @@ def test_a_block_called_once_an_image_is_held_by_the_root():
     for model_type, held in [("minicpmv4_6", ("model.merger.mlp.0",)), ("llava", ())]:
         model = meta_model(model_type)
         assert blocks_called_per_image(model, probe_unsharded(model, tp=1)) == held, model_type
+
+
+@pytest.mark.parametrize("model_type", ["minicpmv4_7", "molmo2"])
+def test_a_pipeline_gives_each_micro_batch_its_rows_packed_images_and_canvas_positions(model_type):
+    """Under pp each micro-batch's first stage takes its rows' images re-packed, read off the inputs (the forward a
+    pipeline puts before the model's names none), and every stage MiniCPM-V 4.7's canvas M-RoPE positions, found for
+    the whole batch (a later stage, given none, would count text positions)."""
+    from lightning_automodel.parallel.pipeline.images import StageImages
+    from lightning_automodel.testing.coverage_report.kinds import rows_part
+
+    model = meta_model(model_type)
+    inputs = image_inputs(model, rows=4, tokens=24, images_per_row=2)
+    halves = [rows_part(inputs, part, model=model) for part in (slice(0, 2), slice(2, 4))]
+    stage_images = StageImages(model)
+    model.forward = lambda input_ids=None, *args, labels=None, **given: None  # as a pipeline's take-over leaves it
+    _, row_inputs = stage_images.split(inputs["input_ids"], dict(inputs), microbatches=2)
+    for rows, alone in zip(torch.arange(4).chunk(2), halves, strict=True):
+        first, later = row_inputs(rows, first=True), row_inputs(rows, first=False)
+        positions = getattr(model.base_model, "get_rope_index", None)
+        if positions is not None:
+            expected = positions(
+                alone["input_ids"], mm_token_type_ids=alone["mm_token_type_ids"], target_sizes=alone["target_sizes"]
+            )[0]
+            assert torch.equal(later["position_ids"], expected) and torch.equal(first["position_ids"], expected)
+        for name in set(alone) - {"input_ids"}:
+            assert torch.equal(first[name], alone[name]), name
+
+
+def test_context_parallel_refuses_images_packed_across_the_batch_with_the_reason():
+    """Before any collective (preflight's check, on every rank), naming the model, why and the fix: Molmo2's pooling
+    indices point into the whole batch's patches and its image tokens see each other both ways; MiniCPM-V's text
+    model is refused first, for its linear attention."""
+    from lightning_automodel.parallel.preflight import check_context_parallel
+
+    refusals = {
+        "molmo2": "Molmo2ForConditionalGeneration packs its batch's images across the rows.*image_token_pooling's",
+        "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration computes other logits with its sequences split than whole",
+    }
+    for model_type, reason in refusals.items():
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(tiny_image_text_config(model_type))
+        with pytest.raises(ValueError, match=f"^cp=2 \\(context parallel\\): {reason}.*Use cp=1 for this model"):
+            check_context_parallel(model, cp=2, pipeline=None)

@@ -4,6 +4,7 @@ whole micro-batch), then AdamW steps through a real Trainer."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -15,16 +16,19 @@ from test_vision_demo import DEMO, TowerAtStart, tower_parameters
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
+from transformers import AutoModelForImageTextToText
 from vision_checks import VisionLM, _errors, _part
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims, parallelize
 from lightning_automodel.data import cache
 from lightning_automodel.data.vision.demo import VisionDemoDataModule
+from lightning_automodel.hf.vision.tiny import tiny_image_text_config
 from lightning_automodel.lm import CausalLMModule
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.parallel.parallelized import Parallelized
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
 from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, fp64_copy, gradient_limits
+from lightning_automodel.testing.coverage_report.kinds import image_rows
 from lightning_automodel.testing.parity import FP32_TOLERANCE, Outputs, full, gradient_errors
 from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, compare_training, reference_run, trainer
 from lightning_automodel.testing.vision.models import collate_images, image_records, tiny_vision_model
@@ -154,3 +158,28 @@ def check_vision_demo_pipeline(directory: str) -> dict[str, float]:
     moved = [name for name, p in tower_parameters(module) if not torch.equal(full(p), tower.weights[name])]
     assert pipeline_of(module.model).first == bool(tower.weights) and len(moved) == len(tower.weights), moved
     return {"train_loss": fit.callback_metrics["train_loss"].item(), "tower_weights_moved": float(len(moved))}
+
+
+def check_packed_pipeline(model_type: str, microbatches: int = 2) -> dict[str, float]:
+    """A tiny model of ``model_type`` whose image inputs are packed across the batch (MiniCPM-V's, Molmo2's) at
+    pp=2 against one process: each micro-batch's first stage takes its rows' images re-packed, later stages the
+    token types and positions of their rows (MiniCPM-V 4.7's canvas M-RoPE, found for the whole batch)."""
+    build = partial(_packed_model, model_type)
+    mesh = ParallelDims(pp=2).resolve(dist.get_world_size()).build_mesh("cpu")
+    model = build(seed=dist.get_rank())
+    parallelized = parallelize(model, mesh, pipeline=PipelineOptions("1F1B", microbatches=microbatches))
+    rows = image_rows(build())
+    expected = _outputs(build(), rows)
+    outputs = _pipelined_outputs(parallelized, rows, dp=data_mesh(mesh))
+    if not pipeline_of(model).last:
+        outputs.logits = expected.logits
+    held = Outputs(expected.loss, expected.logits, {name: expected.grads[name] for name in outputs.grads})
+    limits = {name: limit for name, limit in _rounding_limits(build, rows).items() if name in outputs.grads}
+    errors = _errors(outputs, held, slice(None), limits=limits)
+    assert max(value for key, value in errors.items() if key != "rounding_limited") < FP32_TOLERANCE, errors
+    return errors
+
+
+def _packed_model(model_type: str, *, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(copy.deepcopy(tiny_image_text_config(model_type)))

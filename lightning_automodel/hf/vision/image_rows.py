@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token
-from lightning_automodel.hf.vision.packed_images import PACKED, POOLED, POOLED_INPUTS, packed_blocks, packed_layout
+from lightning_automodel.hf.vision.packed_images import PACKED, POOLED, POOLED_INPUTS, images_layout, packed_blocks
 from lightning_automodel.hf.vision.patches import merge_size
 
 BY_IMAGE = ("pixel_values", "image_grid_thw", PACKED, *POOLED_INPUTS)  # split by image (a row's images)
@@ -108,7 +108,7 @@ def image_rows(model: nn.Module, input_ids: Tensor, *, images: dict[str, Tensor]
 def _blocks(model: nn.Module, images: dict[str, Tensor], *, tokens_per_image: int) -> tuple[Tensor, dict[str, Blocks]]:
     """Each image's placeholders, and each image input as :class:`Blocks`."""
     pixels = images["pixel_values"]
-    if packed_layout(model) is not None:
+    if images_layout(images) is not None:
         tokens, extents, pointed = packed_blocks(model, images)
         blocks = {name: Blocks(images[name], dim, _bounds(sizes)) for name, (dim, sizes) in extents.items()}
         if pointed is not None:

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from lightning_automodel.hf.replica import TOLERANCE, replica_problem, shrunk_replica
 from lightning_automodel.hf.vision.image_inputs import IMAGE_START, image_inputs, image_token, image_token_count
 from lightning_automodel.hf.vision.mrope import is_mrope, whole_row_positions
+from lightning_automodel.hf.vision.packed_images import PACKED, POOLED, packed_layout
 from lightning_automodel.parallel.context_parallel.attention import ATTENTION, text_model_only
 from lightning_automodel.parallel.context_parallel.images import (
     IMAGE_INPUTS,
@@ -23,6 +24,13 @@ from lightning_automodel.parallel.context_parallel.sequence_split import Sequenc
 from lightning_automodel.parallel.experts.load_balancing_loss import balancing_problem
 
 SIMULATED_CP = 2  # the split the replica's tokens are reordered by
+# Image inputs packed across the batch (hf/vision/packed_images.py), which the cp ranks' shares of whole images, cut
+# along each input's first dimension, do not split; and what else the split lacks for them.
+PACKED_IMAGES = {
+    PACKED: "pixel_values holds every image's patches side by side, their grids in target_sizes",
+    POOLED: "image_token_pooling's indices point into the whole batch's patches; and a row's image tokens all see"
+    " each other both ways (mm_token_type_ids), a mask the split does not build",
+}
 
 
 def context_parallel_problem(model: nn.Module) -> str | None:
@@ -54,8 +62,14 @@ def _image_problem(model: nn.Module) -> str | None:
     """Why a vision-language ``model`` cannot split its sequences around images (None if it can, or takes none): a
     shrunk replica with an image a row, its placeholders straddling the cp=2 split, must compute the same logits
     split as whole (an image's tokens that see each other otherwise than causally, or both ways within the image as
-    Gemma 3's, would not)."""
+    Gemma 3's, would not). Images packed across the batch (:data:`PACKED_IMAGES`) are refused without a replica."""
     name = type(model).__name__
+    layout = packed_layout(model)
+    if layout is not None:
+        return (
+            f"{name} packs its batch's images across the rows, and context parallel encodes a share of whole images"
+            f" a cp rank, cut along each image input's first dimension: {PACKED_IMAGES[layout]}"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         replica, vocabulary = shrunk_replica(model)

@@ -3,13 +3,13 @@ each micro-batch on its own rows' images; later stages receive the hidden states
 and every stage the token-level inputs its layers' masks and positions read.
 
 A call's image inputs are split by row before the schedule (:mod:`~lightning_automodel.hf.vision.image_rows`: a row
-may hold any number of images, Qwen2-VL's flattened patches go with their image), and each micro-batch's stages take
-their rows' share (the pipeline's ``row_inputs``). M-RoPE positions (Qwen2-VL), which the model would find from the
-token ids and grids that only the first stage has, are found once for the whole batch, as the model finds them, and
-split by row too. Under data parallelism the first stage's ranks agree, micro-batch by micro-batch, whether some have
-images and others none: those without run the tower on a stand-in image
-(:class:`~lightning_automodel.parallel.fsdp.imageless_ranks.TowerStandIn`), so that FSDP2's gathers and reductions of
-the tower's units come in the same order on every rank.
+may hold any number of images, Qwen2-VL's flattened patches go with their image, images packed across the batch are
+re-packed), and each micro-batch's stages take their rows' share (the pipeline's ``row_inputs``). M-RoPE positions
+(Qwen2-VL; MiniCPM-V 4.7's canvas), which the model would find from the token ids and grids that only the first stage
+has, are found once for the whole batch, as the model finds them, and split by row too. Under data parallelism the
+first stage's ranks agree, micro-batch by micro-batch, whether some have images and others none: those without run
+the tower on a stand-in image (:class:`~lightning_automodel.parallel.fsdp.imageless_ranks.TowerStandIn`), so that
+FSDP2's gathers and reductions of the tower's units come in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ class StageImages:
         self.model = model
         self.stand_in: TowerStandIn | None = None
         self._positions = getattr(model.base_model, "compute_3d_position_ids", None)
+        # The image grids it places image tokens by: Qwen2-VL's image_grid_thw, MiniCPM-V 4.7's target_sizes.
+        taken = inspect.signature(self._positions).parameters if self._positions is not None else {}
+        self._position_grids = [name for name in BY_IMAGE if name in taken and name != "pixel_values"]
         self._tokens_per_image = image_token_count(model)  # read from the forward's signature, before pp takes it
 
     def share_tower(self, stage: nn.Module, mesh: DeviceMesh) -> None:
@@ -115,14 +118,15 @@ class StageImages:
         given = inputs.get("position_ids")
         if given is not None:
             return given if given.dim() == 3 else None
-        if self._positions is None or "image_grid_thw" not in images:
+        grids = {name: images[name] for name in self._position_grids if name in images}
+        if not grids:
             return None
         return self._positions(
             input_ids=input_ids,
             inputs_embeds=None,
-            image_grid_thw=images["image_grid_thw"],
             attention_mask=inputs.get("attention_mask"),
             mm_token_type_ids=by_row.get("mm_token_type_ids"),
+            **grids,
         )
 
     def _row_inputs(

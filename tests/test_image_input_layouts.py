@@ -124,7 +124,7 @@ def test_a_packed_batch_splits_into_each_ranks_rows_images(model_type):
     """Each set of rows gets its images re-packed (Molmo2's pooling indices re-based on the crops it keeps): its
     logits are the whole batch's rows' (as a data-parallel rank's must be), its images change them, and a rank
     without images runs the tower on a stand-in of the same layout."""
-    from lightning_automodel.parallel.fsdp.imageless_ranks import _stand_in_pixels
+    from lightning_automodel.parallel.fsdp.imageless_ranks import stand_in_pixels
     from lightning_automodel.testing.coverage_report.kinds import image_loss, image_rows, rows_part
 
     config = tiny_image_text_config(model_type)
@@ -140,7 +140,7 @@ def test_a_packed_batch_splits_into_each_ranks_rows_images(model_type):
             mine = rows_part(rows, part, model=model)
             alone = image_loss(model, mine)[1]
             assert torch.allclose(alone, whole[part], atol=1e-5, rtol=1e-5), (part, (alone - whole[part]).abs().max())
-        stand_in = _stand_in_pixels(model)
+        stand_in = stand_in_pixels(model)
         assert stand_in and model.get_image_features(**stand_in).pooler_output is not None
 
 
@@ -178,7 +178,8 @@ def test_a_block_called_once_an_image_is_held_by_the_root():
 def test_a_pipeline_gives_each_micro_batch_its_rows_packed_images_and_canvas_positions(model_type):
     """Under pp each micro-batch's first stage takes its rows' images re-packed, read off the inputs (the forward a
     pipeline puts before the model's names none), and every stage MiniCPM-V 4.7's canvas M-RoPE positions, found for
-    the whole batch (a later stage, given none, would count text positions)."""
+    the whole batch (a later stage, given none, would count text positions); a micro-batch without images runs the
+    tower on a stand-in of the model's layout, built before the take-over."""
     from lightning_automodel.parallel.pipeline.images import StageImages
     from lightning_automodel.testing.coverage_report.kinds import rows_part
 
@@ -187,6 +188,7 @@ def test_a_pipeline_gives_each_micro_batch_its_rows_packed_images_and_canvas_pos
     halves = [rows_part(inputs, part, model=model) for part in (slice(0, 2), slice(2, 4))]
     stage_images = StageImages(model)
     model.forward = lambda input_ids=None, *args, labels=None, **given: None  # as a pipeline's take-over leaves it
+    assert {"target_sizes", "image_token_pooling"} & set(stage_images._stand_in_pixels)  # found before the take-over
     _, row_inputs = stage_images.split(inputs["input_ids"], dict(inputs), microbatches=2)
     for rows, alone in zip(torch.arange(4).chunk(2), halves, strict=True):
         first, later = row_inputs(rows, first=True), row_inputs(rows, first=False)

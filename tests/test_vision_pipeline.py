@@ -70,8 +70,10 @@ def test_vision_pipeline_variants():
 def test_images_packed_across_the_batch_at_pp2():
     """MiniCPM-V 4.6 and 4.7 (patches side by side, 4.7's canvas M-RoPE found before the schedule) and Molmo2
     (pooling indices re-based on a micro-batch's crops) at pp=2 over 2 micro-batches of two images each, against one
-    process (the default suite checks the split in process: test_image_input_layouts.py)."""
+    process; 4.7 and Molmo2 at pp=2 x dp_shard=2, one data-parallel rank's rows without images (a stand-in of the
+    packed layout). The default suite checks the split in process (test_image_input_layouts.py)."""
     _print(run_checks(2, [partial(check_packed_pipeline, name) for name in ("minicpmv4_6", "minicpmv4_7", "molmo2")]))
+    _print(run_checks(4, [partial(check_packed_pipeline, name) for name in ("minicpmv4_7", "molmo2")]))
 
 
 @pytest.mark.sweep

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_automodel.hf.decoder_layers import named_multimodal_parts
 from lightning_automodel.hf.vision.image_inputs import image_token, image_token_count
 from lightning_automodel.hf.vision.image_rows import BY_IMAGE, BY_ROW, ImageRows, image_rows
-from lightning_automodel.parallel.fsdp.imageless_ranks import TowerStandIn
+from lightning_automodel.parallel.fsdp.imageless_ranks import TowerStandIn, stand_in_pixels
 
 IMAGE_INPUTS = (*BY_IMAGE, *BY_ROW)  # what a pipelined vision-language model's call takes beside a text model's
 # What a language model's forward may take: anything more (Qwen3-VL's deepstack features, Mllama's cross-attention
@@ -64,11 +64,12 @@ class StageImages:
         taken = inspect.signature(self._positions).parameters if self._positions is not None else {}
         self._position_grids = [name for name in BY_IMAGE if name in taken and name != "pixel_values"]
         self._tokens_per_image = image_token_count(model)  # read from the forward's signature, before pp takes it
+        self._stand_in_pixels = stand_in_pixels(model)  # in the layout its forward names (packed across the batch)
 
     def share_tower(self, stage: nn.Module, mesh: DeviceMesh) -> None:
         """On the first ``stage`` (the model, or its first stage's view), whose tower FSDP2 shards over ``mesh``: a
         micro-batch without images runs the tower on a stand-in image where another rank's has images."""
-        self.stand_in = TowerStandIn(stage, mesh, known=self._tokens_per_image is not None)
+        self.stand_in = TowerStandIn(stage, mesh, pixels=self._stand_in_pixels)
 
     def split(
         self, input_ids: Tensor, inputs: dict[str, Any], *, microbatches: int

@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 import torch
-from packed_image_checks import check_packed_imageless_rank
+from packed_image_checks import check_packed_imageless_rank, check_packed_rows_split_over_cp
 from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
 from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, model_pixels
@@ -158,10 +158,13 @@ def test_a_packed_batch_whose_images_do_not_add_up_is_refused_naming_the_input()
         image_rows(model, input_ids, images=images, tokens_per_image=0)
 
 
-def test_a_rank_without_images_runs_a_packed_stand_in():
-    """dp_shard=2, one rank's rows without images (MiniCPM-V, Molmo2): the step matches one process."""
-    results = run_checks(2, [partial(check_packed_imageless_rank, name) for name in ("minicpmv4_6", "molmo2")])
-    print(results)
+def test_packed_images_over_two_ranks():
+    """dp_shard=2, one rank's rows without images (MiniCPM-V, Molmo2): the step matches one process. Molmo2 at cp=2,
+    a row's two images on the two ranks (its image tokens seeing each other both ways across them), and under
+    parallelize with one image (the rank whose share is empty encodes a stand-in): the call matches one process."""
+    checks = [partial(check_packed_imageless_rank, name) for name in ("minicpmv4_6", "molmo2")]
+    checks += [partial(check_packed_rows_split_over_cp, "molmo2", fsdp=fsdp) for fsdp in (False, True)]
+    print(run_checks(2, checks))
 
 
 def test_a_block_called_once_an_image_is_held_by_the_root():
@@ -202,18 +205,16 @@ def test_a_pipeline_gives_each_micro_batch_its_rows_packed_images_and_canvas_pos
             assert torch.equal(first[name], alone[name]), name
 
 
-def test_context_parallel_refuses_images_packed_across_the_batch_with_the_reason():
-    """Before any collective (preflight's check, on every rank), naming the model, why and the fix: Molmo2's pooling
-    indices point into the whole batch's patches and its image tokens see each other both ways; MiniCPM-V's text
-    model is refused first, for its linear attention."""
+def test_context_parallel_splits_molmo2s_images_and_refuses_minicpm_v_with_the_reason():
+    """Molmo2's images packed across the batch split over cp (its shrunk replica's logits split match whole);
+    MiniCPM-V is refused before any collective (preflight's check, on every rank) for its linear-attention text
+    model, naming the fix."""
+    from lightning_automodel.parallel.context_parallel import context_parallel_problem
     from lightning_automodel.parallel.preflight import check_context_parallel
 
-    refusals = {
-        "molmo2": "Molmo2ForConditionalGeneration packs its batch's images across the rows.*image_token_pooling's",
-        "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration computes other logits with its sequences split than whole",
-    }
-    for model_type, reason in refusals.items():
-        torch.manual_seed(0)
-        model = AutoModelForImageTextToText.from_config(tiny_image_text_config(model_type))
-        with pytest.raises(ValueError, match=f"^cp=2 \\(context parallel\\): {reason}.*Use cp=1 for this model"):
-            check_context_parallel(model, cp=2, pipeline=None)
+    torch.manual_seed(0)
+    assert context_parallel_problem(AutoModelForImageTextToText.from_config(tiny_image_text_config("molmo2"))) is None
+    model = AutoModelForImageTextToText.from_config(tiny_image_text_config("minicpmv4_6"))
+    reason = "MiniCPMV4_6ForConditionalGeneration computes other logits with its sequences split than whole"
+    with pytest.raises(ValueError, match=f"^cp=2 \\(context parallel\\): {reason}.*Use cp=1 for this model"):
+        check_context_parallel(model, cp=2, pipeline=None)

@@ -12,25 +12,17 @@ from transformers import PreTrainedModel
 from lightning_automodel.hf.replica import TOLERANCE, replica_problem, shrunk_replica
 from lightning_automodel.hf.vision.image_inputs import IMAGE_START, image_inputs, image_token, image_token_count
 from lightning_automodel.hf.vision.mrope import is_mrope, whole_row_positions
-from lightning_automodel.hf.vision.packed_images import PACKED, POOLED, packed_layout
 from lightning_automodel.parallel.context_parallel.attention import ATTENTION, text_model_only
 from lightning_automodel.parallel.context_parallel.images import (
     IMAGE_INPUTS,
     TOKEN_INPUTS,
     held_image_arguments,
-    image_blocks,
+    token_blocks,
 )
 from lightning_automodel.parallel.context_parallel.sequence_split import SequenceSplit, token_indices
 from lightning_automodel.parallel.experts.load_balancing_loss import balancing_problem
 
 SIMULATED_CP = 2  # the split the replica's tokens are reordered by
-# Image inputs packed across the batch (hf/vision/packed_images.py), which the cp ranks' shares of whole images, cut
-# along each input's first dimension, do not split; and what else the split lacks for them.
-PACKED_IMAGES = {
-    PACKED: "pixel_values holds every image's patches side by side, their grids in target_sizes",
-    POOLED: "image_token_pooling's indices point into the whole batch's patches; and a row's image tokens all see"
-    " each other both ways (mm_token_type_ids), a mask the split does not build",
-}
 
 
 def context_parallel_problem(model: nn.Module) -> str | None:
@@ -62,14 +54,8 @@ def _image_problem(model: nn.Module) -> str | None:
     """Why a vision-language ``model`` cannot split its sequences around images (None if it can, or takes none): a
     shrunk replica with an image a row, its placeholders straddling the cp=2 split, must compute the same logits
     split as whole (an image's tokens that see each other otherwise than causally, or both ways within the image as
-    Gemma 3's, would not). Images packed across the batch (:data:`PACKED_IMAGES`) are refused without a replica."""
+    Gemma 3's, would not)."""
     name = type(model).__name__
-    layout = packed_layout(model)
-    if layout is not None:
-        return (
-            f"{name} packs its batch's images across the rows, and context parallel encodes a share of whole images"
-            f" a cp rank, cut along each image input's first dimension: {PACKED_IMAGES[layout]}"
-        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         replica, vocabulary = shrunk_replica(model)
@@ -110,7 +96,8 @@ def _reordered_logits(replica: nn.Module, tokens: Tensor, **inputs: Tensor) -> T
     positions = torch.arange(length).expand(rows, -1)
     if images and is_mrope(replica.config):
         positions = whole_row_positions(replica, tokens, images=images, tokens=types)
-    blocks = image_blocks(types["token_type_ids"])[:, order] if "token_type_ids" in types else None
+    blocks = token_blocks(types, images=images)
+    blocks = blocks[:, order] if blocks is not None else None
     split = SequenceSplit(
         query_index=order,
         key_index=order,

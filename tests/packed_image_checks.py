@@ -10,14 +10,15 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForImageTextToText
 
-from lightning_automodel import parallelize
-from lightning_automodel.hf.vision.image_inputs import image_token
+from lightning_automodel import ParallelDims, parallelize
+from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token
 from lightning_automodel.hf.vision.image_rows import BY_IMAGE, BY_ROW
-from lightning_automodel.hf.vision.tiny import tiny_image_text_config
+from lightning_automodel.hf.vision.tiny import SPECIAL_IDS_FROM, special_token_ids, tiny_image_text_config
+from lightning_automodel.parallel.context_parallel import context_parallel_model, context_parallel_of, token_indices
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT
 from lightning_automodel.testing.coverage_report.kinds import image_loss, image_rows, rows_part
-from lightning_automodel.testing.parity import Outputs, dims_for, full, gradient_errors, relative_error
+from lightning_automodel.testing.parity import FP32_TOLERANCE, Outputs, dims_for, full, gradient_errors, relative_error
 
 # The gradients' allowance: fp32 reduction order, MiniCPM-V's linear-attention decay parameters loosest (the coverage
 # report loosens them to 4e-5 from their fp32 rounding).
@@ -57,3 +58,49 @@ def _text_alone(rows: dict[str, torch.Tensor], *, placeholder: int) -> dict[str,
     text = {name: value for name, value in rows.items() if name not in BY_IMAGE}
     text["input_ids"] = torch.where(rows["input_ids"] == placeholder, 1, rows["input_ids"])
     return {name: torch.zeros_like(value) if name in BY_ROW else value for name, value in text.items()}
+
+
+def check_packed_rows_split_over_cp(model_type: str, *, fsdp: bool = False) -> dict[str, float]:
+    """At cp = world size, rows of two images each, the second's placeholders in the other rank's chunk (a row's
+    image tokens seeing each other both ways across the ranks): the loss, each rank's logits and every gradient
+    against one process, each rank's tower encoding its share of the images re-packed. ``fsdp``: under
+    ``parallelize``, one image in the batch: the rank whose share is empty encodes it as its stand-in."""
+    cp = dist.get_world_size()
+    mesh = ParallelDims(cp=cp).resolve(cp).build_mesh("cpu")
+    model, reference = _tiny(model_type), _tiny(model_type)
+    inputs = _rows_of_images(reference, rows=1 if fsdp else 2, images_per_row=1 if fsdp else 2)
+    labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == image_token(reference.config), -100)
+    if fsdp:
+        parallelize(model, mesh)
+    context = context_parallel_of(model) if fsdp else context_parallel_model(model, mesh)
+    outputs, expected = _cp_outputs(model, inputs, labels), _cp_outputs(reference, inputs, labels)
+    dist.all_reduce(outputs.loss)
+    if not fsdp:  # each rank's share of the gradient, as FSDP's reduction over cp sums
+        for grad in outputs.grads.values():
+            dist.all_reduce(grad)
+    scale = 1 if fsdp else cp
+    outputs = Outputs(outputs.loss / cp, outputs.logits, {name: g / scale for name, g in outputs.grads.items()})
+    held = token_indices(context.padded_length(labels.size(1)), cp, context.rank)
+    real = held < labels.size(1)
+    found = {
+        "loss": relative_error(outputs.loss, expected.loss),
+        "logits": relative_error(full(outputs.logits)[:, real], expected.logits[:, held[real]]),
+        "grad": max(gradient_errors(outputs, expected, floor=ZERO_GRADIENT).values()),
+    }
+    assert max(found.values()) < FP32_TOLERANCE, found
+    return found
+
+
+def _rows_of_images(model: torch.nn.Module, *, rows: int, images_per_row: int) -> dict[str, torch.Tensor]:
+    """The model's inputs for ``rows`` rows of 24 random text tokens holding ``images_per_row`` images each."""
+    text = torch.randint(1, SPECIAL_IDS_FROM, (rows, 24), generator=torch.Generator().manual_seed(1))
+    for special in special_token_ids(model.config):
+        text[text == special] = 1 if special != 1 else 3
+    return image_inputs(model, rows=rows, tokens=24, images_per_row=images_per_row, text=text)
+
+
+def _cp_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> Outputs:
+    output = model(**inputs, labels=labels, use_cache=False)
+    output.loss.backward()
+    grads = {name: full(param.grad).clone() for name, param in model.named_parameters() if param.grad is not None}
+    return Outputs(full(output.loss).detach().clone(), output.logits.detach(), grads)

@@ -5,10 +5,10 @@ from functools import partial
 
 import pytest
 import torch
-from packed_image_checks import check_packed_imageless_rank
+from packed_image_checks import check_packed_imageless_rank, check_packed_rows_split_over_cp
 from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
-from lightning_automodel.hf.vision.image_inputs import image_token_count, model_pixels
+from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, model_pixels
 from lightning_automodel.hf.vision.rope_sections import QWEN_SECTIONS, default_sections
 from lightning_automodel.hf.vision.tiles import cross_attention_mask, padded_tiles
 from lightning_automodel.hf.vision.tiny import tiny_image_text_config
@@ -124,7 +124,7 @@ def test_a_packed_batch_splits_into_each_ranks_rows_images(model_type):
     """Each set of rows gets its images re-packed (Molmo2's pooling indices re-based on the crops it keeps): its
     logits are the whole batch's rows' (as a data-parallel rank's must be), its images change them, and a rank
     without images runs the tower on a stand-in of the same layout."""
-    from lightning_automodel.parallel.fsdp.imageless_ranks import _stand_in_pixels
+    from lightning_automodel.parallel.fsdp.imageless_ranks import stand_in_pixels
     from lightning_automodel.testing.coverage_report.kinds import image_loss, image_rows, rows_part
 
     config = tiny_image_text_config(model_type)
@@ -140,7 +140,7 @@ def test_a_packed_batch_splits_into_each_ranks_rows_images(model_type):
             mine = rows_part(rows, part, model=model)
             alone = image_loss(model, mine)[1]
             assert torch.allclose(alone, whole[part], atol=1e-5, rtol=1e-5), (part, (alone - whole[part]).abs().max())
-        stand_in = _stand_in_pixels(model)
+        stand_in = stand_in_pixels(model)
         assert stand_in and model.get_image_features(**stand_in).pooler_output is not None
 
 
@@ -158,10 +158,13 @@ def test_a_packed_batch_whose_images_do_not_add_up_is_refused_naming_the_input()
         image_rows(model, input_ids, images=images, tokens_per_image=0)
 
 
-def test_a_rank_without_images_runs_a_packed_stand_in():
-    """dp_shard=2, one rank's rows without images (MiniCPM-V, Molmo2): the step matches one process."""
-    results = run_checks(2, [partial(check_packed_imageless_rank, name) for name in ("minicpmv4_6", "molmo2")])
-    print(results)
+def test_packed_images_over_two_ranks():
+    """dp_shard=2, one rank's rows without images (MiniCPM-V, Molmo2): the step matches one process. Molmo2 at cp=2,
+    a row's two images on the two ranks (its image tokens seeing each other both ways across them), and under
+    parallelize with one image (the rank whose share is empty encodes a stand-in): the call matches one process."""
+    checks = [partial(check_packed_imageless_rank, name) for name in ("minicpmv4_6", "molmo2")]
+    checks += [partial(check_packed_rows_split_over_cp, "molmo2", fsdp=fsdp) for fsdp in (False, True)]
+    print(run_checks(2, checks))
 
 
 def test_a_block_called_once_an_image_is_held_by_the_root():
@@ -172,3 +175,46 @@ def test_a_block_called_once_an_image_is_held_by_the_root():
     for model_type, held in [("minicpmv4_6", ("model.merger.mlp.0",)), ("llava", ())]:
         model = meta_model(model_type)
         assert blocks_called_per_image(model, probe_unsharded(model, tp=1)) == held, model_type
+
+
+@pytest.mark.parametrize("model_type", ["minicpmv4_7", "molmo2"])
+def test_a_pipeline_gives_each_micro_batch_its_rows_packed_images_and_canvas_positions(model_type):
+    """Under pp each micro-batch's first stage takes its rows' images re-packed, read off the inputs (the forward a
+    pipeline puts before the model's names none), and every stage MiniCPM-V 4.7's canvas M-RoPE positions, found for
+    the whole batch (a later stage, given none, would count text positions); a micro-batch without images runs the
+    tower on a stand-in of the model's layout, built before the take-over."""
+    from lightning_automodel.parallel.pipeline.images import StageImages
+    from lightning_automodel.testing.coverage_report.kinds import rows_part
+
+    model = meta_model(model_type)
+    inputs = image_inputs(model, rows=4, tokens=24, images_per_row=2)
+    halves = [rows_part(inputs, part, model=model) for part in (slice(0, 2), slice(2, 4))]
+    stage_images = StageImages(model)
+    model.forward = lambda input_ids=None, *args, labels=None, **given: None  # as a pipeline's take-over leaves it
+    assert {"target_sizes", "image_token_pooling"} & set(stage_images._stand_in_pixels)  # found before the take-over
+    _, row_inputs = stage_images.split(inputs["input_ids"], dict(inputs), microbatches=2)
+    for rows, alone in zip(torch.arange(4).chunk(2), halves, strict=True):
+        first, later = row_inputs(rows, first=True), row_inputs(rows, first=False)
+        positions = getattr(model.base_model, "get_rope_index", None)
+        if positions is not None:
+            expected = positions(
+                alone["input_ids"], mm_token_type_ids=alone["mm_token_type_ids"], target_sizes=alone["target_sizes"]
+            )[0]
+            assert torch.equal(later["position_ids"], expected) and torch.equal(first["position_ids"], expected)
+        for name in set(alone) - {"input_ids"}:
+            assert torch.equal(first[name], alone[name]), name
+
+
+def test_context_parallel_splits_molmo2s_images_and_refuses_minicpm_v_with_the_reason():
+    """Molmo2's images packed across the batch split over cp (its shrunk replica's logits split match whole);
+    MiniCPM-V is refused before any collective (preflight's check, on every rank) for its linear-attention text
+    model, naming the fix."""
+    from lightning_automodel.parallel.context_parallel import context_parallel_problem
+    from lightning_automodel.parallel.preflight import check_context_parallel
+
+    torch.manual_seed(0)
+    assert context_parallel_problem(AutoModelForImageTextToText.from_config(tiny_image_text_config("molmo2"))) is None
+    model = AutoModelForImageTextToText.from_config(tiny_image_text_config("minicpmv4_6"))
+    reason = "MiniCPMV4_6ForConditionalGeneration computes other logits with its sequences split than whole"
+    with pytest.raises(ValueError, match=f"^cp=2 \\(context parallel\\): {reason}.*Use cp=1 for this model"):
+        check_context_parallel(model, cp=2, pipeline=None)

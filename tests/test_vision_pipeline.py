@@ -4,7 +4,12 @@ from functools import partial
 
 import pytest
 import torch
-from vision_pipeline_checks import check_vision_demo_pipeline, check_vision_pipeline, check_vision_pipeline_training
+from vision_pipeline_checks import (
+    check_packed_pipeline,
+    check_vision_demo_pipeline,
+    check_vision_pipeline,
+    check_vision_pipeline_training,
+)
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.hf.vision.image_rows import image_rows
@@ -59,6 +64,16 @@ def test_vision_pipeline_variants():
     checks += [partial(check, family) for check in virtual for family in ("llava", "gemma3_vlm")]
     checks += [partial(check_vision_pipeline, "qwen2_vl", dp_replicate=2)]
     _print(run_checks(4, checks, timeout=900))
+
+
+@pytest.mark.sweep
+def test_images_packed_across_the_batch_at_pp2():
+    """MiniCPM-V 4.6 and 4.7 (patches side by side, 4.7's canvas M-RoPE found before the schedule) and Molmo2
+    (pooling indices re-based on a micro-batch's crops) at pp=2 over 2 micro-batches of two images each, against one
+    process; 4.7 and Molmo2 at pp=2 x dp_shard=2, one data-parallel rank's rows without images (a stand-in of the
+    packed layout). The default suite checks the split in process (test_image_input_layouts.py)."""
+    _print(run_checks(2, [partial(check_packed_pipeline, name) for name in ("minicpmv4_6", "minicpmv4_7", "molmo2")]))
+    _print(run_checks(4, [partial(check_packed_pipeline, name) for name in ("minicpmv4_7", "molmo2")]))
 
 
 @pytest.mark.sweep

@@ -4,6 +4,7 @@ whole micro-batch), then AdamW steps through a real Trainer."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -11,20 +12,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
+from packed_image_checks import _text_alone
 from test_vision_demo import DEMO, TowerAtStart, tower_parameters
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
+from transformers import AutoModelForImageTextToText
 from vision_checks import VisionLM, _errors, _part
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims, parallelize
 from lightning_automodel.data import cache
 from lightning_automodel.data.vision.demo import VisionDemoDataModule
+from lightning_automodel.hf.vision.image_inputs import image_token
+from lightning_automodel.hf.vision.tiny import tiny_image_text_config
 from lightning_automodel.lm import CausalLMModule
 from lightning_automodel.parallel.mesh import data_mesh
 from lightning_automodel.parallel.parallelized import Parallelized
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of
 from lightning_automodel.planning.replica_comparison import ZERO_GRADIENT, fp64_copy, gradient_limits
+from lightning_automodel.testing.coverage_report.kinds import image_rows, rows_part
 from lightning_automodel.testing.parity import FP32_TOLERANCE, Outputs, full, gradient_errors
 from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, compare_training, reference_run, trainer
 from lightning_automodel.testing.vision.models import collate_images, image_records, tiny_vision_model
@@ -154,3 +160,43 @@ def check_vision_demo_pipeline(directory: str) -> dict[str, float]:
     moved = [name for name, p in tower_parameters(module) if not torch.equal(full(p), tower.weights[name])]
     assert pipeline_of(module.model).first == bool(tower.weights) and len(moved) == len(tower.weights), moved
     return {"train_loss": fit.callback_metrics["train_loss"].item(), "tower_weights_moved": float(len(moved))}
+
+
+def check_packed_pipeline(model_type: str, microbatches: int = 2) -> dict[str, float]:
+    """A tiny model of ``model_type`` whose image inputs are packed across the batch (MiniCPM-V's, Molmo2's) at
+    pp=2 against one process: each micro-batch's first stage takes its rows' images re-packed, later stages the
+    token types and positions of their rows (MiniCPM-V 4.7's canvas M-RoPE, found for the whole batch). At pp=2 x
+    dp_shard=2 the second data-parallel rank's rows hold no image: its micro-batches run the tower on a stand-in in
+    the model's layout while the first's run theirs (one process's loss: the mean of the two batches')."""
+    build = partial(_packed_model, model_type)
+    mesh = ParallelDims(pp=2).resolve(dist.get_world_size()).build_mesh("cpu")
+    dp = data_mesh(mesh)
+    model = build(seed=dist.get_rank())
+    parallelized = parallelize(model, mesh, pipeline=PipelineOptions("1F1B", microbatches=microbatches))
+    rows = image_rows(build())
+    batches = [rows] if dp.size() == 1 else _imageless_second_half(rows, model=build())
+    reference = build()
+    loss = sum(_loss(reference, batch) for batch in batches) / len(batches)
+    loss.backward()
+    mine = batches[dp.get_local_rank()]
+    outputs = _pipelined_outputs(parallelized, mine, dp=dp)
+    with torch.no_grad():
+        logits = reference(**{name: value for name, value in mine.items() if name != "labels"}, use_cache=False).logits
+    if not pipeline_of(model).last:
+        outputs.logits = logits
+    grads = {name: full(reference.get_parameter(name).grad) for name in outputs.grads}
+    limits = {name: limit for name, limit in _rounding_limits(build, rows).items() if name in outputs.grads}
+    errors = _errors(outputs, Outputs(loss.detach(), logits, grads), slice(None), limits=limits)
+    assert max(value for key, value in errors.items() if key != "rounding_limited") < FP32_TOLERANCE, errors
+    return errors
+
+
+def _imageless_second_half(rows: dict[str, torch.Tensor], *, model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """The rows' first half with their images, the second as text alone."""
+    text = _text_alone(rows_part(rows, slice(2, 4), model=model), placeholder=image_token(model.config))
+    return [rows_part(rows, slice(0, 2), model=model), text]
+
+
+def _packed_model(model_type: str, *, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(copy.deepcopy(tiny_image_text_config(model_type)))

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token
-from lightning_automodel.hf.vision.packed_images import PACKED, POOLED, POOLED_INPUTS, packed_blocks, packed_layout
+from lightning_automodel.hf.vision.packed_images import PACKED, POOLED, POOLED_INPUTS, images_layout, packed_blocks
 from lightning_automodel.hf.vision.patches import merge_size
 
 BY_IMAGE = ("pixel_values", "image_grid_thw", PACKED, *POOLED_INPUTS)  # split by image (a row's images)
@@ -77,7 +77,7 @@ def image_rows(model: nn.Module, input_ids: Tensor, *, images: dict[str, Tensor]
     (:func:`~lightning_automodel.hf.vision.image_inputs.image_token_count` of the model). Raises a ValueError
     naming the row where a row's placeholders are not those of whole images, or where the batch's images and
     placeholders do not add up."""
-    tokens, blocks = _blocks(model, images, tokens_per_image=tokens_per_image)
+    tokens, blocks = by_image(model, images, tokens_per_image=tokens_per_image)
     placeholders = (input_ids == image_token(model.config)).sum(1).cpu()
     ends = torch.cumsum(tokens, 0)
     row_ends = torch.cumsum(placeholders, 0)
@@ -105,10 +105,11 @@ def image_rows(model: nn.Module, input_ids: Tensor, *, images: dict[str, Tensor]
     return ImageRows(images=torch.cat([zero, torch.searchsorted(ends, row_ends, right=True)]), blocks=blocks)
 
 
-def _blocks(model: nn.Module, images: dict[str, Tensor], *, tokens_per_image: int) -> tuple[Tensor, dict[str, Blocks]]:
-    """Each image's placeholders, and each image input as :class:`Blocks`."""
+def by_image(model: nn.Module, images: dict[str, Tensor], *, tokens_per_image: int) -> tuple[Tensor, dict[str, Blocks]]:
+    """Each image's placeholders, and each image input as :class:`Blocks` (``tokens_per_image``: see
+    :func:`image_rows`)."""
     pixels = images["pixel_values"]
-    if packed_layout(model) is not None:
+    if images_layout(images) is not None:
         tokens, extents, pointed = packed_blocks(model, images)
         blocks = {name: Blocks(images[name], dim, _bounds(sizes)) for name, (dim, sizes) in extents.items()}
         if pointed is not None:

@@ -42,6 +42,12 @@ def packed_layout(model: nn.Module) -> str | None:
     return found.pop() if found else None
 
 
+def images_layout(images: dict[str, Tensor]) -> str | None:
+    """Which of this module's layouts a batch's image inputs ``images`` are in (None for another): read off the
+    inputs, as a model whose forward a pipeline took over no longer says."""
+    return next((layout for layout in (PACKED, POOLED) if layout in images), None)
+
+
 def packed_token_count(model: nn.Module) -> int:
     """Placeholders of the builder's image of ``model`` (a model of one of this module's layouts)."""
     if packed_layout(model) == POOLED:
@@ -91,11 +97,11 @@ def patches_per_token_side(config: Any) -> int:
 def packed_blocks(
     model: nn.Module, images: dict[str, Tensor]
 ) -> tuple[Tensor, dict[str, tuple[int, Tensor]], Tensor | None]:
-    """Of a batch of ``model``'s layout: each image's placeholders; of each image input, the dimension images follow
-    each other along and each image's extent there; and each image's extent of the (crop, patch) sequence the
-    pooling indices point into (Molmo2; None for MiniCPM-V)."""
+    """Of a batch of ``model``'s images in one of this module's layouts: each image's placeholders; of each image
+    input, the dimension images follow each other along and each image's extent there; and each image's extent of
+    the (crop, patch) sequence the pooling indices point into (Molmo2; None for MiniCPM-V)."""
     pixels = images["pixel_values"]
-    if packed_layout(model) == PACKED:
+    if images_layout(images) == PACKED:
         sizes = images[PACKED].cpu().long().prod(-1)
         tokens = sizes // patches_per_token_side(model.config) ** 2
         return tokens, {"pixel_values": (-1, sizes * pixels.shape[-2]), PACKED: (0, torch.ones_like(sizes))}, None

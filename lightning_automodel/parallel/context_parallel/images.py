@@ -4,9 +4,12 @@ contiguous share of them (the tower runs once an image, not once a rank), the ra
 takes the features of the placeholders it holds, handed to the model as its ``mm_encoder_outputs`` (transformers'
 argument for features computed beforehand), in the order its own merge scatters them.
 
-A rank whose share is empty (fewer images than cp ranks) runs the tower on a stand-in image and keeps none of its
-features, so that its backward runs too, with a zero gradient: FSDP2 gathers a unit's weights, and reduces its
-gradient, on every rank that shards it."""
+Images packed across the batch (MiniCPM-V's, Molmo2's: :mod:`~lightning_automodel.hf.vision.packed_images`) are cut
+into whole images as a pipeline's micro-batches take them, each share re-packed.
+
+A rank whose share is empty (fewer images than cp ranks) runs the tower on a stand-in image (a packed batch's first
+image) and keeps none of its features, so that its backward runs too, with a zero gradient: FSDP2 gathers a unit's
+weights, and reduces its gradient, on every rank that shards it."""
 
 from __future__ import annotations
 
@@ -22,11 +25,14 @@ from torch.utils._pytree import tree_flatten
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token, pixel_inputs
+from lightning_automodel.hf.vision.image_rows import by_image
+from lightning_automodel.hf.vision.packed_images import PACKED, POOLED, POOLED_INPUTS, images_layout
 from lightning_automodel.hf.vision.patch_sequences import tower_config
 from lightning_automodel.parallel.context_parallel.sequence_split import all_gather_autograd
 
-# Per image: the pixels (or a Qwen-style tower's patches, counted by its grid) and the image's metadata.
-IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
+# Per image: the pixels (or a Qwen-style tower's patches, counted by its grid) and the image's metadata; or images
+# packed across the batch (hf/vision/packed_images.py).
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", PACKED, *POOLED_INPUTS)
 # One value a token, split with the sequence as the token ids are.
 TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")
 
@@ -59,13 +65,11 @@ def image_features(
     """Every image's features of the batch, one row a placeholder in the images' order, gathered over the cp
     ranks of ``group`` (None: this process encodes them all); and whether the model gives them image by image (a
     tuple, which its merge concatenates) rather than as one tensor."""
-    shares = _image_shares(inputs, cp=cp if group is not None else 1)
+    cp = cp if group is not None else 1
+    shares = _packed_shares(model, inputs, cp=cp) if images_layout(inputs) else _image_shares(inputs, cp=cp)
     share = shares[rank if group is not None else 0]
     if share is None:  # no image of its own: a stand-in's features, none of them kept
-        stand_in = pixel_inputs(
-            tower_config(model.config), images=1, device=inputs["pixel_values"].device, accepted=image_arguments(model)
-        )
-        own, per_image = _flat_features(model, stand_in)
+        own, per_image = _flat_features(model, _stand_in(model, inputs, shares=shares))
         own = own[:0]
     else:
         own, per_image = _flat_features(model, share)
@@ -111,6 +115,28 @@ def _image_shares(inputs: dict[str, Any], *, cp: int) -> list[dict[str, Tensor] 
     return shares
 
 
+def _packed_shares(model: nn.Module, inputs: dict[str, Any], *, cp: int) -> list[dict[str, Tensor] | None]:
+    """Images packed across the batch cut into ``cp`` contiguous shares of whole images, each re-packed
+    (:func:`~lightning_automodel.hf.vision.image_rows.by_image`; None for an empty one)."""
+    images = {name: inputs[name] for name in IMAGE_INPUTS if name in inputs}
+    tokens, blocks = by_image(model, images, tokens_per_image=0)
+    bounds = [len(tokens) * rank // cp for rank in range(cp + 1)]
+    shares: list[dict[str, Tensor] | None] = []
+    for start, stop in pairwise(bounds):
+        held = torch.arange(start, stop)
+        shares.append({name: block.of(held) for name, block in blocks.items()} if stop > start else None)
+    return shares
+
+
+def _stand_in(model: nn.Module, inputs: dict[str, Any], *, shares: list[dict[str, Tensor] | None]) -> dict[str, Tensor]:
+    """The image a rank whose share is empty encodes: a packed batch's first (the builder lays a stand-in out by the
+    model's forward, which context parallel took over), else one built from the config."""
+    if images_layout(inputs):
+        return next(share for share in shares if share is not None)
+    device = inputs["pixel_values"].device
+    return pixel_inputs(tower_config(model.config), images=1, device=device, accepted=image_arguments(model))
+
+
 def _flat_features(model: nn.Module, share: dict[str, Tensor]) -> tuple[Tensor, bool]:
     """The tower's and projector's features of ``share``'s images, one row a placeholder; and whether the model gave
     them image by image."""
@@ -128,6 +154,17 @@ def _gather_rows(rows: Tensor, *, group: dist.ProcessGroup) -> Tensor:
     padded = F.pad(rows, (0, 0, 0, longest - rows.size(0)))
     gathered = funcol.wait_tensor(all_gather_autograd(padded.contiguous(), 0, group)).view(len(counts), longest, -1)
     return torch.cat([gathered[rank, :count] for rank, count in enumerate(counts)])
+
+
+def token_blocks(tokens: dict[str, Tensor], *, images: dict[str, Any]) -> Tensor | None:
+    """Each token's block of image tokens that see each other both ways (-1 for others; None where the model has
+    none): Gemma 3's images, each its own (:func:`image_blocks`); Molmo2's (``image_token_pooling``), every image
+    token of a row one block, as its forward's mask makes them from ``mm_token_type_ids``."""
+    if "token_type_ids" in tokens:
+        return image_blocks(tokens["token_type_ids"])
+    if images_layout(images) == POOLED and "mm_token_type_ids" in tokens:
+        return torch.where(tokens["mm_token_type_ids"] == 1, 0, -1)
+    return None
 
 
 def image_blocks(token_type_ids: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ from lightning_automodel.parallel.context_parallel.images import (
     TOKEN_INPUTS,
     has_images,
     held_image_arguments,
-    image_blocks,
+    token_blocks,
 )
 from lightning_automodel.parallel.context_parallel.sequence_split import SequenceSplit, documents, token_indices
 from lightning_automodel.parallel.experts.load_balancing_loss import balancing_of, load_balancing_loss
@@ -85,7 +85,7 @@ class ContextParallel:
         tokens = {name: inputs.pop(name) for name in TOKEN_INPUTS if inputs.get(name) is not None}
         if has_images(images) and position_ids is None and is_mrope(self.model.config):
             position_ids = whole_row_positions(self.model, input_ids, images=images, tokens=tokens)
-        split, held, targets = self._split_rows(input_ids, labels, attention_mask, position_ids, tokens)
+        split, held, targets = self._split_rows(input_ids, labels, attention_mask, position_ids, tokens, images)
         token_mask = split.query_visible
         if (pipeline := pipeline_of(self.model)) is not None:
             refuse_unknown_inputs({**inputs, **images, **tokens})
@@ -119,6 +119,7 @@ class ContextParallel:
         attention_mask: Tensor | None,
         position_ids: Tensor | None,
         tokens: dict[str, Tensor],
+        images: dict[str, Tensor],
     ) -> tuple[SequenceSplit, dict[str, Tensor], Tensor | None]:
         """The split of the rows (padded to :meth:`padded_length`), this rank's token ids, global positions (a
         multimodal rotary model's several rows of them too) and values of ``tokens``, and its shifted labels."""
@@ -133,7 +134,7 @@ class ContextParallel:
             position_ids = torch.cat([position_ids, position_ids[..., -1:].expand(*position_ids.shape[:-1], extra)], -1)
             targets = F.pad(targets, (0, extra), value=-100) if targets is not None else None
             tokens = {name: F.pad(value, (0, extra)) for name, value in tokens.items()}
-        blocks = image_blocks(tokens["token_type_ids"]) if "token_type_ids" in tokens else None
+        blocks = token_blocks(tokens, images=images)
         split = self.split(text_positions(position_ids), visible, length + extra, blocks=blocks)
         index = split.query_index
         held = dict(input_ids=input_ids[:, index], position_ids=position_ids[..., index])
@@ -164,7 +165,7 @@ class ContextParallel:
 
     def split(self, position_ids: Tensor, visible: Tensor, length: int, *, blocks: Tensor | None) -> SequenceSplit:
         """The split of a batch of ``length`` tokens a row (a multiple of 2 cp); ``blocks``: the image each token
-        belongs to, where an image's tokens see each other both ways (see :func:`.images.image_blocks`)."""
+        belongs to, where an image's tokens see each other both ways (see :func:`.images.token_blocks`)."""
         held = [token_indices(length, self.cp, rank, position_ids.device) for rank in range(self.cp)]
         query_index, key_index = held[self.rank], torch.cat(held)
         document = documents(position_ids)

@@ -17,7 +17,7 @@ from lightning_automodel.parallel.context_parallel.images import (
     IMAGE_INPUTS,
     TOKEN_INPUTS,
     held_image_arguments,
-    image_blocks,
+    token_blocks,
 )
 from lightning_automodel.parallel.context_parallel.sequence_split import SequenceSplit, token_indices
 from lightning_automodel.parallel.experts.load_balancing_loss import balancing_problem
@@ -96,7 +96,8 @@ def _reordered_logits(replica: nn.Module, tokens: Tensor, **inputs: Tensor) -> T
     positions = torch.arange(length).expand(rows, -1)
     if images and is_mrope(replica.config):
         positions = whole_row_positions(replica, tokens, images=images, tokens=types)
-    blocks = image_blocks(types["token_type_ids"])[:, order] if "token_type_ids" in types else None
+    blocks = token_blocks(types, images=images)
+    blocks = blocks[:, order] if blocks is not None else None
     split = SequenceSplit(
         query_index=order,
         key_index=order,

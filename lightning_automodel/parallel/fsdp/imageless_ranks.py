@@ -42,14 +42,13 @@ class TowerStandIn:
     input embeddings, in a forward where :attr:`pending` (reset there). Under pipeline parallel each micro-batch of
     the first stage sets it (see :mod:`lightning_automodel.parallel.pipeline.images`)."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, *, known: bool | None = None) -> None:
-        """``known``: whether the stand-in's builder knows the model's image inputs (default: found from its config
-        and forward, which pipeline parallel replaces)."""
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, *, pixels: dict[str, torch.Tensor] | None = None) -> None:
+        """``pixels``: the stand-in image's inputs (default: :func:`stand_in_pixels`, read off the model's config and
+        forward, which pipeline parallel replaces: it passes those found before)."""
         self.model = model
         self.group = mesh.get_group()
         self.device_type = mesh.device_type
-        known = image_token_count(model) is not None if known is None else known
-        self.pixels = _stand_in_pixels(model) if known else {}
+        self.pixels = stand_in_pixels(model) if pixels is None else pixels
         self.pending = False
         # First among the language model's hooks: before tensor parallel turns its input into a DTensor.
         model.get_decoder().register_forward_pre_hook(self._add_features, with_kwargs=True, prepend=True)
@@ -84,11 +83,12 @@ class TowerStandIn:
         return args, {**kwargs, "inputs_embeds": embeds + zero.to(embeds.dtype)}
 
 
-def _stand_in_pixels(model: nn.Module) -> dict[str, torch.Tensor]:
-    """One image's pixels for ``model``'s ``get_image_features``; none where it has none or needs more than pixels
-    (InstructBLIP's instruction for its Q-Former): a batch without images beside others with them is refused."""
+def stand_in_pixels(model: nn.Module) -> dict[str, torch.Tensor]:
+    """One image's pixels for ``model``'s ``get_image_features``, in its layout; none where it has none, its config
+    gives no image placeholder and sizes, or it needs more than pixels (InstructBLIP's instruction for its Q-Former):
+    a batch without images beside others with them is refused."""
     get_features = getattr(model, "get_image_features", None)
-    if get_features is None:
+    if get_features is None or image_token_count(model) is None:
         return {}
     pixels = model_pixels(model, images=1)
     required = {

@@ -3,13 +3,13 @@ each micro-batch on its own rows' images; later stages receive the hidden states
 and every stage the token-level inputs its layers' masks and positions read.
 
 A call's image inputs are split by row before the schedule (:mod:`~lightning_automodel.hf.vision.image_rows`: a row
-may hold any number of images, Qwen2-VL's flattened patches go with their image), and each micro-batch's stages take
-their rows' share (the pipeline's ``row_inputs``). M-RoPE positions (Qwen2-VL), which the model would find from the
-token ids and grids that only the first stage has, are found once for the whole batch, as the model finds them, and
-split by row too. Under data parallelism the first stage's ranks agree, micro-batch by micro-batch, whether some have
-images and others none: those without run the tower on a stand-in image
-(:class:`~lightning_automodel.parallel.fsdp.imageless_ranks.TowerStandIn`), so that FSDP2's gathers and reductions of
-the tower's units come in the same order on every rank.
+may hold any number of images, Qwen2-VL's flattened patches go with their image, images packed across the batch are
+re-packed), and each micro-batch's stages take their rows' share (the pipeline's ``row_inputs``). M-RoPE positions
+(Qwen2-VL; MiniCPM-V 4.7's canvas), which the model would find from the token ids and grids that only the first stage
+has, are found once for the whole batch, as the model finds them, and split by row too. Under data parallelism the
+first stage's ranks agree, micro-batch by micro-batch, whether some have images and others none: those without run
+the tower on a stand-in image (:class:`~lightning_automodel.parallel.fsdp.imageless_ranks.TowerStandIn`), so that
+FSDP2's gathers and reductions of the tower's units come in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_automodel.hf.decoder_layers import named_multimodal_parts
 from lightning_automodel.hf.vision.image_inputs import image_token, image_token_count
 from lightning_automodel.hf.vision.image_rows import BY_IMAGE, BY_ROW, ImageRows, image_rows
-from lightning_automodel.parallel.fsdp.imageless_ranks import TowerStandIn
+from lightning_automodel.parallel.fsdp.imageless_ranks import TowerStandIn, stand_in_pixels
 
 IMAGE_INPUTS = (*BY_IMAGE, *BY_ROW)  # what a pipelined vision-language model's call takes beside a text model's
 # What a language model's forward may take: anything more (Qwen3-VL's deepstack features, Mllama's cross-attention
@@ -60,12 +60,16 @@ class StageImages:
         self.model = model
         self.stand_in: TowerStandIn | None = None
         self._positions = getattr(model.base_model, "compute_3d_position_ids", None)
+        # The image grids it places image tokens by: Qwen2-VL's image_grid_thw, MiniCPM-V 4.7's target_sizes.
+        taken = inspect.signature(self._positions).parameters if self._positions is not None else {}
+        self._position_grids = [name for name in BY_IMAGE if name in taken and name != "pixel_values"]
         self._tokens_per_image = image_token_count(model)  # read from the forward's signature, before pp takes it
+        self._stand_in_pixels = stand_in_pixels(model)  # in the layout its forward names (packed across the batch)
 
     def share_tower(self, stage: nn.Module, mesh: DeviceMesh) -> None:
         """On the first ``stage`` (the model, or its first stage's view), whose tower FSDP2 shards over ``mesh``: a
         micro-batch without images runs the tower on a stand-in image where another rank's has images."""
-        self.stand_in = TowerStandIn(stage, mesh, known=self._tokens_per_image is not None)
+        self.stand_in = TowerStandIn(stage, mesh, pixels=self._stand_in_pixels)
 
     def split(
         self, input_ids: Tensor, inputs: dict[str, Any], *, microbatches: int
@@ -115,14 +119,15 @@ class StageImages:
         given = inputs.get("position_ids")
         if given is not None:
             return given if given.dim() == 3 else None
-        if self._positions is None or "image_grid_thw" not in images:
+        grids = {name: images[name] for name in self._position_grids if name in images}
+        if not grids:
             return None
         return self._positions(
             input_ids=input_ids,
             inputs_embeds=None,
-            image_grid_thw=images["image_grid_thw"],
             attention_mask=inputs.get("attention_mask"),
             mm_token_type_ids=by_row.get("mm_token_type_ids"),
+            **grids,
         )
 
     def _row_inputs(

@@ -124,12 +124,31 @@ def test_a_model_the_estimate_cannot_step_is_refused_naming_it(tmp_path, capsys,
     monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeRMSNorm, "forward", by_mask)
     with pytest.raises(UntraceableStep, match=r"Qwen3MoeForCausalLM \(qwen3_moe\).*aten.nonzero"):
         _estimate("qwen3_moe", ParallelDims(dp_shard=2, ep=2), rows=1, tokens=32)
-    config = yaml.safe_load((EXAMPLES / "demo.yaml").read_text())
-    config["trainer"]["strategy"]["init_args"] = {"ep": 2}  # tp's plan would be refused first, by its own probe
-    config["model"]["config"] = {**config["model"]["config"], "model_type": "qwen3_moe", "num_experts": 4}
-    path = tmp_path / "moe.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with pytest.raises(SystemExit) as exited:
-        main(["plan", "--config", str(path), "--batch_size", "1", "--seq_len", "32"])
+    with pytest.raises(SystemExit) as exited:  # tp's plan would be refused first, by its own probe: at ep
+        main(["plan", "--config", _moe_config(tmp_path), "--batch_size", "1", "--seq_len", "32"])
     out = capsys.readouterr().out
     assert exited.value.code == 1 and "Qwen3MoeForCausalLM (qwen3_moe): the memory estimate cannot run" in out, out
+
+
+def test_plan_states_the_routing_it_was_given(tmp_path, capsys, no_pytest_argv):
+    main(
+        ["plan", "--config", _moe_config(tmp_path), "--batch_size", "1", "--seq_len", "32", "--expert_imbalance", "1.5"]
+    )
+    out = capsys.readouterr().out
+    assert "  expert routing the busiest expert 1.5x its balanced share of every rank's choices" in out, out
+    assert "checkpointing full" in out
+
+
+def _moe_config(folder: Path) -> str:
+    """The demo's config, its model a Qwen3-MoE of 4 experts (2 a token) at ep=2 over the demo's 4 CPU processes."""
+    config = yaml.safe_load((EXAMPLES / "demo.yaml").read_text())
+    config["trainer"]["strategy"]["init_args"] = {"ep": 2}
+    config["model"]["config"] = {
+        **config["model"]["config"],
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    path = folder / "moe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)

@@ -290,7 +290,8 @@ def _refused_if_untraceable(name: str) -> Iterator[None]:
             why = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         raise UntraceableStep(
             f"{name}: the memory estimate cannot run its training step on fake tensors (shapes without values):"
-            f" {why}. Measure a real step's peak instead (a few steps on one GPU, torch.cuda.max_memory_allocated)."
+            f" {why.rstrip('.')}. Measure a real step's peak instead (a few steps on one GPU,"
+            " torch.cuda.max_memory_allocated)."
         ) from error
     finally:
         fake_log.setLevel(level)

@@ -4,6 +4,7 @@ resident set, to hold the fake-tensor estimate of planning/memory/activations.py
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 
 import torch
 
@@ -47,14 +48,22 @@ def measured_activation_bytes(
     pipeline = pipeline_of(model)
     if pipeline is not None:
         model.zero_grad(set_to_none=True)
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # the high-water mark starts again from the resident set now
-    held = _resident()["VmRSS"]
-    training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)
-    peak = _resident()["VmHWM"] - held
+    peak = resident_peak_above_held(
+        partial(training_step, model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks)
+    )
     if pipeline is None:
         return peak
     return peak - gradient_bytes(model) + _receive_buffer_bytes(pipeline)
+
+
+def resident_peak_above_held(run) -> int:
+    """The resident memory one call of ``run`` adds at its peak above the resident set it began with (see
+    :func:`measured_activation_bytes`)."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the high-water mark starts again from the resident set now
+    held = _resident()["VmRSS"]
+    run()
+    return _resident()["VmHWM"] - held
 
 
 def map_each_large_allocation() -> None:

@@ -203,6 +203,9 @@ def test_strategy_options_of_the_search():
     vision = dict(layout_images_per_row=2, layout_image_tokens=64, freeze=["vision_tower"])
     step = step_options(AutoModelParallelStrategy(layout="auto", **vision).options, torch.nn.Module())
     assert (step.images_per_row, step.image_tokens, step.freeze) == (2, 64, ("vision_tower",))
+    routing = AutoModelParallelStrategy(layout="auto", layout_expert_imbalance=1.5).options
+    assert step_options(routing, torch.nn.Module()).expert_imbalance == 1.5
+    assert step_options(AutoModelParallelStrategy(layout="auto").options, torch.nn.Module()).expert_imbalance == 1
     for options, match in [
         (dict(layout="auto", cpu_offload=True), "CPU offload keeps none"),
         (dict(layout="auto", float8=True), "float8 changes"),
@@ -212,6 +215,8 @@ def test_strategy_options_of_the_search():
         (dict(layout="auto", layout_batch=(2,)), "two positive integers"),
         (dict(layout_images_per_row=2), 'sizes the search of layout="auto"'),
         (dict(layout="auto", layout_image_tokens=0), "layout_image_tokens=0: an integer of at least 1"),
+        (dict(layout_expert_imbalance=1.5), 'sizes the search of layout="auto"'),
+        (dict(layout="auto", layout_expert_imbalance=0.5), "expert_imbalance=0.5: the busiest expert's share"),
         (dict(layout="auto", pp_layers_per_stage=[2, 2]), "give pp too"),
     ]:
         with pytest.raises(ValueError, match=re.escape(match)):

@@ -57,10 +57,16 @@ class Configured:
         devices = self.devices if isinstance(self.devices, int) else Hardware.gpus_per_node
         return Hardware(memory_gib, gpus_per_node=devices)
 
-    def step_options(self, *, images_per_row: int | None = None, image_tokens: int | None = None) -> StepOptions:
+    def step_options(
+        self,
+        *,
+        images_per_row: int | None = None,
+        image_tokens: int | None = None,
+        expert_imbalance: float | None = None,
+    ) -> StepOptions:
         """The options that shape a training step's memory, as the strategy and the module set them; a
-        vision-language model's images those given, else the strategy's ``layout_images_per_row`` and
-        ``layout_image_tokens``."""
+        vision-language model's images and a mixture-of-experts model's routing those given, else the strategy's
+        ``layout_images_per_row``, ``layout_image_tokens`` and ``layout_expert_imbalance``."""
         options = self.strategy.options
         images = (
             images_per_row if images_per_row is not None else options.layout_images_per_row,
@@ -71,6 +77,7 @@ class Configured:
             mp_policy=options.mp_policy_for(self.precision),
             loss_chunks=self.loss_chunks,
             images=images,
+            expert_imbalance=expert_imbalance if expert_imbalance is not None else options.layout_expert_imbalance,
         )
 
     def batch_shape(self, *, batch_size: int | None = None, seq_len: int | None = None) -> tuple[int, int]:

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from lightning_automodel.cli.config import Configured, configured
+from lightning_automodel.planning.memory.activations import UntraceableStep
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.report import PlanReport, plan_report
 from lightning_automodel.planning.search.fitting import (
@@ -75,6 +76,14 @@ def plan_command(argv: list[str]) -> None:
         help="the tokens an image, for a tower taking images of any size (Qwen2-VL's; default: the strategy's"
         " layout_image_tokens, else 256); other towers' are their config's",
     )
+    parser.add_argument(
+        "--expert_imbalance",
+        type=float,
+        metavar="F",
+        help="a mixture-of-experts model's routing to plan for: the busiest expert's share of a rank's (token, expert)"
+        " choices relative to a balanced one, on the estimated rank in every layer (default: the strategy's"
+        " layout_expert_imbalance, else 1: balanced)",
+    )
     args, overrides = parser.parse_known_args(argv)
     if args.fit is not None and args.verify:
         parser.error("--fit lists other layouts than the config's: verify the one you pick, without --fit")
@@ -84,7 +93,9 @@ def plan_command(argv: list[str]) -> None:
         parser.error("the config's layout is auto: verify the layout it chooses, pinned (plan prints it)")
     estimate = args.activations or args.fit is not None or args.batch_size is not None or args.seq_len is not None
     batch_shape = config.batch_shape(batch_size=args.batch_size, seq_len=args.seq_len) if estimate or search else None
-    step = config.step_options(images_per_row=args.images_per_row, image_tokens=args.image_tokens)
+    step = config.step_options(
+        images_per_row=args.images_per_row, image_tokens=args.image_tokens, expert_imbalance=args.expert_imbalance
+    )
     if args.fit is not None:
         print(_fitting_of(config, memory_gib=args.fit, batch_shape=batch_shape, workers=args.workers, step=step))
         return
@@ -98,7 +109,11 @@ def plan_command(argv: list[str]) -> None:
             print(refusal)
             sys.exit(1)
         return
-    print(_report_of(config, batch_shape=batch_shape, step=step))
+    try:
+        print(_report_of(config, batch_shape=batch_shape, step=step))
+    except UntraceableStep as refusal:  # a model the estimate cannot step: the reason, not a traceback
+        print(refusal)
+        sys.exit(1)
     model, strategy, dims = config.model, config.strategy, config.dims
     if args.verify and dims.tp == 1:
         print("--verify: tp=1, no tensor-parallel plan to verify (FSDP2 alone needs none)")

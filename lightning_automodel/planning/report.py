@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers
 from lightning_automodel.hf.layer_configs import attention_shapes
-from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.float8 import Float8Options, Float8Spec, float8_layers, float8_options
 from lightning_automodel.parallel.mesh import ParallelDims
@@ -25,11 +24,11 @@ from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fracti
 from lightning_automodel.parallel.preflight import check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_not_logged
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
-from lightning_automodel.planning.memory.activations import activation_bytes
 from lightning_automodel.planning.memory.attention_kernel import ASSUMED_KERNEL
-from lightning_automodel.planning.memory.step_images import step_images
+from lightning_automodel.planning.memory.routing import assumed_routing
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.simulation import fake_world
+from lightning_automodel.planning.step_estimates import activations_by_mode, image_share
 from lightning_automodel.planning.tower_report import TowerReport, per_block
 
 # Bytes per trainable parameter byte kept per rank while training with AdamW besides the parameter: its gradient,
@@ -62,6 +61,7 @@ class PlanReport:
     float8_kept: dict[tuple[str, str], int] = field(default_factory=dict)  # (pattern, why) -> count
     activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
     # (under pp: the stage whose ranks' total is the largest; each stage's are its StageReport's)
+    routing: str | None = None  # a mixture-of-experts model's: the routing the estimates assume
 
     trainable_bytes_per_rank: int = 0  # of the parameters a rank holds, those trained (not frozen)
 
@@ -152,6 +152,8 @@ class PlanReport:
         lines.append(f"  attention: {ASSUMED_KERNEL}")
         if self.tower is not None:
             lines.append(f"  {self.tower.step_line()}")
+        if self.routing is not None:
+            lines.append(f"  {self.routing}")
         width = max(len(mode) for mode in self.activation_bytes)
         images = self.tower.activation_bytes if self.tower is not None else {}
         for mode, size in self.activation_bytes.items():
@@ -256,14 +258,24 @@ def plan_report(
         sp=sp, tp_plan=step.tp_plan, allow_unsharded_linears=step.allow_unsharded_linears, freeze=step.freeze
     )
     report.batch_shape = batch_shape
+    report.routing = assumed_routing(model, step.expert_imbalance) if batch_shape is not None else None
     pristine = copy.deepcopy(model) if batch_shape is not None else None
     estimate = dict(sp=sp, **step.keywords())
     if dims.pp == 1:
         held = _parallelized(model, dims, rank=rank, report=report, options=options)  # the plan's refusals first
         report.parameters_per_rank, report.parameter_bytes_per_rank, report.trainable_bytes_per_rank = held
         if pristine is not None:
-            report.activation_bytes = _activations(pristine, dims, batch_shape, rank=rank, **estimate)
-            _image_share(report, pristine, batch_shape=batch_shape, rank=rank, step=step, **estimate)
+            report.activation_bytes = activations_by_mode(pristine, dims, batch_shape, rank=rank, **estimate)
+            image_share(
+                report.tower,
+                pristine,
+                dims,
+                batch_shape=batch_shape,
+                step=step,
+                estimated=report.activation_bytes,
+                rank=rank,
+                **estimate,
+            )
         return report
     report.pipeline = pipeline = pipeline or PipelineOptions()
     stages = dims.pp * pipeline.stages_per_rank
@@ -279,7 +291,7 @@ def plan_report(
         report.stages.append(StageReport(pp_rank, held_layers, ranks, *held))
         if pristine is not None:
             estimate.update(rank=first_rank, pipeline=pipeline)
-            report.stages[-1].activation_bytes = _activations(pristine, dims, batch_shape, **estimate)
+            report.stages[-1].activation_bytes = activations_by_mode(pristine, dims, batch_shape, **estimate)
     largest = max(report.stages, key=lambda stage: stage.parameter_bytes_per_rank)
     report.parameters_per_rank = largest.parameters_per_rank
     report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank
@@ -292,42 +304,6 @@ def plan_report(
             for mode in report.stages[0].activation_bytes
         }
     return report
-
-
-def _activations(model: nn.Module, dims: ParallelDims, batch_shape: tuple[int, int], **options) -> dict[str, int]:
-    """The activation estimate of every checkpointing setting the layout runs (a zero-bubble pipeline schedule none
-    but "off"), each on a copy of ``model``; the plan, which the report says, not logged."""
-    rows, tokens = batch_shape
-    pipeline = options.get("pipeline")
-    settings = ["off"] if pipeline is not None and pipeline.splits_backward() else list(AC_MODES)
-    with plan_not_logged():
-        return {
-            name: activation_bytes(
-                copy.deepcopy(model),
-                dims,
-                micro_batch=rows,
-                seq_len=tokens,
-                activation_checkpointing=name,
-                **options,
-            )
-            for name in settings
-        }
-
-
-def _image_share(
-    report: PlanReport, model: nn.Module, *, batch_shape: tuple[int, int], step: StepOptions, **estimate
-) -> None:
-    """A vision-language model's images in the estimate's step, and what they add to its peak under each mode: the
-    estimate less that of the same rows as text alone (the tower's activations, the image features scattered into
-    the stream)."""
-    tower = report.tower
-    if tower is None:
-        return
-    tower.images = step_images(model, **step.images())
-    if tower.images is None:
-        return
-    text = _activations(model, report.dims, batch_shape, **{**estimate, "images_per_row": 0, "image_tokens": None})
-    tower.activation_bytes = {mode: size - text[mode] for mode, size in report.activation_bytes.items()}
 
 
 def gathered_bytes_per_token(model: nn.Module, dims: ParallelDims) -> int:

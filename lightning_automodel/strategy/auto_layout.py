@@ -61,10 +61,17 @@ def choose_for_trainer(options: StrategyOptions, trainer: pl.Trainer, *, devices
 
 def step_options(options: StrategyOptions, module: nn.Module) -> StepOptions:
     """How each layout's step is computed: the strategy's plan, precision (its FSDP2 policy, set at setup: the one
-    given, else the Trainer's precision's), ``freeze`` and images a row, and the module's loss chunks."""
+    given, else the Trainer's precision's), ``freeze``, images a row and experts' routing, and the module's loss
+    chunks."""
     images = (options.layout_images_per_row, options.layout_image_tokens)
     policy = options.parallel.fsdp.mp_policy
-    return StepOptions.of(options.parallel, mp_policy=policy, loss_chunks=loss_chunks_of(module), images=images)
+    return StepOptions.of(
+        options.parallel,
+        mp_policy=policy,
+        loss_chunks=loss_chunks_of(module),
+        images=images,
+        expert_imbalance=options.layout_expert_imbalance,
+    )
 
 
 def apply_accumulation(choice: LayoutChoice, trainer: pl.Trainer) -> bool:

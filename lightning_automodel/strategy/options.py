@@ -22,6 +22,7 @@ from lightning_automodel.parallel.fsdp.precision import mixed_precision_policy
 from lightning_automodel.parallel.mesh import ParallelDims, Size
 from lightning_automodel.parallel.options import ParallelOptions, check_sequence_parallel
 from lightning_automodel.parallel.pipeline import PipelineOptions
+from lightning_automodel.planning.memory.routing import ExpertRouting
 from lightning_automodel.planning.memory.step_options import check_images
 from lightning_automodel.planning.search.layouts import Candidate, SearchSpace
 
@@ -177,6 +178,11 @@ class StrategyOptions:
     """``layout="auto"``: the tokens an image the search plans for, for a tower taking images of any size (Qwen2-VL's;
     default 256); others' are their config's."""
 
+    layout_expert_imbalance: float | None = None
+    """``layout="auto"``: a mixture-of-experts model's routing the search plans for, the busiest expert's share of a
+    rank's choices relative to a balanced one (default 1: balanced; see
+    :class:`~lightning_automodel.planning.memory.routing.ExpertRouting`)."""
+
     def __post_init__(self) -> None:
         require_flags(
             allow_unsharded_linears=self.parallel.allow_unsharded_linears,
@@ -197,6 +203,7 @@ class StrategyOptions:
             layout_batch=self.layout_batch,
             layout_images_per_row=self.layout_images_per_row,
             layout_image_tokens=self.layout_image_tokens,
+            layout_expert_imbalance=self.layout_expert_imbalance,
         )
         pp = self.dims.pp if self.search is None else self.search.pp
         if not self.save_distributed_checkpoint and pp != 1:
@@ -251,6 +258,7 @@ class StrategyOptions:
             layout_batch=None,
             layout_images_per_row=None,
             layout_image_tokens=None,
+            layout_expert_imbalance=None,
         )
 
     def mp_policy_for(self, precision: str) -> MixedPrecisionPolicy | None:
@@ -283,15 +291,20 @@ def require_search_for(
     layout_batch: tuple[int, int] | None,
     layout_images_per_row: int | None = None,
     layout_image_tokens: int | None = None,
+    layout_expert_imbalance: float | None = None,
 ) -> None:
-    """``gpu_memory``, ``layout_batch`` and the images size the search of ``layout="auto"``, and nothing else."""
+    """``gpu_memory``, ``layout_batch``, the images and the experts' routing size the search of ``layout="auto"``, and
+    nothing else."""
     sizing = (
         ("gpu_memory", gpu_memory),
         ("layout_batch", layout_batch),
         ("layout_images_per_row", layout_images_per_row),
         ("layout_image_tokens", layout_image_tokens),
+        ("layout_expert_imbalance", layout_expert_imbalance),
     )
     check_images(images_per_row=layout_images_per_row, image_tokens=layout_image_tokens, prefix="layout_")
+    if layout_expert_imbalance is not None:
+        ExpertRouting(layout_expert_imbalance)
     for name, value in sizing:
         if value is not None and search is None:
             raise ValueError(f'{name}={value!r} sizes the search of layout="auto"; set layout="auto", or drop {name}.')

@@ -3,13 +3,13 @@
 The model is parallelized for real in a fake process group (as for the plan report), its weights made fake CPU
 tensors (shapes and dtypes, no data), as are the buffers the step makes empty (FSDP2's gathered layers), and one
 forward and backward of a micro-batch runs through the code training runs: tensor parallel, sequence parallel,
-FSDP2's gathers, activation checkpointing and its recomputation, context parallel's split, the loss (a
-vision-language model's rows hold images, whose pixels the step runs through the vision tower:
-:mod:`.step_images`). torch's ``MemTracker`` follows every tensor the step allocates and
-frees; the estimate is its peak above what the rank held before the step (parameters, and gradients already
-allocated: a step after the first, or an upper bound for a first whose gradients appear as it goes). Nothing is
-re-derived by hand, so the estimate cannot drift from the code, and an 8B model at a long sequence is counted in
-seconds, in under half a GiB of host memory.
+FSDP2's gathers, activation checkpointing and its recomputation, context parallel's split, expert parallel's
+dispatch, the loss (a vision-language model's rows hold images, whose pixels the step runs through the vision tower:
+:mod:`.step_images`; a mixture-of-experts model's tokens go where an assumed routing sends them: :mod:`.routing`).
+torch's ``MemTracker`` follows every tensor the step allocates and frees; the estimate is its peak above what the
+rank held before the step (parameters, and gradients already allocated: a step after the first, or an upper bound for
+a first whose gradients appear as it goes). Nothing is re-derived by hand, so the estimate cannot drift from the
+code, and an 8B model at a long sequence is counted in seconds, in under half a GiB of host memory.
 
 Fake CPU tensors, not the meta device: the attention kernel is chosen by device, and on meta tensors SDPA falls back
 to its math path, which keeps the [heads, S, S] scores a fused kernel (CPU's flash attention, as on a GPU) never
@@ -32,15 +32,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
 from torch import nn
 from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,6 +64,7 @@ from lightning_automodel.parallel.mesh import ParallelDims, axis_size
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of, stage_layers
 from lightning_automodel.planning.memory.attention_kernel import fused_attention
+from lightning_automodel.planning.memory.fake_kernels import GroupedMatmulOfAnyDtype
 from lightning_automodel.planning.memory.layer_extrapolation import (
     FEW_LAYERS,
     alike_layers,
@@ -66,10 +72,12 @@ from lightning_automodel.planning.memory.layer_extrapolation import (
     over_layers,
     with_layers,
 )
+from lightning_automodel.planning.memory.routing import ExpertRouting, routed
 from lightning_automodel.planning.memory.step_images import StepImages, step_images
 from lightning_automodel.planning.simulation import fake_world
 
 _CPU = torch.device("cpu")
+_VALUE_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 
 
 class _ModulesUntracked(ModTracker):
@@ -143,7 +151,9 @@ def activation_bytes(
     ``model`` is on the meta device and is consumed here (pass a copy to keep it); ``loss_chunks``: CausalLMModule's
     (see :mod:`~lightning_automodel.parallel.chunked_loss`); a vision-language model's rows hold ``images_per_row``
     images of ``image_tokens`` tokens (:func:`.step_images.step_images`: by default one
-    a row), whose pixels the step runs through the vision tower; ``options`` are
+    a row), whose pixels the step runs through the vision tower; a mixture-of-experts model's tokens go to the experts
+    of an assumed routing, balanced unless ``expert_imbalance`` (the busiest expert's share relative to a balanced
+    one, :class:`~lightning_automodel.planning.memory.routing.ExpertRouting`) says otherwise; ``options`` are
     :func:`~lightning_automodel.parallel.parallelizer.parallelize`'s (``cp_attention`` is SDPA's: see the module's
     docstring). Must run outside any process group.
 
@@ -213,11 +223,13 @@ def _step_peak(
     rank: int,
     loss_chunks: int = 1,
     images: StepImages | None = None,
+    expert_imbalance: float = 1.0,
     **options,
 ) -> int:
     """The peak of one step of ``model`` as it is (see :func:`activation_bytes`)."""
     inputs = images.inputs(model, rows=micro_batch, tokens=seq_len) if images is not None else {}
-    with fake_world(dims.world_size, rank=rank, sends_hold_tensors=True):
+    name = f"{type(model).__name__} ({getattr(model.config, 'model_type', 'no model_type')})"  # before FSDP2's class
+    with fake_world(dims.world_size, rank=rank, estimate=True):
         mesh = dims.build_mesh("cpu")
         parallelize(model, mesh, **{**options, "cp_attention": "sdpa"})
         pipeline = pipeline_of(model)
@@ -243,7 +255,14 @@ def _step_peak(
         # The step runs on the fake tensors with their mode left: DTensor then propagates shapes in a fake mode of its
         # own, whose global-shape tensors the tracker leaves out (in the step's mode it would count them as memory).
         try:
-            with _EmptyTensorsFake(fake_mode), fused_attention(), TotalsTracker() as tracker:
+            with (
+                GroupedMatmulOfAnyDtype(),
+                _EmptyTensorsFake(fake_mode),
+                fused_attention(),
+                routed(model, ExpertRouting(expert_imbalance)),
+                _refused_if_untraceable(name),
+                TotalsTracker() as tracker,
+            ):
                 tracker.track_external(model)
                 held = tracker.get_tracker_snapshot()[_CPU]["Total"]
                 training_step(model, input_ids=input_ids, mesh=mesh, loss_chunks=loss_chunks, images=inputs)
@@ -254,6 +273,33 @@ def _step_peak(
         # activations. Without pp they were held all along.
         gradients = gradient_bytes(model) if pipeline is not None else 0
     return peak - held - gradients
+
+
+class UntraceableStep(ValueError):
+    """The estimate cannot run a model's training step on fake tensors: a refusal, as a layout's (a ValueError)."""
+
+
+@contextlib.contextmanager
+def _refused_if_untraceable(name: str) -> Iterator[None]:
+    """A step that fails on fake tensors refused, naming the model (``name``) and why, in place of the fake kernel's
+    error (which torch's fake mode also logs, with its traceback: not while inside)."""
+    fake_log = logging.getLogger(FakeTensorMode.__module__)
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as error:
+        if isinstance(error, _VALUE_DEPENDENT):
+            why = f"an operation ({error}) whose output's size depends on values, which fake tensors do not hold"
+        else:
+            why = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        raise UntraceableStep(
+            f"{name}: the memory estimate cannot run its training step on fake tensors (shapes without values):"
+            f" {why.rstrip('.')}. Measure a real step's peak instead (a few steps on one GPU,"
+            " torch.cuda.max_memory_allocated)."
+        ) from error
+    finally:
+        fake_log.setLevel(level)
 
 
 def gradient_bytes(model: nn.Module) -> int:

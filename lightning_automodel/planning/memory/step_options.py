@@ -12,6 +12,7 @@ from lightning_automodel.parallel.chunked_loss import check_loss_chunks
 from lightning_automodel.parallel.context_parallel import CPAttention
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
+from lightning_automodel.planning.memory.routing import ExpertRouting
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,14 @@ class StepOptions:
     """The tokens an image, for a tower that takes images of any size (Qwen2-VL's; None: 256); others' are their
     config's."""
 
+    expert_imbalance: float = 1.0
+    """A mixture-of-experts model's routing: the busiest expert's share of a rank's choices relative to a balanced
+    one (1: balanced; see :class:`~lightning_automodel.planning.memory.routing.ExpertRouting`)."""
+
     def __post_init__(self) -> None:
         check_loss_chunks(self.loss_chunks)
         check_images(images_per_row=self.images_per_row, image_tokens=self.image_tokens)
+        ExpertRouting(self.expert_imbalance)  # refused here, where it is given
 
     @classmethod
     def of(
@@ -59,10 +65,11 @@ class StepOptions:
         mp_policy: MixedPrecisionPolicy | None,
         loss_chunks: int,
         images: tuple[int | None, int | None] = (None, None),
+        expert_imbalance: float | None = None,
     ) -> StepOptions:
         """The step options of the strategy's ``parallel`` options, with FSDP2's ``mp_policy`` resolved for the
-        Trainer's precision, the LightningModule's ``loss_chunks`` and the ``images`` (a row's, tokens each) planned
-        for."""
+        Trainer's precision, the LightningModule's ``loss_chunks`` and the ``images`` (a row's, tokens each) and
+        ``expert_imbalance`` (None: balanced) planned for."""
         return cls(
             tp_plan=parallel.tp_plan,
             allow_unsharded_linears=parallel.allow_unsharded_linears,
@@ -72,6 +79,7 @@ class StepOptions:
             freeze=parallel.freeze,
             images_per_row=images[0],
             image_tokens=images[1],
+            expert_imbalance=1.0 if expert_imbalance is None else expert_imbalance,
         )
 
     def images(self) -> dict[str, int | None]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from lightning_automodel.planning.memory.attention_kernel import ASSUMED_KERNEL
-from lightning_automodel.planning.memory.step_images import StepImages, step_images
+from lightning_automodel.planning.memory.routing import assumed_routing
+from lightning_automodel.planning.memory.step_images import step_images
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.search.layouts import (
     HEADROOM,
@@ -76,13 +77,13 @@ class Fitting:
     fits: list[LayoutFit] = field(default_factory=list)  # best estimated throughput first
     too_large: list[LayoutFit] = field(default_factory=list)  # with full checkpointing, the least they need
     refused: dict[str, str] = field(default_factory=dict)  # layout -> why the plan refuses it
-    images: StepImages | None = None  # a vision-language model's, in each row of the steps estimated
+    carried: str | None = None  # beside the tokens: a vision-language model's images, an MoE model's routing
 
     def __str__(self) -> str:
         lines = [
             f"layouts that fit {self.hardware.memory_gib:g} GiB per GPU"
             f" ({tensor_budget(self.hardware.memory_gib) / 2**30:.1f} GiB for tensors),"
-            f" {_batch(self.batch_shape, self.images)} (each data-parallel rank's; the global batch kept by"
+            f" {_batch(self.batch_shape, self.carried)} (each data-parallel rank's; the global batch kept by"
             " accumulating batches; pp: 1F1B over micro-batches of the rows); best estimated throughput first:",
             _HEADER,
         ]
@@ -114,7 +115,7 @@ def fitting_layouts(
     is parallelized and computed beside its sizes; ``workers``: child processes measuring layouts side by side (1:
     this process). A layout the plan or the step refuses is listed with the refusal's first line."""
     step = step if step is not None else StepOptions()
-    fitting = Fitting(hardware, batch_shape, images=_planned_images(model, step=step, batch_shape=batch_shape))
+    fitting = Fitting(hardware, batch_shape, carried=_carried(model, step=step, batch_shape=batch_shape))
     ranked, fitting.refused = candidates(
         model,
         world_size,
@@ -145,7 +146,7 @@ class LayoutChoice:
     refused: dict[str, str]
     seconds: float = 0.0  # the search's wall time
     workers: int = 1
-    images: StepImages | None = None  # a vision-language model's, in each row of the steps estimated
+    carried: str | None = None  # beside the tokens: a vision-language model's images, an MoE model's routing
 
     @property
     def candidate(self) -> Candidate:
@@ -162,7 +163,7 @@ class LayoutChoice:
             f'layout="auto" chose {candidate.name} with {candidate.checkpointing} checkpointing on'
             f" {candidate.dims.world_size} GPUs of {self.hardware.memory_gib:g} GiB: {_size(self.outcome.memory_bytes)}"
             f" of {_size(self.record.budget)} for tensors, est."
-            f" {candidate.tokens_per_second:,.0f} tokens/s/GPU at {_batch(self.batch_shape, self.images)}"
+            f" {candidate.tokens_per_second:,.0f} tokens/s/GPU at {_batch(self.batch_shape, self.carried)}"
             f"{_accumulation_note(candidate)}",
             f"the candidates measured, best estimated throughput first ({measured} of {len(self.record.ranked)}, in"
             f" {_count(len(self.record.waves), 'wave')} over {_count(self.workers, 'worker')},"
@@ -191,14 +192,14 @@ class NoLayoutFits(ValueError):
         hardware: Hardware,
         batch_shape: tuple[int, int],
         world_size: int,
-        images: StepImages | None = None,
+        carried: str | None = None,
     ) -> NoLayoutFits:
         """Why nothing fits: the smallest shortfall, and what would make that layout fit, scaled from its
         estimate."""
         budget = record.budget
         lines = [
             f'layout="auto": no layout of {world_size} GPUs fits {hardware.memory_gib:g} GiB per GPU'
-            f" ({_size(budget)} for tensors) at {_batch(batch_shape, images)}."
+            f" ({_size(budget)} for tensors) at {_batch(batch_shape, carried)}."
         ]
         measured = [(c, o) for c, o in record.measured() if isinstance(o, Outcome)]
         if measured:
@@ -226,7 +227,7 @@ def choose_layout(
     ``step``). Raises :class:`NoLayoutFits` where none fits, naming the smallest shortfall and what would make it
     fit."""
     step = step if step is not None else StepOptions()
-    images = _planned_images(model, step=step, batch_shape=batch_shape)
+    carried = _carried(model, step=step, batch_shape=batch_shape)
     ranked, refused = candidates(
         model, world_size, space=space, hardware=hardware, batch_shape=batch_shape, mp_policy=step.mp_policy
     )
@@ -241,23 +242,27 @@ def choose_layout(
     index = chosen_fit(record)
     if index is None:
         raise NoLayoutFits.of(
-            record, refused, hardware=hardware, batch_shape=batch_shape, world_size=world_size, images=images
+            record, refused, hardware=hardware, batch_shape=batch_shape, world_size=world_size, carried=carried
         )
     seconds = time.monotonic() - started
-    return LayoutChoice(hardware, batch_shape, record, index, refused, seconds=seconds, workers=workers, images=images)
+    return LayoutChoice(
+        hardware, batch_shape, record, index, refused, seconds=seconds, workers=workers, carried=carried
+    )
 
 
-def _planned_images(model: nn.Module, *, step: StepOptions, batch_shape: tuple[int, int]) -> StepImages | None:
-    """The images each row of every layout's step holds, refused before any layout where the rows cannot hold them."""
+def _carried(model: nn.Module, *, step: StepOptions, batch_shape: tuple[int, int]) -> str | None:
+    """What every layout's step carries beside the tokens: the images each row holds (refused before any layout
+    where the rows cannot hold them), and the routing of a mixture-of-experts model's tokens."""
     images = step_images(model, **step.images())
     if images is not None:
         images.check_fits(batch_shape[1])
-    return images
+    carried = [str(images)] * (images is not None) + [assumed_routing(model, step.expert_imbalance)]
+    return "; ".join(part for part in carried if part) or None
 
 
-def _batch(batch_shape: tuple[int, int], images: StepImages | None) -> str:
+def _batch(batch_shape: tuple[int, int], carried: str | None) -> str:
     rows, tokens = batch_shape
-    return f"{rows} rows x {tokens:,} tokens a batch{f' ({images})' if images is not None else ''}"
+    return f"{rows} rows x {tokens:,} tokens a batch{f' ({carried})' if carried else ''}"
 
 
 def _workers(measurements: Measurements, count: int):

@@ -58,10 +58,11 @@ def _temporaries(dims: ParallelDims, rank: int) -> int:
 
 def test_each_layout_takes_the_least_recomputing_setting_that_fits():
     """A budget between a layout's memory without and with full checkpointing: the layout is listed with the first
-    setting (off, selective, submodule, full) whose memory fits, that memory being the plan's state plus the setting's
-    activation estimate (under pp, the largest stage's); a layout the tiny model's 2 KV heads cannot split over tp=4 is
-    refused with the plan's reason, pp=4 for want of rows (1F1B: a row per micro-batch, as many as stages): printed.
-    pp x cp is listed with its memory (a stage receiving its rank's share of the rows)."""
+    setting (off, selective, submodule, full) whose memory fits, that memory being the plan's state plus the larger of
+    the setting's activation estimate and the AdamW step's temporaries (under pp, the largest stage's); a layout the
+    tiny model's 2 KV heads cannot split over tp=4 is refused with the plan's reason, pp=4 for want of rows (1F1B: a
+    row per micro-batch, as many as stages): printed. pp x cp is listed with its memory (a stage receiving its rank's
+    share of the rows)."""
     single = ParallelDims(dp_shard=4).resolve(4)
     off, full = _memory(single, "off"), _memory(single, "full")
     assert full < off

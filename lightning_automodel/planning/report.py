@@ -30,7 +30,8 @@ from lightning_automodel.planning.memory.optimizer_step import optimizer_step_by
 from lightning_automodel.planning.memory.step_images import step_images
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.simulation import fake_world
-from lightning_automodel.planning.stage_report import StageReport, gib, pipeline_lines
+from lightning_automodel.planning.stage_report import StageReport, pipeline_lines
+from lightning_automodel.planning.stage_report import gib as _gib
 from lightning_automodel.planning.tower_report import TowerReport, per_block
 
 
@@ -111,15 +112,15 @@ class PlanReport:
         lines += [
             f"parameters: {self.total_parameters:,} in all, {self.parameters_per_rank:,} per rank"
             f" ({share:.2%}; ideal 1/{ideal}){' on the largest stage' if self.stages else ''}",
-            f"memory per rank: {gib(self.parameter_bytes_per_rank)} parameters,"
-            f" {gib(self.training_bytes_per_rank)} with gradients and AdamW state{self._frozen_note()}"
+            f"memory per rank: {_gib(self.parameter_bytes_per_rank)} parameters,"
+            f" {_gib(self.training_bytes_per_rank)} with gradients and AdamW state{self._frozen_note()}"
             f"{'' if self.activation_bytes else ' (activations not included)'}",
         ]
         return "\n".join(lines + self._activation_lines())
 
     def _frozen_note(self) -> str:
         frozen = self.parameter_bytes_per_rank - self.trainable_bytes_per_rank
-        return f" (of which {gib(frozen)} frozen, without either)" if frozen else ""
+        return f" (of which {_gib(frozen)} frozen, without either)" if frozen else ""
 
     def total_bytes(self, mode: str) -> int:
         """The largest memory of a rank in a training step under checkpointing ``mode``: parameters, gradients and
@@ -155,19 +156,19 @@ class PlanReport:
         width = max(len(mode) for mode in self.activation_bytes)
         images = self.tower.activation_bytes if self.tower is not None else {}
         for mode, size in self.activation_bytes.items():
-            stages = ", ".join(f"{gib(stage.activation_bytes[mode])}" for stage in self.stages)
+            stages = ", ".join(f"{_gib(stage.activation_bytes[mode])}" for stage in self.stages)
             each = f" (pp ranks: {stages})" if self.stages else ""
-            of_images = f" (images {gib(images[mode])})" if mode in images else ""
+            of_images = f" (images {_gib(images[mode])})" if mode in images else ""
             lines.append(
-                f"  checkpointing {mode:<{width}}  {gib(size)}{of_images}  total {gib(self.total_bytes(mode))}{each}"
+                f"  checkpointing {mode:<{width}}  {_gib(size)}{of_images}  total {_gib(self.total_bytes(mode))}{each}"
             )
         return [*lines, self._optimizer_line()]
 
     def _optimizer_line(self) -> str:
-        stages = ", ".join(gib(stage.optimizer_bytes) for stage in self.stages)
+        stages = ", ".join(_gib(stage.optimizer_bytes) for stage in self.stages)
         each = f" (pp ranks: {stages})" if self.stages else ""
         return (
-            f"  AdamW step ({self.adamw}): {gib(self.optimizer_bytes)} of temporaries{each}, after backward: the total"
+            f"  AdamW step ({self.adamw}): {_gib(self.optimizer_bytes)} of temporaries{each}, after backward: the total"
             " takes the larger of it and the activations"
         )
 

@@ -278,11 +278,18 @@ def _settings(
 
 
 def layout_memory(
-    model: nn.Module, candidate: Candidate, *, batch_shape: tuple[int, int], budget: float, step: StepOptions
+    model: nn.Module,
+    candidate: Candidate,
+    *,
+    batch_shape: tuple[int, int],
+    budget: float,
+    step: StepOptions,
+    temporaries: dict[tuple, int] | None = None,
 ) -> Outcome:
     """``candidate``'s memory per GPU, measured on copies of ``model`` (on the meta device) with ``step``'s plan,
     precision, loss and AdamW; the step is not estimated where the state alone exceeds ``budget``. A layout the plan
-    or the step refuses raises the refusal (a ValueError)."""
+    or the step refuses raises the refusal (a ValueError). ``temporaries``: the optimizer step's of the layouts
+    measured before with the same model and ``step``, which every checkpointing setting shares (read and added to)."""
     dims = candidate.dims
     states = state_of_each_stage(model, candidate, step=step)
     if max(states) > budget:
@@ -302,8 +309,13 @@ def layout_memory(
             **layout,
             **step.keywords(),
         )
-        optimizer = optimizer_step_bytes(copy.deepcopy(model), dims, rank=rank, **layout, **step.optimizer_keywords())
-        outcomes.append(Outcome(state, activations, optimizer))
+        known = {} if temporaries is None else temporaries
+        key = (dims, candidate.sp, repr(candidate.pipeline), rank)
+        if key not in known:
+            known[key] = optimizer_step_bytes(
+                copy.deepcopy(model), dims, rank=rank, **layout, **step.optimizer_keywords()
+            )
+        outcomes.append(Outcome(state, activations, known[key]))
     return max(outcomes, key=lambda outcome: outcome.memory_bytes)
 
 

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from lightning_automodel import ParallelDims, plan_report
 from lightning_automodel.lm.optimization import adamw_with_schedule
 from lightning_automodel.parallel.parallelizer import parallelize
+from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.planning.memory.activations import TotalsTracker, training_step
 from lightning_automodel.planning.memory.optimizer_step import optimizer_step_bytes
 from lightning_automodel.planning.memory.step_options import StepOptions
@@ -55,25 +56,26 @@ def _real_step(dims: ParallelDims, *, layers: int, adamw: str, batch: tuple[int,
     [
         ("foreach", ParallelDims(dp_shard=1).resolve(1), {}),
         ("foreach", ParallelDims(tp=2).resolve(2), dict(sp=True)),
+        ("foreach", ParallelDims(pp=2).resolve(2), dict(pipeline=PipelineOptions())),
         ("fused", ParallelDims(dp_shard=2).resolve(2), {}),
     ],
 )
 def test_the_estimate_is_a_real_steps_temporaries(adamw, dims, options):
-    """Eleven alike layers, estimated from three, four and five on fake tensors: foreach's temporaries are a real
-    step's to the byte (its largest param group's shards on the rank: 8.1 MiB whole, 4.1 MiB at tp=2); fused
-    allocates none."""
+    """Eleven alike layers, estimated from three, four and five on fake tensors (under pp, the rank's stage cut to
+    them): foreach's temporaries are a real step's to the byte (its largest param group's shards on the rank: 8.1 MiB
+    whole, 4.1 MiB at tp=2, 3.7 MiB on the first of two stages); fused allocates none."""
     _, real = _real_step(dims, layers=11, adamw=adamw, **options)
     estimate = optimizer_step_bytes(_model(meta=True, layers=11), dims, implementation=adamw, **options)
     assert estimate == real
-    assert (estimate > 2**22) if adamw == "foreach" else (estimate == 0)
+    assert (estimate > 2**21) if adamw == "foreach" else (estimate == 0)
 
 
 @pytest.mark.parametrize("batch, larger", [((1, 8), "optimizer"), ((2, 64), "activations")])
 def test_a_rank_peaks_at_its_state_and_the_larger_of_activations_and_temporaries(batch, larger):
     """The plan report's total is the state with the larger of the activations and the foreach step's temporaries,
     which a real training step followed by its optimizer step reaches (to 1 KiB: a few scalars, the loss): for a
-    batch of 8 tokens the temporaries, for 2 rows of 64 the activations. Fused AdamW's step allocates none: its total
-    is the activations'."""
+    batch of 8 tokens the temporaries, for 2 rows of 64 the activations (fused AdamW's, which allocates none:
+    test_fitting's search)."""
     dims = ParallelDims(dp_shard=1).resolve(1)
     report = plan_report(_model(meta=True, layers=6), dims, batch_shape=batch)
     sizes = {"activations": report.activation_bytes["off"], "optimizer": report.optimizer_bytes}
@@ -83,11 +85,6 @@ def test_a_rank_peaks_at_its_state_and_the_larger_of_activations_and_temporaries
     assert total == report.training_bytes_per_rank + sizes[larger]
     assert abs(total - report.training_bytes_per_rank - real) <= 1024, (total, report.training_bytes_per_rank, real)
     assert "AdamW step (foreach): " in str(report) and "the total takes the larger" in str(report)
-    if larger == "activations":
-        return
-    fused = plan_report(_model(meta=True, layers=6), dims, batch_shape=batch, step=StepOptions(adamw="fused"))
-    assert fused.optimizer_bytes == 0
-    assert fused.total_bytes("off") == fused.training_bytes_per_rank + sizes["activations"]
 
 
 def test_an_adamw_the_module_does_not_offer_is_refused():

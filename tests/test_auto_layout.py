@@ -164,10 +164,11 @@ def test_sizes_given_stay_fixed_and_the_global_batch_is_kept():
 
 
 def test_nothing_fits_names_the_smallest_shortfall_and_what_would_fit():
-    """Every candidate too large: the refusal names the smallest (its state and activations) and the sizes that would
-    make it fit, scaled from its estimate: GPUs for the state, rows or tokens for the activations."""
+    """Every candidate too large: the refusal names the smallest (its state, activations and optimizer step's
+    temporaries) and the sizes that would make it fit, scaled from its estimate: GPUs for the state, rows or tokens for
+    the activations; none of the latter where the temporaries, which stay, leave no room."""
     ranked, outcomes = _made_up([(1, "off", 100, 90), (2, "full", 50, 50)])
-    outcomes[ranked[1]] = Outcome(25 * GIB, 25 * GIB)  # 50 GiB: 20 over a budget of 30
+    outcomes[ranked[1]] = Outcome(25 * GIB, 25 * GIB, 4 * GIB)  # 50 GiB: 20 over a budget of 30
     memory_gib = 30 / 0.9
     record = search_layout(ranked, budget=tensor_budget(memory_gib), evaluate=_Replay(outcomes), workers=2)
     assert chosen_fit(record) is None and len(record.outcomes) == 2
@@ -179,10 +180,18 @@ def test_nothing_fits_names_the_smallest_shortfall_and_what_would_fit():
     assert (
         "The smallest: tp=2 cp=1 dp_shard=4 with full checkpointing needs 50.00 GiB per GPU, 20.00 GiB more" in message
     )
-    assert "parameters, gradients and AdamW state 25.00 GiB, activations 25.00 GiB" in message
+    assert (
+        "parameters, gradients and AdamW state 25.00 GiB, the larger of activations 25.00 GiB and the AdamW step's"
+        " temporaries 4.00 GiB" in message
+    )
     assert "more GPUs: about 40" in message  # the state sharded until it fits beside the activations: 8 x 25 / 5
     assert "a shorter sequence: 12 tokens a row" in message  # the activations scaled to the 5 GiB left: 64 x 5 / 25
     assert "a smaller batch" not in message  # 4 x 5 / 25 rows: less than one
+    outcomes[ranked[1]] = Outcome(25 * GIB, 1 * GIB, 28 * GIB)  # 53 GiB: the temporaries over the 5 GiB left
+    record = search_layout(ranked, budget=tensor_budget(memory_gib), evaluate=_Replay(outcomes), workers=2)
+    message = str(NoLayoutFits.of(record, {}, hardware=Hardware(memory_gib), batch_shape=shape, world_size=8))
+    assert "needs 53.00 GiB per GPU" in message and "a shorter sequence" not in message
+    assert "more GPUs: about 16" in message  # state and temporaries sharded into 30 GiB: 8 x 53 / 30, whole nodes
 
 
 def test_strategy_options_of_the_search():

@@ -27,7 +27,7 @@ from lightning_automodel.cli.plan import plan_for_config
 from lightning_automodel.data import ChatDataModule, DemoDataModule
 from lightning_automodel.data.mixture import Source
 from lightning_automodel.strategy.argument_docs import argument_description
-from lightning_automodel.strategy.module_hints import loss_chunks_of
+from lightning_automodel.strategy.module_hints import adamw_of, loss_chunks_of
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 DEMO_STEPS = 100
@@ -252,11 +252,12 @@ def test_plan_of_the_70b_pipeline_example(no_pytest_argv):
 
 
 def test_plan_steps_as_the_module_computes_its_loss(no_pytest_argv):
-    """The step `plan` and layout="auto" measure takes the LightningModule's loss_chunks, asked through the
-    strategy's ModuleHints (CausalLMModule answers; a module that does not computes the logits whole)."""
-    config = configured(str(EXAMPLES / "demo.yaml"), "--model.loss_chunks=4", world_size=2)
-    assert config.step_options().loss_chunks == 4
-    assert loss_chunks_of(L.LightningModule()) == 1
+    """The step `plan` and layout="auto" measure takes the LightningModule's loss_chunks and AdamW, asked through the
+    strategy's ModuleHints and OptimizerHints (CausalLMModule answers; a module that does not computes the logits
+    whole and steps foreach AdamW, torch's default on GPUs)."""
+    config = configured(str(EXAMPLES / "demo.yaml"), "--model.loss_chunks=4", "--model.adamw=fused", world_size=2)
+    assert (config.step_options().loss_chunks, config.step_options().adamw) == (4, "fused")
+    assert (loss_chunks_of(L.LightningModule()), adamw_of(L.LightningModule())) == (1, "foreach")
 
 
 def test_plan_takes_the_vocabulary_from_the_data(no_pytest_argv):

@@ -1,6 +1,8 @@
 """`plan --fit`: the layouts of a world that fit a GPU, each with the checkpointing setting that recomputes least, and
 the throughput model that ranks them (no processes: fake process groups and fake tensors)."""
 
+from functools import cache, partial
+
 import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -12,7 +14,10 @@ from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.planning.flops import flops_per_token
 from lightning_automodel.planning.memory.activations import activation_bytes
 from lightning_automodel.planning.memory.layer_extrapolation import over_layers
-from lightning_automodel.planning.search.fitting import choose_layout, fitting_layouts
+from lightning_automodel.planning.memory.optimizer_step import optimizer_step_bytes
+from lightning_automodel.planning.memory.step_options import StepOptions
+from lightning_automodel.planning.search import layouts as search_layouts
+from lightning_automodel.planning.search.fitting import NoLayoutFits, choose_layout, fitting_layouts
 from lightning_automodel.planning.search.layouts import HEADROOM, SearchSpace, layouts
 from lightning_automodel.planning.search.throughput import Hardware, tokens_per_second
 from lightning_automodel.testing.models import tiny_config
@@ -20,29 +25,44 @@ from lightning_automodel.testing.models import tiny_config
 ROWS, TOKENS = 2, 64
 
 
-def _on_meta():
+def _on_meta(**overrides):
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256) | overrides
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256))
+        return AutoModelForCausalLM.from_config(tiny_config(**shape))
+
+
+def _layout(dims: ParallelDims) -> dict:
+    return dict(sp=dims.tp > 1, pipeline=PipelineOptions(microbatches=ROWS) if dims.pp > 1 else None)
 
 
 def _memory(dims: ParallelDims, setting: str) -> int:
-    """The plan's state plus the activation estimate; under pp, of the stage where they add up to the most."""
-    options = dict(sp=dims.tp > 1, pipeline=PipelineOptions(microbatches=ROWS) if dims.pp > 1 else None)
-    report = plan_report(_on_meta(), dims, **options)
+    """The plan's state plus the larger of the activation estimate and the AdamW step's temporaries (after
+    backward); under pp, of the stage where they add up to the most."""
+    report = plan_report(_on_meta(), dims, **_layout(dims))
     states = [stage.training_bytes_per_rank for stage in report.stages] or [report.training_bytes_per_rank]
-    step = dict(micro_batch=ROWS, seq_len=TOKENS, activation_checkpointing=setting, **options)
+    step = dict(micro_batch=ROWS, seq_len=TOKENS, activation_checkpointing=setting, **_layout(dims))
     return max(
-        state + activation_bytes(_on_meta(), dims, rank=stage * dims.ranks_per_stage, **step)
+        state
+        + max(
+            activation_bytes(_on_meta(), dims, rank=stage * dims.ranks_per_stage, **step),
+            _temporaries(dims, stage * dims.ranks_per_stage),
+        )
         for stage, state in enumerate(states)
     )
 
 
+@cache
+def _temporaries(dims: ParallelDims, rank: int) -> int:
+    return optimizer_step_bytes(_on_meta(), dims, rank=rank, **_layout(dims))
+
+
 def test_each_layout_takes_the_least_recomputing_setting_that_fits():
     """A budget between a layout's memory without and with full checkpointing: the layout is listed with the first
-    setting (off, selective, submodule, full) whose memory fits, that memory being the plan's state plus the setting's
-    activation estimate (under pp, the largest stage's); a layout the tiny model's 2 KV heads cannot split over tp=4 is
-    refused with the plan's reason, pp=4 for want of rows (1F1B: a row per micro-batch, as many as stages): printed.
-    pp x cp is listed with its memory (a stage receiving its rank's share of the rows)."""
+    setting (off, selective, submodule, full) whose memory fits, that memory being the plan's state plus the larger of
+    the setting's activation estimate and the AdamW step's temporaries (under pp, the largest stage's); a layout the
+    tiny model's 2 KV heads cannot split over tp=4 is refused with the plan's reason, pp=4 for want of rows (1F1B: a
+    row per micro-batch, as many as stages): printed. pp x cp is listed with its memory (a stage receiving its rank's
+    share of the rows)."""
     single = ParallelDims(dp_shard=4).resolve(4)
     off, full = _memory(single, "off"), _memory(single, "full")
     assert full < off
@@ -211,3 +231,27 @@ def test_the_state_of_many_alike_layers_is_extrapolated_exactly():
 
     assert over_layers(state, model()) == state(model())
     assert measured == [3, 4, 5, 11]
+
+
+def test_a_layout_the_optimizers_temporaries_overflow_is_not_chosen(monkeypatch):
+    """Eight tokens a batch at tp=2: the foreach AdamW step's temporaries (1.9 MiB) exceed the step's activations
+    (1.4 MiB). With a budget between the state plus either, the layout fits only if the temporaries are left out, as
+    they were before: the search then chose it. Counted, nothing fits, and the refusal names them; with fused AdamW,
+    which allocates none, it is chosen."""
+    dims, batch = ParallelDims(tp=2).resolve(2), (1, 8)
+    _deeper = partial(_on_meta, num_hidden_layers=6)
+    state = plan_report(_deeper(), dims, sp=True).training_bytes_per_rank
+    activations = activation_bytes(_deeper(), dims, micro_batch=1, seq_len=8, sp=True, activation_checkpointing="off")
+    temporaries = optimizer_step_bytes(_deeper(), dims, sp=True)
+    assert temporaries > activations
+    hardware = Hardware(memory_gib=(state + (activations + temporaries) / 2) / (1 - HEADROOM) / 2**30)
+    search = dict(hardware=hardware, batch_shape=batch, space=SearchSpace(tp=2))
+    with pytest.raises(NoLayoutFits, match="the AdamW step's temporaries"):
+        choose_layout(_deeper(), 2, **search)
+    fused = choose_layout(_deeper(), 2, step=StepOptions(adamw="fused"), **search)
+    assert (fused.candidate.checkpointing, fused.outcome.optimizer_bytes) == ("off", 0)
+    assert fused.outcome.memory_bytes == state + activations
+    assert "temporaries of the AdamW step (fused) after backward" in str(fused)
+    monkeypatch.setattr(search_layouts, "optimizer_step_bytes", lambda *args, **kwargs: 0)
+    left_out = choose_layout(_deeper(), 2, **search)
+    assert left_out.candidate.dims == dims and state + temporaries > left_out.record.budget

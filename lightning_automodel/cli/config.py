@@ -14,10 +14,11 @@ from lightning_automodel.cli.lightning_cli import AutomodelCLI, cli
 from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
+from lightning_automodel.planning.memory.optimizer_step import AdamWImplementation
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.search.throughput import Hardware
 from lightning_automodel.strategy import AutoModelParallelStrategy
-from lightning_automodel.strategy.module_hints import loss_chunks_of
+from lightning_automodel.strategy.module_hints import adamw_of, loss_chunks_of
 
 
 class _ConfigOnly(AutomodelCLI):
@@ -46,6 +47,7 @@ class Configured:
     precision: str
     devices: Any = None  # the Trainer's devices (a number of GPUs a node, where the config gives one)
     loss_chunks: int = 1  # the LightningModule's (see strategy/module_hints.py)
+    adamw: AdamWImplementation = "foreach"  # the LightningModule's AdamW implementation (likewise)
 
     @property
     def dims(self) -> ParallelDims:
@@ -76,6 +78,7 @@ class Configured:
             options.parallel,
             mp_policy=options.mp_policy_for(self.precision),
             loss_chunks=self.loss_chunks,
+            adamw=self.adamw,
             images=images,
             expert_imbalance=expert_imbalance if expert_imbalance is not None else options.layout_expert_imbalance,
         )
@@ -130,6 +133,7 @@ def configured(path: str, *overrides: str, world_size: int | None = None) -> Con
         precision,
         devices=trainer["devices"],
         loss_chunks=loss_chunks_of(module),
+        adamw=adamw_of(module),
     )
 
 

@@ -39,6 +39,7 @@ from lightning_automodel.parallel.loss import (
 )
 from lightning_automodel.parallel.pipeline import pipeline_of
 from lightning_automodel.planning.flops import flops_per_token
+from lightning_automodel.planning.memory.optimizer_step import AdamWImplementation, check_adamw
 from lightning_automodel.strategy import AutoModelParallelStrategy
 
 _STAGES = ("train", "val", "test")
@@ -78,6 +79,10 @@ class CausalLMModule(L.LightningModule):
             backward their log-softmax and gradient) never exist whole, for the same FLOPs and, where tp divides the
             sequence, the same collectives (see :mod:`lightning_automodel.parallel.chunked_loss`); 1: the logits
             whole.
+        adamw: how AdamW steps: ``"foreach"`` (torch's default on GPUs: each param group's update takes a temporary
+            the size of the group's shards on the rank, after backward) or ``"fused"`` (one kernel, in place, no
+            temporary); the plan and ``layout="auto"`` count the one chosen (see
+            :mod:`lightning_automodel.planning.memory.optimizer_step`).
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class CausalLMModule(L.LightningModule):
         schedule: Schedule = "cosine",
         min_lr_ratio: float = 0.1,
         loss_chunks: int = 1,
+        adamw: AdamWImplementation = "foreach",
     ) -> None:
         super().__init__()
         if model is None and not (config or {}).get("model_type"):
@@ -103,6 +109,7 @@ class CausalLMModule(L.LightningModule):
         if schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"schedule={schedule!r} is not one of 'cosine', 'linear', 'constant'.")
         check_loss_chunks(loss_chunks)
+        check_adamw(adamw)
         self.save_hyperparameters()
         self.model: nn.Module | None = None
         self.tokenizer: Any = None
@@ -282,6 +289,7 @@ class CausalLMModule(L.LightningModule):
             schedule=hparams.schedule,
             min_lr_ratio=hparams.min_lr_ratio,
             total_steps=self.trainer.estimated_stepping_batches,
+            implementation=hparams.adamw,
         )
 
     def configure_callbacks(self) -> list[Callback]:
@@ -302,6 +310,12 @@ class CausalLMModule(L.LightningModule):
         """What the strategy plans the logits' memory by (its :class:`~lightning_automodel.strategy.module_hints.
         ModuleHints`)."""
         return self.hparams.loss_chunks
+
+    @property
+    def adamw(self) -> AdamWImplementation:
+        """How AdamW steps, which the strategy plans the optimizer step's memory by (its
+        :class:`~lightning_automodel.strategy.module_hints.OptimizerHints`)."""
+        return self.hparams.adamw
 
     @property
     def flops_per_batch(self) -> int:

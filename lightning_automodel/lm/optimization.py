@@ -1,5 +1,6 @@
-"""CausalLMModule's optimizer and learning-rate schedule: AdamW with weight decay on the matrices only, warmed up
-linearly and decayed by a cosine or a line to the last optimizer step."""
+"""CausalLMModule's optimizer and learning-rate schedule: AdamW with weight decay on the matrices only (built where
+the plan steps it too: :mod:`~lightning_automodel.planning.memory.optimizer_step`), warmed up linearly and decayed by
+a cosine or a line to the last optimizer step."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import math
 from functools import partial
 from typing import Any, Literal
 
-import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
+
+from lightning_automodel.planning.memory.optimizer_step import AdamWImplementation, adamw
 
 Schedule = Literal["cosine", "linear", "constant"]
 
@@ -24,20 +26,19 @@ def adamw_with_schedule(
     schedule: Schedule,
     min_lr_ratio: float,
     total_steps: float,
+    implementation: AdamWImplementation = "foreach",
 ) -> dict[str, Any]:
-    """``configure_optimizers``' answer for the trainable ``parameters``: AdamW (no decay on vectors: norms, biases)
-    and its schedule stepped every optimizer step. ``total_steps`` is the Trainer's estimate (inf without an end,
-    which only a constant schedule accepts)."""
+    """``configure_optimizers``' answer for the trainable ``parameters``: AdamW (no decay on vectors: norms, biases;
+    stepped by ``implementation``) and its schedule stepped every optimizer step. ``total_steps`` is the Trainer's
+    estimate (inf without an end, which only a constant schedule accepts)."""
     if schedule != "constant" and not math.isfinite(total_steps):
         raise ValueError(
             f'schedule="{schedule}" decays to the last step, and this run has no end: set'
             ' Trainer(max_steps=...) or max_epochs, or schedule="constant".'
         )
-    groups = [
-        {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=learning_rate, betas=betas)
+    optimizer = adamw(
+        parameters, implementation=implementation, learning_rate=learning_rate, betas=betas, weight_decay=weight_decay
+    )
     factor = partial(
         learning_rate_factor,
         warmup_steps=warmup_steps,

@@ -20,21 +20,19 @@ from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.float8 import Float8Options, Float8Spec, float8_layers, float8_options
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
-from lightning_automodel.parallel.pipeline import PipelineOptions, bubble_fraction, stage_layers
+from lightning_automodel.parallel.pipeline import PipelineOptions, stage_layers
 from lightning_automodel.parallel.preflight import check_before_collectives
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_not_logged
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.planning.memory.attention_kernel import ASSUMED_KERNEL
+from lightning_automodel.planning.memory.optimizer_step import peak_bytes, training_state_bytes
 from lightning_automodel.planning.memory.routing import assumed_routing
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.simulation import fake_world
-from lightning_automodel.planning.step_estimates import activations_by_mode, image_share
+from lightning_automodel.planning.stage_report import StageReport, pipeline_lines
+from lightning_automodel.planning.stage_report import gib as _gib
+from lightning_automodel.planning.step_estimates import activations_by_mode, image_share, optimizer_temporaries
 from lightning_automodel.planning.tower_report import TowerReport, per_block
-
-# Bytes per trainable parameter byte kept per rank while training with AdamW besides the parameter: its gradient,
-# exp_avg and exp_avg_sq (all in the parameter's dtype); a frozen parameter has none. Activations come on top and
-# depend on the batch.
-_TRAINABLE_COPIES = 3
 
 
 @dataclass
@@ -62,6 +60,8 @@ class PlanReport:
     activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
     # (under pp: the stage whose ranks' total is the largest; each stage's are its StageReport's)
     routing: str | None = None  # a mixture-of-experts model's: the routing the estimates assume
+    adamw: str = "foreach"  # the AdamW implementation the optimizer step is estimated for
+    optimizer_bytes: int = 0  # its step's temporaries per rank, estimated with the activations (under pp: the most)
 
     trainable_bytes_per_rank: int = 0  # of the parameters a rank holds, those trained (not frozen)
 
@@ -69,7 +69,7 @@ class PlanReport:
     def training_bytes_per_rank(self) -> int:
         """Parameters + gradients + AdamW state on one rank (activations not included): frozen parameters (the
         strategy's ``freeze``) hold neither."""
-        return self.parameter_bytes_per_rank + _TRAINABLE_COPIES * self.trainable_bytes_per_rank
+        return training_state_bytes(parameters=self.parameter_bytes_per_rank, trainable=self.trainable_bytes_per_rank)
 
     def __str__(self) -> str:
         lines = [
@@ -106,7 +106,8 @@ class PlanReport:
                 " the weights' dtype; bf16 activations halve fp32's)"
             )
         if self.stages:
-            lines += self._pipeline_lines()
+            first = "embedding, vision tower and projector" if self.tower is not None else "embedding"
+            lines += pipeline_lines(self.pipeline, self.dims, self.stages, first=first)
         share = self.parameters_per_rank / max(self.total_parameters, 1)
         ideal = self.dims.pp * self.dims.tp * self.dims.dp_shard * self.dims.cp
         lines += [
@@ -123,11 +124,13 @@ class PlanReport:
         return f" (of which {_gib(frozen)} frozen, without either)" if frozen else ""
 
     def total_bytes(self, mode: str) -> int:
-        """The largest memory of a rank in a training step under checkpointing ``mode``: parameters, gradients,
-        AdamW state and activations (under pp, of the stage where they add up to the most)."""
+        """The largest memory of a rank in a training step under checkpointing ``mode``: parameters, gradients and
+        AdamW state, with the larger of the activations and the optimizer step's temporaries (under pp, of the stage
+        where they add up to the most; see :func:`~.memory.optimizer_step.peak_bytes`)."""
         if not self.stages:
-            return self.training_bytes_per_rank + self.activation_bytes[mode]
-        return max(stage.training_bytes_per_rank + stage.activation_bytes[mode] for stage in self.stages)
+            state, activations = self.training_bytes_per_rank, self.activation_bytes[mode]
+            return peak_bytes(state=state, activations=activations, optimizer=self.optimizer_bytes)
+        return max(stage.total_bytes(mode) for stage in self.stages)
 
     def _float8_lines(self) -> list[str]:
         converted = sum(self.float8_converted.values())
@@ -163,60 +166,15 @@ class PlanReport:
             lines.append(
                 f"  checkpointing {mode:<{width}}  {_gib(size)}{of_images}  total {_gib(self.total_bytes(mode))}{each}"
             )
-        return lines
+        return [*lines, self._optimizer_line()]
 
-    def _pipeline_lines(self) -> list[str]:
-        assert self.pipeline is not None
-        microbatches = self.pipeline.microbatches_for(self.dims.pp)
-        per_rank = self.pipeline.stages_per_rank
-        bubble = bubble_fraction(self.dims.pp, microbatches, per_rank)
-        virtual = f" x {per_rank} stages per rank" if per_rank > 1 else " stages"
-        lines = [
-            f"pipeline: pp={self.dims.pp}{virtual}, schedule {self.pipeline.schedule}, {microbatches} micro-batches"
-            f" per step; idle (bubble) fraction (p-1)/({'vm' if per_rank > 1 else 'm'}+p-1) = {bubble:.1%}"
-        ]
-        last = self.dims.pp * per_rank - 1
-        first = "embedding, vision tower and projector" if self.tower is not None else "embedding"
-        for stage in self.stages:
-            held = [
-                _stage_parts(index, layers, last=last, numbered=per_rank > 1, first=first)
-                for index, layers in stage.layers.items()
-            ]
-            lines.append(
-                f"  {'pp rank' if per_rank > 1 else 'stage'} {stage.pp_rank} (ranks {stage.ranks}): {'; '.join(held)};"
-                f" {stage.parameters_per_rank:,} parameters per rank,"
-                f" {_gib(stage.training_bytes_per_rank)} with gradients and AdamW state"
-            )
-        return lines
-
-
-@dataclass
-class StageReport:
-    """What one pp rank's group of ranks holds: its stages' decoder layers, by stage index."""
-
-    pp_rank: int
-    layers: dict[int, range]
-    ranks: str
-    parameters_per_rank: int
-    parameter_bytes_per_rank: int
-    trainable_bytes_per_rank: int
-    float8: Float8Options | None = None
-    float8_converted: dict[str, int] = field(default_factory=dict)  # converted layers, as patterns -> count
-    float8_kept: dict[tuple[str, str], int] = field(default_factory=dict)  # (pattern, why) -> count
-    activation_bytes: dict[str, int] = field(default_factory=dict)  # checkpointing mode -> the step's peak per rank
-
-    @property
-    def training_bytes_per_rank(self) -> int:
-        return self.parameter_bytes_per_rank + _TRAINABLE_COPIES * self.trainable_bytes_per_rank
-
-
-def _stage_parts(index: int, layers: range, *, last: int, numbered: bool, first: str = "embedding") -> str:
-    parts = [first] * (index == 0) + [_layer_span(layers)] + ["norm, head"] * (index == last)
-    return f"{f'stage {index}: ' if numbered else ''}{', '.join(parts)}"
-
-
-def _layer_span(layers: range) -> str:
-    return f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else f"layer {layers.start}"
+    def _optimizer_line(self) -> str:
+        stages = ", ".join(_gib(stage.optimizer_bytes) for stage in self.stages)
+        each = f" (pp ranks: {stages})" if self.stages else ""
+        return (
+            f"  AdamW step ({self.adamw}): {_gib(self.optimizer_bytes)} of temporaries{each}, after backward: the total"
+            " takes the larger of it and the activations"
+        )
 
 
 def plan_report(
@@ -240,9 +198,10 @@ def plan_report(
     ``allow_unsharded_linears``, and what shapes a training step but not the plan (``mp_policy``, ``cp_attention``,
     ``loss_chunks``). With ``batch_shape`` (rows per data-parallel rank and step, tokens a row), the report adds
     the activation memory of a training step under each activation-checkpointing mode (see
-    :mod:`.memory.activations`). Under pp each stage's is estimated on its first rank (a zero-bubble schedule, which
-    runs no checkpointing, under "off" alone), and the report's per mode is that of the stage where state and
-    activations add up to the most: :meth:`PlanReport.total_bytes` is that total.
+    :mod:`.memory.activations`) and the temporaries of the optimizer step that follows (``step.adamw``'s, see
+    :mod:`.memory.optimizer_step`). Under pp each stage's are estimated on its first rank (a zero-bubble schedule,
+    which runs no checkpointing, under "off" alone), and the report's per mode is that of the stage whose total is the
+    largest: :meth:`PlanReport.total_bytes`.
 
     ``float8``: the strategy's option; the report lists the layers it converts and those it keeps, and why (the
     parallelizer's own choice, :func:`~lightning_automodel.parallel.float8.float8_layers`).
@@ -257,7 +216,7 @@ def plan_report(
     options = dict(
         sp=sp, tp_plan=step.tp_plan, allow_unsharded_linears=step.allow_unsharded_linears, freeze=step.freeze
     )
-    report.batch_shape = batch_shape
+    report.batch_shape, report.adamw = batch_shape, step.adamw
     report.routing = assumed_routing(model, step.expert_imbalance) if batch_shape is not None else None
     pristine = copy.deepcopy(model) if batch_shape is not None else None
     estimate = dict(sp=sp, **step.keywords())
@@ -266,6 +225,7 @@ def plan_report(
         report.parameters_per_rank, report.parameter_bytes_per_rank, report.trainable_bytes_per_rank = held
         if pristine is not None:
             report.activation_bytes = activations_by_mode(pristine, dims, batch_shape, rank=rank, **estimate)
+            report.optimizer_bytes = optimizer_temporaries(pristine, dims, rank=rank, sp=sp, step=step)
             image_share(
                 report.tower,
                 pristine,
@@ -292,17 +252,19 @@ def plan_report(
         if pristine is not None:
             estimate.update(rank=first_rank, pipeline=pipeline)
             report.stages[-1].activation_bytes = activations_by_mode(pristine, dims, batch_shape, **estimate)
+            report.stages[-1].optimizer_bytes = optimizer_temporaries(
+                pristine, dims, rank=first_rank, sp=sp, pipeline=pipeline, step=step
+            )
     largest = max(report.stages, key=lambda stage: stage.parameter_bytes_per_rank)
     report.parameters_per_rank = largest.parameters_per_rank
     report.parameter_bytes_per_rank = largest.parameter_bytes_per_rank
     report.trainable_bytes_per_rank = largest.trainable_bytes_per_rank
     if pristine is not None:
         report.activation_bytes = {
-            mode: max(
-                report.stages, key=lambda stage: stage.training_bytes_per_rank + stage.activation_bytes[mode]
-            ).activation_bytes[mode]
+            mode: max(report.stages, key=lambda stage: stage.total_bytes(mode)).activation_bytes[mode]
             for mode in report.stages[0].activation_bytes
         }
+        report.optimizer_bytes = max(stage.optimizer_bytes for stage in report.stages)
     return report
 
 
@@ -372,7 +334,3 @@ def _describe_float8(report: PlanReport, planned: TensorParallelPlan | None, mod
     found = float8_layers(model, named_decoder_layers(model), report.float8, tp_styles=styles, tp=report.dims.tp)
     report.float8_converted = dict(Counter(per_block(name) for name in found.converted))
     report.float8_kept = dict(Counter((per_block(name), why) for name, why in found.kept.items()))
-
-
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.2f} GiB"

@@ -1,5 +1,5 @@
-"""The plan report's activation estimates (:mod:`.memory.activations`): one a checkpointing setting, and the share of
-a vision-language model's images."""
+"""The plan report's step estimates: the activations (:mod:`.memory.activations`), one a checkpointing setting, the
+share of a vision-language model's images, and the optimizer step's temporaries (:mod:`.memory.optimizer_step`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from lightning_automodel.parallel.activation_checkpointing import AC_MODES
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.tensor.apply import plan_not_logged
 from lightning_automodel.planning.memory.activations import activation_bytes
+from lightning_automodel.planning.memory.optimizer_step import optimizer_step_bytes
 from lightning_automodel.planning.memory.step_images import step_images
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.tower_report import TowerReport
@@ -58,3 +59,11 @@ def image_share(
         return
     text = activations_by_mode(model, dims, batch_shape, **{**estimate, "images_per_row": 0, "image_tokens": None})
     tower.activation_bytes = {mode: size - text[mode] for mode, size in estimated.items()}
+
+
+def optimizer_temporaries(model: nn.Module, dims: ParallelDims, *, step: StepOptions, **options) -> int:
+    """The optimizer step's temporaries on a copy of ``model`` (see
+    :func:`~lightning_automodel.planning.memory.optimizer_step.optimizer_step_bytes`); the plan, which the report
+    says, not logged."""
+    with plan_not_logged():
+        return optimizer_step_bytes(copy.deepcopy(model), dims, **options, **step.optimizer_keywords())

@@ -28,7 +28,7 @@ from lightning_automodel.planning.search.fitting import LayoutChoice, choose_lay
 from lightning_automodel.planning.search.layouts import Candidate, Outcome, SearchSpace, tensor_budget
 from lightning_automodel.planning.search.throughput import Hardware
 from lightning_automodel.planning.search.workers import Measurements
-from lightning_automodel.strategy.module_hints import loss_chunks_of
+from lightning_automodel.strategy.module_hints import adamw_of, loss_chunks_of
 from lightning_automodel.strategy.options import StrategyOptions
 
 if TYPE_CHECKING:
@@ -62,13 +62,14 @@ def choose_for_trainer(options: StrategyOptions, trainer: pl.Trainer, *, devices
 def step_options(options: StrategyOptions, module: nn.Module) -> StepOptions:
     """How each layout's step is computed: the strategy's plan, precision (its FSDP2 policy, set at setup: the one
     given, else the Trainer's precision's), ``freeze``, images a row and experts' routing, and the module's loss
-    chunks."""
+    chunks and AdamW."""
     images = (options.layout_images_per_row, options.layout_image_tokens)
     policy = options.parallel.fsdp.mp_policy
     return StepOptions.of(
         options.parallel,
         mp_policy=policy,
         loss_chunks=loss_chunks_of(module),
+        adamw=adamw_of(module),
         images=images,
         expert_imbalance=options.layout_expert_imbalance,
     )

@@ -179,18 +179,18 @@ def activation_bytes(
     window = max(options.get("forward_prefetch", 0), options.get("backward_prefetch", 1))
     few = tuple(count + max(0, window - 1) for count in FEW_LAYERS)
     if dims.pp > 1:
-        return _over_stage_layers(step, model, dims=dims, rank=rank, pipeline=options.get("pipeline"), few=few)
+        return over_stage_layers(step, model, dims=dims, rank=rank, pipeline=options.get("pipeline"), few=few)
     return over_layers(step, model, few=few)
 
 
-def _over_stage_layers(
+def over_stage_layers(
     step: Callable[..., int],
     model: nn.Module,
     *,
     dims: ParallelDims,
     rank: int,
     pipeline: PipelineOptions | None,
-    few: tuple[int, ...],
+    few: tuple[int, ...] = FEW_LAYERS,
 ) -> int:
     """``step(model)`` under pp, where ``rank`` holds only its stages' layers: for stages of many alike layers,
     extrapolated from the model with each of the rank's stages cut by the same count, to ``few`` layers in the

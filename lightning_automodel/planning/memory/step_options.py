@@ -12,6 +12,7 @@ from lightning_automodel.parallel.chunked_loss import check_loss_chunks
 from lightning_automodel.parallel.context_parallel import CPAttention
 from lightning_automodel.parallel.options import ParallelOptions
 from lightning_automodel.parallel.tensor.plans.selection import PlanSpec
+from lightning_automodel.planning.memory.optimizer_step import AdamWImplementation, check_adamw
 from lightning_automodel.planning.memory.routing import ExpertRouting
 
 
@@ -52,8 +53,13 @@ class StepOptions:
     """A mixture-of-experts model's routing: the busiest expert's share of a rank's choices relative to a balanced
     one (1: balanced; see :class:`~lightning_automodel.planning.memory.routing.ExpertRouting`)."""
 
+    adamw: AdamWImplementation = "foreach"
+    """How the LightningModule's AdamW steps, whose temporaries the estimate counts (see
+    :mod:`~lightning_automodel.planning.memory.optimizer_step`)."""
+
     def __post_init__(self) -> None:
         check_loss_chunks(self.loss_chunks)
+        check_adamw(self.adamw)
         check_images(images_per_row=self.images_per_row, image_tokens=self.image_tokens)
         ExpertRouting(self.expert_imbalance)  # refused here, where it is given
 
@@ -64,18 +70,20 @@ class StepOptions:
         *,
         mp_policy: MixedPrecisionPolicy | None,
         loss_chunks: int,
+        adamw: AdamWImplementation = "foreach",
         images: tuple[int | None, int | None] = (None, None),
         expert_imbalance: float | None = None,
     ) -> StepOptions:
         """The step options of the strategy's ``parallel`` options, with FSDP2's ``mp_policy`` resolved for the
-        Trainer's precision, the LightningModule's ``loss_chunks`` and the ``images`` (a row's, tokens each) and
-        ``expert_imbalance`` (None: balanced) planned for."""
+        Trainer's precision, the LightningModule's ``loss_chunks`` and ``adamw``, the ``images`` (a row's, tokens
+        each) and ``expert_imbalance`` (None: balanced) planned for."""
         return cls(
             tp_plan=parallel.tp_plan,
             allow_unsharded_linears=parallel.allow_unsharded_linears,
             mp_policy=mp_policy,
             cp_attention=parallel.cp_attention,
             loss_chunks=loss_chunks,
+            adamw=adamw,
             freeze=parallel.freeze,
             images_per_row=images[0],
             image_tokens=images[1],
@@ -90,7 +98,15 @@ class StepOptions:
     def keywords(self) -> dict[str, Any]:
         """These options as keyword arguments of
         :func:`~lightning_automodel.planning.memory.activations.activation_bytes`."""
-        return {field.name: getattr(self, field.name) for field in fields(self)}
+        return {field.name: getattr(self, field.name) for field in fields(self) if field.name != "adamw"}
+
+    def optimizer_keywords(self) -> dict[str, Any]:
+        """These options as keyword arguments of
+        :func:`~lightning_automodel.planning.memory.optimizer_step.optimizer_step_bytes`: the AdamW and how the model
+        is parallelized."""
+        stepped = ("loss_chunks", "images_per_row", "image_tokens", "adamw")
+        parallel = {name: value for name, value in self.keywords().items() if name not in stepped}
+        return {"implementation": self.adamw, **parallel}
 
 
 def check_images(*, images_per_row: int | None, image_tokens: int | None, prefix: str = "") -> None:

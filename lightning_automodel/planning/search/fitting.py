@@ -78,6 +78,7 @@ class Fitting:
     too_large: list[LayoutFit] = field(default_factory=list)  # with full checkpointing, the least they need
     refused: dict[str, str] = field(default_factory=dict)  # layout -> why the plan refuses it
     carried: str | None = None  # beside the tokens: a vision-language model's images, an MoE model's routing
+    adamw: str = "foreach"  # the AdamW implementation whose step's temporaries are counted
 
     def __str__(self) -> str:
         lines = [
@@ -92,7 +93,7 @@ class Fitting:
             lines.append("too large even with full checkpointing:")
             lines += [_row(layout.candidate, layout.outcome) for layout in self.too_large]
         lines += [f"refused: {layout}: {why}" for layout, why in self.refused.items()]
-        lines += _notes(self.hardware, [layout.candidate for layout in [*self.fits, *self.too_large]])
+        lines += _notes(self.hardware, [layout.candidate for layout in [*self.fits, *self.too_large]], adamw=self.adamw)
         if self.fits:
             lines += pinned_config(self.fits[0].candidate, heading="the first, as the config's strategy:")
         return "\n".join(lines)
@@ -115,7 +116,9 @@ def fitting_layouts(
     is parallelized and computed beside its sizes; ``workers``: child processes measuring layouts side by side (1:
     this process). A layout the plan or the step refuses is listed with the refusal's first line."""
     step = step if step is not None else StepOptions()
-    fitting = Fitting(hardware, batch_shape, carried=_carried(model, step=step, batch_shape=batch_shape))
+    fitting = Fitting(
+        hardware, batch_shape, carried=_carried(model, step=step, batch_shape=batch_shape), adamw=step.adamw
+    )
     ranked, fitting.refused = candidates(
         model,
         world_size,
@@ -147,6 +150,7 @@ class LayoutChoice:
     seconds: float = 0.0  # the search's wall time
     workers: int = 1
     carried: str | None = None  # beside the tokens: a vision-language model's images, an MoE model's routing
+    adamw: str = "foreach"  # the AdamW implementation whose step's temporaries are counted
 
     @property
     def candidate(self) -> Candidate:
@@ -176,7 +180,7 @@ class LayoutChoice:
         lines += [f"refused: {layout}: {why}" for layout, why in self.refused.items()]
         seconds = [outcome.seconds for outcome in self.record.outcomes.values() if isinstance(outcome, Outcome)]
         lines.append(f"each candidate measured in {min(seconds):.1f}-{max(seconds):.1f} s of CPU")
-        lines += _notes(self.hardware, [self.candidate])
+        lines += _notes(self.hardware, [self.candidate], adamw=self.adamw)
         return "\n".join(lines + pinned_config(candidate, heading="to pin it, as the config's strategy:"))
 
 
@@ -246,7 +250,15 @@ def choose_layout(
         )
     seconds = time.monotonic() - started
     return LayoutChoice(
-        hardware, batch_shape, record, index, refused, seconds=seconds, workers=workers, carried=carried
+        hardware,
+        batch_shape,
+        record,
+        index,
+        refused,
+        seconds=seconds,
+        workers=workers,
+        carried=carried,
+        adamw=step.adamw,
     )
 
 
@@ -279,25 +291,27 @@ def _shortfall(candidate: Candidate, outcome: Outcome, *, budget: float) -> str:
     return (
         f"The smallest: {candidate.name} with {candidate.checkpointing} checkpointing needs"
         f" {_size(outcome.memory_bytes)} per GPU, {over} more (parameters, gradients and AdamW state"
-        f" {_size(outcome.state_bytes)}, activations {_size(outcome.activation_bytes)})."
+        f" {_size(outcome.state_bytes)}, the larger of activations {_size(outcome.activation_bytes)} and the AdamW"
+        f" step's temporaries {_size(outcome.optimizer_bytes)})."
     )
 
 
 def _remedies(
     candidate: Candidate, outcome: Outcome, *, budget: float, batch_shape: tuple[int, int], hardware: Hardware
 ) -> list[str]:
-    """What would make ``candidate`` fit, scaled from its estimate: its state sharded over more GPUs (the
-    activations stay), or activations that shrink with the rows or the tokens (the state stays)."""
+    """What would make ``candidate`` fit, scaled from its estimate: its state and the optimizer step's temporaries
+    sharded over more GPUs (the activations stay), or activations that shrink with the rows or the tokens (the state
+    and the temporaries stay)."""
     rows, tokens = batch_shape
     world = candidate.dims.world_size
-    state, activations = outcome.state_bytes, outcome.activation_bytes
+    state, activations, optimizer = outcome.state_bytes, outcome.activation_bytes, outcome.optimizer_bytes
     lines = ["It would fit with (scaled from that estimate; `lightning-automodel plan --fit` measures the new sizes):"]
     if activations is None or activations < budget:
-        gpus = math.ceil(world * state / (budget - (activations or 0)))
+        gpus = math.ceil(world * max(state / (budget - (activations or 0)), (state + optimizer) / budget))
         per_node = hardware.gpus_per_node
         gpus = math.ceil(gpus / per_node) * per_node if gpus > per_node else gpus
         lines.append(f"  - more GPUs: about {gpus} (the state sharded over {gpus / world:.1f} times as many)")
-    if activations and state < budget:
+    if activations and state + optimizer < budget:
         share = (budget - state) / activations
         if (fewer_rows := math.floor(rows * share)) >= 1:
             lines.append(f"  - a smaller batch: {fewer_rows} rows of {tokens:,} tokens")
@@ -343,10 +357,12 @@ def pinned_config(candidate: Candidate, *, heading: str) -> list[str]:
     return [*lines, "or as fit's overrides:", " ".join(overrides)]
 
 
-def _notes(hardware: Hardware, listed: list[Candidate]) -> list[str]:
+def _notes(hardware: Hardware, listed: list[Candidate], *, adamw: str) -> list[str]:
     notes = [
         f"throughput model: {hardware} (see planning/search/throughput.py); measure the layout you pick",
-        f"memory: {HEADROOM:.0%} of each GPU left to the CUDA context, NCCL's buffers and the allocator",
+        f"memory: {HEADROOM:.0%} of each GPU left to the CUDA context, NCCL's buffers and the allocator; a GPU's"
+        f" parameters, gradients and AdamW state with the larger of its activations and the temporaries of the"
+        f" AdamW step ({adamw}) after backward",
         f"attention: {ASSUMED_KERNEL}",
     ]
     if any(candidate.dims.cp > 1 for candidate in listed):

@@ -4,8 +4,9 @@ A layout is a split of the world into pp x dp_replicate x dp_shard x cp x tp ran
 setting. :func:`candidates` lists those a :class:`SearchSpace` allows (the sizes a user gave fixed, the others
 searched), each with its estimated throughput (:mod:`.throughput`), best first; :func:`layout_memory` measures one by
 running the code: the plan report's parameters, gradients and AdamW state per rank (the model parallelized in a fake
-process group) plus :mod:`..memory.activations`'s activation peak (one training step on fake tensors); under pp, those
-of the stage where they add up to the most.
+process group) plus the larger of :mod:`..memory.activations`'s activation peak (one training step on fake tensors)
+and the temporaries of the AdamW step after it (:mod:`..memory.optimizer_step`); under pp, those of the stage where
+they add up to the most.
 
 The global batch stays the one the user gave: every rank the fixed model-parallel sizes leave is a data-parallel rank
 reading the data module's rows, so a layout of k times as many pp x tp x cp ranks accumulates k batches per optimizer
@@ -31,6 +32,7 @@ from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.pipeline import PipelineOptions, stage_layers
 from lightning_automodel.planning.memory.activations import activation_bytes
 from lightning_automodel.planning.memory.layer_extrapolation import over_layers
+from lightning_automodel.planning.memory.optimizer_step import optimizer_step_bytes, peak_bytes
 from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.report import plan_report
 from lightning_automodel.planning.search.throughput import Hardware, tokens_per_second
@@ -97,17 +99,21 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A candidate's memory per GPU: the state (parameters, gradients, AdamW state) and the activation peak of the
-    stage where they add up to the most. ``activation_bytes`` is None where the state alone exceeded the budget, and
-    the step was not estimated."""
+    """A candidate's memory per GPU: the state (parameters, gradients, AdamW state), the activation peak and the AdamW
+    step's temporaries of the stage where they add up to the most. ``activation_bytes`` is None where the state alone
+    exceeded the budget, and the step was not estimated."""
 
     state_bytes: int
     activation_bytes: int | None
+    optimizer_bytes: int = 0
     seconds: float = 0.0  # the CPU time the measurement took
 
     @property
     def memory_bytes(self) -> int:
-        return self.state_bytes + (self.activation_bytes or 0)
+        """The state with the larger of the activations and the optimizer's temporaries (see
+        :func:`~lightning_automodel.planning.memory.optimizer_step.peak_bytes`)."""
+        activations = self.activation_bytes or 0
+        return peak_bytes(state=self.state_bytes, activations=activations, optimizer=self.optimizer_bytes)
 
 
 def candidates(
@@ -272,33 +278,44 @@ def _settings(
 
 
 def layout_memory(
-    model: nn.Module, candidate: Candidate, *, batch_shape: tuple[int, int], budget: float, step: StepOptions
+    model: nn.Module,
+    candidate: Candidate,
+    *,
+    batch_shape: tuple[int, int],
+    budget: float,
+    step: StepOptions,
+    temporaries: dict[tuple, int] | None = None,
 ) -> Outcome:
     """``candidate``'s memory per GPU, measured on copies of ``model`` (on the meta device) with ``step``'s plan,
-    precision and loss; the step is not estimated where the state alone exceeds ``budget``. A layout the plan or the
-    step refuses raises the refusal (a ValueError)."""
+    precision, loss and AdamW; the step is not estimated where the state alone exceeds ``budget``. A layout the plan
+    or the step refuses raises the refusal (a ValueError). ``temporaries``: the optimizer step's of the layouts
+    measured before with the same model and ``step``, which every checkpointing setting shares (read and added to)."""
     dims = candidate.dims
     states = state_of_each_stage(model, candidate, step=step)
     if max(states) > budget:
         return Outcome(max(states), None)
     rows, tokens = batch_shape
-    outcomes = [
-        Outcome(
-            state,
-            activation_bytes(
-                copy.deepcopy(model),
-                dims,
-                micro_batch=rows,
-                seq_len=tokens,
-                rank=stage * dims.ranks_per_stage,
-                activation_checkpointing=candidate.checkpointing,
-                sp=candidate.sp,
-                pipeline=candidate.pipeline,
-                **step.keywords(),
-            ),
+    layout = dict(sp=candidate.sp, pipeline=candidate.pipeline)
+    outcomes = []
+    for stage, state in enumerate(states):
+        rank = stage * dims.ranks_per_stage
+        activations = activation_bytes(
+            copy.deepcopy(model),
+            dims,
+            micro_batch=rows,
+            seq_len=tokens,
+            rank=rank,
+            activation_checkpointing=candidate.checkpointing,
+            **layout,
+            **step.keywords(),
         )
-        for stage, state in enumerate(states)
-    ]
+        known = {} if temporaries is None else temporaries
+        key = (dims, candidate.sp, repr(candidate.pipeline), rank)
+        if key not in known:
+            known[key] = optimizer_step_bytes(
+                copy.deepcopy(model), dims, rank=rank, **layout, **step.optimizer_keywords()
+            )
+        outcomes.append(Outcome(state, activations, known[key]))
     return max(outcomes, key=lambda outcome: outcome.memory_bytes)
 
 

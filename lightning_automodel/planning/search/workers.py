@@ -22,13 +22,21 @@ from lightning_automodel.planning.search.layouts import Candidate, Outcome, layo
 
 
 def measure_candidate(
-    *, model: nn.Module, candidate: Candidate, batch_shape: tuple[int, int], budget: float, step: StepOptions
+    *,
+    model: nn.Module,
+    candidate: Candidate,
+    batch_shape: tuple[int, int],
+    budget: float,
+    step: StepOptions,
+    temporaries: dict[tuple, int] | None = None,
 ) -> Outcome | str:
     """``candidate``'s memory and the CPU time measuring it took, or the first line of its refusal (a layout the
-    plan or the step refuses)."""
+    plan or the step refuses); ``temporaries``: :func:`~.layouts.layout_memory`'s."""
     started = time.process_time()
     try:
-        outcome = layout_memory(model, candidate, batch_shape=batch_shape, budget=budget, step=step)
+        outcome = layout_memory(
+            model, candidate, batch_shape=batch_shape, budget=budget, step=step, temporaries=temporaries
+        )
     except ValueError as refusal:
         return str(refusal).splitlines()[0]
     return dataclasses.replace(outcome, seconds=time.process_time() - started)
@@ -39,10 +47,12 @@ class Measurements:
 
     def __init__(self, model: nn.Module, *, batch_shape: tuple[int, int], budget: float, step: StepOptions) -> None:
         self.job = dict(model=model, batch_shape=batch_shape, budget=budget, step=step)
+        self._temporaries: dict[tuple, int] = {}  # the optimizer step's, of the layouts measured here
 
     def here(self, wave: list[Candidate]) -> list[Outcome | str]:
-        """The wave measured in this process, one after another (outside any process group)."""
-        return [measure_candidate(candidate=candidate, **self.job) for candidate in wave]
+        """The wave measured in this process, one after another (outside any process group), each layout's optimizer
+        step once for all its checkpointing settings."""
+        return [measure_candidate(candidate=c, temporaries=self._temporaries, **self.job) for c in wave]
 
     def submit(self, child: ChildProcess, candidate: Candidate) -> None:
         child.submit(measure_candidate, {**self.job, "candidate": candidate})

@@ -104,7 +104,7 @@ class StepOptions:
         """These options as keyword arguments of
         :func:`~lightning_automodel.planning.memory.optimizer_step.optimizer_step_bytes`: the AdamW and how the model
         is parallelized."""
-        stepped = ("loss_chunks", "images_per_row", "image_tokens", "adamw")
+        stepped = ("loss_chunks", "images_per_row", "image_tokens", "expert_imbalance")
         parallel = {name: value for name, value in self.keywords().items() if name not in stepped}
         return {"implementation": self.adamw, **parallel}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,11 @@ ZERO_GRADIENT = 1e-5
 # A gradient's limit from rounding (see gradient_limits): a multiple of the single process's own fp32 error, at most
 # the ceiling (a missing reduction gives errors of order 1).
 ROUNDING_MARGIN, ROUNDING_CEILING = 4, 1e-3
+# Draws of the rounding-sized perturbation (see rounding_perturbed_copies). One draw moves a gradient by a random
+# multiple of its typical change: Apertus 1.5's alpha_p behind a sum cancelling 1856-fold moved by 2.9e-6 in draw 1
+# and by 1.3e-5 to 5.0e-5 in draws 2-10, and tensor parallel moved it by 5.6e-5. The root mean square of eight draws
+# (2.6e-5 there) estimates the typical change to within about a quarter (1 / sqrt(2 x 8)).
+PERTURBATION_DRAWS = 8
 BATCH_SIZE, SEQ_LEN = 4, 16
 
 
@@ -125,13 +130,14 @@ def gradient_errors(model: nn.Module, reference: nn.Module) -> tuple[dict[str, f
 
 
 def gradient_limits(rounding: dict[str, float]) -> dict[str, float]:
-    """The gradients whose single-process fp32 rounding (``rounding``: the error against fp64, or the change under a
-    rounding-sized perturbation, see :func:`worst_rounding`) is larger than the fp32 tolerance allows for, each with
-    four times that error as its limit: gradients through sums that cancel (DiffLlama's lambda vectors), recurrences
-    that amplify rounding (Qwen3-Next's decay parameters), or zero in exact arithmetic and above the zero floor (a key
-    projection's bias before a softmax). Both runs round, so their difference reaches the sum of their errors, and a
-    layout summing in another order may round more: four times leaves room for both. At most ROUNDING_CEILING,
-    however much a gradient rounds: a missing reduction gives errors of order 1."""
+    """The gradients whose single-process fp32 rounding (``rounding``: the error against fp64, or the typical
+    change under rounding-sized perturbations, see :func:`worst_rounding`) is larger than the fp32 tolerance allows
+    for, each with four times that error as its limit: gradients through sums that cancel (DiffLlama's lambda
+    vectors; a scalar summed over many elements, as xIELU's alpha_p), recurrences that amplify rounding (Qwen3-Next's
+    decay parameters), or zero in exact arithmetic and above the zero floor (a key projection's bias before a
+    softmax). Both runs round, so their difference reaches the sum of their errors, and a layout summing in another
+    order may round more: four times leaves room for both. At most ROUNDING_CEILING, however much a gradient rounds:
+    a missing reduction gives errors of order 1."""
     return {
         name: min(ROUNDING_MARGIN * error, ROUNDING_CEILING)
         for name, error in rounding.items()
@@ -158,22 +164,33 @@ def fp32_rounding(reference: nn.Module, tokens: torch.Tensor, labels: torch.Tens
 
 
 def fp32_sensitivity(reference: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Each gradient's change when every weight of ``reference`` moves by fp32's rounding (see
-    :func:`rounding_perturbed_copy`): how far rounding alone, amplified by the model, moves it. It measures what an
-    fp64 copy cannot where the model's kernels compute in fp32 whatever their inputs (Qwen3-Next's gated delta rule)."""
-    try:
-        perturbed = rounding_perturbed_copy(reference)
-    except RuntimeError:  # a model that cannot be copied after a step (RecurrentGemma keeps non-leaf tensors)
-        return {}
-    perturbed.zero_grad(set_to_none=True)
-    loss_and_logits(perturbed, tokens, labels)[0].backward()
+    """Each gradient's typical change when every weight of ``reference`` moves by fp32's rounding (the root mean square
+    over :func:`rounding_perturbed_copies`): how far rounding alone, amplified by the model, moves it. It measures
+    what an fp64 copy cannot where the model's kernels compute in fp32 whatever their inputs (Qwen3-Next's gated
+    delta rule)."""
     expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     floor = _zero_gradient_floor(expected)
-    return {
-        name: relative_error(p.grad, expected[name], floor=floor)
-        for name, p in perturbed.named_parameters()
-        if p.grad is not None and name in expected
-    }
+
+    def changes(perturbed: nn.Module) -> dict[str, float]:
+        perturbed.zero_grad(set_to_none=True)
+        loss_and_logits(perturbed, tokens, labels)[0].backward()
+        return {
+            name: relative_error(p.grad, expected[name], floor=floor)
+            for name, p in perturbed.named_parameters()
+            if p.grad is not None and name in expected
+        }
+
+    try:
+        return root_mean_square([changes(perturbed) for perturbed in rounding_perturbed_copies(reference)])
+    except RuntimeError:  # a model that cannot be copied after a step (RecurrentGemma keeps non-leaf tensors)
+        return {}
+
+
+def rounding_perturbed_copies(model: nn.Module, *, draws: int = PERTURBATION_DRAWS) -> Iterator[nn.Module]:
+    """``draws`` copies of ``model``, one at a time, each perturbed by its own draw (:func:`rounding_perturbed_copy`
+    with seeds 1 to ``draws``)."""
+    for seed in range(1, draws + 1):
+        yield rounding_perturbed_copy(model, seed=seed)
 
 
 def rounding_perturbed_copy(model: nn.Module, *, seed: int = 1) -> nn.Module:
@@ -186,6 +203,12 @@ def rounding_perturbed_copy(model: nn.Module, *, seed: int = 1) -> nn.Module:
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float64) * 2**-24
             param.mul_((1 + noise).to(device=param.device, dtype=param.dtype))
     return perturbed
+
+
+def root_mean_square(measured: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each gradient's root mean square over several draws of one measure (NaN if any draw is)."""
+    names = {name for errors in measured for name in errors}
+    return {name: math.sqrt(sum(errors.get(name, 0.0) ** 2 for errors in measured) / len(measured)) for name in names}
 
 
 def worst_rounding(*measured: dict[str, float]) -> dict[str, float]:

@@ -38,7 +38,8 @@ from lightning_automodel.planning.replica_comparison import (
     ZERO_GRADIENT,
     fp64_copy,
     gradient_limits,
-    rounding_perturbed_copy,
+    root_mean_square,
+    rounding_perturbed_copies,
     worst_rounding,
 )
 from lightning_automodel.testing.collectives import CollectiveCount
@@ -80,7 +81,7 @@ class Reference:
     model: nn.Module
     outputs: Outputs
     # Each gradient's limit: the fp32 tolerance, or four times the single process's own rounding where that is larger
-    # (its error against fp64, or its change when the weights move by rounding's size), up to a ceiling (see
+    # (its error against fp64, or its typical change when the weights move by rounding's size), up to a ceiling (see
     # lightning_automodel.planning.replica_comparison.gradient_limits).
     grad_limits: dict[str, float]
     rows: Rows  # the batch, as the Kind builds it
@@ -198,17 +199,23 @@ def _parallel_outputs(model: nn.Module, dp: DeviceMesh | None, *, rows: Rows, ki
 def grad_limits_of(model: nn.Module, outputs: Outputs, *, rows: Rows, kind: Kind) -> dict[str, float]:
     """The largest error each gradient may have (see
     :func:`lightning_automodel.planning.replica_comparison.gradient_limits`), from the worst of two measures of its
-    fp32 rounding: one step of an fp64 copy, and one of a copy whose weights moved by rounding's size (see
-    :func:`~lightning_automodel.planning.replica_comparison.fp32_sensitivity`); the tolerance alone where neither
-    copy runs."""
+    fp32 rounding: one step of an fp64 copy, and the root mean square over steps of copies whose weights moved by
+    rounding's size (see :func:`~lightning_automodel.planning.replica_comparison.fp32_sensitivity`); the tolerance
+    alone where neither copy runs."""
     measured = []
-    for copy_of in (fp64_copy, rounding_perturbed_copy):
+    for copies in (lambda: [fp64_copy(model)], lambda: rounding_perturbed_copies(model)):
         try:
-            measured.append(gradient_errors(outputs, _outputs(copy_of(model), rows, kind=kind), floor=ZERO_GRADIENT))
+            draws = [_rounding_errors(outputs, replica, rows=rows, kind=kind) for replica in copies()]
         except RuntimeError:  # kernels without fp64; a model that cannot be copied after a step (RecurrentGemma)
             continue
+        measured.append(root_mean_square(draws))
     loosened = gradient_limits(worst_rounding(*measured))
     return {name: loosened.get(name, FP32_TOLERANCE) for name in outputs.grads}
+
+
+def _rounding_errors(outputs: Outputs, replica: nn.Module, *, rows: Rows, kind: Kind) -> dict[str, float]:
+    """Each gradient of ``outputs`` against one step of ``replica`` (an fp64 or a perturbed copy)."""
+    return gradient_errors(outputs, _outputs(replica, rows, kind=kind), floor=ZERO_GRADIENT)
 
 
 @functools.cache

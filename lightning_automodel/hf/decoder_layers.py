@@ -3,6 +3,8 @@ gathers one at a time."""
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections import Counter
 
 from torch import nn
@@ -105,4 +107,16 @@ def _units(module: nn.Module) -> list[nn.Module]:
         return []
     if not isinstance(module, PreTrainedModel):
         return [module]
-    return [unit for child in module.children() for unit in _units(child)]
+    read = _read_without_calls(module)
+    return [unit for name, child in module.named_children() if name not in read for unit in _units(child)]
+
+
+def _read_without_calls(module: nn.Module) -> set[str]:
+    """The children whose weights ``module``'s own forward reads without calling them (DeepSeek-OCR 2's learned
+    queries, ``self.query_768_resolution.weight``): FSDP2 gathers a unit's weights around its calls only, so the unit
+    around ``module`` holds them."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return set()
+    return set(re.findall(r"self\.(\w+)\.(?:weight|bias)\b", source))

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
 from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers, named_multimodal_parts
-from lightning_automodel.hf.vision.image_inputs import image_token_count
+from lightning_automodel.hf.vision.image_inputs import builds_images
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline, context_parallel_problem
 from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
 from lightning_automodel.parallel.mesh import axis_size, tp_mesh
@@ -194,7 +194,7 @@ def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:
     (None)."""
     if not isinstance(model, PreTrainedModel):
         return None
-    with_images = _probe_at_lengths(model, tp=tp, images=True) if image_token_count(model) is not None else None
+    with_images = _probe_at_lengths(model, tp=tp, images=True) if builds_images(model) else None
     if isinstance(with_images, Trace):
         return with_images
     found = _probe_at_lengths(model, tp=tp, images=False)

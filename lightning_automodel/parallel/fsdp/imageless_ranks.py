@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from lightning_automodel.hf.vision.image_inputs import image_token_count, model_pixels
+from lightning_automodel.hf.vision.image_inputs import builds_images, model_pixels
 
 
 def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -48,7 +48,7 @@ class TowerStandIn:
         self.model = model
         self.group = mesh.get_group()
         self.device_type = mesh.device_type
-        known = image_token_count(model) is not None if known is None else known
+        known = builds_images(model) if known is None else known
         self.pixels = _stand_in_pixels(model) if known else {}
         self.pending = False
         # First among the language model's hooks: before tensor parallel turns its input into a DTensor.

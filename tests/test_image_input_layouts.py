@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 import torch
-from packed_image_checks import check_packed_imageless_rank
+from packed_image_checks import check_packed_imageless_rank, check_views_differ_by_rank
 from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
 from lightning_automodel.hf.vision.image_inputs import image_token_count, model_pixels
@@ -165,8 +165,10 @@ def test_a_packed_batch_whose_images_do_not_add_up_is_refused_naming_the_input()
 
 
 def test_a_rank_without_images_runs_a_packed_stand_in():
-    """dp_shard=2, one rank's rows without images (MiniCPM-V, Molmo2): the step matches one process."""
-    results = run_checks(2, [partial(check_packed_imageless_rank, name) for name in ("minicpmv4_6", "molmo2")])
+    """dp_shard=2, one rank's rows without images (MiniCPM-V, Molmo2, Inkling; DeepSeek-OCR 2's stand-in has a crop):
+    the step matches one process; DeepSeek-OCR 2 with crops on one rank only (its tower runs once a view) too."""
+    checks = [partial(check_packed_imageless_rank, name) for name in ("minicpmv4_6", "molmo2", "inkling_mm_model")]
+    results = run_checks(2, [*checks, partial(check_views_differ_by_rank, "deepseek_ocr2")], timeout=400)
     print(results)
 
 

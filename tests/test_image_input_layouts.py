@@ -174,12 +174,17 @@ def test_a_rank_without_images_runs_a_packed_stand_in():
 
 def test_a_block_called_once_an_image_is_held_by_the_root():
     """MiniCPM-V's merger runs its block once an image (the probe's step: an image a row): as a unit of its own, ranks
-    with other numbers of images would gather it other numbers of times. LLaVA's tower calls each block once."""
+    with other numbers of images would gather it other numbers of times. LLaVA's tower calls each block once;
+    DeepSeek-OCR 2's runs once a view (a global view, then a crop)."""
     from lightning_automodel.parallel.preflight import blocks_called_per_image, probe_unsharded
 
     for model_type, held in [("minicpmv4_6", ("model.merger.mlp.0",)), ("llava", ())]:
         model = meta_model(model_type)
         assert blocks_called_per_image(model, probe_unsharded(model, tp=1)) == held, model_type
+    model = meta_model("deepseek_ocr2")  # its tower, and the units beside its blocks, once a view
+    held = set(blocks_called_per_image(model, probe_unsharded(model, tp=1)))
+    assert {"model.vision_tower.sam_encoder.layers.0", "model.vision_tower.sam_encoder.patch_embed"} <= held
+    assert "model.multi_modal_projector" in held and "model.language_model.layers.0" not in held
 
 
 # Images of any number of crops (DeepSeek-OCR 2: 144 queries a view and a separator) or of patches (Inkling: one token

@@ -1,6 +1,7 @@
-"""Image inputs packed across the batch (MiniCPM-V's, Molmo2's: lightning_automodel/hf/vision/packed_images.py) inside
-gloo workers: a data-parallel rank whose rows hold no image runs the tower on a stand-in image of the same layout,
-and one step matches one process."""
+"""Image inputs packed across the batch (MiniCPM-V's, Molmo2's: lightning_automodel/hf/vision/packed_images.py) or of
+any number of patches or views an image (Inkling's, DeepSeek-OCR 2's) inside gloo workers: a data-parallel rank whose
+rows hold no image runs the tower on a stand-in image of the same layout, ranks whose images have other numbers of
+views call the tower alike, and one step matches one process."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 import torch
-from packed_image_checks import check_packed_imageless_rank, check_packed_rows_split_over_cp
+from packed_image_checks import check_packed_imageless_rank, check_packed_rows_split_over_cp, check_views_differ_by_rank
 from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
 from lightning_automodel.hf.vision.image_inputs import image_inputs, image_token_count, model_pixels
@@ -30,6 +30,12 @@ LAYOUTS = {
     "video_llama_3": {"pixel_values": (6, 48), "image_grid_thw": (2, 3), "image_merge_sizes": (2,)},
     # tiles padded to the config's 4, one real
     "mllama": {"pixel_values": (2, 1, 4, 3, 16, 16), "aspect_ratio_ids": (2, 1), "aspect_ratio_mask": (2, 1, 4)},
+    # one token a patch of (frames, patch, patch, channels), no grid: 2 x 2 patches an image
+    "inkling_mm_model": {"pixel_values": (8, 2, 4, 4, 3)},
+    # a global view and a local crop an image, the crops' counts a tensor
+    "deepseek_ocr2": {"pixel_values": (2, 3, 16, 16), "pixel_values_local": (2, 3, 16, 16), "num_local_patches": (2,)},
+    # the same forward arguments, the counts a list only (no tensor a batch carries): global views alone
+    "unlimited_ocr": {"pixel_values": (2, 3, 16, 16)},
 }
 
 
@@ -159,22 +165,121 @@ def test_a_packed_batch_whose_images_do_not_add_up_is_refused_naming_the_input()
 
 
 def test_packed_images_over_two_ranks():
-    """dp_shard=2, one rank's rows without images (MiniCPM-V, Molmo2): the step matches one process. Molmo2 at cp=2,
-    a row's two images on the two ranks (its image tokens seeing each other both ways across them), and under
-    parallelize with one image (the rank whose share is empty encodes a stand-in): the call matches one process."""
-    checks = [partial(check_packed_imageless_rank, name) for name in ("minicpmv4_6", "molmo2")]
+    """dp_shard=2, one rank's rows without images (MiniCPM-V, Molmo2, Inkling; DeepSeek-OCR 2's stand-in has a crop):
+    the step matches one process; DeepSeek-OCR 2 with crops on one rank only (its tower runs once a view) too. Molmo2
+    at cp=2, a row's two images on the two ranks (its image tokens seeing each other both ways across them), and
+    under parallelize with one image (the rank whose share is empty encodes a stand-in): the call matches one
+    process."""
+    checks = [partial(check_packed_imageless_rank, name) for name in ("minicpmv4_6", "molmo2", "inkling_mm_model")]
+    checks += [partial(check_views_differ_by_rank, "deepseek_ocr2")]
     checks += [partial(check_packed_rows_split_over_cp, "molmo2", fsdp=fsdp) for fsdp in (False, True)]
-    print(run_checks(2, checks))
+    print(run_checks(2, checks, timeout=400))
 
 
 def test_a_block_called_once_an_image_is_held_by_the_root():
     """MiniCPM-V's merger runs its block once an image (the probe's step: an image a row): as a unit of its own, ranks
-    with other numbers of images would gather it other numbers of times. LLaVA's tower calls each block once."""
+    with other numbers of images would gather it other numbers of times. LLaVA's tower calls each block once;
+    DeepSeek-OCR 2's runs once a view (a global view, then a crop)."""
     from lightning_automodel.parallel.preflight import blocks_called_per_image, probe_unsharded
 
     for model_type, held in [("minicpmv4_6", ("model.merger.mlp.0",)), ("llava", ())]:
         model = meta_model(model_type)
         assert blocks_called_per_image(model, probe_unsharded(model, tp=1)) == held, model_type
+    model = meta_model("deepseek_ocr2")  # its tower, and the units beside its blocks, once a view
+    held = set(blocks_called_per_image(model, probe_unsharded(model, tp=1)))
+    assert {"model.vision_tower.sam_encoder.layers.0", "model.vision_tower.sam_encoder.patch_embed"} <= held
+    assert "model.multi_modal_projector" in held and "model.language_model.layers.0" not in held
+
+
+# Images of any number of crops (DeepSeek-OCR 2: 144 queries a view and a separator) or of patches (Inkling: one token
+# each), a row's images: their placeholders (and each image's crops); the last row holds none.
+UNEVEN = {
+    "deepseek_ocr2": ([[2 * 144 + 1], [144 + 1], []], {"num_local_patches": [1, 0]}),
+    "inkling_mm_model": ([[6, 2], [3], []], {}),
+}
+
+
+def _uneven_batch(model: torch.nn.Module, placeholders: list[list[int]], crops: list[int]) -> dict[str, torch.Tensor]:
+    """Rows of text holding images of ``placeholders`` each, a text token before each, and their image inputs."""
+    from lightning_automodel.hf.vision.tiny import SPECIAL_IDS_FROM, special_token_ids
+
+    length = 2 + max(sum(count + 1 for count in row) for row in placeholders)
+    input_ids = torch.randint(1, SPECIAL_IDS_FROM, (len(placeholders), length), generator=torch.Generator())
+    input_ids[torch.isin(input_ids, torch.tensor(sorted(special_token_ids(model.config))))] = 3
+    for row, counts in enumerate(placeholders):
+        start = 1
+        for count in counts:
+            input_ids[row, start : start + count] = model.config.image_token_id
+            start += count + 1
+    images = sum(len(row) for row in placeholders)
+    if crops:  # a global view an image, its crops after all of them
+        vision = model.config.vision_config.sam_config
+        view = (3, vision.image_size, vision.image_size)
+        inputs = {"pixel_values": torch.randn(images, *view), "pixel_values_local": torch.randn(sum(crops), *view)}
+        inputs["num_local_patches"] = torch.tensor(crops)
+    else:
+        vision = model.config.vision_config
+        patch = (vision.temporal_patch_size, vision.patch_size, vision.patch_size, vision.num_channels)
+        inputs = {"pixel_values": torch.randn(sum(map(sum, placeholders)), *patch)}
+    labels = torch.where(input_ids == model.config.image_token_id, -100, input_ids)
+    return {"input_ids": input_ids, **inputs, "labels": labels}
+
+
+@pytest.mark.parametrize("model_type", sorted(UNEVEN))
+def test_images_of_any_number_of_crops_or_patches_split_into_each_ranks_rows(model_type):
+    """Each set of rows takes its images' crops (by num_local_patches) or patches, none where it holds none: its
+    logits are the whole batch's rows', and a rank without images runs the tower on a stand-in of the same layout."""
+    from lightning_automodel.hf.vision.image_inputs import builds_images
+    from lightning_automodel.parallel.fsdp.imageless_ranks import stand_in_pixels
+    from lightning_automodel.testing.coverage_report.kinds import image_loss, rows_part
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(tiny_image_text_config(model_type))
+    placeholders, extra = UNEVEN[model_type]
+    rows = _uneven_batch(model, placeholders, extra.get("num_local_patches", []))
+    with torch.no_grad():
+        whole = image_loss(model, rows)[1]
+        for part in (slice(0, 1), slice(1, 3), slice(2, 3)):
+            mine = rows_part(rows, part, model=model)
+            alone = image_loss(model, mine)[1]
+            assert torch.allclose(alone, whole[part], atol=1e-5, rtol=1e-5), (part, (alone - whole[part]).abs().max())
+        assert "pixel_values" not in rows_part(rows, slice(2, 3), model=model)
+        stand_in = stand_in_pixels(model)
+        assert builds_images(model) and model.get_image_features(**stand_in).pooler_output is not None
+
+
+def test_an_images_placeholders_are_one_run_or_one_run_a_view():
+    """DeepSeek-OCR 2's processor writes an image's placeholders in one run; Step3p7's marks each view's run apart
+    (a crop's, then the global view's)."""
+    from lightning_automodel.hf.vision.local_views import view_placeholders
+
+    input_ids = torch.tensor([[0, 9, 9, 9, 0, 9, 0], [9, 9, 0, 0, 0, 0, 0]])
+    assert view_placeholders(input_ids, token=9, crops=torch.tensor([0, 0, 0])).tolist() == [3, 1, 2]
+    assert view_placeholders(input_ids, token=9, crops=torch.tensor([1, 0])).tolist() == [4, 2]
+    with pytest.raises(ValueError, match="lie in 3 runs, and its 2 images have 0 crops"):
+        view_placeholders(input_ids, token=9, crops=torch.tensor([0, 0]))
+
+
+def test_crops_that_do_not_add_up_are_refused_naming_the_input():
+    from lightning_automodel.hf.vision.image_rows import image_rows
+
+    model = meta_model("deepseek_ocr2")
+    images = model_pixels(model, images=2)
+    images["num_local_patches"] = torch.tensor([2, 1])
+    input_ids = torch.full((2, 3), model.config.image_token_id)
+    with pytest.raises(ValueError, match="pixel_values_local: 3 entries along dimension 0 expected, 2 given"):
+        image_rows(model, input_ids, images=images, tokens_per_image=0)
+
+
+def test_a_child_whose_weights_its_parent_reads_uncalled_is_no_unit():
+    """DeepSeek-OCR 2's tower reads its learned queries' weight without calling their embedding: as a unit of its own
+    FSDP2 would never gather it."""
+    from lightning_automodel.hf.decoder_layers import multimodal_units
+
+    model = meta_model("deepseek_ocr2")
+    units = {id(unit) for unit in multimodal_units(model)}
+    tower = model.model.vision_tower
+    assert id(tower.sam_encoder.patch_embed) in units and id(tower.query_768_resolution) not in units
 
 
 @pytest.mark.parametrize("model_type", ["minicpmv4_7", "molmo2"])
@@ -191,7 +296,7 @@ def test_a_pipeline_gives_each_micro_batch_its_rows_packed_images_and_canvas_pos
     halves = [rows_part(inputs, part, model=model) for part in (slice(0, 2), slice(2, 4))]
     stage_images = StageImages(model)
     model.forward = lambda input_ids=None, *args, labels=None, **given: None  # as a pipeline's take-over leaves it
-    assert {"target_sizes", "image_token_pooling"} & set(stage_images._stand_in_pixels)  # found before the take-over
+    assert {"target_sizes", "image_token_pooling"} & set(stage_images.stand_in_pixels)  # found before the take-over
     _, row_inputs = stage_images.split(inputs["input_ids"], dict(inputs), microbatches=2)
     for rows, alone in zip(torch.arange(4).chunk(2), halves, strict=True):
         first, later = row_inputs(rows, first=True), row_inputs(rows, first=False)

@@ -3,6 +3,8 @@ gathers one at a time."""
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections import Counter
 
 from torch import nn
@@ -95,14 +97,34 @@ def multimodal_units(model: nn.Module) -> list[nn.Module]:
     (CLIP's ``CLIPVisionModel``) gives its children instead (its embeddings and norms; Qwen2-VL's patch embedding and
     merger): transformers finds the layers whose outputs it records (LLaVA reads a tower layer's hidden states) by
     the model's class, which a unit's class would replace."""
-    return [unit for _, part in named_multimodal_parts(model) for unit in _units(part)]
+    return [unit for _, unit in named_multimodal_units(model)]
 
 
-def _units(module: nn.Module) -> list[nn.Module]:
-    """``module`` as units: none where its parameters all sit in lists of blocks (units of their own)."""
+def named_multimodal_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """:func:`multimodal_units` with their names."""
+    return [unit for name, part in named_multimodal_parts(model) for unit in _units(name, part)]
+
+
+def _units(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module`` (named ``name``) as units: none where its parameters all sit in lists of blocks (units of their
+    own)."""
     in_lists = {id(p) for child in module.modules() if isinstance(child, nn.ModuleList) for p in child.parameters()}
     if all(id(p) in in_lists for p in module.parameters()):
         return []
     if not isinstance(module, PreTrainedModel):
-        return [module]
-    return [unit for child in module.children() for unit in _units(child)]
+        return [(name, module)]
+    read = _read_without_calls(module)
+    children = [(child_name, child) for child_name, child in module.named_children() if child_name not in read]
+    return [unit for child_name, child in children for unit in _units(f"{name}.{child_name}", child)]
+
+
+def _read_without_calls(module: nn.Module) -> set[str]:
+    """The children whose weights ``module``'s own forward reads and never calls (DeepSeek-OCR 2's learned queries,
+    ``self.query_768_resolution.weight``): FSDP2 gathers a unit's weights around its calls only, so the unit around
+    ``module`` holds them."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return set()
+    read = set(re.findall(r"self\.(\w+)\.(?:weight|bias)\b", source))
+    return {name for name in read if not re.search(rf"self\.{name}\(", source)}

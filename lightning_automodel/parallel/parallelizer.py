@@ -29,7 +29,12 @@ from typing import Any, TypeVar
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_automodel.hf.decoder_layers import multimodal_units, named_decoder_layers, named_language_layers
+from lightning_automodel.hf.decoder_layers import (
+    multimodal_units,
+    named_decoder_layers,
+    named_language_layers,
+    named_multimodal_units,
+)
 from lightning_automodel.hf.freezing import freeze
 from lightning_automodel.hf.peft import unwrap_peft
 from lightning_automodel.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -271,7 +276,7 @@ def _apply_fsdp(
             fsdp_mesh(device_mesh),
             options,
             experts=experts.within(root) if experts is not None else None,
-            parts=multimodal_units(root),
+            parts=[unit for name, unit in named_multimodal_units(root) if name not in findings.held_by_root],
             fp32_compute_module_names=fp32_pinned_names(model),
         )
 

@@ -14,8 +14,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers, named_multimodal_parts
-from lightning_automodel.hf.vision.image_inputs import image_token_count
+from lightning_automodel.hf.decoder_layers import (
+    named_decoder_layers,
+    named_language_layers,
+    named_multimodal_parts,
+    named_multimodal_units,
+)
+from lightning_automodel.hf.vision.image_inputs import builds_images
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline, context_parallel_problem
 from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
 from lightning_automodel.parallel.mesh import axis_size, tp_mesh
@@ -194,7 +199,7 @@ def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:
     (None)."""
     if not isinstance(model, PreTrainedModel):
         return None
-    with_images = _probe_at_lengths(model, tp=tp, images=True) if image_token_count(model) is not None else None
+    with_images = _probe_at_lengths(model, tp=tp, images=True) if builds_images(model) else None
     if isinstance(with_images, Trace):
         return with_images
     found = _probe_at_lengths(model, tp=tp, images=False)
@@ -231,12 +236,14 @@ def blocks_recomputed_outside_calls(model: nn.Module, unsharded: Trace) -> tuple
 
 
 def blocks_called_per_image(model: nn.Module, unsharded: Trace) -> tuple[str, ...]:
-    """The blocks of the parts beside the language model that the probe's step with images (an image a row) calls
-    more than once: once an image (MiniCPM-V's merger). As units of their own, FSDP2 would gather them once a call,
-    as many times as a rank has images, and ranks holding other numbers of images (a stand-in's one) would issue
-    other collectives. The root's unit holds them, gathered once a step."""
+    """The blocks and units of the parts beside the language model that the probe's step with images (an image a
+    row) calls more than once: once an image (MiniCPM-V's merger) or once a view (DeepSeek-OCR 2's tower, on global
+    views, then on crops). As units of their own, FSDP2 would gather them once a call, and ranks holding other
+    numbers of images or views (a stand-in's one) would issue other collectives. The root's unit holds them,
+    gathered once a step."""
     parts = tuple(f"{name}." for name, _ in named_multimodal_parts(model))
     if not unsharded.images or not parts:
         return ()
-    blocks = named_decoder_layers(model)
-    return tuple(name for name, _ in blocks if name.startswith(parts) and len(unsharded.calls.get(name, ())) > 1)
+    blocks = [name for name, _ in named_decoder_layers(model) if name.startswith(parts)]
+    units = [name for name, _ in named_multimodal_units(model)]
+    return tuple(name for name in [*blocks, *units] if len(unsharded.calls.get(name, ())) > 1)

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_automodel.hf.vision.beside_pixels import beside_pixels, unmarked_token_count
 from lightning_automodel.hf.vision.beside_pixels import forward_arguments as _forward_arguments
+from lightning_automodel.hf.vision.local_views import local_views, takes_local_views
 from lightning_automodel.hf.vision.packed_images import packed_layout, packed_pixels, packed_token_count
 from lightning_automodel.hf.vision.patch_sequences import (
     FLATTENED,
@@ -52,11 +53,14 @@ from lightning_automodel.hf.vision.patch_sequences import (
 from lightning_automodel.hf.vision.patches import (
     GRID_HW,
     MERGE_SIZES,
+    PATCH_TOKEN_GRID,
+    PATCH_TOKENS,
     UNFLATTENED,
     channel_count,
     merge_size,
     patch_layout,
     patch_pixels,
+    patch_token_pixels,
     random_pixels,
     side,
 )
@@ -84,6 +88,8 @@ def image_token_count(model: nn.Module) -> int | None:
         return sequence_token_count(model)
     if merge_size(vision, accepted=image_arguments(model)) is not None:
         return _GRID[1] * _GRID[2]  # the merged grid's tokens
+    if PATCH_TOKENS in image_arguments(model):
+        return PATCH_TOKEN_GRID[0] * PATCH_TOKEN_GRID[1]
     pooled = [getattr(config, name, None) for name in ("mm_tokens_per_image", "num_query_tokens")]
     if any(isinstance(count, int) for count in pooled):
         return next(count for count in pooled if isinstance(count, int))
@@ -92,6 +98,12 @@ def image_token_count(model: nn.Module) -> int | None:
         return None
     full = getattr(config, "vision_feature_select_strategy", None) == "full"
     return (image_size // patch_size) ** 2 + full
+
+
+def builds_images(model: nn.Module) -> bool:
+    """Whether this builder makes ``model``'s image inputs: of a count its config gives (:func:`image_token_count`),
+    or of global and local views whose placeholders only the model's code counts (measured: DeepSeek-OCR 2's)."""
+    return image_token_count(model) is not None or takes_local_views(model)
 
 
 def image_inputs(
@@ -241,7 +253,8 @@ def model_pixels(
     """:func:`pixel_inputs` of ``model``'s vision tower, and the images of each further tower its forward takes them
     for: ``<name>_pixel_values`` for a ``<name>_vision_config`` (DeepSeek-VL-Hybrid's high-resolution SAM tower),
     one image of that config's size per image; the layouts packed across the batch of
-    :mod:`~lightning_automodel.hf.vision.packed_images`."""
+    :mod:`~lightning_automodel.hf.vision.packed_images`; local crops beside each image
+    (:mod:`~lightning_automodel.hf.vision.local_views`)."""
     if packed_layout(model) is not None:
         return packed_pixels(model, images=images, device=device)
     pixels = pixel_inputs(
@@ -251,6 +264,8 @@ def model_pixels(
         tower = getattr(model.config, name.replace("_pixel_values", "_vision_config"), None)
         if name.endswith("_pixel_values") and tower is not None:
             pixels[name] = pixel_inputs(tower, images=images, device=device)["pixel_values"]
+    if takes_local_views(model):
+        pixels.update(local_views(model, pixels["pixel_values"]))
     return pixels
 
 
@@ -271,6 +286,8 @@ def pixel_inputs(
     merge = merge_size(vision, accepted=accepted)
     if merge is not None:
         return patch_pixels(vision, images=images, merge=merge, grid=grid, device=device, accepted=accepted)
+    if PATCH_TOKENS in accepted:
+        return patch_token_pixels(vision, images=images, device=device)
     size = _image_side(vision)
     pixels = random_pixels((images, channel_count(vision), size, size), device=device)
     layout = accepted & {NAFLEX, POSITIONED, FLATTENED, PATCH_STREAM}

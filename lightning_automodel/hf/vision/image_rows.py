@@ -6,11 +6,12 @@ Images follow each other in the order of their placeholders, row after row, as a
 first ``k`` placeholders of row 0 are image 0's, and so on. An image's placeholder count is its grid's merged size
 where the batch gives grids (``image_grid_thw``: ``t * h * w / spatial_merge_size ** 2``), what a packed layout's
 grids say (:mod:`~lightning_automodel.hf.vision.packed_images`: MiniCPM-V's ``target_sizes``, Molmo2's
-``image_grids``), else the config's one count an image
-(:func:`~lightning_automodel.hf.vision.image_inputs.image_token_count`). Each image input holds its images one after
-another along one dimension (the last for MiniCPM-V's pixels, the first otherwise); a set of rows takes its images'
-entries of each, and Molmo2's pooling indices, which point into the whole batch's patches, are re-based on the
-patches it keeps.
+``image_grids``), one a patch where each patch is a token (Inkling's), its runs of placeholders where each image's
+views set it (:mod:`~lightning_automodel.hf.vision.local_views`: DeepSeek-OCR 2's crops), else the config's
+one count an image (:func:`~lightning_automodel.hf.vision.image_inputs.image_token_count`). Each image input holds
+its images one after another along one dimension (the last for MiniCPM-V's pixels, the first otherwise); a set of
+rows takes its images' entries of each (an image's crops by its ``num_local_patches``), and Molmo2's pooling
+indices, which point into the whole batch's patches, are re-based on the patches it keeps.
 """
 
 from __future__ import annotations
@@ -21,10 +22,19 @@ import torch
 from torch import Tensor, nn
 
 from lightning_automodel.hf.vision.image_inputs import image_arguments, image_token
-from lightning_automodel.hf.vision.packed_images import PACKED, POOLED, POOLED_INPUTS, images_layout, packed_blocks
-from lightning_automodel.hf.vision.patches import merge_size
+from lightning_automodel.hf.vision.local_views import CROP_GRID, CROPS, LOCAL, takes_local_views, view_placeholders
+from lightning_automodel.hf.vision.packed_images import (
+    PACKED,
+    POOLED,
+    POOLED_INPUTS,
+    images_layout,
+    packed_blocks,
+    packed_layout,
+)
+from lightning_automodel.hf.vision.patches import PATCH_TOKENS, merge_size
 
-BY_IMAGE = ("pixel_values", "image_grid_thw", PACKED, *POOLED_INPUTS)  # split by image (a row's images)
+# Split by image (a row's images).
+BY_IMAGE = ("pixel_values", "image_grid_thw", PACKED, *POOLED_INPUTS, LOCAL, CROPS, CROP_GRID)
 BY_ROW = ("token_type_ids", "mm_token_type_ids")  # (rows, tokens), for every layer's mask
 
 
@@ -64,11 +74,13 @@ class ImageRows:
         return sum(int(self.images[r + 1] - self.images[r]) for r in rows.tolist())
 
     def of_rows(self, rows: Tensor) -> dict[str, Tensor]:
-        """The image inputs of ``rows`` (row indices of the batch, in order): none where they hold no image."""
+        """The image inputs of ``rows`` (row indices of the batch, in order): none where they hold no image, and
+        none of an input with no entries for them (crops of images too small to crop), as a processor leaves it out."""
         images = torch.cat([torch.arange(self.images[r], self.images[r + 1]) for r in rows.tolist()])
         if not len(images):
             return {}
-        return {name: block.of(images) for name, block in self.blocks.items()}
+        taken = {name: block.of(images) for name, block in self.blocks.items()}
+        return {name: value for name, value in taken.items() if value.numel()}
 
 
 def image_rows(model: nn.Module, input_ids: Tensor, *, images: dict[str, Tensor], tokens_per_image: int) -> ImageRows:
@@ -77,7 +89,7 @@ def image_rows(model: nn.Module, input_ids: Tensor, *, images: dict[str, Tensor]
     (:func:`~lightning_automodel.hf.vision.image_inputs.image_token_count` of the model). Raises a ValueError
     naming the row where a row's placeholders are not those of whole images, or where the batch's images and
     placeholders do not add up."""
-    tokens, blocks = by_image(model, images, tokens_per_image=tokens_per_image)
+    tokens, blocks = by_image(model, images, tokens_per_image=tokens_per_image, input_ids=input_ids)
     placeholders = (input_ids == image_token(model.config)).sum(1).cpu()
     ends = torch.cumsum(tokens, 0)
     row_ends = torch.cumsum(placeholders, 0)
@@ -105,10 +117,28 @@ def image_rows(model: nn.Module, input_ids: Tensor, *, images: dict[str, Tensor]
     return ImageRows(images=torch.cat([zero, torch.searchsorted(ends, row_ends, right=True)]), blocks=blocks)
 
 
-def by_image(model: nn.Module, images: dict[str, Tensor], *, tokens_per_image: int) -> tuple[Tensor, dict[str, Blocks]]:
+def splits_by_image(model: nn.Module) -> bool:
+    """Whether a set of ``model``'s rows takes other than its rows' share of each image input's first dimension (a
+    layout packed across the batch, crops of any number an image, patches of one token each)."""
+    return packed_layout(model) is not None or takes_local_views(model) or PATCH_TOKENS in image_arguments(model)
+
+
+def by_image(
+    model: nn.Module, images: dict[str, Tensor], *, tokens_per_image: int, input_ids: Tensor | None = None
+) -> tuple[Tensor, dict[str, Blocks]]:
     """Each image's placeholders, and each image input as :class:`Blocks` (``tokens_per_image``: see
-    :func:`image_rows`)."""
+    :func:`image_rows`; ``input_ids``: the rows' tokens, in which a model of local views finds each image's)."""
     pixels = images["pixel_values"]
+    if takes_local_views(model):
+        if input_ids is None:
+            raise ValueError(f"{type(model).__name__}: its images' views are found in the token ids, none given.")
+        crops = images.get(CROPS, torch.zeros(len(pixels), dtype=torch.long)).cpu()
+        tokens = view_placeholders(input_ids, token=image_token(model.config), crops=crops)
+        ones = _bounds(torch.ones(len(pixels), dtype=torch.long))
+        blocks = {name: Blocks(images[name], 0, ones) for name in ("pixel_values", CROPS, CROP_GRID) if name in images}
+        return tokens, {**blocks, **({LOCAL: Blocks(images[LOCAL], 0, _bounds(crops))} if LOCAL in images else {})}
+    if PATCH_TOKENS in image_arguments(model):
+        tokens_per_image = 1  # each entry a patch, a token
     if images_layout(images) is not None:
         tokens, extents, pointed = packed_blocks(model, images)
         blocks = {name: Blocks(images[name], dim, _bounds(sizes)) for name, (dim, sizes) in extents.items()}

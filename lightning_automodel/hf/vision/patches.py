@@ -8,7 +8,10 @@ image's grid. The layouts differ by what the tower says of itself:
   for a tower whose forward takes ``image_grid_thw`` (Inkling2's; Qwen2-VL's takes ``grid_thw``, in patches);
 * each image's merge size (``image_merge_sizes``) where the forward takes it and the config gives none (VideoLLaMA3);
 * flattened patches with each image's ``image_grid_hw`` (height, width) in patches, 2 x 2 of them a token, where the
-  forward takes that (Nemotron-H Omni's packed patches, pixel-shuffled).
+  forward takes that (Nemotron-H Omni's packed patches, pixel-shuffled);
+* one token a patch, each patch its frames of pixels, ``(temporal_patch_size, patch, patch, channels)``, and no grid,
+  for a tower that folds a patch's time and space into depth itself: its config gives a ``temporal_patch_size`` but
+  no merge and no image size (Inkling's). The builder's image: ``PATCH_TOKEN_GRID`` patches.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ TOKEN_GRID = "image_grid_thw"
 MERGE_SIZES = "image_merge_sizes"
 _UNFLATTENED_DOC = re.compile(r"pixel_values \(`torch\.\w+` of shape `\([^`]*channels, patch_size, patch_size\)`")
 GRID_HW = "image_grid_hw"
+PATCH_TOKENS = "patch_tokens"
+PATCH_TOKEN_GRID = (2, 2)  # the builder's image of one token a patch: rows x columns of patches
 # Nemotron-H Omni's pixel shuffle of packed patches: 2 x 2 patches a token (its code splits features by 2 ** 2).
 SHUFFLED = 2
 
@@ -49,9 +54,21 @@ def patch_layout(tower: nn.Module) -> set[str]:
     """What of the layouts above ``tower`` takes: :data:`TOKEN_GRID` where its forward takes ``image_grid_thw``,
     :data:`UNFLATTENED` where its forward's documentation gives ``pixel_values`` the shape of unflattened patches
     (PaddleOCR-VL's; the module's code alone does not tell: HY-V4-VL's, also a 2-D patch embedding, reshapes
-    flattened ones itself)."""
+    flattened ones itself), :data:`PATCH_TOKENS` where its config folds frames of patches but merges none and gives
+    no image size."""
     documented = _UNFLATTENED_DOC.search(inspect.getdoc(tower.forward) or "")
-    return ({TOKEN_GRID} & _arguments(tower)) | ({UNFLATTENED} if documented else set())
+    config = getattr(tower, "config", None)
+    folded = getattr(config, "temporal_patch_size", None) is not None and getattr(config, "image_size", None) is None
+    tokens = {PATCH_TOKENS} if folded and merge_size(config, accepted=set()) is None else set()
+    return ({TOKEN_GRID} & _arguments(tower)) | ({UNFLATTENED} if documented else set()) | tokens
+
+
+def patch_token_pixels(vision: Any, *, images: int, device: Any) -> dict[str, torch.Tensor]:
+    """The :data:`PATCH_TOKENS` pixels of ``images`` images of ``PATCH_TOKEN_GRID`` patches each, image after image:
+    (patches, frames, patch, patch, channels), as its processor stacks a patch's frames channels last."""
+    patch, frames = side(vision.patch_size), vision.temporal_patch_size
+    patches = images * PATCH_TOKEN_GRID[0] * PATCH_TOKEN_GRID[1]
+    return {"pixel_values": random_pixels((patches, frames, patch, patch, channel_count(vision)), device=device)}
 
 
 def patch_pixels(

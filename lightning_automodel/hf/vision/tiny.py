@@ -208,8 +208,12 @@ def _family_overrides(model_type: str, values: dict[str, Any]) -> dict[str, Any]
         },
         # The last layer's output concatenated with one intermediate layer's.
         "mllama": {"vision_config": {"intermediate_layers_indices": [0], "vision_output_dim": 2 * (width or 0)}},
-        # SAM's last downsampling convolution feeds the CLIP encoder its patch embeddings, at the encoder's width.
-        "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [_clip_width(vision)] * 2}}},
+        # SAM's last downsampling convolution feeds the encoder after it (CLIP's, Qwen2's) its patch embeddings, at
+        # the encoder's width.
+        **dict.fromkeys(
+            ("unlimited_ocr", "deepseek_ocr2"),
+            {"vision_config": {"sam_config": {"downsample_channels": [_clip_width(vision)] * 2}}},
+        ),
         # The tower's width, which the projector reads, is a field of its own; no image token by default (the
         # checkpoint's config names it).
         "nemotron_h_omni": {"vision_hidden_size": width, "projector_hidden_size": width, "image_token_id": VOCAB},
@@ -239,7 +243,7 @@ def _family_overrides(model_type: str, values: dict[str, Any]) -> dict[str, Any]
 
 
 def _clip_width(vision: dict[str, Any]) -> int:
-    """The width of a tower of towers' encoder (Unlimited-OCR's CLIP after SAM), 0 where it has none."""
+    """The width of a tower of towers' encoder (after SAM: Unlimited-OCR's CLIP, DeepSeek-OCR 2's), 0 where none."""
     return (vision.get("encoder_config") or {}).get("hidden_size", 0)
 
 

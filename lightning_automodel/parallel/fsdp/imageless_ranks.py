@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from lightning_automodel.hf.vision.image_inputs import image_token_count, model_pixels
+from lightning_automodel.hf.vision.image_inputs import builds_images, model_pixels
 
 
 def run_tower_on_every_rank(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -88,7 +88,7 @@ def stand_in_pixels(model: nn.Module) -> dict[str, torch.Tensor]:
     gives no image placeholder and sizes, or it needs more than pixels (InstructBLIP's instruction for its Q-Former):
     a batch without images beside others with them is refused."""
     get_features = getattr(model, "get_image_features", None)
-    if get_features is None or image_token_count(model) is None:
+    if get_features is None or not builds_images(model):
         return {}
     pixels = model_pixels(model, images=1)
     required = {

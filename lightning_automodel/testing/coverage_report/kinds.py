@@ -23,9 +23,8 @@ from lightning_automodel.hf.vision.image_inputs import (
     image_token_count,
     measured_token_count,
 )
-from lightning_automodel.hf.vision.image_rows import BY_IMAGE
+from lightning_automodel.hf.vision.image_rows import BY_IMAGE, splits_by_image
 from lightning_automodel.hf.vision.image_rows import image_rows as images_by_row
-from lightning_automodel.hf.vision.packed_images import packed_layout
 from lightning_automodel.hf.vision.patch_sequences import PIXELS
 from lightning_automodel.hf.vision.tiny import SPECIAL_IDS_FROM, special_token_ids, tiny_image_text_config
 from lightning_automodel.planning.replica_comparison import SEQ_LEN, token_batch
@@ -200,16 +199,17 @@ def text_alone_error(model: nn.Module) -> BaseException | None:
 
 def rows_part(rows: Rows, part: slice, *, model: nn.Module) -> Rows:
     """The rows ``part`` of a batch: of each tensor, its rows, or its blocks of as many entries a row (Qwen2-VL's
-    flattened patches, one image's a row); of image inputs packed across the batch (MiniCPM-V's, Molmo2's), the rows'
-    images re-packed (:mod:`lightning_automodel.hf.vision.image_rows`)."""
+    flattened patches, one image's a row); of image inputs packed across the batch (MiniCPM-V's, Molmo2's), of
+    crops or patches of any number an image (DeepSeek-OCR 2's, Inkling's), the rows' images
+    (:mod:`lightning_automodel.hf.vision.image_rows`)."""
     total = len(rows["input_ids"])
-    taken = {}
-    if packed_layout(model) is not None:
+    taken, images = {}, {}
+    if splits_by_image(model):
         images = {name: rows[name] for name in BY_IMAGE if name in rows}
         found = images_by_row(model, rows["input_ids"], images=images, tokens_per_image=0)
         taken = found.of_rows(torch.arange(total)[part])
     for name, value in rows.items():
-        if name in taken:
+        if name in images:
             continue
         if name == "position_ids" and value.dim() == 3:  # (axes, rows, tokens)
             taken[name] = value[:, part]

@@ -4,6 +4,7 @@ from functools import partial
 
 import pytest
 import torch
+from transformers import AutoModelForImageTextToText
 from vision_pipeline_checks import (
     check_packed_pipeline,
     check_vision_demo_pipeline,
@@ -13,6 +14,7 @@ from vision_pipeline_checks import (
 
 from lightning_automodel import ParallelDims
 from lightning_automodel.hf.vision.image_rows import image_rows
+from lightning_automodel.hf.vision.tiny import tiny_image_text_config
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem
 from lightning_automodel.parallel.pipeline.calls import MODEL_INPUTS, refuse_unknown_inputs
 from lightning_automodel.parallel.pipeline.images import IMAGE_INPUTS, StageImages
@@ -118,11 +120,14 @@ def test_a_micro_batch_gets_its_own_rows_images(family):
 
 def test_what_pipeline_parallel_refuses_of_vision_language_models():
     """Refused before any collective, with the reason: a language model fed by the tower beyond its input embeddings
-    (Qwen3-VL's deepstack features), pp with cp; at the call, image inputs the split does not know, and pixels of a
+    (Qwen3-VL's deepstack features), images in crops only the model's code counts (DeepSeek-OCR 2), pp with cp; at
+    the call, image inputs the split does not know, and pixels of a
     model whose config does not count a row's images."""
     problem = pipeline_problem(tiny_vision_model(MOE_VISION_FAMILY), pp=2)
     assert "takes deepstack_visual_embeds, visual_pos_masks from the parts beside it (model.visual)" in problem
     assert pipeline_problem(tiny_vision_model("llava"), pp=2) is None
+    crops = AutoModelForImageTextToText.from_config(tiny_image_text_config("deepseek_ocr2"))  # counted by its code
+    assert "takes its images in global views and crops" in pipeline_problem(crops, pp=2)
     with pytest.raises(ValueError, match="pp=2 .*reads images.*with cp=2"):
         check_pipeline(tiny_vision_model("llava"), PipelineOptions(), pp=2, ep=1, cp=2)
     with pytest.raises(ValueError, match=r"got 0 more positional arguments and \['image_sizes'\] keywords"):

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_automodel.hf.decoder_layers import named_multimodal_parts
 from lightning_automodel.hf.vision.image_inputs import image_token, image_token_count
 from lightning_automodel.hf.vision.image_rows import BY_IMAGE, BY_ROW, ImageRows, image_rows
+from lightning_automodel.hf.vision.local_views import takes_local_views
 from lightning_automodel.parallel.fsdp.imageless_ranks import TowerStandIn, stand_in_pixels
 
 IMAGE_INPUTS = (*BY_IMAGE, *BY_ROW)  # what a pipelined vision-language model's call takes beside a text model's
@@ -41,6 +42,11 @@ def images_problem(model: nn.Module) -> str | None:
     """Why the first stage cannot carry the parts of ``model`` beside its language model (a vision tower and
     projector; None if it can, or if the model has none), found without any collective."""
     parts = [name for name, _ in named_multimodal_parts(model)]
+    if parts and takes_local_views(model):
+        return (
+            f"{type(model).__name__} takes its images in global views and crops, whose placeholders only its code"
+            " counts: a micro-batch's first stage could not find its rows' images"
+        )
     beside = sorted(set(inspect.signature(model.get_decoder().forward).parameters) - LANGUAGE_INPUTS) if parts else []
     if not beside:
         return None

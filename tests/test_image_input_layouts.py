@@ -296,7 +296,7 @@ def test_a_pipeline_gives_each_micro_batch_its_rows_packed_images_and_canvas_pos
     halves = [rows_part(inputs, part, model=model) for part in (slice(0, 2), slice(2, 4))]
     stage_images = StageImages(model)
     model.forward = lambda input_ids=None, *args, labels=None, **given: None  # as a pipeline's take-over leaves it
-    assert {"target_sizes", "image_token_pooling"} & set(stage_images.stand_in_pixels)  # found before the take-over
+    assert {"target_sizes", "image_token_pooling"} & set(stage_images._stand_in_pixels)  # found before the take-over
     _, row_inputs = stage_images.split(inputs["input_ids"], dict(inputs), microbatches=2)
     for rows, alone in zip(torch.arange(4).chunk(2), halves, strict=True):
         first, later = row_inputs(rows, first=True), row_inputs(rows, first=False)

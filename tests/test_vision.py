@@ -244,6 +244,6 @@ def test_context_parallel_checks_the_split_around_images_on_a_replica(monkeypatc
         assert context_parallel_problem(tiny_vision_model(family)) is None, family
     refusal = context_parallel_problem(tiny_vision_model(MOE_VISION_FAMILY))
     assert "fails with its sequences split around images" in refusal and "deepstack" in refusal, refusal
-    monkeypatch.setattr(cp_problems, "image_blocks", lambda types: torch.full_like(types, -1))
+    monkeypatch.setattr(cp_problems, "token_blocks", lambda tokens, *, images: None)
     refusal = context_parallel_problem(tiny_vision_model("gemma3_vlm"))
     assert "other logits with its sequences split around images" in refusal, refusal

@@ -24,4 +24,3 @@ def _no_distributed_state_left():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(environment)
-

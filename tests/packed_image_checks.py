@@ -34,6 +34,12 @@ def check_packed_imageless_rank(model_type: str) -> dict[str, float]:
     rows = image_rows(reference)
     text = _text_alone(rows_part(rows, slice(2, 4), model=reference), placeholder=image_token(reference.config))
     batches = [rows_part(rows, slice(0, 2), model=reference), text]
+    return _each_rank_its_batch(model_type, reference, batches)
+
+
+def _each_rank_its_batch(model_type: str, reference: torch.nn.Module, batches: list[dict]) -> dict[str, float]:
+    """dp_shard=2 under ``parallelize``, each rank stepping its own of ``batches``: the loss and every gradient against
+    ``reference`` stepping the mean of both batches' losses."""
     losses = [image_loss(reference, batch)[0] for batch in batches]
     (sum(losses) / 2).backward()
     expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
@@ -115,20 +121,7 @@ def check_views_differ_by_rank(model_type: str) -> dict[str, float]:
     pixels = model_pixels(reference, images=1)
     views = [pixels, {name: value for name, value in pixels.items() if name not in (LOCAL, CROPS)}]
     batches = [_view_rows(reference, views=each) for each in views]
-    losses = [image_loss(reference, batch)[0] for batch in batches]
-    (sum(losses) / 2).backward()
-    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
-    mesh = dims_for(dist.get_world_size(), 1).build_mesh("cpu")
-    model = _tiny(model_type)
-    parallelize(model, mesh)
-    loss, _ = image_loss(model, batches[data_mesh(mesh).get_local_rank()])
-    loss.backward()
-    dist.all_reduce(reduced := loss.detach().clone())
-    grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
-    errors = gradient_errors(Outputs(loss, loss, grads), Outputs(loss, loss, expected), floor=ZERO_GRADIENT)
-    found = {"loss": relative_error(reduced / 2, sum(losses).detach() / 2), "grad": max(errors.values())}
-    assert max(found.values()) < TOLERANCE, (found, max(errors, key=errors.get))
-    return found
+    return _each_rank_its_batch(model_type, reference, batches)
 
 
 def _view_rows(model: torch.nn.Module, *, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -79,10 +79,9 @@ class CausalLMModule(L.LightningModule):
             backward their log-softmax and gradient) never exist whole, for the same FLOPs and, where tp divides the
             sequence, the same collectives (see :mod:`lightning_automodel.parallel.chunked_loss`); 1: the logits
             whole.
-        adamw: how AdamW steps: ``"foreach"`` (torch's default on GPUs: each param group's update takes a temporary
-            the size of the group's shards on the rank, after backward) or ``"fused"`` (one kernel, in place, no
-            temporary); the plan and ``layout="auto"`` count the one chosen (see
-            :mod:`lightning_automodel.planning.memory.optimizer_step`).
+        adamw: ``"foreach"`` (torch's default on GPUs: a temporary the size of a param group's shards after
+            backward) or ``"fused"`` (in place, none); the plan and ``layout="auto"`` count the one chosen
+            (:mod:`lightning_automodel.planning.memory.optimizer_step`).
     """
 
     def __init__(

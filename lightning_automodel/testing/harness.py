@@ -109,6 +109,7 @@ def _worker(rank: int, world_size: int, port: int, checks: Sequence[Check], resu
         results.put((rank, "init_worker", "failed", traceback.format_exc()))
         return
     faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a launch that times out prints where each rank is
+    faulthandler.enable(all_threads=True)  # a rank that crashes (a signal such as SIGSEGV) prints where it was
     try:
         for check in checks:
             name = check_name(check)

@@ -79,6 +79,14 @@ def check_resume_into_layout(directory: str, tp: int, family: str, expected_loss
     return _assert_continues(resumed, expected_losses)
 
 
+def check_save_then_resume_at_ep_sizes(directory: str, family: str, ep_sizes: tuple[int, ...]) -> dict:
+    """:func:`check_save_and_exact_resume` at ep=2, then its checkpoint resumed at each of ``ep_sizes`` in the same
+    launch (one launch fewer than saving and resuming apart), each rank held to rank 0's uninterrupted losses."""
+    losses = [check_save_and_exact_resume(directory, 1, family, ep=2)]
+    dist.broadcast_object_list(losses, src=0)
+    return {ep: check_resume_into_layout(directory, 1, family, losses[0], ep=ep) for ep in ep_sizes}
+
+
 def check_save_unsharded_resume_sharded(directory: str, family: str, expected_losses: list[float]) -> dict:
     """The other way round: saved at dp_shard=2 (Phi3's projections whole), resumed at tp=2 (packed)."""
     checkpoint = Path(directory) / "dp-step-2.ckpt"

@@ -32,6 +32,7 @@ from lightning_automodel.testing.trainer_checks import (
 GEMMA3_SHORT_WINDOW = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=3)
 GEMMA3_EIGHT_LAYERS = dict(GEMMA3_SHORT_WINDOW, layer_types=["full_attention", "sliding_attention"] * 4)
 ROWS = partial(check_rows_split_over_pp_and_cp, pp=2)  # the rest of the world is cp
+CP_ROWS = partial(check_rows_split_over_cp, length=16, packed=False, padded=False)
 INTERLEAVED = dict(schedule="Interleaved1F1B", stages_per_rank=2)
 
 
@@ -39,24 +40,21 @@ def test_context_parallel_on_two_ranks(tmp_path):
     """World 2 at cp=2: Llama, and Gemma 3 with a window shorter than a chunk, through the Trainer; the model's call
     on three packed documents a row (Llama; Mistral with a window longer than a chunk), on right-padded rows of 15
     tokens, with Gemma 2's soft-capped logits and GPT-OSS's sinks; under flex attention (evaluation calls, training
-    refused on CPU) packed and padded rows, Gemma 3's mixed windows, soft-capping and sinks; CausalLMModule
-    unchanged, and with a mixture-of-experts model's load-balancing loss over every token (Qwen3-MoE); bf16 (mixed
-    and true) as close to fp32 as one bf16 process; LoRA; a checkpoint saved at cp=2 resumed at cp=1 with the
-    uninterrupted run's losses; refusals."""
-    rows = partial(check_rows_split_over_cp, length=16, packed=False, padded=False)
+    refused on CPU) packed and padded rows and Gemma 3's mixed windows (soft-capping and sinks under flex: the
+    sweep below); CausalLMModule unchanged, and with a mixture-of-experts model's load-balancing loss over every
+    token (Qwen3-MoE); bf16 (mixed and true) as close to fp32 as one bf16 process; LoRA; a checkpoint saved at cp=2
+    resumed at cp=1 with the uninterrupted run's losses; refusals."""
     checks = [
         partial(check_context_parallel_trainer_parity, 2),
         partial(check_context_parallel_trainer_parity, 2, "gemma3", config=GEMMA3_SHORT_WINDOW),
-        partial(rows, "llama", packed=True),
-        partial(rows, "mistral", packed=True, sliding_window=6),
-        partial(rows, "llama", padded=True, length=15),
-        partial(rows, "gemma2"),
-        partial(rows, "gpt_oss"),
-        partial(rows, "llama", packed=True, attention="flex"),
-        partial(rows, "llama", padded=True, length=15, attention="flex"),
-        partial(rows, "gemma3", attention="flex", **GEMMA3_SHORT_WINDOW),
-        partial(rows, "gemma2", attention="flex"),
-        partial(rows, "gpt_oss", attention="flex"),
+        partial(CP_ROWS, "llama", packed=True),
+        partial(CP_ROWS, "mistral", packed=True, sliding_window=6),
+        partial(CP_ROWS, "llama", padded=True, length=15),
+        partial(CP_ROWS, "gemma2"),
+        partial(CP_ROWS, "gpt_oss"),
+        partial(CP_ROWS, "llama", packed=True, attention="flex"),
+        partial(CP_ROWS, "llama", padded=True, length=15, attention="flex"),
+        partial(CP_ROWS, "gemma3", attention="flex", **GEMMA3_SHORT_WINDOW),
         partial(check_causal_lm_module_split, cp=2),
         partial(check_causal_lm_module_split, cp=2, family="qwen3_moe"),
         partial(check_bf16_trainer, 1, "bf16-mixed", cp=2),
@@ -71,9 +69,9 @@ def test_context_parallel_on_two_ranks(tmp_path):
 def test_context_parallel_with_tensor_and_data_parallel():
     """World 4: Llama at cp=2 x tp=2 with sp; Qwen3 at cp=2 x dp_shard=2 with activation checkpointing; Mistral with a
     3-token window at cp=2 x tp=2; CausalLMModule at cp=2 x tp=2 on packed rows. Under pp=2 x cp=2: Llama through the
-    Trainer (1F1B); the model's call on rows padded and packed each their own way, under 1F1B (Llama), Interleaved1F1B
-    (Gemma 3: tied, sliding layers), InterleavedZeroBubble (Llama), and with Qwen3-MoE's load-balancing loss (1F1B);
-    CausalLMModule on pretrained Qwen3-MoE with its load-balancing loss.
+    Trainer (1F1B); the model's call on rows padded and packed each their own way, under 1F1B (Llama) and
+    Interleaved1F1B (Gemma 3: tied, sliding layers); CausalLMModule on pretrained Qwen3-MoE with its load-balancing
+    loss.
     The sweep below: the other schedules and more families."""
     checks = [
         partial(check_context_parallel_trainer_parity, 2, tp=2, sp=True),
@@ -83,21 +81,28 @@ def test_context_parallel_with_tensor_and_data_parallel():
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=2, cp=2),
         partial(ROWS, "llama"),
         partial(ROWS, "gemma3", **INTERLEAVED, **GEMMA3_EIGHT_LAYERS),
-        partial(ROWS, "llama", schedule="InterleavedZeroBubble", stages_per_rank=2),
-        partial(ROWS, "qwen3_moe", **AUXILIARY),
         partial(check_causal_lm_module_split, pp=2, cp=2, family="qwen3_moe"),
     ]
     run_checks(4, checks, timeout=400)
 
 
 @pytest.mark.sweep
+def test_context_parallel_flex_sweep():
+    """World 2 at cp=2 under flex attention: Gemma 2's soft-capped logits and GPT-OSS's sinks (the suite: both
+    under sdpa, and flex on packed, padded and Gemma 3's rows)."""
+    run_checks(2, [partial(CP_ROWS, family, attention="flex") for family in ("gemma2", "gpt_oss")], timeout=400)
+
+
+@pytest.mark.sweep
 def test_pipeline_with_context_parallel_sweep():
-    """World 4 at pp=2 x cp=2: the model's call under GPipe (Qwen3) and LoopedBFS (Llama), Qwen3-MoE's
-    load-balancing loss under Interleaved1F1B; through the Trainer, Gemma 3 under GPipe with activation
-    checkpointing and Qwen3-MoE with its load-balancing loss."""
+    """World 4 at pp=2 x cp=2: the model's call under GPipe (Qwen3), LoopedBFS and InterleavedZeroBubble (Llama),
+    Qwen3-MoE's load-balancing loss under 1F1B and Interleaved1F1B; through the Trainer, Gemma 3 under GPipe with
+    activation checkpointing and Qwen3-MoE with its load-balancing loss."""
     checks = [
         partial(ROWS, "qwen3", schedule="GPipe"),
         partial(ROWS, "llama", schedule="LoopedBFS", stages_per_rank=2),
+        partial(ROWS, "llama", schedule="InterleavedZeroBubble", stages_per_rank=2),
+        partial(ROWS, "qwen3_moe", **AUXILIARY),
         partial(ROWS, "qwen3_moe", **INTERLEAVED, **AUXILIARY),
         partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3", cp=2, activation_checkpointing=True),
         partial(check_pipeline_trainer_parity, 2, "1F1B", "qwen3_moe", microbatches=2, cp=2, config=AUXILIARY),

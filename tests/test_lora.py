@@ -2,6 +2,7 @@
 
 from functools import partial
 
+import pytest
 from lora_checks import (
     check_lora_adds_no_forward_collective,
     check_lora_bf16_base,
@@ -40,9 +41,16 @@ def test_lora_on_two_ranks():
 
 
 def test_lora_on_four_ranks():
-    """tp=2 x dp_shard=2 with sp, with full and selective activation checkpointing; through the Trainer too; the
-    adapter and merged exports (LoRA and DoRA) round trip through PEFT and transformers in one process."""
-    checks = [partial(check_lora_training, 2, True, ac) for ac in (True, "selective")]
-    checks.append(partial(check_lora_trainer, 2, True, True))
+    """tp=2 x dp_shard=2 with sp, with full activation checkpointing (selective: the sweep below); through the
+    Trainer too; the adapter and merged exports (LoRA and DoRA) round trip through PEFT and transformers in one
+    process."""
+    checks = [partial(check_lora_training, 2, True, True), partial(check_lora_trainer, 2, True, True)]
     checks += [partial(check_peft_exports, 2, True), partial(check_peft_exports, 2, False, use_dora=True)]
     run_checks(4, checks)
+
+
+@pytest.mark.sweep
+def test_lora_with_selective_checkpointing_on_four_ranks():
+    """tp=2 x dp_shard=2 with sp and selective checkpointing (the suite: selective without LoRA, and LoRA under full
+    checkpointing)."""
+    run_checks(4, [partial(check_lora_training, 2, True, "selective")])

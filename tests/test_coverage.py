@@ -259,6 +259,12 @@ SWEEP_JOBS = (
     # Llama 4 with tp and sp through the Trainer by tests/test_expert_parallel.py.
     ("qwen3_next", "tp2"),
     ("llama4_text", "tp2_sp"),
+    # Kinds the suite checks in another model: a Hugging Face plan with its sequence-parallel layout derived and a
+    # parallel attention/MLP block (GPT-J with sp: Granite, GPT-NeoX), experts on the sequence-parallel stream
+    # (DBRX and DeepSeek-V3 with sp: Mixtral).
+    ("granite", "tp2_sp"),
+    ("gpt_neox", "tp2_sp"),
+    ("mixtral", "tp2_sp"),
 )
 
 

@@ -346,6 +346,8 @@ def test_the_nccl_flight_recorder_dumps_beside_the_run_unless_told_otherwise(tmp
     assert environment["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
 
 
+# 46 s: test_rank_killed_mid_save_then_checkpoint_faults names a SIGKILLed rank; test_multinode runs torchrun's nodes
+@pytest.mark.sweep
 def test_torchrun_node_loses_a_rank(tmp_path):
     """Two torchrun agents as two nodes of one rank each: rank 1 is SIGKILLed, and rank 0, which only its own
     agent watches, exits on its own, naming rank 1 (benchmarks/faults.py runs 2 nodes of 2)."""

@@ -36,19 +36,15 @@ from lightning_automodel.testing.vision.models import MOE_VISION_FAMILY, VISION_
 
 def test_vision_models_at_tp_sp_and_dp_shard():
     """LLaVA, Qwen2-VL and Gemma 3 with images at tp=2 + sp x dp_shard=2: loss, logits and every gradient, the
-    tower's included (LLaVA with activation checkpointing too; Qwen2-VL under HSDP, tp=2 x dp_replicate=2);
-    Qwen3-VL-MoE at tp=2 x ep=2 (its tower split too); ranks without images (LLaVA); AdamW steps through the Trainer
-    (LLaVA), with the tower frozen; LoRA on Qwen2-VL's language model, tower (its packed qkv and patch
-    convolution) and projector, and AdamW steps on its adapters. The variants: ``-m sweep``."""
+    tower's included; Qwen3-VL-MoE at tp=2 x ep=2 (its tower split too); ranks without images (LLaVA); AdamW steps
+    through the Trainer (LLaVA) with the tower frozen; LoRA on Qwen2-VL's language model, tower (its packed qkv and
+    patch convolution) and projector. The variants (activation checkpointing, HSDP, the Trainer with nothing frozen
+    and on LoRA's adapters among them): ``-m sweep``."""
     checks = [partial(check_vision_layout, family, 2, True) for family in VISION_FAMILIES]
-    checks += [partial(check_vision_layout, "llava", 2, True, True)]
-    checks += [partial(check_vision_layout, "qwen2_vl", 2, True, dp_replicate=2)]
     checks += [partial(check_vision_layout, MOE_VISION_FAMILY, 2, False, ep=2)]
     checks += [partial(check_imageless_ranks, "llava", 2, True, (1,))]
-    checks += [partial(check_vision_training, "llava", 2, True)]
     checks += [partial(check_vision_training, "llava", 2, True, ("vision_tower",))]
     checks += [partial(check_vision_lora, "qwen2_vl", 2, True)]
-    checks += [partial(check_vision_training, "qwen2_vl", 2, True, build=lora_vision_model)]
     _print(run_checks(4, checks, timeout=600))
 
 
@@ -65,20 +61,22 @@ def test_vision_models_under_context_parallel():
 
 @pytest.mark.sweep
 def test_vision_variants():
-    """The families with activation checkpointing, at tp=2 without sp, at dp_shard=4 and in bf16; ranks without
-    images at dp_shard=4 and Qwen2-VL's at tp=2 + sp; Qwen2-VL through the Trainer, and with parts frozen; LoRA on
-    LLaVA; DoRA on Qwen2-VL's packed qkv, which keeps the tower whole. Under context parallel: tp=2 + sp x cp=2 and
+    """The families with activation checkpointing, at tp=2 without sp, at dp_shard=4 and in bf16; Qwen2-VL under
+    HSDP (tp=2 x dp_replicate=2); ranks without images at dp_shard=4 and Qwen2-VL's at tp=2 + sp; LLaVA and Qwen2-VL
+    through the Trainer, Qwen2-VL with parts frozen and with AdamW steps on LoRA's adapters; LoRA on LLaVA; DoRA on
+    Qwen2-VL's packed qkv, which keeps the tower whole. Under context parallel: tp=2 + sp x cp=2 and
     cp=2 x dp_shard=2. Compiled blocks at tp=2 + sp x dp_shard=2; LLaVA under HSDP at dp_replicate=2 x dp_shard=2;
     float8 at dp_shard=4 (tensorwise) and tp=2 + sp (rowwise); Gemma 3 through the Trainer and with ranks without
     images; Qwen3-VL-MoE at ep=2 x dp_shard=4."""
-    others = [family for family in VISION_FAMILIES if family != "llava"]
-    checks = [partial(check_vision_layout, family, 2, True, True) for family in others]
+    checks = [partial(check_vision_layout, family, 2, True, True) for family in VISION_FAMILIES]
+    checks += [partial(check_vision_layout, "qwen2_vl", 2, True, dp_replicate=2)]
     checks += [partial(check_vision_layout, family, 2, False) for family in VISION_FAMILIES]
     checks += [partial(check_vision_layout, family, 1, False) for family in VISION_FAMILIES]
     checks += [partial(check_vision_bf16, family) for family in VISION_FAMILIES]
     checks += [partial(check_imageless_ranks, "llava", 1, False, (0, 2, 3))]
     checks += [partial(check_imageless_ranks, "qwen2_vl", 2, True, (1,))]
-    checks += [partial(check_vision_training, "qwen2_vl", 2, True)]
+    checks += [partial(check_vision_training, family, 2, True) for family in ("llava", "qwen2_vl")]
+    checks += [partial(check_vision_training, "qwen2_vl", 2, True, build=lora_vision_model)]
     checks += [partial(check_vision_training, "qwen2_vl", 2, True, ("language_model", "model.visual.merger.*"))]
     checks += [partial(check_vision_lora, "llava", 2, True)]
     checks += [partial(check_vision_lora, "qwen2_vl", 2, False, tower_whole=True, **DORA_ON_PACKED_QKV)]

@@ -187,22 +187,28 @@ def fp32_sensitivity(reference: nn.Module, tokens: torch.Tensor, labels: torch.T
 
 
 def rounding_perturbed_copies(model: nn.Module, *, draws: int = PERTURBATION_DRAWS) -> Iterator[nn.Module]:
-    """``draws`` copies of ``model``, one at a time, each perturbed by its own draw (:func:`rounding_perturbed_copy`
-    with seeds 1 to ``draws``)."""
-    for seed in range(1, draws + 1):
-        yield rounding_perturbed_copy(model, seed=seed)
-
-
-def rounding_perturbed_copy(model: nn.Module, *, seed: int = 1) -> nn.Module:
-    """``model`` with each weight multiplied by 1 + e, e drawn from N(0, 2^-24) (half an fp32 unit in the last place):
-    what reductions summed in another order (tensor parallel's) do to activations, as a change of the inputs."""
+    """``model`` perturbed by ``draws`` draws (:func:`perturb` with seeds 1 to ``draws``), each handed out before the
+    next is made. One copy serves every draw, its weights, buffers and gradients reset in between: a
+    deep copy of a tiny replica costs more than its step (measured 0.22 s against 0.14 s, Qwen3-MoE's)."""
     perturbed = copy.deepcopy(model)
+    saved = [(tensor, tensor.detach().clone()) for tensor in [*perturbed.parameters(), *perturbed.buffers()]]
+    for seed in range(1, draws + 1):
+        with torch.no_grad():
+            for tensor, value in saved:
+                tensor.copy_(value)
+        perturbed.zero_grad(set_to_none=True)
+        perturb(perturbed, seed=seed)
+        yield perturbed
+
+
+def perturb(model: nn.Module, *, seed: int) -> None:
+    """Each weight of ``model`` multiplied by 1 + e, e drawn from N(0, 2^-24) (half an fp32 unit in the last place):
+    what reductions summed in another order (tensor parallel's) do to activations, as a change of the inputs."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in perturbed.parameters():
+        for param in model.parameters():
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float64) * 2**-24
             param.mul_((1 + noise).to(device=param.device, dtype=param.dtype))
-    return perturbed
 
 
 def root_mean_square(measured: Sequence[dict[str, float]]) -> dict[str, float]:

@@ -17,7 +17,6 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental import _config as fx_config
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
@@ -47,10 +46,11 @@ class AnswerDataQuestions(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        on_meta = [leaf.device.type == "meta" for leaf in _tensors((args, kwargs))]
-        if not any(on_meta) and _target(kwargs) != "meta":
+        tensors = _tensors(args, kwargs)
+        if not any(tensor.device.type == "meta" for tensor in tensors) and _target(kwargs) != "meta":
             return func(*args, **kwargs)  # the CPU's own computation
-        args, kwargs = self._cpu_moved((args, kwargs))
+        if any(tensor.ndim and tensor.device.type != "meta" for tensor in tensors):
+            args, kwargs = _mapped(self._cpu_moved, args, kwargs)
         if func is aten._local_scalar_dense.default:
             known = self.values.get(args[0])
             return known.item() if known is not None else _zero_of(args[0].dtype)
@@ -64,20 +64,14 @@ class AnswerDataQuestions(TorchDispatchMode):
         self._follow(func, args, kwargs, output)
         return output
 
-    def _cpu_moved(self, values: Any) -> Any:
-        """``values`` with each CPU tensor of one or more dimensions on the meta device, its values kept."""
-
-        def moved(leaf: Any) -> Any:
-            if not isinstance(leaf, torch.Tensor) or not leaf.ndim or leaf.device.type == "meta":
-                return leaf
-            if isinstance(leaf, DTensor):
-                local = leaf.to_local().to("meta")
-                return DTensor.from_local(
-                    local, leaf.device_mesh, leaf.placements, shape=leaf.shape, stride=leaf.stride()
-                )
-            return self._meta_of(leaf)
-
-        return tree_map(moved, values)
+    def _cpu_moved(self, leaf: Any) -> Any:
+        """``leaf`` on the meta device where it is a CPU tensor of one or more dimensions, its values kept."""
+        if not isinstance(leaf, torch.Tensor) or not leaf.ndim or leaf.device.type == "meta":
+            return leaf
+        if isinstance(leaf, DTensor):
+            local = leaf.to_local().to("meta")
+            return DTensor.from_local(local, leaf.device_mesh, leaf.placements, shape=leaf.shape, stride=leaf.stride())
+        return self._meta_of(leaf)
 
     def _meta_of(self, values: torch.Tensor) -> torch.Tensor:
         meta = values.to("meta")
@@ -112,13 +106,8 @@ class AnswerDataQuestions(TorchDispatchMode):
     def _follow(self, func, args: tuple, kwargs: dict, output: Any) -> None:
         """Compute ``output``'s values on the CPU where every tensor of the operation has values and they are small;
         else forget the values of the tensors it wrote into."""
-        leaves, spec = tree_flatten((args, kwargs))
-        known = [self.values.get(leaf) if _is_meta(leaf) else leaf for leaf in leaves]
-        small = all(leaf.numel() <= VALUES_LIMIT for leaf in _tensors(output))
-        computable = small and func not in _NO_VALUES and torch.Tag.nondeterministic_seeded not in func.tags
-        computable = computable and not any(isinstance(leaf, DTensor) for leaf in leaves)
-        if computable and all(value is not None for value in known):
-            cpu_args, cpu_kwargs = tree_unflatten(known, spec)
+        if self._computable(func, args, kwargs, output):
+            cpu_args, cpu_kwargs = _mapped(self._values_of, args, kwargs)
             if _target(cpu_kwargs) == "meta":
                 cpu_kwargs = {**cpu_kwargs, "device": torch.device("cpu")}
             computed = func(*cpu_args, **cpu_kwargs)
@@ -128,6 +117,19 @@ class AnswerDataQuestions(TorchDispatchMode):
         for argument, schema in zip(args, func._schema.arguments, strict=False):
             if schema.alias_info is not None and schema.alias_info.is_write and isinstance(argument, torch.Tensor):
                 self.values.pop(argument, None)
+
+    def _computable(self, func, args: tuple, kwargs: dict, output: Any) -> bool:
+        """Whether every argument of the operation has values (its meta tensors known; None has none), none is a
+        DTensor, the outputs are small and the operation is neither an allocation nor random."""
+        if func in _NO_VALUES or torch.Tag.nondeterministic_seeded in func.tags:
+            return False
+        for leaf in _leaves(args, kwargs):
+            if leaf is None or isinstance(leaf, DTensor) or (_is_meta(leaf) and leaf not in self.values):
+                return False
+        return all(tensor.numel() <= VALUES_LIMIT for tensor in _tensors(output))
+
+    def _values_of(self, leaf: Any) -> Any:
+        return self.values[leaf] if _is_meta(leaf) else leaf
 
 
 def _is_meta(leaf: Any) -> bool:
@@ -140,8 +142,30 @@ def _target(kwargs: dict) -> str | None:
     return torch.device(device).type if device is not None else None
 
 
-def _tensors(values: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(values)[0] if isinstance(leaf, torch.Tensor)]
+def _leaves(*values: Any) -> list[Any]:
+    """The leaves of ``values``: an operator's arguments (and keyword arguments' values) or outputs, which are
+    tensors, scalars, None or lists of them (aten's schemas nest no deeper)."""
+    found = []
+    for value in values:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
+        for item in items:
+            found.extend(item) if isinstance(item, list | tuple) else found.append(item)
+    return found
+
+
+def _tensors(*values: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in _leaves(*values) if isinstance(leaf, torch.Tensor)]
+
+
+def _mapped(function: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with ``function`` applied to each of their leaves (one level of lists within)."""
+
+    def leaf_or_list(value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            return type(value)(function(leaf) for leaf in value)
+        return function(value)
+
+    return tuple(leaf_or_list(arg) for arg in args), {name: leaf_or_list(arg) for name, arg in kwargs.items()}
 
 
 def _zero_of(dtype: torch.dtype) -> bool | int | float:

@@ -30,12 +30,10 @@ The step starts without gradients (as after Lightning's ``zero_grad``), and thos
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -55,23 +53,18 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_automodel.hf.decoder_layers import named_decoder_layers, named_language_layers
+from lightning_automodel.hf.decoder_layers import named_decoder_layers
 from lightning_automodel.hf.ties import to_empty_tied
 from lightning_automodel.parallel.chunked_loss import SPLIT_CALLS, chunked_causal_lm_loss_sum, chunking_problem
 from lightning_automodel.parallel.context_parallel import context_parallel_of
 from lightning_automodel.parallel.loss import causal_lm_loss_sum, global_token_mean
 from lightning_automodel.parallel.mesh import ParallelDims, axis_size
 from lightning_automodel.parallel.parallelizer import parallelize
-from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_of, stage_layers
+from lightning_automodel.parallel.pipeline import pipeline_of
 from lightning_automodel.planning.memory.attention_kernel import fused_attention
 from lightning_automodel.planning.memory.fake_kernels import GroupedMatmulOfAnyDtype
-from lightning_automodel.planning.memory.layer_extrapolation import (
-    FEW_LAYERS,
-    alike_layers,
-    extrapolated,
-    over_layers,
-    with_layers,
-)
+from lightning_automodel.planning.memory.layer_extrapolation import FEW_LAYERS, over_layers
+from lightning_automodel.planning.memory.pipeline_extrapolation import over_stage_layers
 from lightning_automodel.planning.memory.routing import ExpertRouting, routed
 from lightning_automodel.planning.memory.step_images import StepImages, step_images
 from lightning_automodel.planning.simulation import fake_world
@@ -162,8 +155,8 @@ def activation_bytes(
     without gradients and the gradients it makes are left out (the buffers torch's stages receive into, which a first
     step allocates for good, are counted).
 
-    A model of many alike decoder layers is stepped with a few of them and the peak extrapolated (see
-    :mod:`~lightning_automodel.planning.memory.layer_extrapolation`).
+    A model of many alike decoder layers is stepped with a few of them (under pp, and a few micro-batches) and the
+    peak extrapolated (:mod:`.layer_extrapolation`, :mod:`.pipeline_extrapolation`).
     """
     if loss_chunks > 1:  # refused as CausalLMModule refuses it, before any step (its check runs a model of its own)
         problem = SPLIT_CALLS if dims.cp > 1 or dims.pp > 1 else chunking_problem(model)
@@ -179,39 +172,9 @@ def activation_bytes(
     window = max(options.get("forward_prefetch", 0), options.get("backward_prefetch", 1))
     few = tuple(count + max(0, window - 1) for count in FEW_LAYERS)
     if dims.pp > 1:
-        return over_stage_layers(step, model, dims=dims, rank=rank, pipeline=options.get("pipeline"), few=few)
+        pipeline = options.get("pipeline")
+        return over_stage_layers(step, model, dims=dims, rank=rank, pipeline=pipeline, micro_batch=micro_batch, few=few)
     return over_layers(step, model, few=few)
-
-
-def over_stage_layers(
-    step: Callable[..., int],
-    model: nn.Module,
-    *,
-    dims: ParallelDims,
-    rank: int,
-    pipeline: PipelineOptions | None,
-    few: tuple[int, ...] = FEW_LAYERS,
-) -> int:
-    """``step(model)`` under pp, where ``rank`` holds only its stages' layers: for stages of many alike layers,
-    extrapolated from the model with each of the rank's stages cut by the same count, to ``few`` layers in the
-    smallest of them, and the other stages cut to one layer each. This rank runs none of theirs, and holds nothing of
-    them but the shapes it sends and receives; their layers only cost time, that of the checks of ``parallelize``,
-    which run the whole model (a 70B model's stages of 20 layers: 20 s a step, 1.5 s cut)."""
-    pipeline = pipeline or PipelineOptions()
-    if alike_layers(model) is None:
-        return step(model, pipeline=pipeline)
-    num_layers = len(named_language_layers(model))  # the layers pp splits
-    stages = stage_layers(num_layers, dims.pp * pipeline.stages_per_rank, pipeline.layers_per_stage)
-    counts = [len(layers) for layers in stages]
-    mine = pipeline.stages_of_rank(rank // dims.ranks_per_stage, dims.pp)
-    smallest = min(counts[stage] for stage in mine)
-
-    def with_count(count: int) -> int:
-        cut = [layers - (smallest - count) if stage in mine else 1 for stage, layers in enumerate(counts)]
-        copied = with_layers(copy.deepcopy(model), layers=sum(cut))
-        return step(copied, pipeline=dataclasses.replace(pipeline, layers_per_stage=cut))
-
-    return extrapolated(with_count, layers=smallest, few=few)
 
 
 def _step_peak(

@@ -24,7 +24,7 @@ from lightning_automodel.planning.search.layouts import Candidate, Outcome, Sear
 from lightning_automodel.planning.search.throughput import Hardware
 from lightning_automodel.planning.search.waves import chosen_fit, search_layout, tie_ordered
 from lightning_automodel.strategy.auto_layout import _with_accumulation, step_options
-from lightning_automodel.testing.harness import run_checks
+from lightning_automodel.testing.harness import check_name, run_checks
 from lightning_automodel.testing.models import tiny_config
 
 ROWS, TOKENS = 2, 64
@@ -232,20 +232,25 @@ def test_strategy_options_of_the_search():
             AutoModelParallelStrategy(**options)
 
 
+# 200 MiB for tensors, of which the GPU's memory is 90%
+CHOSEN_LAYOUT_MEMORY = partial(check_chosen_layout_memory, 200 / 0.9 / 1024)
+
+
 @pytest.fixture(scope="module")
-def four_ranks():
-    """One launch of four gloo ranks: layout="auto" through Trainer.fit and the refusal; the choice and the refusal
-    as each rank saw them."""
-    checks = [partial(check_auto_layout_trains_at_parity, 1.0), partial(check_refusal_before_any_weight, 1e-5)]
-    return run_checks(4, checks, timeout=600)
+def two_ranks():
+    """One launch of two gloo ranks: the refusal (first, before any real step has allocated) and layout="auto" for
+    the memory test's model with its real step; each as every rank saw it."""
+    checks = [partial(check_refusal_before_any_weight, 1e-5), CHOSEN_LAYOUT_MEMORY]
+    return run_checks(2, checks, timeout=600)
 
 
-def test_every_rank_reaches_the_same_choice_and_trains_at_parity(four_ranks):
+def test_every_rank_reaches_the_same_choice_and_trains_at_parity():
     """The ranks measured different candidates and exchanged them: every rank logs the same choice, the same
     measurements. The chosen layout (pp=2 x tp=2 here: it accumulates 4 batches of 2 rows, the global batch of 8 as
     four data-parallel ranks would read it) trains at parity with one process: losses, every gradient, the weights
     after 3 AdamW steps."""
-    ranks = four_ranks["check_auto_layout_trains_at_parity(1.0)"]
+    ranks = run_checks(4, [partial(check_auto_layout_trains_at_parity, 1.0)], timeout=600)
+    ranks = ranks["check_auto_layout_trains_at_parity(1.0)"]
     assert all((rank["layout"], rank["measured"]) == (ranks[0]["layout"], ranks[0]["measured"]) for rank in ranks)
     assert len(ranks[0]["measured"]) >= 4, "each rank measured a candidate of the first wave"
     assert ranks[0]["layout"] == ("pp=2 tp=2 cp=1 dp_shard=1", "off")
@@ -263,22 +268,20 @@ def test_a_size_given_stays_fixed():
     assert not pipeline_rows and not ranks[0]["layout"][0].startswith("pp=")
 
 
-def test_nothing_fits_is_refused_on_every_rank_before_any_weight(four_ranks):
-    refusals = four_ranks["check_refusal_before_any_weight(1e-05)"]
+def test_nothing_fits_is_refused_on_every_rank_before_any_weight(two_ranks):
+    refusals = two_ranks["check_refusal_before_any_weight(1e-05)"]
     assert len(set(refusals)) == 1, refusals
-    assert "no layout of 4 GPUs fits 1e-05 GiB per GPU" in refusals[0]
+    assert "no layout of 2 GPUs fits 1e-05 GiB per GPU" in refusals[0]
     assert "The smallest: " in refusals[0] and "more GPUs: about" in refusals[0]
 
 
-def test_the_chosen_layouts_estimate_holds_against_a_real_step():
+def test_the_chosen_layouts_estimate_holds_against_a_real_step(two_ranks):
     """Two gloo ranks choose for the memory test's model at 200 MiB for tensors, which its fastest layout without
     checkpointing (FSDP over both, 248 MiB) exceeds: FSDP with selective checkpointing is chosen (as fast in the
     model: its FSDP traffic outlasts the compute). On each rank the state the Trainer holds after its step
     (parameters, gradients, AdamW's moments) is the estimate's to 0.1%, and the resident memory a real step of the
     chosen layout adds at its peak is the activation estimate's within test_memory's tolerance."""
-    ranks = run_checks(2, [partial(check_chosen_layout_memory, 200 / 0.9 / 1024)], timeout=600)
-    (ranks,) = ranks.values()
-    for rank in ranks:
+    for rank in two_ranks[check_name(CHOSEN_LAYOUT_MEMORY)]:
         assert (rank["layout"], rank["checkpointing"], rank["index"]) == ("tp=1 cp=1 dp_shard=2", "selective", 1), rank
         assert abs(rank["measured_state"] / rank["estimated_state"] - 1) < 0.001, rank
         assert abs(rank["measured_activations"] / rank["estimated_activations"] - 1) < 0.02, rank

@@ -35,11 +35,11 @@ def _layout(dims: ParallelDims) -> dict:
     return dict(sp=dims.tp > 1, pipeline=PipelineOptions(microbatches=ROWS) if dims.pp > 1 else None)
 
 
+@cache
 def _memory(dims: ParallelDims, setting: str) -> int:
     """The plan's state plus the larger of the activation estimate and the AdamW step's temporaries (after
     backward); under pp, of the stage where they add up to the most."""
-    report = plan_report(_on_meta(), dims, **_layout(dims))
-    states = [stage.training_bytes_per_rank for stage in report.stages] or [report.training_bytes_per_rank]
+    states = _states(dims)
     step = dict(micro_batch=ROWS, seq_len=TOKENS, activation_checkpointing=setting, **_layout(dims))
     return max(
         state
@@ -49,6 +49,13 @@ def _memory(dims: ParallelDims, setting: str) -> int:
         )
         for stage, state in enumerate(states)
     )
+
+
+@cache
+def _states(dims: ParallelDims) -> tuple[int, ...]:
+    """The plan's parameters, gradients and AdamW state per rank of each stage (one without pp)."""
+    report = plan_report(_on_meta(), dims, **_layout(dims))
+    return tuple(stage.training_bytes_per_rank for stage in report.stages) or (report.training_bytes_per_rank,)
 
 
 @cache

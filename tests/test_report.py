@@ -59,7 +59,7 @@ def test_a_mixture_of_experts_at_ep_times_tp_on_16_ranks():
     assert report.parameters_per_rank == pytest.approx(report.total_parameters / 16, rel=2e-2)
 
 
-@pytest.mark.sweep  # the 70B example's plan (test_cli.py) reports pipeline stages by default
+@pytest.mark.sweep  # the 70B example's plan (test_cli_plan.py) reports pipeline stages by default
 def test_pipeline_stages_of_an_8b_model_on_64_ranks():
     """Llama-3-8B at pp=2 x tp=8 x dp_shard=4 with sp (1F1B, 16 micro-batches): each stage's layers, ranks and memory
     (the second stage parallelized in a fake world of its own, after the first's), and the bubble; every parameter

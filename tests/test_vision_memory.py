@@ -1,7 +1,7 @@
 """The activation estimate of a vision-language model's step (planning.memory.activations), its rows holding images,
 against the peak a real CPU step reaches (torch's count of live tensors): LLaVA and Qwen2-VL in one process and at
-tp=2 + sp x dp_shard=2; the estimate without the images, which misses the tower's activations, off by more than the
-tolerance; and a frozen tower's."""
+tp=2 + sp x dp_shard=2 (LLaVA's behind -m sweep), Qwen2-VL at cp=2; the estimate without the images, which misses the
+tower's activations, off by more than the tolerance; and a frozen tower's."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from lightning_automodel.testing.models import tiny_model
 
 TOLERANCE = 0.02  # the issue asks for 5%; measured: to the byte on every layout here (docs/planning.md)
 ONE_PROCESS = [("llava", dict(activation_checkpointing=False)), ("qwen2_vl", dict(activation_checkpointing="full"))]
-DISTRIBUTED = [("llava", dict(sp=True)), ("qwen2_vl", dict(sp=True, activation_checkpointing="selective"))]
+DISTRIBUTED = {"llava": dict(sp=True), "qwen2_vl": dict(sp=True, activation_checkpointing="selective")}
 TP_SP_FSDP = ParallelDims(tp=2, dp_shard=2)
 CP_FSDP = ParallelDims(cp=2, dp_shard=2)
 
@@ -53,7 +53,19 @@ def test_the_estimate_counts_the_tower_and_the_image_tokens_in_one_process(famil
 
 
 def test_the_estimate_counts_the_tower_and_the_image_tokens_at_tp_sp_and_cp_with_fsdp():
-    cases = [(family, TP_SP_FSDP, options) for family, options in DISTRIBUTED] + [("qwen2_vl", CP_FSDP, {})]
+    """Qwen2-VL at tp=2 + sp x dp_shard=2 with selective checkpointing, and at cp=2 x dp_shard=2."""
+    cases = [("qwen2_vl", TP_SP_FSDP, DISTRIBUTED["qwen2_vl"]), ("qwen2_vl", CP_FSDP, {})]
+    _assert_estimates_match_on_four_ranks(cases)
+
+
+@pytest.mark.sweep
+def test_the_estimate_counts_the_tower_and_the_image_tokens_of_llava_at_tp_sp_with_fsdp():
+    """LLaVA at tp=2 + sp x dp_shard=2 (a launch of its own: the suite keeps Qwen2-VL's)."""
+    _assert_estimates_match_on_four_ranks([("llava", TP_SP_FSDP, DISTRIBUTED["llava"])])
+
+
+def _assert_estimates_match_on_four_ranks(cases: list[tuple[str, ParallelDims, dict]]) -> None:
+    """Each case's estimate is every rank's measured peak within the tolerance; the text alone's is not."""
     checks = [partial(measured_vision_activation_bytes, family, dims, **options) for family, dims, options in cases]
     measured = run_checks(4, checks, timeout=600)
     for (family, dims, options), per_rank in zip(cases, measured.values(), strict=True):

@@ -1,6 +1,7 @@
 """benchmarks/gpu.py's dry run: the GPU check's code (every section, tiny shapes, in one process) runs on CPU, so that
 it cannot rot between one use of a GPU and the next; its cp=2 row is a parity check of its own, and layout="auto"
-chooses and trains."""
+chooses and trains. It runs where the GPU check will: on torch 2.11, the GPU machines' build (`.ci/run`'s second
+step, `-m sweep`), and with the sweeps."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.sweep
 def test_gpu_check_dry_run():
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run"]
     env = os.environ | {"PYTHONPATH": str(ROOT), "GPU_CHECK_PORT": "29611"}

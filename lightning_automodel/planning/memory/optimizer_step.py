@@ -25,8 +25,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_automodel.hf.ties import to_empty_tied
 from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
-from lightning_automodel.planning.memory.activations import TotalsTracker, over_stage_layers
+from lightning_automodel.planning.memory.activations import TotalsTracker
 from lightning_automodel.planning.memory.layer_extrapolation import over_layers
+from lightning_automodel.planning.memory.pipeline_extrapolation import over_stage_layers
 from lightning_automodel.planning.simulation import fake_world
 
 AdamWImplementation = Literal["foreach", "fused"]

@@ -53,20 +53,23 @@ def over_stage_layers(
     dims: ParallelDims,
     rank: int,
     pipeline: PipelineOptions | None,
-    micro_batch: int,
+    micro_batch: int | None = None,
     few: tuple[int, ...] = FEW_LAYERS,
 ) -> int:
-    """``step(model, pipeline=..., micro_batch=...)`` under pp, where ``rank`` holds only its stages' layers, for the
-    ``micro_batch`` rows of a step: for stages of many alike layers, extrapolated from the model with each of the
-    rank's stages cut by the same count, to ``few`` layers in the smallest of them, and the other stages cut to one
-    layer each (this rank runs none of theirs, and holds nothing of them but the shapes it sends and receives: their
-    layers only cost the time of ``parallelize``'s checks, which run the whole model); and over micro-batches as the
-    module says."""
+    """``step(model, pipeline=...)`` under pp, where ``rank`` holds only its stages' layers: for stages of many alike
+    layers, extrapolated from the model with each of the rank's stages cut by the same count, to ``few`` layers in
+    the smallest of them, and the other stages cut to one layer each (this rank runs none of theirs, and holds
+    nothing of them but the shapes it sends and receives: their layers only cost the time of ``parallelize``'s
+    checks, which run the whole model). For a step of ``micro_batch`` rows (the step's keyword), also over
+    micro-batches as the module says; None: a step that does not run them (the optimizer's)."""
     pipeline = pipeline or PipelineOptions()
     microbatches = pipeline.microbatches_for(dims.pp)
-    rows = micro_batch // microbatches  # a micro-batch's
     if alike_layers(model) is None:
-        return step(model, pipeline=pipeline, micro_batch=micro_batch)
+        return (
+            step(model, pipeline=pipeline)
+            if micro_batch is None
+            else step(model, pipeline=pipeline, micro_batch=micro_batch)
+        )
     num_layers = len(named_language_layers(model))  # the layers pp splits
     stages = stage_layers(num_layers, dims.pp * pipeline.stages_per_rank, pipeline.layers_per_stage)
     counts = [len(layers) for layers in stages]
@@ -78,9 +81,11 @@ def over_stage_layers(
         cut = [layers - (smallest - count) if stage in mine else 1 for stage, layers in enumerate(counts)]
         copied = with_layers(copy.deepcopy(model), layers=sum(cut))
         cut_pipeline = dataclasses.replace(pipeline, layers_per_stage=cut, microbatches=micro)
-        return step(copied, pipeline=cut_pipeline, micro_batch=rows * micro)
+        if micro_batch is None:
+            return step(copied, pipeline=cut_pipeline)
+        return step(copied, pipeline=cut_pipeline, micro_batch=micro_batch // microbatches * micro)
 
-    warm = warm_up_microbatches(pipeline, pp=dims.pp, stage=pp_rank)
+    warm = None if micro_batch is None else warm_up_microbatches(pipeline, pp=dims.pp, stage=pp_rank)
     few_micro = None if warm is None else (warm, warm + 1, warm + 2)
     return over_layers_and_microbatches(
         measure, layers=smallest, microbatches=microbatches, few_layers=few, few_microbatches=few_micro

@@ -30,9 +30,16 @@ def test_compiled_blocks_on_two_ranks():
     checks = [
         partial(check_compiled_trainer_parity, tp=2, sp=True, activation_checkpointing=True),
         partial(check_compiled_trainer_parity, cp=2, backend="aot_eager"),
-        partial(check_compiled_trainer_parity, pp=2, backend="aot_eager"),
         partial(check_compiled_lora, backend="aot_eager"),
         partial(check_compiled_trainer_parity, activation_checkpointing="selective", backend="aot_eager"),
+    ]
+    run_checks(2, checks, timeout=600)
+
+
+@pytest.mark.sweep  # compiled blocks under pp and ep (28 s of the launch); tp, cp, LoRA and checkpointing in the suite
+def test_compiled_blocks_at_pp_and_ep():
+    checks = [
+        partial(check_compiled_trainer_parity, pp=2, backend="aot_eager"),
         partial(check_compiled_trainer_parity, "qwen3_moe", ep=2, backend="aot_eager", exact_graphs=False),
     ]
     run_checks(2, checks, timeout=600)

@@ -265,6 +265,12 @@ SWEEP_JOBS = (
     ("granite", "tp2_sp"),
     ("gpt_neox", "tp2_sp"),
     ("mixtral", "tp2_sp"),
+    # Checked elsewhere in the suite: Bamba's layout by tests/test_layouts.py and tests/test_loading.py, Reformer's
+    # by its 64-position variant, DeepSeek's latent attention by DeepSeek-V3 with sp (V3.2 adds an indexer it keeps
+    # whole).
+    ("bamba", "tp2_sp"),
+    ("reformer", "dp_shard2"),
+    ("deepseek_v32", "tp2"),
 )
 
 

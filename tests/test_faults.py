@@ -91,6 +91,7 @@ def test_sigterm_to_one_rank(tmp_path):
     assert_named(outcome, 1, "received SIGTERM")
 
 
+@pytest.mark.sweep  # 22 s; SIGTERM to a rank, Ctrl-C to the launcher's group and a SLURM step's SIGTERM in the suite
 def test_sigterm_to_the_launcher(tmp_path):
     """SIGTERM to Lightning's launcher, which forwards it: the ranks stop at the end of a step together, the
     ``OnExceptionCheckpoint`` callback writes a whole checkpoint, and every rank exits with 143 (Lightning 2.6: 0)."""
@@ -124,6 +125,7 @@ def test_ctrl_c(tmp_path):
     assert "received Ctrl-C (SIGINT)" in outcome.ranks[0].output, outcome.describe()
 
 
+@pytest.mark.sweep  # 38 s: two runs; a SLURM step's SIGTERM during a save is in the suite
 def test_requeue_signal_under_slurm(tmp_path):
     """SLURM's requeue signal (``sbatch --signal=USR1@120``) to rank 1 alone of a job step: every rank stops after
     the same step, last.ckpt is saved, rank 0 runs ``scontrol requeue`` (a stand-in records it) and every rank exits

@@ -76,13 +76,11 @@ def test_pipeline_two_stages_against_one_process():
 def test_pipeline_with_tensor_and_data_parallel(tmp_path):
     """World 4: Llama at pp=2 x tp=2 with sp (1F1B, 4 micro-batches); Qwen3 at pp=2 x dp_shard=2 with activation
     checkpointing; LoRA on every projection with two stages per rank (Interleaved1F1B) at pp=2 x tp=2 with sp;
-    checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2 and at pp=1 (dp_shard=4), and at pp=2 with two
-    stages per rank resumed at pp=4, Lightning's single file from one device resumed at pp=2 with two stages per
-    rank, saved under HSDP (dp_replicate=2 x dp_shard=2) resumed at pp=2; refusals before any collective; the
-    checkpoints saved at pp=2, with two stages per rank and under HSDP exported shard by shard as save_pretrained
-    writes them. Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2): two stages per
-    rank, accumulation and clipping (the experts' norm over their own mesh). pp x cp: tests/test_context_parallel.py.
-    More layouts: the sweep below."""
+    checkpoints saved at pp=2 x dp_shard=2 resumed at pp=2 x tp=2, at pp=2 with two stages per rank resumed at pp=4,
+    saved under HSDP (dp_replicate=2 x dp_shard=2) resumed at pp=2; refusals before any collective; the checkpoints
+    saved at pp=2, with two stages per rank and under HSDP exported shard by shard as save_pretrained writes them.
+    Qwen3-MoE with its experts over ep=2 (pp=2 x dp_shard=2), two stages per rank. pp x cp:
+    tests/test_context_parallel.py. More layouts: the sweep below."""
     pp2, pp2_tp2, pp4 = dict(pp=2), dict(pp=2, tp=2), dict(pp=4)
     checks = [
         partial(check_pipeline_trainer_parity, 2, "1F1B", microbatches=4, tp=2, sp=True),
@@ -91,11 +89,10 @@ def test_pipeline_with_tensor_and_data_parallel(tmp_path):
         partial(
             check_checkpoint_resume_across_layouts,
             str(tmp_path),
-            [(pp2, pp2_tp2), (pp2, {}), (INTERLEAVED, pp4), (None, INTERLEAVED), (HSDP, pp2)],
+            [(pp2, pp2_tp2), (INTERLEAVED, pp4), (HSDP, pp2)],
         ),
         partial(check_pipeline_refusals, 2),
         partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", "qwen3_moe", ep=2, stages_per_rank=2),
-        partial(check_pipeline_accumulation_and_clipping, 2, "qwen3_moe", ep=2),
     ]
     run_checks(4, checks, timeout=400)
     saved_layouts = ("saved-pp2", "saved-pp2-pp_scheduleInterleaved1F1B-pp_stages_per_rank2", "saved-dp_replicate2")
@@ -109,15 +106,22 @@ def test_pipeline_sweep(tmp_path):
     """World 4: Llama with two stages per rank (Interleaved1F1B) at pp=2 x tp=2 with sp; Llama at pp=2 under HSDP
     (dp_replicate=2); Gemma 3 (tied, its embedding vocabulary-parallel) at pp=2 x tp=2 with sp (GPipe); LoRA at pp=2
     x tp=2 with sp (1F1B); checkpoints saved at pp=1 resumed at pp=2 x tp=2, saved at pp=4 resumed at pp=2 with two
-    stages per rank; Qwen3-MoE's saved at pp=2 x ep=2 resumed at pp=1, and its single file from one device resumed
-    at pp=2 x ep=2."""
+    stages per rank, saved at pp=2 resumed at pp=1, Lightning's single file from one device resumed at pp=2 with two
+    stages per rank; Qwen3-MoE's accumulation and clipping at pp=2 x ep=2 (the experts' norm over their own mesh),
+    its checkpoint saved at pp=2 x ep=2 resumed at pp=1, and its single file from one device resumed at pp=2 x
+    ep=2."""
     pp2_tp2, pp4 = dict(pp=2, tp=2), dict(pp=4)
     checks = [
         partial(check_pipeline_trainer_parity, 2, "Interleaved1F1B", microbatches=4, tp=2, sp=True, stages_per_rank=2),
         partial(check_pipeline_trainer_parity, 2, "GPipe", dp_replicate=2),
         partial(check_pipeline_trainer_parity, 2, "GPipe", "gemma3", tp=2, sp=True),
         partial(check_pipeline_lora, 2, 2, True),
-        partial(check_checkpoint_resume_across_layouts, str(tmp_path), [({}, pp2_tp2), (pp4, INTERLEAVED)]),
+        partial(
+            check_checkpoint_resume_across_layouts,
+            str(tmp_path),
+            [({}, pp2_tp2), (pp4, INTERLEAVED), (dict(pp=2), {}), (None, INTERLEAVED)],
+        ),
+        partial(check_pipeline_accumulation_and_clipping, 2, "qwen3_moe", ep=2),
         partial(
             check_checkpoint_resume_across_layouts,
             str(tmp_path / "moe"),

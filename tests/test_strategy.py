@@ -53,6 +53,17 @@ def test_trainer_on_two_ranks():
         check_no_hf_model_is_an_error,
         partial(check_validate_then_fit, 1),
         check_invalid_size_raises_everywhere,
+    ]
+    results = run_checks(2, checks, fresh_interpreters=True)
+    for message in results["check_invalid_size_raises_everywhere()"]:
+        assert "tp=3" in message and "valid tp sizes are [1, 2]" in message
+
+
+@pytest.mark.sweep  # 28 s of child processes; verify_plan's own refusals: tests/test_verify.py
+def test_verify_plans_on_two_ranks():
+    """The strategy's ``verify_plans``: a wrong plan refused alike on every rank; a rank whose verification fails
+    stops every rank."""
+    checks = [
         check_verify_plans_refuses_a_wrong_plan_everywhere,
         check_verify_plans_failing_on_one_rank_stops_every_rank,
     ]
@@ -62,8 +73,6 @@ def test_trainer_on_two_ranks():
     rank0, rank1 = results["check_verify_plans_failing_on_one_rank_stops_every_rank()"]
     assert rank0.startswith("ValueError: verify_plans: verifying the plan of GraniteForCausalLM failed on rank 1")
     assert rank1 == "RuntimeError: verify_plan's child process failed: Killed", rank1
-    for message in results["check_invalid_size_raises_everywhere()"]:
-        assert "tp=3" in message and "valid tp sizes are [1, 2]" in message
 
 
 def test_trainer_on_four_ranks():

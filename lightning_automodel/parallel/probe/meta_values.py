@@ -149,7 +149,10 @@ def _leaves(*values: Any) -> list[Any]:
     for value in values:
         items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
         for item in items:
-            found.extend(item) if isinstance(item, list | tuple) else found.append(item)
+            if isinstance(item, list | tuple):
+                found.extend(item)
+            else:
+                found.append(item)
     return found
 
 
@@ -161,7 +164,7 @@ def _mapped(function: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with ``function`` applied to each of their leaves (one level of lists within)."""
 
     def leaf_or_list(value: Any) -> Any:
-        if isinstance(value, list | tuple):
+        if type(value) in (list, tuple):  # a torch.Size stays whole, as pytree kept it
             return type(value)(function(leaf) for leaf in value)
         return function(value)
 

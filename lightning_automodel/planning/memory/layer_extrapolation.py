@@ -45,10 +45,16 @@ def extrapolated(measure: Callable[[int], int], *, layers: int, few: tuple[int, 
     if layers <= 2 * few[-1]:
         return measure(layers)
     values = [measure(count) for count in few]
-    increments = {later - earlier for earlier, later in itertools.pairwise(values)}
-    if len(increments) > 1:  # not yet linear: the whole model decides
+    increment = common_increment(values)
+    if increment is None:  # not yet linear: the whole model decides
         return measure(layers)
-    return values[-1] + (layers - few[-1]) * increments.pop()
+    return values[-1] + (layers - few[-1]) * increment
+
+
+def common_increment(values: list[int]) -> int | None:
+    """The one step between consecutive ``values``, or None where the steps differ."""
+    increments = {later - earlier for earlier, later in itertools.pairwise(values)}
+    return increments.pop() if len(increments) == 1 else None
 
 
 def alike_layers(model: nn.Module) -> nn.ModuleList | None:

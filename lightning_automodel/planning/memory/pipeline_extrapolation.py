@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 from collections.abc import Callable
 
 from torch import nn
@@ -26,6 +25,7 @@ from lightning_automodel.parallel.pipeline import PipelineOptions, stage_layers
 from lightning_automodel.planning.memory.layer_extrapolation import (
     FEW_LAYERS,
     alike_layers,
+    common_increment,
     extrapolated,
     with_layers,
 )
@@ -64,12 +64,12 @@ def over_stage_layers(
     micro-batches as the module says; None: a step that does not run them (the optimizer's)."""
     pipeline = pipeline or PipelineOptions()
     microbatches = pipeline.microbatches_for(dims.pp)
+
+    def rows(micro: int) -> dict[str, int]:  # the step's keyword for ``micro`` micro-batches of the step's size
+        return {} if micro_batch is None else {"micro_batch": micro_batch // microbatches * micro}
+
     if alike_layers(model) is None:
-        return (
-            step(model, pipeline=pipeline)
-            if micro_batch is None
-            else step(model, pipeline=pipeline, micro_batch=micro_batch)
-        )
+        return step(model, pipeline=pipeline, **rows(microbatches))
     num_layers = len(named_language_layers(model))  # the layers pp splits
     stages = stage_layers(num_layers, dims.pp * pipeline.stages_per_rank, pipeline.layers_per_stage)
     counts = [len(layers) for layers in stages]
@@ -81,9 +81,7 @@ def over_stage_layers(
         cut = [layers - (smallest - count) if stage in mine else 1 for stage, layers in enumerate(counts)]
         copied = with_layers(copy.deepcopy(model), layers=sum(cut))
         cut_pipeline = dataclasses.replace(pipeline, layers_per_stage=cut, microbatches=micro)
-        if micro_batch is None:
-            return step(copied, pipeline=cut_pipeline)
-        return step(copied, pipeline=cut_pipeline, micro_batch=micro_batch // microbatches * micro)
+        return step(copied, pipeline=cut_pipeline, **rows(micro))
 
     warm = None if micro_batch is None else warm_up_microbatches(pipeline, pp=dims.pp, stage=pp_rank)
     few_micro = None if warm is None else (warm, warm + 1, warm + 2)
@@ -118,16 +116,10 @@ def over_layers_and_microbatches(
     if sum(count * micro for count, micro in points) >= sum(counts) * microbatches:
         return every_microbatch()
     peaks = {point: measure(*point) for point in points}
-    per_layer = _increment([peaks[count, first] for count in counts]) if over_layers else 0
-    per_micro = _increment([peaks[counts[0], micro] for micro in few_microbatches])
+    per_layer = common_increment([peaks[count, first] for count in counts]) if over_layers else 0
+    per_micro = common_increment([peaks[counts[0], micro] for micro in few_microbatches])
     if per_layer is None or per_micro is None:  # not yet linear: every micro-batch decides
         return every_microbatch()
     if over_layers and peaks[counts[1], more[0]] != peaks[counts[1], first] + per_micro:
         return every_microbatch()
     return peaks[counts[0], first] + (layers - counts[0]) * per_layer + (microbatches - first) * per_micro
-
-
-def _increment(values: list[int]) -> int | None:
-    """The one step between consecutive ``values``, or None where the steps differ."""
-    increments = {later - earlier for earlier, later in itertools.pairwise(values)}
-    return increments.pop() if len(increments) == 1 else None

@@ -215,13 +215,18 @@ def kill_midway_through_second_save() -> None:
     filesystem._write_files_from_queue = write_then_die
 
 
+SLOW_WRITE = "fault_train: writing a shard slowly"
+
+
 def slow_down_saves(seconds: float) -> None:
-    """Each rank's shard of a save takes ``seconds`` to write, as on a slow file system."""
+    """Each rank's shard of a save takes ``seconds`` to write, as on a slow file system; each write says so, for a
+    test to count the saves."""
     import torch.distributed.checkpoint.filesystem as filesystem
 
     write = filesystem._write_files_from_queue
 
     def write_slowly(*args, **kwargs):
+        print(SLOW_WRITE, flush=True)
         time.sleep(seconds)
         return write(*args, **kwargs)
 

@@ -3,6 +3,7 @@ and on a real model's), the global batch kept by accumulation, the sizes given k
 setup on gloo ranks: the same choice on every rank, parity with one process, the refusal before any weight, and the
 chosen layout's estimate against the measured peak of a real step."""
 
+import dataclasses
 import re
 from functools import partial
 from unittest import mock
@@ -19,10 +20,12 @@ from transformers import AutoModelForCausalLM
 
 from lightning_automodel import AutoModelParallelStrategy, ParallelDims
 from lightning_automodel.cli import main
+from lightning_automodel.parallel.pipeline import PipelineOptions
 from lightning_automodel.planning.search.fitting import NoLayoutFits
 from lightning_automodel.planning.search.layouts import Candidate, Outcome, SearchSpace, candidates, tensor_budget
 from lightning_automodel.planning.search.throughput import Hardware
 from lightning_automodel.planning.search.waves import chosen_fit, search_layout, tie_ordered
+from lightning_automodel.planning.search.workers import combined, jobs_of
 from lightning_automodel.strategy.auto_layout import _with_accumulation, step_options
 from lightning_automodel.testing.harness import check_name, run_checks
 from lightning_automodel.testing.models import tiny_config
@@ -95,6 +98,26 @@ def test_the_search_measures_from_the_top_until_the_first_fit_is_known():
     pruned = _Replay({**outcomes, ranked[6]: Outcome(74 * GIB, 0)})
     search_layout([ranked[6], ranked[5], ranked[8]], budget=budget, evaluate=pruned, workers=1)
     assert pruned.waves == [[(1, "full")], [(8, "off")]]
+
+
+def test_a_pipeline_candidate_is_measured_one_pp_rank_a_worker():
+    """Each pp rank's stages of a pp candidate are a job of their own, measured beside the others: a wave holds the
+    candidates whose jobs fill the workers (pp=4 takes four), and a candidate's outcome is its largest rank's (or its
+    first refusal), measured in the time of its slowest job."""
+    ranked = [
+        Candidate(ParallelDims(pp=pp, dp_shard=8 // pp).resolve(8), "off", speed, 1, False, PipelineOptions())
+        for pp, speed in ((4, 100), (1, 90), (2, 80), (2, 70))
+    ]
+    ranked[3] = dataclasses.replace(ranked[3], checkpointing="full")
+    outcomes = {candidate: Outcome(100 * GIB, 0) for candidate in ranked[:3]} | {ranked[3]: Outcome(GIB, 0)}
+    replay = _Replay(outcomes)
+    search_layout(ranked, budget=65 * GIB, evaluate=replay, workers=4)
+    assert [len(wave) for wave in replay.waves] == [1, 2, 1]  # pp=4; pp=1 and pp=2; pp=2
+    assert jobs_of(ranked[:2]) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, None)]
+    stages = [Outcome(GIB, 2 * GIB, 0, 3.0), Outcome(GIB, 5 * GIB, 0, 1.0), Outcome(GIB, GIB, 0, 2.0)]
+    jobs = [(0, 0), (0, 1), (1, 0)]
+    assert combined(ranked[2:], jobs, stages) == [Outcome(GIB, 5 * GIB, 0, 3.0), Outcome(GIB, GIB, 0, 2.0)]
+    assert combined(ranked[2:], jobs, [stages[0], "refused", stages[2]]) == ["refused", stages[2]]
 
 
 def test_estimates_within_one_percent_tie_and_recomputing_less_then_holding_less_wins():

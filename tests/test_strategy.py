@@ -1,5 +1,7 @@
 """AutoModelParallelStrategy driven by a real Trainer: 3 AdamW steps against a single process, and the wiring."""
 
+import subprocess
+import sys
 from functools import partial
 
 import lightning as L
@@ -210,4 +212,15 @@ def test_other_precision_flags_are_refused_with_advice(precision, advice):
 
 
 def test_public_api():
+    """Every public name resolves (imported on first use); importing the planner's part of the package imports
+    neither Lightning nor the checkpoint I/O, which its child processes do not need."""
     assert set(lightning_automodel.__all__) >= {"AutoModelParallelStrategy", "ParallelDims", "parallelize"}
+    assert sorted(lightning_automodel._HOME_OF) == sorted(lightning_automodel.__all__)
+    for name in lightning_automodel.__all__:
+        assert getattr(lightning_automodel, name).__name__ == name
+    code = (
+        "import sys, lightning_automodel.planning.search.workers; print(sorted(m for m in sys.modules"
+        " if m.split('.')[0] == 'lightning' or m.startswith('lightning_automodel.io')))"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert found.strip() == "[]", found

@@ -26,6 +26,7 @@ from lightning_automodel.parallel.experts.expert_parallel import expert_parallel
 from lightning_automodel.parallel.mesh import axis_size, tp_mesh
 from lightning_automodel.parallel.options import check_sequence_parallel
 from lightning_automodel.parallel.pipeline import PipelineOptions, pipeline_problem, stage_split_problem
+from lightning_automodel.parallel.probe.remembered import remembered
 from lightning_automodel.parallel.probe.step import (
     ProbeError,
     Trace,
@@ -199,6 +200,10 @@ def probe_unsharded(model: nn.Module, *, tp: int) -> Trace | ProbeError | None:
     (None)."""
     if not isinstance(model, PreTrainedModel):
         return None
+    return remembered(model, how=("unsharded", tp), probe=lambda: _probe_with_images_first(model, tp=tp))
+
+
+def _probe_with_images_first(model: nn.Module, *, tp: int) -> Trace | ProbeError:
     with_images = _probe_at_lengths(model, tp=tp, images=True) if builds_images(model) else None
     if isinstance(with_images, Trace):
         return with_images

@@ -22,6 +22,7 @@ from lightning_automodel.parallel.mesh import ParallelDims
 from lightning_automodel.parallel.parallelizer import parallelize
 from lightning_automodel.parallel.pipeline import PipelineOptions, stage_layers
 from lightning_automodel.parallel.preflight import check_before_collectives
+from lightning_automodel.parallel.probe.remembered import probes_remembered
 from lightning_automodel.parallel.tensor.apply import TensorParallelPlan, plan_not_logged
 from lightning_automodel.parallel.tensor.plans.patterns import pattern_matches
 from lightning_automodel.planning.memory.attention_kernel import ASSUMED_KERNEL
@@ -177,6 +178,7 @@ class PlanReport:
         )
 
 
+@probes_remembered()  # a copy of the model parallelized a stage, a checkpointing mode and a few layer counts
 def plan_report(
     model: nn.Module,
     dims: ParallelDims,

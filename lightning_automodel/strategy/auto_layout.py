@@ -27,7 +27,7 @@ from lightning_automodel.planning.memory.step_options import StepOptions
 from lightning_automodel.planning.search.fitting import LayoutChoice, choose_layout
 from lightning_automodel.planning.search.layouts import Candidate, Outcome, SearchSpace, tensor_budget
 from lightning_automodel.planning.search.throughput import Hardware
-from lightning_automodel.planning.search.workers import Measurements
+from lightning_automodel.planning.search.workers import Measurements, combined, jobs_of
 from lightning_automodel.strategy.module_hints import adamw_of, loss_chunks_of
 from lightning_automodel.strategy.options import StrategyOptions
 
@@ -144,7 +144,8 @@ def _hardware(options: StrategyOptions, device: torch.device, *, gpus_per_node: 
 
 
 class _RankWorkers:
-    """This rank's child process, measuring the rank's candidate of each wave; the ranks exchange the outcomes."""
+    """This rank's child process, measuring the rank's job of each wave (a candidate, or one pp rank's stages of
+    one); the ranks exchange the outcomes."""
 
     def __init__(self, model: nn.Module, *, batch_shape: tuple[int, int], hardware: Hardware, step: StepOptions):
         self.measurements = Measurements(
@@ -156,10 +157,12 @@ class _RankWorkers:
         self.child = ChildProcess(purpose='layout="auto"', threads=threads)
 
     def __call__(self, wave: list[Candidate]) -> list[Outcome | str]:
+        jobs = jobs_of(wave)  # no more than the ranks: the search sizes its waves so
         outcome, failure = None, None
-        if self.rank < len(wave):
+        if self.rank < len(jobs):
+            index, pp_rank = jobs[self.rank]
             try:
-                self.measurements.submit(self.child, wave[self.rank])
+                self.measurements.submit(self.child, wave[index], pp_rank=pp_rank)
                 outcome = self.child.result()
             except Exception as error:  # noqa: BLE001 - raised below on every rank, once all know
                 failure = f"{type(error).__name__}: {error}"
@@ -168,8 +171,8 @@ class _RankWorkers:
         failed = [(rank, message) for rank, (_, message) in enumerate(gathered) if message is not None]
         if failed:
             rank, message = failed[0]
-            raise RuntimeError(f'layout="auto": measuring {wave[rank].name} failed on rank {rank}: {message}')
-        return [outcome for outcome, _ in gathered[: len(wave)]]
+            raise RuntimeError(f'layout="auto": measuring {wave[jobs[rank][0]].name} failed on rank {rank}: {message}')
+        return combined(wave, jobs, [outcome for outcome, _ in gathered[: len(jobs)]])
 
     def __enter__(self) -> _RankWorkers:
         return self

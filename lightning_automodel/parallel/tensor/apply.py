@@ -6,11 +6,13 @@ happens on the copy, before any collective and alike on every rank; the model is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_automodel.hf.decoder_layers import named_language_layers
 from lightning_automodel.hf.ties import ties_kept
+from lightning_automodel.parallel.probe.remembered import remembered
 from lightning_automodel.parallel.probe.step import ProbeError, Trace, meta_copy, probe
 from lightning_automodel.parallel.tensor.head_counts import head_parameter_styles, localize_head_counts, splits_outputs
 from lightning_automodel.parallel.tensor.lora import lora_aware
@@ -58,6 +61,33 @@ def plan_tensor_parallel(
     could not run is refused once its plan is chosen (so that a plan's own shortcomings are named first); without a
     probe (a model that is not a Hugging Face one) the plan is applied to the copy, not probed.
     """
+    plan = partial(
+        _planned,
+        model,
+        mesh,
+        sp=sp,
+        tp_plan=tp_plan,
+        allow_unsharded_linears=allow_unsharded_linears,
+        unsharded=unsharded,
+    )
+    if tp_plan is not None and not isinstance(tp_plan, str):  # a user's styles or function: nothing to know it by
+        return plan()
+    how = ("tp plan", mesh.device_type, mesh.size(), sp, tp_plan, allow_unsharded_linears)
+    found = remembered(model, how=how, probe=plan)  # the unsharded probe is the model's: remembered with it
+    return dataclasses.replace(
+        found, styles=dict(found.styles), replicated=list(found.replicated), head_counts=list(found.head_counts)
+    )
+
+
+def _planned(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    sp: bool,
+    tp_plan: PlanSpec | None,
+    allow_unsharded_linears: bool,
+    unsharded: Trace | ProbeError | None,
+) -> TensorParallelPlan:
     blocks = named_language_layers(model)  # a vision tower's plan is added to the language model's
     if isinstance(unsharded, Trace):
         blocks = [(name, block) for name, block in blocks if unsharded.called(name)]

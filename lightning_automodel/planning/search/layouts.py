@@ -285,11 +285,14 @@ def layout_memory(
     budget: float,
     step: StepOptions,
     temporaries: dict[tuple, int] | None = None,
+    pp_rank: int | None = None,
 ) -> Outcome:
     """``candidate``'s memory per GPU, measured on copies of ``model`` (on the meta device) with ``step``'s plan,
     precision, loss and AdamW; the step is not estimated where the state alone exceeds ``budget``. A layout the plan
     or the step refuses raises the refusal (a ValueError). ``temporaries``: the optimizer step's of the layouts
-    measured before with the same model and ``step``, which every checkpointing setting shares (read and added to)."""
+    measured before with the same model and ``step``, which every checkpointing setting shares (read and added to).
+    ``pp_rank``: under pp, the step of that pp rank's stages alone (the largest of the ranks' outcomes is the
+    candidate's: :func:`~.workers.combined`), else of every pp rank."""
     dims = candidate.dims
     states = state_of_each_stage(model, candidate, step=step)
     if max(states) > budget:
@@ -298,6 +301,8 @@ def layout_memory(
     layout = dict(sp=candidate.sp, pipeline=candidate.pipeline)
     outcomes = []
     for stage, state in enumerate(states):
+        if pp_rank is not None and stage != pp_rank:
+            continue
         rank = stage * dims.ranks_per_stage
         activations = activation_bytes(
             copy.deepcopy(model),

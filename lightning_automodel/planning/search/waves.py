@@ -2,7 +2,8 @@
 
 The throughput model ranks every candidate (layout and checkpointing setting) before any memory is measured, so the
 answer to "the fastest that fits" is the first candidate in that order whose memory fits: the search measures
-candidates from the top, a wave of as many as there are workers at a time, and stops once a candidate fits and every
+candidates from the top, a wave of as many as there are workers at a time (a pp candidate counting one a pp rank,
+whose stages are measured side by side), and stops once a candidate fits and every
 one ranked above it is measured. Estimates within :data:`TIE` of each other are a tie, which the throughput model is
 too coarse to break: of the fits tied with the first, the least recomputing is chosen, then the smallest
 (:func:`tie_ordered`), so the search measures those too. Layouts are pruned as soon as they cannot fit: the plan
@@ -111,7 +112,7 @@ def search_layout(ranked: list[Candidate], *, budget: float, evaluate: Evaluate,
             and not record.out_of_reach(full[dims])
             and sum(ranked[i].dims == dims and i != full[dims] for i in pending) >= 2
         )
-        return [*promoted, *(i for i in pending if i not in promoted)][:size]
+        return _filling([*promoted, *(i for i in pending if i not in promoted)], ranked, size)
 
     run_waves(record, next_wave=next_wave, evaluate=evaluate, workers=workers)
     return record
@@ -151,6 +152,18 @@ def tie_ordered(record: SearchRecord, indices: list[int]) -> list[int]:
         )
         left.remove(ordered[-1])
     return ordered
+
+
+def _filling(indices: list[int], ranked: list[Candidate], size: int) -> list[int]:
+    """The first of ``indices`` whose jobs fill at most ``size`` workers (at least one candidate): a pp candidate
+    takes one a pp rank (see :func:`~.workers.jobs_of`)."""
+    wave, jobs = [], 0
+    for index in indices:
+        jobs += ranked[index].dims.pp
+        if wave and jobs > size:
+            break
+        wave.append(index)
+    return wave
 
 
 def _ties_end(ranked: list[Candidate], index: int) -> int:
@@ -194,7 +207,7 @@ def search_every_layout(
 
     def next_wave(size: int) -> list[int]:
         wave = [index for indices in by_layout.values() if (index := needed(indices)) is not None]
-        return sorted(wave)[:size]
+        return _filling(sorted(wave), ranked, size)
 
     run_waves(record, next_wave=next_wave, evaluate=evaluate, workers=workers)
     return record

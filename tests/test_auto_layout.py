@@ -268,14 +268,15 @@ def two_ranks():
 
 
 def test_every_rank_reaches_the_same_choice_and_trains_at_parity():
-    """The ranks measured different candidates and exchanged them: every rank logs the same choice, the same
-    measurements. The chosen layout (pp=2 x tp=2 here: it accumulates 4 batches of 2 rows, the global batch of 8 as
-    four data-parallel ranks would read it) trains at parity with one process: losses, every gradient, the weights
-    after 3 AdamW steps."""
+    """The ranks measured different jobs (here each pp rank of two pp=2 candidates) and exchanged them: every rank
+    logs the same choice, the same measurements. The chosen layout (pp=2 x tp=2 here: it accumulates 4 batches of 2
+    rows, the global batch of 8 as four data-parallel ranks would read it) trains at parity with one process: losses,
+    every gradient, the weights after 3 AdamW steps."""
     ranks = run_checks(4, [partial(check_auto_layout_trains_at_parity, 1.0)], timeout=600)
     ranks = ranks["check_auto_layout_trains_at_parity(1.0)"]
     assert all((rank["layout"], rank["measured"]) == (ranks[0]["layout"], ranks[0]["measured"]) for rank in ranks)
-    assert len(ranks[0]["measured"]) >= 4, "each rank measured a candidate of the first wave"
+    jobs = sum(int(name.split()[0].removeprefix("pp=")) for name, _, _ in ranks[0]["measured"])
+    assert jobs >= 4, "each rank measured a job of the first wave (one pp rank's stages of a pp candidate)"
     assert ranks[0]["layout"] == ("pp=2 tp=2 cp=1 dp_shard=1", "off")
     assert "each optimizer step accumulates 4 batches" in ranks[0]["choice"]
 

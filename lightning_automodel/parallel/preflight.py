@@ -20,6 +20,7 @@ from lightning_automodel.hf.decoder_layers import (
     named_multimodal_parts,
     named_multimodal_units,
 )
+from lightning_automodel.hf.denoisers import is_denoiser
 from lightning_automodel.hf.vision.image_inputs import builds_images
 from lightning_automodel.parallel.context_parallel import check_cp_with_pipeline, context_parallel_problem
 from lightning_automodel.parallel.experts.expert_parallel import expert_parallel_problem
@@ -67,6 +68,7 @@ def check_before_collectives(
     :func:`~lightning_automodel.planning.verify.verify_plan` shares it, so that what it verifies is the plan training
     gets."""
     tp = axis_size(device_mesh, "tp")
+    check_denoiser_sizes(model, device_mesh)
     check_sequence_parallel(sp=sp, tp=tp)
     if tp > 1:
         validate_tp_sizes(model, tp)
@@ -180,6 +182,22 @@ def check_rotary_parameters(model: nn.Module, *, tp: int) -> None:
             f"tp={tp} (tensor parallel): {type(model).__name__}'s rotary embedding trains {trained}, whose cos and"
             " sin feed the attention of every layer: no tensor-parallel style sums their gradient over the tp ranks."
             " Freeze them (requires_grad=False), or use tp=1."
+        )
+
+
+def check_denoiser_sizes(model: nn.Module, device_mesh: DeviceMesh) -> None:
+    """A diffusers transformer trains over the data-parallel ranks (FSDP2, HSDP) alone so far: its blocks' inputs
+    (latents, timestep, text embeddings) are not a token sequence the probe can step, and no plan for tensor, context,
+    pipeline or expert parallel is checked for them yet."""
+    if not is_denoiser(model):
+        return
+    sizes = {axis: axis_size(device_mesh, axis) for axis in ("tp", "cp", "pp", "ep")}
+    split = ", ".join(f"{axis}={size}" for axis, size in sizes.items() if size > 1)
+    if split:
+        raise ValueError(
+            f"{split}: {type(model).__name__} (a diffusers transformer) trains with dp_shard and dp_replicate (FSDP2,"
+            " HSDP) only, with activation checkpointing and compile per block; its tensor, context, pipeline and"
+            " expert parallel layouts are not built. Use tp=1, cp=1, pp=1 and ep=1."
         )
 
 

@@ -14,10 +14,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
+from lightning_automodel.hf.denoisers import is_denoiser
 from lightning_automodel.hf.initialization import materialize_hf_model
 from lightning_automodel.hf.loading import materialize_pretrained, pretrained_checkpoint
 from lightning_automodel.hf.models import find_hf_models
 from lightning_automodel.parallel.fsdp.dtypes import keep_pinned_fp32
+from lightning_automodel.parallel.initial_weights import is_meta
 from lightning_automodel.parallel.parallelizer import fp32_pinned_names
 
 log = logging.getLogger(__name__)
@@ -40,17 +42,30 @@ def models_to_parallelize(
         return None
     if not models:
         raise TypeError(
-            f"{strategy_name} found no Hugging Face model (transformers.PreTrainedModel) in"
+            f"{strategy_name} found no Hugging Face model (transformers.PreTrainedModel, or a diffusers transformer) in"
             f" {type(module).__name__}. Assign the model to an attribute in __init__ or configure_model"
             " (e.g. self.model = AutoModelForCausalLM.from_config(config)), or parallelize it yourself in"
             " configure_model."
         )
+    for model in models:
+        _refuse_a_denoiser_on_meta(model)
     if previous and not any(model in previous for model in models):
         rank_zero_warn(
             f"{type(module).__name__} holds a new model in this stage: the one trained before was replaced"
             " (configure_model runs at every stage). Guard it with `if self.model is not None: return`."
         )
     return models
+
+
+def _refuse_a_denoiser_on_meta(model: nn.Module) -> None:
+    """A diffusers transformer built on the meta device cannot be given its initial weights: diffusers sets some in
+    its modules' constructors (zeros, constants), which no initialisation after the fact reproduces."""
+    if is_denoiser(model) and is_meta(model) and model not in PARALLELIZED_BY_US:
+        raise ValueError(
+            f"{type(model).__name__} is on the meta device, and diffusers sets some of its initial weights in its"
+            " modules' constructors, which a model built there cannot reproduce. Build it on the CPU (rank 0's weights"
+            " are broadcast to every rank) or load it with from_pretrained."
+        )
 
 
 def is_parallelized(module: nn.Module) -> bool:

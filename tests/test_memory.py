@@ -229,6 +229,24 @@ def test_a_figure_not_yet_linear_in_the_layers_is_not_extrapolated():
     assert over_layers(measure, _on_meta(num_hidden_layers=11)) == 52 + 6 * 11
 
 
+def test_few_layers_not_yet_linear_slide_before_the_whole_model_is_measured():
+    """Of 20 layers: 3 to 4 add 11, each further layer 9: 4, 5 and 6 extrapolate (the whole never measured); a
+    figure linear from no count up to 7 is measured whole."""
+    values = {3: 30, 4: 41, 5: 50, 6: 59, 20: 185}
+    measured = []
+
+    def measure(model):
+        measured.append(len(alike_layers(model)))
+        return values[len(alike_layers(model))]
+
+    assert over_layers(measure, _on_meta(num_hidden_layers=20)) == 59 + 14 * 9
+    assert measured == [3, 4, 5, 6]
+    values.update({6: 60, 7: 71, 20: 201})
+    measured.clear()
+    assert over_layers(measure, _on_meta(num_hidden_layers=20)) == 201
+    assert measured == [3, 4, 5, 6, 7, 20]
+
+
 def test_the_estimate_fills_no_host_memory_with_the_layers_it_gathers():
     """FSDP2's buffers (the gathered layers, their gradients before the reduce-scatter) are made empty, hence fake:
     estimating a layout whose gathered layers take half a GiB makes no real tensor larger than a few KiB (the mesh's

@@ -32,6 +32,16 @@ def test_a_peak_growing_alike_with_layers_and_microbatches_is_extrapolated_from_
     assert measured == [(3, 3), (4, 3), (5, 3), (3, 4), (3, 5), (4, 4)]
 
 
+def test_layer_counts_not_yet_linear_slide_by_a_layer():
+    """The 70B example's first stage at pp=2 x tp=4: 3 to 4 layers add more than each layer from 4 on; the counts
+    slide to 4, 5 and 6 (the micro-batch points with them) and extrapolate exactly, without stepping every
+    micro-batch."""
+    peak = lambda layers, micro: 1000 + 70 * layers + 9 * micro + 5 * (layers >= 4)  # noqa: E731
+    measure, measured = _recorded(peak)
+    assert over_layers_and_microbatches(measure, layers=40, microbatches=16, **FEW) == peak(40, 16)
+    assert measured == [(3, 3), (4, 3), (5, 3), (3, 4), (3, 5), (4, 4), (6, 3), (4, 5), (5, 4)]
+
+
 @pytest.mark.parametrize(
     "peak",
     [

@@ -27,6 +27,7 @@ from lightning_automodel.planning.memory.layer_extrapolation import (
     alike_layers,
     common_increment,
     extrapolated,
+    slid,
     with_layers,
 )
 
@@ -100,9 +101,9 @@ def over_layers_and_microbatches(
 ) -> int:
     """``measure(layers, microbatches)``: over layers extrapolated as :func:`.layer_extrapolation.extrapolated` does
     (layers more than twice ``few_layers[-1]``), and over micro-batches too (see the module; ``few_microbatches``:
-    consecutive counts from the warm-up's end, None for none) where that steps fewer layers x micro-batches."""
+    consecutive counts from the warm-up's end, None for none) where that steps fewer layers x micro-batches; the
+    layer counts slide as there (:data:`~.layer_extrapolation.SLIDES`)."""
     over_layers = layers > 2 * few_layers[-1]
-    counts = few_layers if over_layers else (layers,)
 
     def every_microbatch() -> int:
         return extrapolated(lambda count: measure(count, microbatches), layers=layers, few=few_layers)
@@ -110,16 +111,19 @@ def over_layers_and_microbatches(
     if few_microbatches is None or microbatches <= few_microbatches[-1]:
         return every_microbatch()
     first, *more = few_microbatches
-    points = [(count, first) for count in counts] + [(counts[0], micro) for micro in more]
-    if over_layers:  # a term in layers x micro-batches would show here
-        points.append((counts[1], more[0]))
-    if sum(count * micro for count, micro in points) >= sum(counts) * microbatches:
-        return every_microbatch()
-    peaks = {point: measure(*point) for point in points}
-    per_layer = common_increment([peaks[count, first] for count in counts]) if over_layers else 0
-    per_micro = common_increment([peaks[counts[0], micro] for micro in few_microbatches])
-    if per_layer is None or per_micro is None:  # not yet linear: every micro-batch decides
-        return every_microbatch()
-    if over_layers and peaks[counts[1], more[0]] != peaks[counts[1], first] + per_micro:
-        return every_microbatch()
-    return peaks[counts[0], first] + (layers - counts[0]) * per_layer + (microbatches - first) * per_micro
+    peaks: dict[tuple[int, int], int] = {}
+    for counts in slid(few_layers, layers=layers) if over_layers else [(layers,)]:
+        points = [(count, first) for count in counts] + [(counts[0], micro) for micro in more]
+        if over_layers:  # a term in layers x micro-batches would show here
+            points.append((counts[1], more[0]))
+        if sum(count * micro for count, micro in points) >= sum(counts) * microbatches:
+            break
+        peaks.update({point: measure(*point) for point in points if point not in peaks})
+        per_layer = common_increment([peaks[count, first] for count in counts]) if over_layers else 0
+        per_micro = common_increment([peaks[counts[0], micro] for micro in few_microbatches])
+        if per_layer is None:  # not yet linear in the layers: the counts slide
+            continue
+        if per_micro is None or over_layers and peaks[counts[1], more[0]] != peaks[counts[1], first] + per_micro:
+            break  # not linear in micro-batches, or a term in both: every micro-batch decides
+        return peaks[counts[0], first] + (layers - counts[0]) * per_layer + (microbatches - first) * per_micro
+    return every_microbatch()

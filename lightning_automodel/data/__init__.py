@@ -2,6 +2,7 @@
 with the loss on the answers, rows that keep packed documents apart, and a resumable training order."""
 
 from lightning_automodel.data.demo import DemoDataModule
+from lightning_automodel.data.latents import LatentDataModule
 from lightning_automodel.data.modules.base import TokenDataModule
 from lightning_automodel.data.modules.chat import ChatDataModule
 from lightning_automodel.data.modules.text import TextDataModule
@@ -13,6 +14,7 @@ __all__ = [
     "IGNORE_INDEX",
     "ChatDataModule",
     "DemoDataModule",
+    "LatentDataModule",
     "TextDataModule",
     "TokenDataModule",
     "VisionDemoDataModule",

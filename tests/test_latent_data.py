@@ -33,7 +33,7 @@ def _write(directory: Path, suffix: str, sizes: tuple[int, ...] = SIZES) -> list
     samples = []
     for number, rows in enumerate(sizes):
         stacked = _stacked(rows, seed=number)
-        write_latent_shard(directory / f"shard-{number}{suffix}", stacked)
+        write_latent_shard(directory / f"shard-{number}{suffix}", stacked, rows_per_group=16)
         samples += [{key: value[row] for key, value in stacked.items()} for row in range(rows)]
     return samples
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_automodel.data.latents.keys import LATENTS, POOLED_TEXT_EMBEDDINGS, REQUIRED, TEXT_MASK
 from lightning_automodel.diffusion.objective import LossWeighting, TimestepDensity
 
 Conditions = Callable[[nn.Module, Tensor, dict[str, Tensor], float], dict[str, Tensor]]
@@ -96,18 +97,18 @@ def family_of(model: nn.Module) -> Family:
 
 def check_batch(family: Family, batch: dict[str, Tensor], model_name: str) -> None:
     """Refuse a batch the family cannot read, on every rank before the step's first collective."""
-    missing = [key for key in ("latents", "text_embeddings") if key not in batch]
-    if family.needs_pooled and "pooled_text_embeddings" not in batch:
-        missing.append("pooled_text_embeddings")
+    missing = [key for key in REQUIRED if key not in batch]
+    if family.needs_pooled and POOLED_TEXT_EMBEDDINGS not in batch:
+        missing.append(POOLED_TEXT_EMBEDDINGS)
     if missing:
         raise ValueError(f"{model_name} trains on batches with {missing}: the batch has {sorted(batch)}.")
-    shape = tuple(batch["latents"].shape)
+    shape = tuple(batch[LATENTS].shape)
     if len(shape) != 1 + family.latent_dims:
         layout = "(B, C, F, H, W)" if family.latent_dims == 4 else "(B, C, H, W)"
         raise ValueError(f"{model_name} takes latents {layout}; the batch's latents are {shape}.")
     if family.packs and (shape[-1] % 2 or shape[-2] % 2):
         raise ValueError(f"{model_name} packs 2x2 latent patches: height and width {shape[-2:]} must be even.")
-    if "text_mask" in batch and not family.masks_text:
+    if TEXT_MASK in batch and not family.masks_text:
         raise ValueError(
             f"{model_name} attends every text position, padded ones too, as its pipeline gives them: drop"
             " text_mask from the batch (the embeddings are to be the pipeline's encode_prompt output)."

@@ -17,6 +17,7 @@ from torch import Tensor
 from lightning_automodel.data.latents.keys import INDEX
 
 SUFFIXES = (".safetensors", ".parquet")
+GROUP_BYTES = 8 * 2**20  # of a Parquet shard's row group, by default
 SHAPE_SUFFIX = ".shape"  # Parquet: the column holding each row's shape of the tensor column before the suffix
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -132,9 +133,11 @@ def open_shard(path: Path) -> Shard:
         raise ValueError(f"{path} cannot be read as a {path.suffix[1:]} shard: {error}") from error
 
 
-def write_latent_shard(path: str | Path, samples: dict[str, Tensor]) -> None:
+def write_latent_shard(path: str | Path, samples: dict[str, Tensor], *, rows_per_group: int | None = None) -> None:
     """Write ``samples`` (tensors named ``latents``, ``text_embeddings``, ..., each stacking the shard's samples on
-    dim 0) to ``path``, a ``.safetensors`` or a ``.parquet`` file (a row group every 16 samples)."""
+    dim 0) to ``path``, a ``.safetensors`` or a ``.parquet`` file. A Parquet shard is read a row group at a time,
+    in shuffled order: ``rows_per_group`` (None: as many samples as fill ``GROUP_BYTES``, at least one) bounds what
+    a sample's read decodes."""
     path = Path(path)
     counts = {key: value.shape[0] if value.dim() else 0 for key, value in samples.items()}
     if not samples or len(set(counts.values())) > 1 or 0 in counts.values():
@@ -144,7 +147,9 @@ def write_latent_shard(path: str | Path, samples: dict[str, Tensor]) -> None:
     if path.suffix == ".safetensors":
         save_file({key: value.contiguous() for key, value in samples.items()}, path)
     elif path.suffix == ".parquet":
-        pq.write_table(_parquet_table(samples), path, row_group_size=16)
+        sample_bytes = sum(value[0].numel() * value.element_size() for value in samples.values())
+        rows_per_group = rows_per_group or max(1, GROUP_BYTES // max(sample_bytes, 1))
+        pq.write_table(_parquet_table(samples), path, row_group_size=rows_per_group)
     else:
         raise ValueError(f"{path}: a latent shard is a {' or '.join(SUFFIXES)} file.")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -107,6 +108,7 @@ def test_samples_of_several_sizes_are_read_one_a_batch(tmp_path):
 
 
 def test_a_loader_batch_trains_diffusion_module(tmp_path):
+    """A batch of a Parquet and a safetensors shard fits Wan's DiffusionModule, alone and in a Trainer's fit."""
     rows = latent_samples("wan", rows=4)
     write_latent_shard(tmp_path / "a.parquet", _without_index(rows[:2]))
     write_latent_shard(tmp_path / "b.safetensors", _without_index(rows[2:]))
@@ -118,6 +120,9 @@ def test_a_loader_batch_trains_diffusion_module(tmp_path):
     loss = module._loss(batch, 0)
     loss.backward()
     assert torch.isfinite(loss)
+    fit = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False)
+    fit.fit(module, LatentDataModule(tmp_path, val=tmp_path, batch_size=2))  # Lightning's own loaders' path
+    assert fit.global_step == 2 and torch.isfinite(fit.callback_metrics["val_loss"])
 
 
 def _without_index(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -26,10 +26,12 @@ class LatentShards(Dataset):
 
     def __init__(self, files: str | Path | Sequence[str | Path], *, uniform: bool = True) -> None:
         self.shards = [open_shard(path) for path in shard_files(files)]
+        self.offsets = np.cumsum([0] + [shard.rows for shard in self.shards]).tolist()
+        if not len(self):
+            raise ValueError(f"{', '.join(str(shard.path) for shard in self.shards)}: the shards hold no sample.")
         check_keys(self.shards)
         if uniform:
             check_shapes(self.shards)
-        self.offsets = np.cumsum([0] + [shard.rows for shard in self.shards]).tolist()
 
     def __len__(self) -> int:
         return self.offsets[-1]
@@ -82,9 +84,9 @@ def check_keys(shards: list[Shard]) -> None:
 
 def check_shapes(shards: list[Shard]) -> None:
     """Every sample's tensors have the first sample's shapes: a batch stacks them."""
-    first = next((shard for shard in shards if shard.rows), shards[0])
+    first = next(shard for shard in shards if shard.rows)
     for key in first.keys:
-        expected = first.shapes(key)[0] if first.rows else None
+        expected = first.shapes(key)[0]
         for shard in shards:
             shapes = shard.shapes(key)
             if (row := next((row for row, shape in enumerate(shapes) if shape != expected), None)) is not None:

@@ -5,16 +5,19 @@ through ``safe_open`` (a slice of the memory-mapped file), Parquet a row group a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from lightning_automodel.data.latents.keys import INDEX
+from lightning_automodel.data.sources.tables import import_pyarrow
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 SUFFIXES = (".safetensors", ".parquet")
 GROUP_BYTES = 8 * 2**20  # of a Parquet shard's row group, by default
@@ -82,7 +85,7 @@ class ParquetShard(Shard):
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        file = pq.ParquetFile(path)
+        file = import_pyarrow().parquet.ParquetFile(path)
         schema = file.schema_arrow
         tensors = [name for name in schema.names if not name.endswith(SHAPE_SUFFIX)]
         self.dtypes = {}
@@ -99,13 +102,13 @@ class ParquetShard(Shard):
         self._cached: tuple[int, pa.Table] | None = None  # the row group read last: a batch often reads on in it
 
     def shapes(self, key: str) -> list[tuple[int, ...]]:
-        column = pq.read_table(self.path, columns=[key + SHAPE_SUFFIX]).column(0).to_pylist()
+        column = import_pyarrow().parquet.read_table(self.path, columns=[key + SHAPE_SUFFIX]).column(0).to_pylist()
         return [tuple(shape) for shape in column]
 
     def read(self, row: int) -> dict[str, Tensor]:
         group = int(np.searchsorted(self._groups, row, side="right")) - 1
         if self._cached is None or self._cached[0] != group:
-            self._cached = (group, pq.ParquetFile(self.path).read_row_group(group))
+            self._cached = (group, import_pyarrow().parquet.ParquetFile(self.path).read_row_group(group))
         table, at = self._cached[1], row - int(self._groups[group])
         sample = {}
         for key, dtype in self.dtypes.items():
@@ -149,12 +152,13 @@ def write_latent_shard(path: str | Path, samples: dict[str, Tensor], *, rows_per
     elif path.suffix == ".parquet":
         sample_bytes = sum(value[0].numel() * value.element_size() for value in samples.values())
         rows_per_group = rows_per_group or max(1, GROUP_BYTES // max(sample_bytes, 1))
-        pq.write_table(_parquet_table(samples), path, row_group_size=rows_per_group)
+        import_pyarrow().parquet.write_table(_parquet_table(samples), path, row_group_size=rows_per_group)
     else:
         raise ValueError(f"{path}: a latent shard is a {' or '.join(SUFFIXES)} file.")
 
 
 def _parquet_table(samples: dict[str, Tensor]) -> pa.Table:
+    pa = import_pyarrow()
     columns, fields = [], []
     for key, value in samples.items():
         rows = value.contiguous().cpu()

@@ -16,7 +16,7 @@ from lightning_automodel.diffusion.ema import WeightAverage
 from lightning_automodel.diffusion.inputs import Family, check_batch, family_of
 from lightning_automodel.diffusion.loss import denoising_loss
 from lightning_automodel.diffusion.objective import FlowMatching, LossWeighting, TimestepDensity, sample_generators
-from lightning_automodel.lm.optimization import Schedule, adamw_with_schedule
+from lightning_automodel.lm.optimization import Schedule, adamw_of_hparams
 from lightning_automodel.planning.memory.optimizer_step import AdamWImplementation, check_adamw
 
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -167,18 +167,7 @@ class DiffusionModule(L.LightningModule):
         return [(stage, self.global_step, batch_idx, self.global_rank, row) for row in range(rows)]
 
     def configure_optimizers(self) -> dict[str, Any]:
-        hparams = self.hparams
-        return adamw_with_schedule(
-            [p for p in self.parameters() if p.requires_grad],
-            learning_rate=hparams.learning_rate,
-            betas=tuple(hparams.betas),
-            weight_decay=hparams.weight_decay,
-            warmup_steps=hparams.warmup_steps,
-            schedule=hparams.schedule,
-            min_lr_ratio=hparams.min_lr_ratio,
-            total_steps=self.trainer.estimated_stepping_batches,
-            implementation=hparams.adamw,
-        )
+        return adamw_of_hparams(self, self.hparams, total_steps=self.trainer.estimated_stepping_batches)
 
     @property
     def adamw(self) -> AdamWImplementation:

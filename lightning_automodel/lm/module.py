@@ -23,7 +23,7 @@ from lightning_automodel.hf.peft import unwrap_peft, with_lora
 from lightning_automodel.lm.building import architectures, auto_model_class, new_model_config, tokenizer_files
 from lightning_automodel.lm.limits import check_batch, check_seq_len, check_tokenizer
 from lightning_automodel.lm.metrics import TokenMean, TokenPerplexity
-from lightning_automodel.lm.optimization import Schedule, adamw_with_schedule
+from lightning_automodel.lm.optimization import Schedule, adamw_of_hparams
 from lightning_automodel.lm.predictions import row_scores
 from lightning_automodel.lm.summary import TrainingSummary
 from lightning_automodel.lm.throughput import ReplicaThroughputMonitor
@@ -278,18 +278,7 @@ class CausalLMModule(L.LightningModule):
         return hf_model.router_aux_loss_coef * aux_loss
 
     def configure_optimizers(self) -> dict[str, Any]:
-        hparams = self.hparams
-        return adamw_with_schedule(
-            [p for p in self.parameters() if p.requires_grad],
-            learning_rate=hparams.learning_rate,
-            betas=tuple(hparams.betas),
-            weight_decay=hparams.weight_decay,
-            warmup_steps=hparams.warmup_steps,
-            schedule=hparams.schedule,
-            min_lr_ratio=hparams.min_lr_ratio,
-            total_steps=self.trainer.estimated_stepping_batches,
-            implementation=hparams.adamw,
-        )
+        return adamw_of_hparams(self, self.hparams, total_steps=self.trainer.estimated_stepping_batches)
 
     def configure_callbacks(self) -> list[Callback]:
         """Tokens/s and MFU (Lightning's ThroughputMonitor, each model replica counted once), and a summary at the

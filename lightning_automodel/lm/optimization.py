@@ -16,6 +16,22 @@ from lightning_automodel.planning.memory.optimizer_step import AdamWImplementati
 Schedule = Literal["cosine", "linear", "constant"]
 
 
+def adamw_of_hparams(module: nn.Module, hparams: Any, *, total_steps: float) -> dict[str, Any]:
+    """:func:`adamw_with_schedule` over ``module``'s trainable parameters, with the options a ready LightningModule
+    keeps in its hyperparameters (CausalLMModule's, DiffusionModule's)."""
+    return adamw_with_schedule(
+        [p for p in module.parameters() if p.requires_grad],
+        learning_rate=hparams.learning_rate,
+        betas=tuple(hparams.betas),
+        weight_decay=hparams.weight_decay,
+        warmup_steps=hparams.warmup_steps,
+        schedule=hparams.schedule,
+        min_lr_ratio=hparams.min_lr_ratio,
+        total_steps=total_steps,
+        implementation=hparams.adamw,
+    )
+
+
 def adamw_with_schedule(
     parameters: list[nn.Parameter],
     *,

@@ -16,7 +16,7 @@ from lightning_automodel.diffusion.loss import denoising_loss
 from lightning_automodel.diffusion.objective import sample_generators
 from lightning_automodel.lm.optimization import adamw_with_schedule
 from lightning_automodel.parallel.full_tensor import full_tensor
-from lightning_automodel.testing.diffusion_module import latent_samples, tiny_module_denoiser
+from lightning_automodel.testing.denoisers import latent_samples, tiny_denoiser
 from lightning_automodel.testing.parity import LR, STEPS, WEIGHT_TOLERANCE, relative_error
 from lightning_automodel.testing.trainer_parity import GLOBAL_BATCH, compare_training, trainer
 
@@ -45,7 +45,7 @@ class RecordedDiffusion(DiffusionModule):
 def one_process(family: str, samples: list[dict], **options) -> tuple[torch.nn.Module, tuple, dict]:
     """The same module's steps in one process over the whole batch, one epoch a step (each sample's draws keyed by
     (epoch, index)): losses, gradients, and the weights' average after the last step."""
-    module = DiffusionModule(tiny_module_denoiser(family), **options)
+    module = DiffusionModule(tiny_denoiser(family), **options)
     batch = default_collate(samples)
     params = [p for p in module.model.parameters() if p.requires_grad]
     hparams = module.hparams
@@ -86,7 +86,7 @@ def check_diffusion_module_trains_at_parity(family: str, lora: dict | None = Non
     ``lora``, the adapters only (their initial draws follow the model's seed)."""
     world = dist.get_world_size()
     options = dict(learning_rate=LR, ema_decay=EMA_DECAY, guidance=4.0, lora=lora)
-    module = RecordedDiffusion(tiny_module_denoiser(family, seed=dist.get_rank()), **options)
+    module = RecordedDiffusion(tiny_denoiser(family, seed=dist.get_rank()), **options)
     samples = latent_samples(family, rows=GLOBAL_BATCH)
     trainer(AutoModelParallelStrategy(dp_shard=world)).fit(
         module, DataLoader(samples, batch_size=GLOBAL_BATCH // world)
@@ -110,7 +110,7 @@ def check_sharded_resume_continues_the_average() -> dict:
     path = Path(directory[0]) / "two_steps"
 
     def fit(steps: int, seed: int = 0, **kwargs) -> DiffusionModule:
-        module = DiffusionModule(tiny_module_denoiser("wan", seed=seed), learning_rate=LR, ema_decay=EMA_DECAY)
+        module = DiffusionModule(tiny_denoiser("wan", seed=seed), learning_rate=LR, ema_decay=EMA_DECAY)
         run = trainer(AutoModelParallelStrategy(dp_shard=world), max_steps=steps)
         run.fit(
             module, DataLoader(latent_samples("wan", rows=GLOBAL_BATCH), batch_size=GLOBAL_BATCH // world), **kwargs

@@ -20,7 +20,7 @@ from lightning_automodel.diffusion.objective import (
     noisy_and_target,
     weighted_mse,
 )
-from lightning_automodel.testing.diffusion_module import latent_samples, tiny_module_denoiser
+from lightning_automodel.testing.denoisers import latent_samples, tiny_denoiser
 from lightning_automodel.testing.harness import run_checks
 from lightning_automodel.testing.parity import FP32_TOLERANCE
 
@@ -75,7 +75,7 @@ def test_noisy_input_target_and_weighting_by_hand():
 def test_each_family_trains_from_its_batch(family, guidance_embeds):
     """Forward and backward from the batch format: every parameter gets a gradient (Flux's guidance embedder too,
     where the config has one)."""
-    module = DiffusionModule(tiny_module_denoiser(family, guidance_embeds=guidance_embeds))
+    module = DiffusionModule(tiny_denoiser(family, guidance_embeds=guidance_embeds))
     batch = default_collate(latent_samples(family, rows=2))
     if family == "wan":
         batch["text_mask"] = torch.tensor([[True, True, False], [True, False, False]])
@@ -95,7 +95,7 @@ def test_flux_packs_2x2_patches():
 def test_training_step_loss_is_the_hand_computed_one():
     """SD3 (shift 3, logit-normal): each sample's draws keyed by (seed, train, epoch, index), the model called as its
     pipeline calls it, the per-sample mean squared velocity error averaged."""
-    model = tiny_module_denoiser("sd3")
+    model = tiny_denoiser("sd3")
     module = DiffusionModule(model, seed=5, loss_weighting="cosmap")
     batch = default_collate(latent_samples("sd3", rows=3))
     batch["index"] = torch.tensor([4, 9, 2])
@@ -121,10 +121,27 @@ def test_training_step_loss_is_the_hand_computed_one():
     assert loss.item() == pytest.approx(total / 3, rel=1e-5)
 
 
+def test_a_model_directory_is_loaded_at_configure_model(tmp_path):
+    """``model=`` a local diffusers directory: the class its config names, with its weights, built once (Lightning
+    calls configure_model at every stage)."""
+    saved = tiny_denoiser("wan", seed=5)
+    saved.save_pretrained(tmp_path)
+    module = DiffusionModule(str(tmp_path))
+    assert module.model is None
+    module.configure_model()
+    loaded = module.model
+    assert type(loaded) is type(saved)
+    assert all(
+        torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), saved.state_dict().values(), strict=True)
+    )
+    module.configure_model()
+    assert module.model is loaded
+
+
 def test_what_the_module_cannot_train_is_refused():
     with pytest.raises(ValueError, match=r"call Linear: it trains FluxTransformer2DModel, SD3Transformer2DModel"):
         DiffusionModule(torch.nn.Linear(2, 2))
-    module = DiffusionModule(tiny_module_denoiser("flux"))
+    module = DiffusionModule(tiny_denoiser("flux"))
     batch = default_collate(latent_samples("flux", rows=2))
     with pytest.raises(ValueError, match="attends every text position.*drop text_mask"):
         module._loss(batch | {"text_mask": torch.ones(2, 3, dtype=torch.bool)}, 0)
@@ -134,7 +151,7 @@ def test_what_the_module_cannot_train_is_refused():
 
 
 def test_lora_trains_the_attention_adapters_only():
-    module = DiffusionModule(tiny_module_denoiser("wan"), lora={"r": 4})
+    module = DiffusionModule(tiny_denoiser("wan"), lora={"r": 4})
     trainable = [name for name, p in module.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable), trainable
     adapted = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in trainable}
@@ -176,11 +193,11 @@ def _fit(module: DiffusionModule, steps: int, **kwargs) -> L.Trainer:
 
 def test_a_resumed_fit_continues_the_same_average(tmp_path):
     """3 steps, against 2, a checkpoint, and 1 more in a new module from other weights: the same average."""
-    whole = DiffusionModule(tiny_module_denoiser("wan"), ema_decay=0.5)
+    whole = DiffusionModule(tiny_denoiser("wan"), ema_decay=0.5)
     _fit(whole, 3)
-    first = DiffusionModule(tiny_module_denoiser("wan"), ema_decay=0.5)
+    first = DiffusionModule(tiny_denoiser("wan"), ema_decay=0.5)
     _fit(first, 2).save_checkpoint(tmp_path / "two.ckpt")
-    resumed = DiffusionModule(tiny_module_denoiser("wan", seed=3), ema_decay=0.5)
+    resumed = DiffusionModule(tiny_denoiser("wan", seed=3), ema_decay=0.5)
     _fit(resumed, 3, ckpt_path=tmp_path / "two.ckpt")
     for name, value in whole.ema.named_buffers():
         assert torch.allclose(value, resumed.ema.get_buffer(name), rtol=1e-5, atol=1e-7), name

@@ -14,7 +14,7 @@ from torch.utils.data import default_collate
 
 from lightning_automodel.data.latents import LatentDataModule, LatentShards, write_latent_shard
 from lightning_automodel.diffusion import DiffusionModule
-from lightning_automodel.testing.diffusion_module import latent_samples, tiny_module_denoiser
+from lightning_automodel.testing.denoisers import latent_samples, tiny_denoiser
 
 SIZES = (3, 1, 20)  # the last Parquet shard spans two row groups (16 rows each)
 
@@ -116,7 +116,7 @@ def test_a_loader_batch_trains_diffusion_module(tmp_path):
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     assert sorted(batch["index"].tolist()) == [0, 1, 2, 3]
-    module = DiffusionModule(tiny_module_denoiser("wan"))
+    module = DiffusionModule(tiny_denoiser("wan"))
     loss = module._loss(batch, 0)
     loss.backward()
     assert torch.isfinite(loss)

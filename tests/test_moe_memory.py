@@ -36,7 +36,8 @@ def _estimate(family: str, dims: ParallelDims, *, rows: int = ROWS, tokens: int 
 
 def test_the_estimate_matches_real_steps_at_tp_and_ep():
     """One launch: Qwen3-MoE at ep=2 and DeepSeek-V3 at tp=2, real steps under the router's own routing (within 5%),
-    and Qwen3-MoE at ep=2 under the routing the estimate assumes (to the byte: what remains is routing alone)."""
+    and Qwen3-MoE at ep=2 under the routing the estimate assumes (to the byte but a scalar, see SCALAR: what remains
+    is routing alone)."""
     _assert_estimates_match_real_steps([QWEN_EP, DEEPSEEK_TP], assumed=[QWEN_EP])
 
 
@@ -57,7 +58,15 @@ def _assert_estimates_match_real_steps(layouts: list, *, assumed: list) -> None:
         for rank, peak in enumerate(per_rank):
             assert estimate == pytest.approx(peak["tensors"], rel=TOLERANCE), (family, dims, rank, estimate, peak)
     for (family, dims, options), per_rank in zip(assumed, measured[len(layouts) :], strict=True):
-        assert [peak["tensors"] for peak in per_rank] == [_estimate(family, dims, **options)] * 2, (family, per_rank)
+        estimate = _estimate(family, dims, **options)
+        above = [peak["tensors"] - estimate for peak in per_rank]
+        assert all(0 <= bytes_ <= SCALAR for bytes_ in above), (family, estimate, per_rank)
+
+
+# A real step's peak may hold one 4-byte scalar more on a rank than the estimate, by when its gloo collectives
+# complete (seen once in about ten runs: rank 1 at +4 bytes, rank 0 exact); a token's routing moves its hidden state,
+# 512 bytes here, so the comparison stays one of routing alone.
+SCALAR = 4
 
 
 def test_an_imbalance_is_planned_for_on_the_rank_of_the_busiest_expert():
